@@ -1,0 +1,72 @@
+//! Helpers shared by ramjet's benchmarks: run modes, timing, a cached synthetic dataset, and
+//! the results file.
+//!
+//! Every benchmark compares ramjet with a baseline measured in the same run on the same data
+//! and prints the ratio: the machines are small and noisy, so absolute times are not stable,
+//! ratios are. Run with `cargo bench -p ramjet-benches`; under `cargo test` (no `--bench`
+//! argument) each benchmark runs once on a small dataset so it cannot rot.
+#![deny(missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Whether this is a real run (`cargo bench`) or a quick test-mode run (`cargo test`).
+pub fn full_run() -> bool {
+    std::env::args().any(|a| a == "--bench")
+}
+
+/// Folder for benchmark data and results, kept between runs: `target/bench`.
+pub fn bench_dir() -> PathBuf {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+    std::fs::create_dir_all(&d).expect("create target/bench");
+    d
+}
+
+/// The synthetic YOLO dataset of `n` images, generated once and reused.
+pub fn synth_dataset(n: usize) -> PathBuf {
+    let dir = bench_dir().join(format!("synth-{n}"));
+    let done = dir.join(".complete");
+    if !done.exists() {
+        let _ = std::fs::remove_dir_all(&dir);
+        let pb = ramjet_tools::ui::count_bar("synth");
+        ramjet_tools::synth::synth(&dir, &ramjet_tools::synth::SynthOptions { samples: n, seed: 0 }, &pb)
+            .expect("synth");
+        std::fs::write(&done, b"").unwrap();
+    }
+    dir
+}
+
+/// Median of `reps` timings of `f`, run after `setup` each time (setup is not timed).
+pub fn median_time(reps: usize, mut setup: impl FnMut(), mut f: impl FnMut()) -> Duration {
+    let mut ts: Vec<Duration> = (0..reps)
+        .map(|_| {
+            setup();
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    ts.sort();
+    ts[ts.len() / 2]
+}
+
+/// Reads every file under `dir` once, so the page cache holds it for every contender.
+pub fn warm_page_cache(dir: &Path) -> u64 {
+    let mut n = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            n += warm_page_cache(&p);
+        } else {
+            n += std::fs::read(&p).map(|b| b.len() as u64).unwrap_or(0);
+        }
+    }
+    n
+}
+
+/// Writes `value` to `target/bench/NAME.json` and says where.
+pub fn save_results(name: &str, value: &serde_json::Value) {
+    let p = bench_dir().join(format!("{name}.json"));
+    std::fs::write(&p, serde_json::to_vec_pretty(value).unwrap()).unwrap();
+    println!("results written to {}", p.display());
+}

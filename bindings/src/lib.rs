@@ -1,0 +1,124 @@
+//! PyO3 glue for the `ramjet` Python package. No logic lives here that a Rust user would also
+//! need: every function converts arguments, releases the GIL, calls the engine, and converts
+//! the result or maps the error onto the `ramjet.Error` tree.
+#![deny(missing_docs)]
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use ramjet_engine::{Dataset, Error};
+
+create_exception!(
+    ramjet,
+    RamjetError,
+    PyException,
+    "Base class of every error ramjet raises."
+);
+create_exception!(
+    ramjet,
+    NotFoundError,
+    RamjetError,
+    "An object (manifest, shard) does not exist."
+);
+create_exception!(
+    ramjet,
+    CorruptError,
+    RamjetError,
+    "Bytes failed a checksum or structure check, or were truncated."
+);
+create_exception!(
+    ramjet,
+    OriginError,
+    RamjetError,
+    "The object store failed after every retry."
+);
+create_exception!(ramjet, AuthError, RamjetError, "Credentials were refused.");
+create_exception!(
+    ramjet,
+    InvalidInputError,
+    RamjetError,
+    "An argument, URL, manifest or input file is not acceptable."
+);
+
+/// Maps an engine error onto the Python exception tree, keeping its full message.
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::NotFound { .. } => NotFoundError::new_err(msg),
+        Error::Corrupt { .. } | Error::Truncated { .. } | Error::SchemaMismatch { .. } => CorruptError::new_err(msg),
+        Error::Origin { .. } | Error::Io { .. } => OriginError::new_err(msg),
+        Error::Auth { .. } => AuthError::new_err(msg),
+        _ => InvalidInputError::new_err(msg),
+    }
+}
+
+/// Runs async engine work to completion with the GIL released.
+fn block_on<T: Send, F: std::future::Future<Output = T>>(
+    py: Python<'_>,
+    make: impl FnOnce() -> F + Send,
+) -> PyResult<T> {
+    py.detach(|| {
+        let f = make();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| OriginError::new_err(format!("cannot start the I/O runtime: {e}")))?;
+        Ok(rt.block_on(f))
+    })
+}
+
+/// Reads a dataset's manifest and returns its summary as a dict.
+#[pyfunction]
+fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
+    let ds = block_on(py, || Dataset::open(url))?.map_err(to_py)?;
+    let m = ds.manifest();
+    let d = PyDict::new(py);
+    d.set_item("url", ds.manifest_url())?;
+    d.set_item("version", &m.version)?;
+    d.set_item("source", &m.source)?;
+    let cols: Vec<(String, &str)> = m.schema.columns.iter().map(|c| (c.name.clone(), c.ty.name())).collect();
+    d.set_item("schema", cols)?;
+    d.set_item("shards", m.shards.len())?;
+    d.set_item("samples", m.samples)?;
+    d.set_item("bytes", m.bytes)?;
+    Ok(d)
+}
+
+/// Re-reads every shard and checks every checksum. Returns a dict with `ok` and `problems`.
+#[pyfunction]
+#[pyo3(signature = (url, parallel = 4))]
+fn verify<'py>(py: Python<'py>, url: &str, parallel: usize) -> PyResult<Bound<'py, PyDict>> {
+    let report = block_on(py, || async move {
+        let ds = Dataset::open(url).await?;
+        Ok::<_, Error>(ds.verify(parallel, no_progress).await)
+    })?
+    .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("ok", report.is_ok())?;
+    d.set_item("shards", report.shards)?;
+    d.set_item("samples", report.samples)?;
+    d.set_item("bytes_read", report.bytes_read)?;
+    let probs: Vec<String> = report.problems.iter().map(|p| p.to_string()).collect();
+    d.set_item("problems", probs)?;
+    Ok(d)
+}
+
+fn no_progress(_bytes: u64) {}
+
+/// The native module behind `ramjet`.
+#[pymodule]
+fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("Error", py.get_type::<RamjetError>())?;
+    m.add("NotFoundError", py.get_type::<NotFoundError>())?;
+    m.add("CorruptError", py.get_type::<CorruptError>())?;
+    m.add("OriginError", py.get_type::<OriginError>())?;
+    m.add("AuthError", py.get_type::<AuthError>())?;
+    m.add("InvalidInputError", py.get_type::<InvalidInputError>())?;
+    m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(verify, m)?)?;
+    Ok(())
+}

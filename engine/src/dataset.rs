@@ -1,0 +1,209 @@
+//! A dataset as a whole: its manifest, its shards at the origin, and checks over all of them.
+
+use bytes::Bytes;
+use futures::stream::{self, StreamExt};
+
+use crate::error::{Error, Result};
+use crate::format::{verify_shard_bytes, Manifest, ShardExpect, ShardView, MANIFEST_BYTES_MAX};
+use crate::store::{DatasetUrl, Store};
+
+/// An opened dataset: a store prefix plus its parsed, validated manifest.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    store: Store,
+    manifest: Manifest,
+    manifest_url: String,
+}
+
+/// One problem found by [`Dataset::verify`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardProblem {
+    /// Shard number in the manifest.
+    pub shard: usize,
+    /// Full URL of the shard object.
+    pub url: String,
+    /// Sample index inside the shard, when the problem is one sample.
+    pub sample: Option<u64>,
+    /// The sample's global index, when the problem is one sample.
+    pub global_sample: Option<u64>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl std::fmt::Display for ShardProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "shard {} ({})", self.shard, self.url)?;
+        if let (Some(s), Some(g)) = (self.sample, self.global_sample) {
+            write!(f, " sample {s} (global {g})")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// The result of [`Dataset::verify`].
+#[derive(Debug, Clone, Default)]
+pub struct VerifyReport {
+    /// Shards checked.
+    pub shards: usize,
+    /// Shards with at least one problem.
+    pub shards_bad: usize,
+    /// Samples the manifest lists.
+    pub samples: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Every problem, ordered by shard.
+    pub problems: Vec<ShardProblem>,
+}
+
+impl VerifyReport {
+    /// True when no problem was found.
+    pub fn is_ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+impl Dataset {
+    /// Opens the dataset at `url` (a prefix, or a manifest `.json`), reading and validating
+    /// its manifest.
+    pub async fn open(url: &str) -> Result<Dataset> {
+        let loc = DatasetUrl::parse(url);
+        let store = Store::open(&loc.prefix_url)?;
+        Self::open_in(store, &loc.manifest_key).await
+    }
+
+    /// Opens the dataset whose manifest is `manifest_key` in `store`.
+    pub async fn open_in(store: Store, manifest_key: &str) -> Result<Dataset> {
+        let manifest_url = store.url(manifest_key);
+        let size = store.size(manifest_key).await?;
+        if size > MANIFEST_BYTES_MAX {
+            return Err(Error::Manifest {
+                object: manifest_url,
+                reason: format!("{size} bytes exceeds the limit of {MANIFEST_BYTES_MAX}"),
+            });
+        }
+        let bytes = store.get(manifest_key).await?;
+        let manifest = Manifest::parse(&bytes, &manifest_url)?;
+        Ok(Dataset {
+            store,
+            manifest,
+            manifest_url,
+        })
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// URL of the manifest object.
+    pub fn manifest_url(&self) -> &str {
+        &self.manifest_url
+    }
+
+    /// The store the shards live in.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Downloads shard `i` whole and checks its size, structure and whole-shard checksum
+    /// against the manifest. Returns the bytes only when they are sound.
+    pub async fn fetch_shard(&self, i: usize) -> Result<Bytes> {
+        let info = &self.manifest.shards[i];
+        let url = self.store.url(&info.key);
+        let bytes = self.store.get(&info.key).await?;
+        if (bytes.len() as u64) < info.bytes {
+            return Err(Error::Truncated {
+                object: url,
+                expected: info.bytes,
+                actual: bytes.len() as u64,
+            });
+        }
+        let view = ShardView::parse(&bytes, &url)?;
+        let sum = view.check_checksum()?;
+        let found_schema = view.schema().clone();
+        drop(view);
+        let expect = info.checksum_u64().expect("validated by Manifest::parse");
+        if sum != expect || bytes.len() as u64 != info.bytes {
+            return Err(Error::corrupt(
+                crate::Location::object(&url),
+                format!(
+                    "shard is {} bytes with checksum {sum:016x}; the manifest says {} bytes with {expect:016x}",
+                    bytes.len(),
+                    info.bytes
+                ),
+            ));
+        }
+        if found_schema != self.manifest.schema {
+            return Err(Error::SchemaMismatch {
+                object: url,
+                expected: self.manifest.schema.describe(),
+                found: found_schema.describe(),
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// Re-reads every shard and checks every checksum: shard sizes, whole-shard checksums,
+    /// headers, schemas, sample counts and every sample's checksum and structure.
+    /// `parallelism` shards are checked at once; `progress` is called with bytes read.
+    pub async fn verify(&self, parallelism: usize, progress: impl Fn(u64) + Sync) -> VerifyReport {
+        let starts = self.manifest.shard_starts();
+        let progress = &progress;
+        let mut results: Vec<(usize, Vec<ShardProblem>, u64)> = stream::iter(self.manifest.shards.iter().enumerate())
+            .map(|(i, info)| {
+                let url = self.store.url(&info.key);
+                let start = starts[i];
+                async move {
+                    let problem = |sample: Option<u64>, message: String| ShardProblem {
+                        shard: i,
+                        url: url.clone(),
+                        sample,
+                        global_sample: sample.map(|s| start + s),
+                        message,
+                    };
+                    let bytes = match self.store.get(&info.key).await {
+                        Ok(b) => b,
+                        Err(e) => return (i, vec![problem(None, e.to_string())], 0),
+                    };
+                    progress(bytes.len() as u64);
+                    let expect = ShardExpect {
+                        bytes: info.bytes,
+                        samples: info.samples,
+                        checksum: info.checksum_u64().expect("validated by Manifest::parse"),
+                        schema: &self.manifest.schema,
+                    };
+                    let n = bytes.len() as u64;
+                    // Hashing a 64 MiB shard is CPU work: keep it off the I/O threads.
+                    let (bytes2, url2, expect_schema) = (bytes.clone(), url.clone(), self.manifest.schema.clone());
+                    let found = tokio::task::spawn_blocking(move || {
+                        let e = ShardExpect {
+                            schema: &expect_schema,
+                            ..expect
+                        };
+                        verify_shard_bytes(&bytes2, &url2, &e)
+                    })
+                    .await
+                    .expect("verify task panicked");
+                    let probs = found.into_iter().map(|p| problem(p.sample, p.message)).collect();
+                    (i, probs, n)
+                }
+            })
+            .buffer_unordered(parallelism.max(1))
+            .collect()
+            .await;
+        results.sort_by_key(|r| r.0);
+        let mut report = VerifyReport {
+            shards: self.manifest.shards.len(),
+            samples: self.manifest.samples,
+            ..Default::default()
+        };
+        for (_, probs, n) in results {
+            report.bytes_read += n;
+            if !probs.is_empty() {
+                report.shards_bad += 1;
+            }
+            report.problems.extend(probs);
+        }
+        report
+    }
+}

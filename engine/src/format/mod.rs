@@ -1,0 +1,23 @@
+//! Shard layout, manifest and checksums: writers and readers. `docs/format.md` describes
+//! every byte.
+
+mod manifest;
+mod schema;
+mod shard;
+
+pub use manifest::{
+    validate_key, Manifest, ShardInfo, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION,
+};
+pub use schema::{decode_record, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef, COLUMNS_MAX};
+pub use shard::{
+    sample_checksum, shard_checksum, verify_shard_bytes, BuiltShard, Header, IndexEntry, Problem, ReadAt, ShardBuilder,
+    ShardExpect, ShardReader, ShardView, FOOTER_LEN, FOOTER_MAGIC, FORMAT_VERSION, HEADER_LEN, INDEX_ENTRY_LEN,
+    SHARD_MAGIC,
+};
+
+/// Key under which shard number `index` with checksum `checksum` is stored. The checksum in
+/// the name makes shard objects immutable: a re-pack never overwrites a shard that an older
+/// manifest version still lists.
+pub fn shard_key(index: usize, checksum: u64) -> String {
+    format!("shards/{index:06}-{checksum:016x}.rjs")
+}

@@ -1,0 +1,17 @@
+//! ramjet's core: the shard format and manifest, origin access, and dataset-level
+//! operations (open, inspect, verify).
+//!
+//! The path of one sample reads in one direction: manifest → order → plan → source chain →
+//! bytes → decode → batch. This crate owns every step that needs neither a GPU nor a network
+//! peer. See `docs/architecture.md`.
+#![deny(missing_docs)]
+
+pub mod dataset;
+pub mod decode;
+pub mod error;
+pub mod format;
+pub mod store;
+
+pub use dataset::{Dataset, ShardProblem, VerifyReport};
+pub use error::{Error, Location, Result};
+pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};

@@ -1,0 +1,515 @@
+//! Origin access over `object_store`: URL parsing, retries with backoff, ranged and
+//! multipart transfers, and conversion of backend errors into [`Error`].
+//!
+//! Retries live here, in one place. The backend client is configured with no retries of its
+//! own, so every attempt is counted and the whole retry window is bounded by
+//! [`RetryPolicy::window_ms`].
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use object_store::path::Path;
+use object_store::{
+    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
+};
+
+use crate::error::{Error, Result};
+
+/// How failed origin requests are retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included.
+    pub attempts_max: u32,
+    /// Wait before the first retry; it doubles on each retry.
+    pub backoff_initial_ms: u64,
+    /// Longest wait between two attempts.
+    pub backoff_max_ms: u64,
+    /// No new attempt starts later than this after the first one.
+    pub window_ms: u64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            attempts_max: 8,
+            backoff_initial_ms: 100,
+            backoff_max_ms: 5_000,
+            window_ms: 30_000,
+        }
+    }
+}
+
+/// Origin client settings. Environment variables override the defaults (see
+/// [`StoreConfig::from_env`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// Retry policy.
+    pub retry: RetryPolicy,
+    /// Whole-request timeout.
+    pub request_timeout_ms: u64,
+    /// TCP connect timeout.
+    pub connect_timeout_ms: u64,
+    /// Objects at least this large are uploaded with multipart upload.
+    pub multipart_threshold_bytes: u64,
+    /// Part size of a multipart upload.
+    pub multipart_part_bytes: u64,
+    /// Parts of one upload in flight at once.
+    pub multipart_parts_in_flight_max: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            retry: RetryPolicy::default(),
+            request_timeout_ms: 60_000,
+            connect_timeout_ms: 5_000,
+            multipart_threshold_bytes: 16 << 20,
+            multipart_part_bytes: 8 << 20,
+            multipart_parts_in_flight_max: 4,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// Defaults, overridden by `RAMJET_RETRY_ATTEMPTS`, `RAMJET_RETRY_BACKOFF_MS`,
+    /// `RAMJET_RETRY_WINDOW_MS`, `RAMJET_REQUEST_TIMEOUT_MS`, `RAMJET_CONNECT_TIMEOUT_MS`,
+    /// `RAMJET_MULTIPART_THRESHOLD_BYTES` and `RAMJET_MULTIPART_PART_BYTES`.
+    pub fn from_env() -> Self {
+        let mut c = Self::default();
+        let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok());
+        if let Some(v) = num("RAMJET_RETRY_ATTEMPTS") {
+            c.retry.attempts_max = v.clamp(1, 1000) as u32;
+        }
+        if let Some(v) = num("RAMJET_RETRY_BACKOFF_MS") {
+            c.retry.backoff_initial_ms = v;
+        }
+        if let Some(v) = num("RAMJET_RETRY_WINDOW_MS") {
+            c.retry.window_ms = v;
+        }
+        if let Some(v) = num("RAMJET_REQUEST_TIMEOUT_MS") {
+            c.request_timeout_ms = v.max(1);
+        }
+        if let Some(v) = num("RAMJET_CONNECT_TIMEOUT_MS") {
+            c.connect_timeout_ms = v.max(1);
+        }
+        if let Some(v) = num("RAMJET_MULTIPART_THRESHOLD_BYTES") {
+            c.multipart_threshold_bytes = v;
+        }
+        if let Some(v) = num("RAMJET_MULTIPART_PART_BYTES") {
+            // S3 refuses parts under 5 MiB (the last part excepted).
+            c.multipart_part_bytes = v.max(5 << 20);
+        }
+        c
+    }
+}
+
+/// An object store rooted at a URL prefix. Keys are relative to that prefix.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    prefix: Path,
+    base_url: String,
+    config: StoreConfig,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("url", &self.base_url).finish()
+    }
+}
+
+/// A dataset location: where its store prefix is and which object is its manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DatasetUrl {
+    /// URL of the dataset prefix ("folder").
+    pub prefix_url: String,
+    /// Manifest key relative to the prefix.
+    pub manifest_key: String,
+}
+
+impl DatasetUrl {
+    /// `…/dir` means `…/dir/manifest.json`; a URL ending in `.json` names the manifest itself.
+    pub fn parse(url: &str) -> DatasetUrl {
+        let trimmed = url.trim_end_matches('/');
+        if trimmed.ends_with(".json") {
+            if let Some((dir, name)) = trimmed.rsplit_once('/') {
+                let dir = if dir.ends_with(':') || dir.is_empty() {
+                    // "s3://x.json" has no folder part; keep the scheme intact.
+                    format!("{dir}/")
+                } else {
+                    dir.to_owned()
+                };
+                return DatasetUrl {
+                    prefix_url: dir,
+                    manifest_key: name.to_owned(),
+                };
+            }
+            return DatasetUrl {
+                prefix_url: ".".into(),
+                manifest_key: trimmed.to_owned(),
+            };
+        }
+        DatasetUrl {
+            prefix_url: trimmed.to_owned(),
+            manifest_key: crate::format::MANIFEST_NAME.into(),
+        }
+    }
+}
+
+/// Installs the process-wide TLS crypto provider once (ring; no C toolchain needed).
+fn ensure_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // An Err means another part of the process installed one first, which is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+impl Store {
+    /// Opens the store for a URL prefix: `s3://bucket/prefix`, `gs://…`, `az://container/…`,
+    /// `file:///path`, a plain local path, or `memory://` (a fresh in-process store).
+    ///
+    /// S3 reads `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION` (default
+    /// `us-east-1`), `AWS_ENDPOINT_URL` and the other `AWS_*` variables object_store knows.
+    /// Plain-HTTP endpoints are allowed, for local servers.
+    pub fn open(url: &str) -> Result<Store> {
+        Self::open_with(url, StoreConfig::from_env())
+    }
+
+    /// [`Store::open`] with explicit settings.
+    pub fn open_with(url: &str, config: StoreConfig) -> Result<Store> {
+        ensure_crypto_provider();
+        let bad = |reason: String| Error::InvalidUrl {
+            url: url.to_owned(),
+            reason,
+        };
+        let retry = RetryConfig {
+            backoff: BackoffConfig::default(),
+            max_retries: 0,
+            retry_timeout: Duration::from_millis(config.retry.window_ms.max(1)),
+        };
+        let client = ClientOptions::new()
+            .with_timeout(Duration::from_millis(config.request_timeout_ms))
+            .with_connect_timeout(Duration::from_millis(config.connect_timeout_ms));
+        let (scheme, rest) = match url.split_once("://") {
+            Some((s, r)) => (s, r),
+            None => ("file", url),
+        };
+        let split_bucket = |rest: &str| -> Result<(String, String)> {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(bad("no bucket or container name".into()));
+            }
+            Ok((bucket.to_owned(), prefix.trim_matches('/').to_owned()))
+        };
+        let (inner, prefix): (Arc<dyn ObjectStore>, String) = match scheme {
+            "s3" | "s3a" => {
+                let (bucket, prefix) = split_bucket(rest)?;
+                let mut b = object_store::aws::AmazonS3Builder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_retry(retry)
+                    .with_client_options(client.with_allow_http(true));
+                if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+                    b = b.with_region("us-east-1");
+                }
+                (Arc::new(b.build().map_err(|e| bad(e.to_string()))?), prefix)
+            }
+            "gs" => {
+                let (bucket, prefix) = split_bucket(rest)?;
+                let b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_retry(retry)
+                    .with_client_options(client);
+                (Arc::new(b.build().map_err(|e| bad(e.to_string()))?), prefix)
+            }
+            "az" | "azure" | "abfs" | "abfss" => {
+                let (container, prefix) = split_bucket(rest)?;
+                let b = object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .with_container_name(container)
+                    .with_retry(retry)
+                    .with_client_options(client);
+                (Arc::new(b.build().map_err(|e| bad(e.to_string()))?), prefix)
+            }
+            "memory" => (
+                Arc::new(object_store::memory::InMemory::new()),
+                rest.trim_matches('/').to_owned(),
+            ),
+            "file" => {
+                let path = std::path::Path::new(if rest.is_empty() { "." } else { rest });
+                let canon = path
+                    .canonicalize()
+                    .map_err(|_| Error::NotFound { key: url.to_owned() })?;
+                if !canon.is_dir() {
+                    return Err(bad(format!("{} is not a directory", canon.display())));
+                }
+                let fs =
+                    object_store::local::LocalFileSystem::new_with_prefix(&canon).map_err(|e| bad(e.to_string()))?;
+                (Arc::new(fs), String::new())
+            }
+            other => {
+                return Err(bad(format!(
+                    "unsupported scheme {other:?} (use s3, gs, az, file or a path)"
+                )))
+            }
+        };
+        Ok(Store {
+            inner,
+            prefix: Path::from(prefix),
+            base_url: normalize_base(url),
+            config,
+        })
+    }
+
+    /// Wraps an existing object store (tests use this with in-memory or fault-injecting stores).
+    pub fn from_object_store(inner: Arc<dyn ObjectStore>, base_url: &str, config: StoreConfig) -> Store {
+        Store {
+            inner,
+            prefix: Path::default(),
+            base_url: normalize_base(base_url),
+            config,
+        }
+    }
+
+    /// The same store rooted one level deeper.
+    pub fn child(&self, sub: &str) -> Store {
+        let sub = sub.trim_matches('/');
+        let mut s = self.clone();
+        s.prefix = self.path(sub);
+        s.base_url = self.url(sub);
+        s
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Full URL of `key`, used in every message about it.
+    pub fn url(&self, key: &str) -> String {
+        if self.base_url.ends_with('/') {
+            format!("{}{key}", self.base_url)
+        } else {
+            format!("{}/{key}", self.base_url)
+        }
+    }
+
+    fn path(&self, key: &str) -> Path {
+        let mut p = self.prefix.clone();
+        for seg in key.split('/').filter(|s| !s.is_empty()) {
+            p = p.clone().join(seg);
+        }
+        p
+    }
+
+    /// Runs `op` under the retry policy. Permanent errors (not found, denied, bad request)
+    /// return at once; transient ones (5xx, timeouts, refused connections) are retried.
+    async fn retrying<T, F, Fut>(&self, key: &str, mut op: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = object_store::Result<T>>,
+    {
+        let p = self.config.retry;
+        let start = Instant::now();
+        let mut backoff = Duration::from_millis(p.backoff_initial_ms);
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match op().await {
+                Ok(v) => return Ok(v),
+                Err(e) => {
+                    let transient = is_transient(&e);
+                    let out_of_time = start.elapsed() + backoff > Duration::from_millis(p.window_ms);
+                    if !transient || attempt >= p.attempts_max || out_of_time {
+                        return Err(self.convert(key, e, attempt));
+                    }
+                    tracing::debug!(object = %self.url(key), attempt, error = %e, "retrying origin request");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(p.backoff_max_ms));
+                }
+            }
+        }
+    }
+
+    fn convert(&self, key: &str, e: object_store::Error, attempts: u32) -> Error {
+        let url = self.url(key);
+        match e {
+            object_store::Error::NotFound { .. } => Error::NotFound { key: url },
+            object_store::Error::PermissionDenied { source, .. }
+            | object_store::Error::Unauthenticated { source, .. } => Error::Auth {
+                object: url,
+                reason: source.to_string(),
+            },
+            other => Error::Origin {
+                object: url,
+                attempts,
+                reason: error_chain(&other),
+            },
+        }
+    }
+
+    /// Whole object.
+    pub async fn get(&self, key: &str) -> Result<Bytes> {
+        let path = self.path(key);
+        self.retrying(key, || async { self.inner.get(&path).await?.bytes().await })
+            .await
+    }
+
+    /// Bytes `range` of an object. A range past the end is an error naming the object.
+    pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
+        let path = self.path(key);
+        let want = range.end - range.start;
+        let b = self
+            .retrying(key, || self.inner.get_range(&path, range.clone()))
+            .await?;
+        if b.len() as u64 != want {
+            return Err(Error::Truncated {
+                object: self.url(key),
+                expected: range.end,
+                actual: range.start + b.len() as u64,
+            });
+        }
+        Ok(b)
+    }
+
+    /// Size of an object.
+    pub async fn size(&self, key: &str) -> Result<u64> {
+        let path = self.path(key);
+        Ok(self.retrying(key, || self.inner.head(&path)).await?.size)
+    }
+
+    /// Writes an object whole. Large objects go up as a multipart upload with
+    /// [`StoreConfig::multipart_parts_in_flight_max`] parts in flight; the object becomes
+    /// visible only when the upload completes.
+    pub async fn put(&self, key: &str, data: Bytes) -> Result<()> {
+        let path = self.path(key);
+        if (data.len() as u64) < self.config.multipart_threshold_bytes
+            || self.base_url.starts_with("file")
+            || !self.base_url.contains("://")
+        {
+            let payload = PutPayload::from_bytes(data);
+            self.retrying(key, || self.inner.put(&path, payload.clone())).await?;
+            return Ok(());
+        }
+        // A failed multipart upload is restarted whole: parts are not resumable across attempts.
+        self.retrying(key, || async {
+            let upload = self.inner.put_multipart(&path).await?;
+            let mut w = WriteMultipart::new_with_chunk_size(upload, self.config.multipart_part_bytes as usize);
+            let part = self.config.multipart_part_bytes as usize;
+            let mut off = 0;
+            while off < data.len() {
+                w.wait_for_capacity(self.config.multipart_parts_in_flight_max).await?;
+                let end = (off + part).min(data.len());
+                w.put(data.slice(off..end));
+                off = end;
+            }
+            w.finish().await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Deletes an object (tests and tools use this).
+    pub async fn delete(&self, key: &str) -> Result<()> {
+        let path = self.path(key);
+        self.retrying(key, || self.inner.delete(&path)).await
+    }
+}
+
+/// A URL without trailing slashes, except that a bare `scheme://` root keeps its own.
+fn normalize_base(url: &str) -> String {
+    let t = url.trim_end_matches('/');
+    if t.ends_with(':') {
+        format!("{t}//")
+    } else {
+        t.to_owned()
+    }
+}
+
+/// Whether an object_store error is worth retrying.
+fn is_transient(e: &object_store::Error) -> bool {
+    use object_store::Error as E;
+    match e {
+        E::NotFound { .. }
+        | E::PermissionDenied { .. }
+        | E::Unauthenticated { .. }
+        | E::InvalidPath { .. }
+        | E::NotSupported { .. }
+        | E::NotImplemented { .. }
+        | E::Precondition { .. }
+        | E::NotModified { .. }
+        | E::AlreadyExists { .. }
+        | E::UnknownConfigurationKey { .. } => false,
+        other => {
+            // A client error (4xx other than 408/429) will not change on retry. The status is
+            // only exposed in the message ("... status code: 400 Bad Request ...").
+            let msg = error_chain(other);
+            if let Some(i) = msg.find("status code: ") {
+                if let Ok(c) = msg[i + 13..].chars().take(3).collect::<String>().parse::<u16>() {
+                    return !(400..500).contains(&c) || c == 408 || c == 429;
+                }
+            }
+            true
+        }
+    }
+}
+
+/// `e` and its sources on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        src = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dataset_url_forms() {
+        assert_eq!(
+            DatasetUrl::parse("s3://b/p/"),
+            DatasetUrl {
+                prefix_url: "s3://b/p".into(),
+                manifest_key: "manifest.json".into()
+            }
+        );
+        assert_eq!(
+            DatasetUrl::parse("s3://b/p/manifests/abc.json"),
+            DatasetUrl {
+                prefix_url: "s3://b/p/manifests".into(),
+                manifest_key: "abc.json".into()
+            }
+        );
+        assert_eq!(DatasetUrl::parse("/data/ds").prefix_url, "/data/ds");
+    }
+
+    #[test]
+    fn unknown_scheme_is_refused_with_the_url() {
+        let e = Store::open("ftp://x/y").unwrap_err().to_string();
+        assert!(e.contains("ftp://x/y") && e.contains("unsupported scheme"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn memory_store_round_trip_and_missing_key() {
+        let s = Store::open("memory://").unwrap();
+        s.put("a/b.bin", Bytes::from_static(b"hello")).await.unwrap();
+        assert_eq!(&s.get("a/b.bin").await.unwrap()[..], b"hello");
+        assert_eq!(&s.get_range("a/b.bin", 1..3).await.unwrap()[..], b"el");
+        assert_eq!(s.size("a/b.bin").await.unwrap(), 5);
+        let e = s.get("nope").await.unwrap_err();
+        assert!(
+            matches!(e, Error::NotFound { ref key } if key == "memory://nope"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,43 @@
+//! Fuzz entry points, shared by the cargo-fuzz targets in `tests/fuzz/` and by the corpus
+//! replay test that runs in the normal test suite. Each must return normally for any input:
+//! a panic here is a bug in a parser.
+
+use ramjet_engine::format::{verify_shard_bytes, ColumnType, Manifest, Schema, ShardExpect, ShardReader, ShardView};
+
+/// Samples of a fuzzed shard that are decoded (bounds the work per input).
+const SAMPLES_CHECKED_MAX: u64 = 256;
+
+/// Feeds `data` to every shard reading path.
+pub fn shard(data: &[u8]) {
+    if let Ok(v) = ShardView::parse(data, "fuzz.rjs") {
+        let _ = v.check_checksum();
+        for i in 0..v.samples().min(SAMPLES_CHECKED_MAX) {
+            let _ = v.sample(i);
+        }
+        let _ = v.sample(v.samples());
+    }
+    if let Ok(r) = ShardReader::open(data, "fuzz.rjs") {
+        for i in 0..r.samples().min(SAMPLES_CHECKED_MAX) {
+            let _ = r.read_sample(i);
+        }
+    }
+    let schema = Schema::new([("x", ColumnType::Bytes)]).expect("valid schema");
+    let expect = ShardExpect {
+        bytes: data.len() as u64,
+        samples: 1,
+        checksum: 0,
+        schema: &schema,
+    };
+    if data.len() < 1 << 20 {
+        let _ = verify_shard_bytes(data, "fuzz.rjs", &expect);
+    }
+}
+
+/// Feeds `data` to the manifest parser; a manifest that parses must survive a round trip.
+pub fn manifest(data: &[u8]) {
+    if let Ok(m) = Manifest::parse(data, "fuzz.json") {
+        let again = Manifest::parse(&m.to_bytes(), "fuzz.json").expect("a parsed manifest re-parses");
+        assert_eq!(again, m, "manifest round trip changed it");
+        let _ = m.locate(m.samples.saturating_sub(1));
+    }
+}

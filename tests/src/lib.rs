@@ -1,0 +1,277 @@
+//! Shared helpers of ramjet's integration tests: the real local S3 server, the `ramjet`
+//! binary, small synthetic datasets, byte surgery on real files and objects, and a TCP proxy
+//! that injects HTTP 503s and stalls in front of the S3 server.
+#![deny(missing_docs)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+pub mod fuzzing;
+
+/// Repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// Path of the `ramjet` binary of the profile these tests were built with.
+pub fn ramjet_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test>-<hash>
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    let bin = profile_dir.join("ramjet");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first with `cargo build -p ramjet-tools` (tools/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs `ramjet ARGS` with extra environment variables; returns its output.
+pub fn ramjet(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(ramjet_bin());
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run ramjet")
+}
+
+/// stdout and stderr of a finished command, for assertions and failure messages.
+pub fn text(o: &Output) -> String {
+    format!(
+        "exit={:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs `ramjet ARGS` and panics with its output unless it succeeds.
+pub fn ramjet_ok(args: &[&str]) -> String {
+    let o = ramjet(args, &[]);
+    assert!(o.status.success(), "ramjet {args:?} failed:\n{}", text(&o));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Settings of the local S3 server, as `tools/env.sh` sets them.
+#[derive(Debug, Clone)]
+pub struct S3 {
+    /// `http://127.0.0.1:PORT`.
+    pub endpoint: String,
+    /// Bucket created at start.
+    pub bucket: String,
+}
+
+/// Starts the local S3 server once per test process (idempotent across processes: the
+/// script keeps a PID file) and exports its credentials into this process's environment.
+pub fn s3() -> &'static S3 {
+    static S3_ONCE: OnceLock<S3> = OnceLock::new();
+    S3_ONCE.get_or_init(|| {
+        let root = repo_root();
+        let lock = std::fs::File::create(std::env::temp_dir().join("ramjet-s3-start.lock")).expect("lock file");
+        // Serialise starts across test binaries running at once.
+        // SAFETY: flock on a file descriptor we own; released when `lock` is dropped.
+        unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+        let out = Command::new("bash")
+            .arg(root.join("tools/s3-server.sh"))
+            .arg("start")
+            .output()
+            .expect("run tools/s3-server.sh");
+        assert!(
+            out.status.success(),
+            "the local S3 server did not start (tools/s3-server.sh start):\n{}",
+            text(&out)
+        );
+        let env = Command::new("bash")
+            .arg(root.join("tools/s3-server.sh"))
+            .arg("env")
+            .output()
+            .expect("env");
+        let mut s3 = S3 {
+            endpoint: String::new(),
+            bucket: String::new(),
+        };
+        for line in String::from_utf8_lossy(&env.stdout).lines() {
+            let Some((k, v)) = line.strip_prefix("export ").and_then(|l| l.split_once('=')) else {
+                continue;
+            };
+            // Done once, before any test of this process reads these variables.
+            std::env::set_var(k, v);
+            match k {
+                "AWS_ENDPOINT_URL" => s3.endpoint = v.to_owned(),
+                "RAMJET_S3_BUCKET" => s3.bucket = v.to_owned(),
+                _ => {}
+            }
+        }
+        assert!(!s3.endpoint.is_empty(), "tools/s3-server.sh env printed no endpoint");
+        s3
+    })
+}
+
+/// A fresh `s3://bucket/tests/NAME-PID-N` prefix.
+pub fn s3_prefix(name: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let s = s3();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!(
+        "s3://{}/tests/{name}-{}-{}-{nanos}",
+        s.bucket,
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A synthetic YOLO dataset of `n` images, generated once per process and size.
+pub fn synth_dataset(n: usize) -> PathBuf {
+    static CACHE: OnceLock<Mutex<Vec<(usize, tempfile::TempDir)>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
+    let mut c = cache.lock().unwrap();
+    if let Some((_, d)) = c.iter().find(|(k, _)| *k == n) {
+        return d.path().join("ds");
+    }
+    let d = tempfile::tempdir().expect("tempdir");
+    let out = d.path().join("ds");
+    ramjet_ok(&["synth", out.to_str().unwrap(), "--samples", &n.to_string()]);
+    c.push((n, d));
+    out
+}
+
+/// Copies a folder tree (to damage a copy, not the shared original).
+pub fn copy_tree(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        let to = dst.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &to);
+        } else {
+            std::fs::copy(e.path(), to).unwrap();
+        }
+    }
+}
+
+/// Flips every bit of the byte at `offset` of a local file.
+pub fn flip_byte(path: &Path, offset: u64) {
+    let mut b = std::fs::read(path).unwrap();
+    b[offset as usize] ^= 0xFF;
+    std::fs::write(path, b).unwrap();
+}
+
+/// What a [`FaultProxy`] does to a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Answer `503 Service Unavailable` and close.
+    Status503,
+    /// Read the request and never answer (until the client gives up).
+    Stall,
+    /// Forward to the upstream server.
+    Pass,
+}
+
+/// A TCP proxy in front of an HTTP server that applies a fault to the first `n` connections
+/// (or to all of them), then forwards. It counts connections. Dropping it stops it.
+pub struct FaultProxy {
+    /// `http://127.0.0.1:PORT` to give clients.
+    pub url: String,
+    connections: Arc<AtomicUsize>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    addr: SocketAddr,
+}
+
+impl FaultProxy {
+    /// Proxies to `upstream` (`host:port`), applying `fault` to the first `n` connections.
+    pub fn start(upstream: &str, fault: Fault, n: usize) -> FaultProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind proxy");
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (conns, stop2, upstream) = (connections.clone(), stop.clone(), upstream.to_owned());
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                if stop2.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = s else { continue };
+                let k = conns.fetch_add(1, Ordering::SeqCst);
+                let f = if k < n { fault } else { Fault::Pass };
+                let up = upstream.clone();
+                std::thread::spawn(move || serve(client, f, &up));
+            }
+        });
+        FaultProxy {
+            url: format!("http://{addr}"),
+            connections,
+            stop,
+            addr,
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+    }
+}
+
+fn serve(mut client: TcpStream, fault: Fault, upstream: &str) {
+    match fault {
+        Fault::Status503 => {
+            let mut buf = [0u8; 8192];
+            let _ = client.set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = client.read(&mut buf);
+            let body = "<Error><Code>ServiceUnavailable</Code><Message>injected by FaultProxy</Message></Error>";
+            let _ = write!(
+                client,
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+        Fault::Stall => {
+            let mut buf = [0u8; 8192];
+            let _ = client.set_read_timeout(Some(Duration::from_secs(30)));
+            // Hold the connection open, answering nothing, until the client closes it.
+            while matches!(client.read(&mut buf), Ok(n) if n > 0) {}
+        }
+        Fault::Pass => {
+            let Ok(server) = TcpStream::connect(upstream) else {
+                return;
+            };
+            let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            let t = std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c2, &mut s2);
+                let _ = s2.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut s3, mut c3) = (server, client);
+            let _ = std::io::copy(&mut s3, &mut c3);
+            let _ = c3.shutdown(std::net::Shutdown::Write);
+            let _ = t.join();
+        }
+    }
+}
+
+/// Runs a future on a fresh runtime (tests that touch the store directly).
+pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}

@@ -1,0 +1,391 @@
+//! `ramjet synth / pack / inspect / verify` on real local files: determinism, the three
+//! input layouts, bad inputs, and every corruption `verify` must name.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use ramjet_engine::format::{Manifest, ShardReader, Value};
+use ramjet_tests::{copy_tree, flip_byte, ramjet, ramjet_ok, synth_dataset, text};
+
+const N: usize = 40;
+
+fn pack_to(src: &Path, dst: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["pack", src.to_str().unwrap(), dst.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    ramjet_ok(&args)
+}
+
+fn manifest(dir: &Path) -> Manifest {
+    let p = dir.join("manifest.json");
+    Manifest::parse(&fs::read(&p).unwrap(), &p.display().to_string()).unwrap()
+}
+
+/// A packed copy of the shared synthetic set, in shards of about 1 MiB.
+fn packed(tmp: &Path) -> (PathBuf, Manifest) {
+    let dst = tmp.join("packed");
+    pack_to(&synth_dataset(N), &dst, &["--shard-size", "1MiB"]);
+    let m = manifest(&dst);
+    (dst, m)
+}
+
+#[test]
+fn synth_writes_photo_sized_jpegs_and_valid_labels() {
+    let ds = synth_dataset(N);
+    let mut sizes = Vec::new();
+    for i in 0..N {
+        let img = fs::read(ds.join(format!("images/{i:06}.jpg"))).unwrap();
+        let info = ramjet_engine::decode::probe(&img).unwrap();
+        assert_eq!((info.width, info.height), (640, 480));
+        sizes.push(img.len());
+        let labels = fs::read_to_string(ds.join(format!("labels/{i:06}.txt"))).unwrap();
+        assert!(!labels.trim().is_empty(), "image {i} has no boxes");
+        ramjet_tools::pack::parse_yolo_labels(&labels, Path::new("l.txt")).unwrap();
+    }
+    assert!(
+        sizes.iter().all(|&s| (60_000..=150_000).contains(&s)),
+        "sizes {sizes:?}"
+    );
+    // Photo-like, not noise: consecutive images differ, and none compress to almost nothing.
+    assert_ne!(
+        fs::read(ds.join("images/000000.jpg")).unwrap(),
+        fs::read(ds.join("images/000001.jpg")).unwrap()
+    );
+}
+
+#[test]
+fn synth_is_deterministic() {
+    let t = tempfile::tempdir().unwrap();
+    let a = t.path().join("a");
+    ramjet_ok(&["synth", a.to_str().unwrap(), "--samples", "3"]);
+    for i in 0..3 {
+        let name = format!("images/{i:06}.jpg");
+        assert_eq!(
+            fs::read(a.join(&name)).unwrap(),
+            fs::read(synth_dataset(N).join(&name)).unwrap(),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn pack_is_deterministic_across_thread_counts() {
+    let t = tempfile::tempdir().unwrap();
+    let src = synth_dataset(N);
+    let (a, b) = (t.path().join("a"), t.path().join("b"));
+    pack_to(&src, &a, &["--shard-size", "1MiB"]);
+    pack_to(&src, &b, &["--shard-size", "1MiB", "--threads", "1"]);
+    let ma = manifest(&a);
+    assert!(ma.shards.len() > 1, "expected several shards");
+    assert_eq!(ma, manifest(&b));
+    assert_eq!(
+        fs::read(a.join("manifest.json")).unwrap(),
+        fs::read(b.join("manifest.json")).unwrap()
+    );
+    for s in &ma.shards {
+        assert_eq!(
+            fs::read(a.join(&s.key)).unwrap(),
+            fs::read(b.join(&s.key)).unwrap(),
+            "{}",
+            s.key
+        );
+    }
+    assert!(a.join(format!("manifests/{}.json", ma.version)).exists());
+}
+
+#[test]
+fn packed_samples_match_their_inputs() {
+    let t = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(t.path());
+    assert_eq!(m.samples, N as u64);
+    assert_eq!(m.source, "yolo");
+    assert_eq!(m.meta["classes"].as_array().unwrap().len(), 8);
+    let src = synth_dataset(N);
+    for (gi, want) in [0usize, 17, N - 1].into_iter().map(|i| (i, i)) {
+        let (si, local) = m.locate(gi as u64).unwrap();
+        let f = fs::File::open(dst.join(&m.shards[si].key)).unwrap();
+        let r = ShardReader::open(f, &m.shards[si].key).unwrap();
+        let vals = r.read_sample(local).unwrap();
+        let Value::Bytes(img) = &vals[0] else {
+            panic!("image column")
+        };
+        assert_eq!(img, &fs::read(src.join(format!("images/{want:06}.jpg"))).unwrap());
+        assert_eq!(vals[1], Value::Str(format!("images/{want:06}.jpg")));
+        assert_eq!((&vals[2], &vals[3]), (&Value::Int64(640), &Value::Int64(480)));
+        let Value::Json(boxes) = &vals[4] else {
+            panic!("boxes column")
+        };
+        let txt = fs::read_to_string(src.join(format!("labels/{want:06}.txt"))).unwrap();
+        let want_boxes: serde_json::Value =
+            serde_json::from_str(&ramjet_tools::pack::parse_yolo_labels(&txt, Path::new("x")).unwrap()).unwrap();
+        assert_eq!(serde_json::from_str::<serde_json::Value>(boxes).unwrap(), want_boxes);
+    }
+}
+
+#[test]
+fn inspect_prints_schema_counts_and_bytes() {
+    let t = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(t.path());
+    let out = ramjet_ok(&["inspect", dst.to_str().unwrap()]);
+    for want in [
+        "image:bytes, path:str, width:int64, height:int64, boxes:json".to_owned(),
+        format!("shards   {}", m.shards.len()),
+        format!("samples  {N}"),
+        m.version.clone(),
+    ] {
+        assert!(out.contains(&want), "missing {want:?} in:\n{out}");
+    }
+    let js: serde_json::Value =
+        serde_json::from_str(&ramjet_ok(&["inspect", "--json", dst.to_str().unwrap()])).unwrap();
+    assert_eq!(js["bytes"], m.bytes);
+}
+
+fn verify_fails_naming(dir: &Path, needles: &[&str]) -> String {
+    let o = ramjet(&["verify", dir.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "verify should fail:\n{t}");
+    for n in needles {
+        assert!(t.contains(n), "verify output lacks {n:?}:\n{t}");
+    }
+    t
+}
+
+#[test]
+fn verify_passes_then_names_the_flipped_shard_and_sample() {
+    let t = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(t.path());
+    let out = ramjet_ok(&["verify", dst.to_str().unwrap()]);
+    assert!(out.contains("verify: OK"), "{out}");
+    // Flip one byte inside sample 2's image bytes in shard 1.
+    let key = &m.shards[1].key;
+    let path = dst.join(key);
+    let r = ShardReader::open(fs::File::open(&path).unwrap(), key).unwrap();
+    let e = r.entry(2).unwrap();
+    flip_byte(&path, e.offset + e.len / 2);
+    let global = m.shard_starts()[1] + 2;
+    verify_fails_naming(
+        &dst,
+        &[
+            key,
+            "sample 2",
+            &format!("global {global}"),
+            "checksum mismatch",
+            "1 of",
+        ],
+    );
+}
+
+#[test]
+fn verify_names_a_truncated_shard() {
+    let t = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(t.path());
+    let key = &m.shards[0].key;
+    let p = dst.join(key);
+    let b = fs::read(&p).unwrap();
+    fs::write(&p, &b[..b.len() / 2]).unwrap();
+    verify_fails_naming(&dst, &[key, "truncated"]);
+}
+
+#[test]
+fn verify_names_a_missing_shard_object() {
+    let t = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(t.path());
+    let key = m.shards.last().unwrap().key.clone();
+    fs::remove_file(dst.join(&key)).unwrap();
+    verify_fails_naming(&dst, &["missing object", &key]);
+}
+
+#[test]
+fn verify_names_a_schema_mismatch() {
+    let t = tempfile::tempdir().unwrap();
+    let (dst, mut m) = packed(t.path());
+    // A manifest that is internally consistent (its version matches) but whose schema does
+    // not match its shards.
+    m.schema.columns[2].ty = ramjet_engine::format::ColumnType::Str;
+    m.version = m.compute_version();
+    fs::write(dst.join("manifest.json"), m.to_bytes()).unwrap();
+    verify_fails_naming(&dst, &["schema mismatch", "width:str", "width:int64", &m.shards[0].key]);
+}
+
+#[test]
+fn an_edited_manifest_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let (dst, _) = packed(t.path());
+    let p = dst.join("manifest.json");
+    let s = fs::read_to_string(&p)
+        .unwrap()
+        .replace("\"samples\": 40", "\"samples\": 41");
+    fs::write(&p, s).unwrap();
+    let o = ramjet(&["verify", dst.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("does not match its content"), "{}", text(&o));
+}
+
+#[test]
+fn a_missing_manifest_is_named() {
+    let t = tempfile::tempdir().unwrap();
+    let o = ramjet(&["inspect", t.path().to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o).contains("missing object") && text(&o).contains("manifest.json"),
+        "{}",
+        text(&o)
+    );
+}
+
+/// A copy of the synthetic set with `damage` applied, packed with `extra` flags.
+fn pack_damaged(damage: impl FnOnce(&Path), extra: &[&str]) -> (std::process::Output, tempfile::TempDir) {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    copy_tree(&synth_dataset(N), &src);
+    damage(&src);
+    let mut args = vec![
+        "pack".to_owned(),
+        src.display().to_string(),
+        t.path().join("out").display().to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    (ramjet(&args, &[]), t)
+}
+
+#[test]
+fn pack_aborts_on_an_unsupported_file_and_skip_bad_lists_it() {
+    let damage = |src: &Path| fs::write(src.join("images/000003.jpg"), b"this is not an image").unwrap();
+    let (o, t) = pack_damaged(damage, &[]);
+    assert_eq!(o.status.code(), Some(1));
+    let msg = text(&o);
+    assert!(
+        msg.contains("images/000003.jpg") && msg.contains("not a JPEG or PNG"),
+        "{msg}"
+    );
+    assert!(
+        !t.path().join("out/manifest.json").exists(),
+        "a failed pack must not publish a manifest"
+    );
+
+    let (o, t) = pack_damaged(damage, &["--skip-bad"]);
+    let msg = text(&o);
+    assert!(o.status.success(), "{msg}");
+    assert!(
+        msg.contains("skipped 1 bad input(s)") && msg.contains("images/000003.jpg: not a JPEG or PNG"),
+        "{msg}"
+    );
+    assert_eq!(manifest(&t.path().join("out")).samples, N as u64 - 1);
+}
+
+#[test]
+fn pack_refuses_a_truncated_jpeg_and_a_broken_label() {
+    let (o, _t) = pack_damaged(
+        |src| {
+            let p = src.join("images/000005.jpg");
+            let b = fs::read(&p).unwrap();
+            fs::write(&p, &b[..b.len() / 3]).unwrap();
+        },
+        &[],
+    );
+    let msg = text(&o);
+    assert!(
+        !o.status.success() && msg.contains("000005.jpg") && msg.contains("end-of-image"),
+        "{msg}"
+    );
+
+    let (o, _t) = pack_damaged(
+        |src| fs::write(src.join("labels/000007.txt"), "0 0.5 0.5 0.2\n").unwrap(),
+        &[],
+    );
+    let msg = text(&o);
+    assert!(
+        !o.status.success() && msg.contains("labels/000007.txt:1") && msg.contains("found 4 fields"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn pack_names_an_unreadable_input() {
+    let (o, _t) = pack_damaged(
+        |src| std::os::unix::fs::symlink(src.join("does-not-exist.jpg"), src.join("images/zzz.jpg")).unwrap(),
+        &[],
+    );
+    let msg = text(&o);
+    assert!(
+        !o.status.success() && msg.contains("images/zzz.jpg") && msg.contains("i/o error"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn pack_imagefolder_labels_by_folder() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("cls");
+    let synth = synth_dataset(N);
+    for (i, class) in ["cat", "dog", "dog"].iter().enumerate() {
+        fs::create_dir_all(src.join(class)).unwrap();
+        fs::copy(
+            synth.join(format!("images/{i:06}.jpg")),
+            src.join(class).join(format!("{i}.jpg")),
+        )
+        .unwrap();
+    }
+    let dst = t.path().join("out");
+    pack_to(&src, &dst, &[]);
+    let m = manifest(&dst);
+    assert_eq!(m.source, "imagefolder");
+    assert_eq!(m.meta["classes"], serde_json::json!(["cat", "dog"]));
+    let key = &m.shards[0].key;
+    let r = ShardReader::open(fs::File::open(dst.join(key)).unwrap(), key).unwrap();
+    let labels: Vec<Value> = (0..3).map(|i| r.read_sample(i).unwrap()[1].clone()).collect();
+    assert_eq!(labels, vec![Value::Int64(0), Value::Int64(1), Value::Int64(1)]);
+    ramjet_ok(&["verify", dst.to_str().unwrap()]);
+}
+
+#[test]
+fn pack_jsonl_infers_types_and_names_bad_lines() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("rows.jsonl");
+    fs::write(
+        &src,
+        "{\"id\": 1, \"score\": 0.5, \"text\": \"a\", \"tags\": [\"x\"]}\n\n{\"id\": 2, \"score\": 1, \"text\": \"b\", \"tags\": []}\n",
+    )
+    .unwrap();
+    let dst = t.path().join("out");
+    pack_to(&src, &dst, &[]);
+    let m = manifest(&dst);
+    assert_eq!(m.schema.describe(), "id:int64, score:float64, tags:json, text:str");
+    let key = &m.shards[0].key;
+    let r = ShardReader::open(fs::File::open(dst.join(key)).unwrap(), key).unwrap();
+    assert_eq!(
+        r.read_sample(1).unwrap(),
+        vec![
+            Value::Int64(2),
+            Value::Float64(1.0),
+            Value::Json("[]".into()),
+            Value::Str("b".into())
+        ]
+    );
+
+    fs::write(&src, "{\"id\": 1}\n{\"id\": 2\n{\"id\": \"three\"}\n{\"id\": 4}\n").unwrap();
+    let o = ramjet(
+        &["pack", src.to_str().unwrap(), t.path().join("bad").to_str().unwrap()],
+        &[],
+    );
+    let msg = text(&o);
+    assert!(
+        !o.status.success() && msg.contains("rows.jsonl:2") && msg.contains("invalid JSON"),
+        "{msg}"
+    );
+    let o = ramjet(
+        &[
+            "pack",
+            src.to_str().unwrap(),
+            t.path().join("skip").to_str().unwrap(),
+            "--skip-bad",
+        ],
+        &[],
+    );
+    let msg = text(&o);
+    assert!(
+        o.status.success() && msg.contains("rows.jsonl:2") && msg.contains("rows.jsonl:3"),
+        "{msg}"
+    );
+    assert_eq!(manifest(&t.path().join("skip")).samples, 2);
+}

@@ -1,0 +1,191 @@
+//! Packing to and verifying on the real local S3 server (SeaweedFS), damage done to real
+//! objects, and origin faults (HTTP 503, stalls, wrong keys) injected by a TCP proxy.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ramjet_engine::format::{Manifest, ShardView};
+use ramjet_engine::Store;
+use ramjet_tests::{block_on, ramjet, ramjet_ok, s3, s3_prefix, synth_dataset, text, Fault, FaultProxy};
+
+const N: usize = 90;
+
+/// Packs the synthetic set to a fresh S3 prefix, forcing multipart uploads.
+fn packed(name: &str) -> (String, Manifest) {
+    s3();
+    let url = s3_prefix(name);
+    let src = synth_dataset(N);
+    let o = ramjet(
+        &["pack", src.to_str().unwrap(), &url, "--shard-size", "6MiB"],
+        // Parts are at least 5 MiB: a 6 MiB shard goes up in two parts.
+        &[("RAMJET_MULTIPART_THRESHOLD_BYTES", "1048576")],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let store = Store::open(&url).unwrap();
+    let m = Manifest::parse(&block_on(store.get("manifest.json")).unwrap(), "manifest.json").unwrap();
+    (url, m)
+}
+
+fn verify_fails_naming(url: &str, needles: &[&str]) {
+    let o = ramjet(&["verify", url], &[]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "verify should fail:\n{t}");
+    for n in needles {
+        assert!(t.contains(n), "verify output lacks {n:?}:\n{t}");
+    }
+}
+
+#[test]
+fn pack_multipart_then_verify_and_inspect_on_s3() {
+    let (url, m) = packed("ok");
+    assert_eq!(m.samples, N as u64);
+    assert!(
+        m.shards.iter().any(|s| s.bytes > 5 << 20),
+        "no shard large enough to be multipart"
+    );
+    let out = ramjet_ok(&["verify", &url]);
+    assert!(
+        out.contains("verify: OK") && out.contains(&format!("{N} samples")),
+        "{out}"
+    );
+    let out = ramjet_ok(&["inspect", &format!("{url}/manifest.json")]);
+    assert!(
+        out.contains(&m.version) && out.contains(&format!("{url}/manifest.json")),
+        "{out}"
+    );
+    // The version-named copy of the manifest is there too.
+    let store = Store::open(&url).unwrap();
+    assert!(block_on(store.size(&format!("manifests/{}.json", m.version))).is_ok());
+}
+
+#[test]
+fn a_flipped_byte_in_an_s3_object_is_named_by_shard_and_sample() {
+    let (url, m) = packed("flip");
+    let store = Store::open(&url).unwrap();
+    let key = &m.shards[0].key;
+    let mut b = block_on(store.get(key)).unwrap().to_vec();
+    let view = ShardView::parse(&b, key).unwrap();
+    let rec = view.record(5).unwrap();
+    let off = rec.as_ptr() as usize - b.as_ptr() as usize + rec.len() / 2;
+    b[off] ^= 0x01;
+    block_on(store.put(key, Bytes::from(b))).unwrap();
+    verify_fails_naming(
+        &url,
+        &[
+            &format!("{url}/{key}"),
+            "sample 5 (global 5)",
+            "sample checksum mismatch",
+        ],
+    );
+}
+
+#[test]
+fn a_truncated_s3_object_is_named() {
+    let (url, m) = packed("trunc");
+    let store = Store::open(&url).unwrap();
+    let key = &m.shards[1].key;
+    let b = block_on(store.get(key)).unwrap();
+    block_on(store.put(key, b.slice(..b.len() - 1000))).unwrap();
+    verify_fails_naming(&url, &[key, "truncated"]);
+}
+
+#[test]
+fn a_missing_s3_object_is_named() {
+    let (url, m) = packed("missing");
+    let store = Store::open(&url).unwrap();
+    let key = &m.shards[0].key;
+    block_on(store.delete(key)).unwrap();
+    verify_fails_naming(&url, &["missing object", &format!("{url}/{key}")]);
+}
+
+#[test]
+fn a_schema_mismatch_on_s3_is_named() {
+    let (url, mut m) = packed("schema");
+    m.schema.columns.swap(2, 3);
+    m.version = m.compute_version();
+    let store = Store::open(&url).unwrap();
+    block_on(store.put("manifest.json", Bytes::from(m.to_bytes()))).unwrap();
+    verify_fails_naming(&url, &["schema mismatch", "height:int64, width:int64"]);
+}
+
+fn upstream() -> String {
+    s3().endpoint.trim_start_matches("http://").to_owned()
+}
+
+#[test]
+fn http_503s_are_retried_with_backoff() {
+    let (url, _) = packed("retry503");
+    let proxy = FaultProxy::start(&upstream(), Fault::Status503, 3);
+    let o = ramjet(
+        &["verify", &url],
+        &[("AWS_ENDPOINT_URL", &proxy.url), ("RAMJET_RETRY_BACKOFF_MS", "20")],
+    );
+    assert!(o.status.success(), "verify through 3 injected 503s:\n{}", text(&o));
+    assert!(
+        proxy.connections() > 3,
+        "only {} connections: the 503s were not retried",
+        proxy.connections()
+    );
+}
+
+#[test]
+fn a_persistently_failing_origin_gives_a_clear_error_after_the_retries() {
+    let (url, _) = packed("retryfail");
+    let proxy = FaultProxy::start(&upstream(), Fault::Status503, usize::MAX);
+    let t0 = Instant::now();
+    let o = ramjet(
+        &["inspect", &url],
+        &[
+            ("AWS_ENDPOINT_URL", &proxy.url),
+            ("RAMJET_RETRY_ATTEMPTS", "4"),
+            ("RAMJET_RETRY_BACKOFF_MS", "20"),
+        ],
+    );
+    let msg = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{msg}");
+    assert!(
+        msg.contains(&format!("origin error on {url}/manifest.json after 4 attempt(s)")),
+        "{msg}"
+    );
+    assert!(msg.contains("503"), "{msg}");
+    assert_eq!(proxy.connections(), 4);
+    assert!(t0.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn a_stalled_request_times_out_and_is_retried() {
+    let (url, _) = packed("stall");
+    let proxy = FaultProxy::start(&upstream(), Fault::Stall, 1);
+    let t0 = Instant::now();
+    let o = ramjet(
+        &["inspect", &url],
+        &[
+            ("AWS_ENDPOINT_URL", &proxy.url),
+            ("RAMJET_REQUEST_TIMEOUT_MS", "700"),
+            ("RAMJET_RETRY_BACKOFF_MS", "20"),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        t0.elapsed() >= Duration::from_millis(700),
+        "the stall was not waited out"
+    );
+    assert!(proxy.connections() >= 2);
+}
+
+#[test]
+fn a_wrong_secret_is_refused_without_retrying() {
+    let (url, _) = packed("auth");
+    let proxy = FaultProxy::start(&upstream(), Fault::Pass, 0);
+    let o = ramjet(
+        &["inspect", &url],
+        &[("AWS_ENDPOINT_URL", &proxy.url), ("AWS_SECRET_ACCESS_KEY", "wrong")],
+    );
+    let msg = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{msg}");
+    assert!(
+        msg.contains("access denied to") && msg.contains("manifest.json"),
+        "{msg}"
+    );
+    assert_eq!(proxy.connections(), 1, "a 403 must not be retried");
+}

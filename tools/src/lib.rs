@@ -1,0 +1,6 @@
+//! Library behind the `ramjet` command line, shared with the benchmarks and tests.
+#![deny(missing_docs)]
+
+pub mod pack;
+pub mod synth;
+pub mod ui;

@@ -1,0 +1,593 @@
+//! `ramjet pack`: converts an image-classification folder, a YOLO layout or a JSONL file into
+//! shards plus a manifest.
+//!
+//! Three phases, each deterministic whatever the thread count:
+//! 1. scan: list inputs in sorted order, stat them, parse YOLO labels or JSONL lines (parallel);
+//! 2. plan: cut the list into shards greedily by estimated size, in input order;
+//! 3. build: read, check and encode each shard's samples, then upload it (parallel over shards,
+//!    so memory stays near `threads x shard size`).
+//!
+//! The manifest is written last, first as `manifests/<version>.json` and then as
+//! `manifest.json`: if any step fails, no new `manifest.json` appears.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rayon::prelude::*;
+use serde_json::{Map, Value as Json};
+
+use ramjet_engine::decode::probe;
+use ramjet_engine::format::{shard_key, ColumnType, Manifest, Schema, ShardBuilder, ShardInfo, Value, MANIFEST_NAME};
+use ramjet_engine::{Error, Result, Store};
+
+/// Input layouts `pack` understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SourceKind {
+    /// `images/` and `labels/` (YOLO txt), with an optional `data.yaml` of class names.
+    Yolo,
+    /// One subfolder per class, images inside.
+    Imagefolder,
+    /// One JSON object per line.
+    Jsonl,
+}
+
+impl SourceKind {
+    /// Name stored in the manifest's `source` field.
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceKind::Yolo => "yolo",
+            SourceKind::Imagefolder => "imagefolder",
+            SourceKind::Jsonl => "jsonl",
+        }
+    }
+
+    /// Guesses the layout of `src`.
+    pub fn detect(src: &Path) -> Result<SourceKind> {
+        if src.is_file() {
+            return Ok(SourceKind::Jsonl);
+        }
+        if src.join("images").is_dir() && src.join("labels").is_dir() {
+            return Ok(SourceKind::Yolo);
+        }
+        if src.is_dir() {
+            return Ok(SourceKind::Imagefolder);
+        }
+        Err(Error::invalid(src.display().to_string(), "no such file or folder"))
+    }
+}
+
+/// Options of `ramjet pack`.
+#[derive(Debug, Clone)]
+pub struct PackOptions {
+    /// Shards are cut when the next sample would take them past this size.
+    pub shard_bytes_target: u64,
+    /// Skip unreadable or unsupported inputs instead of aborting.
+    pub skip_bad: bool,
+    /// Layout; detected when `None`.
+    pub kind: Option<SourceKind>,
+}
+
+impl Default for PackOptions {
+    fn default() -> Self {
+        Self {
+            shard_bytes_target: 64 << 20,
+            skip_bad: false,
+            kind: None,
+        }
+    }
+}
+
+/// What [`pack`] did.
+#[derive(Debug, Clone)]
+pub struct PackReport {
+    /// The manifest written.
+    pub manifest: Manifest,
+    /// URL of `manifest.json`.
+    pub manifest_url: String,
+    /// Inputs skipped with `--skip-bad`: (path or `path:line`, reason).
+    pub skipped: Skipped,
+    /// Input bytes read.
+    pub input_bytes: u64,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+/// Inputs skipped with `--skip-bad`: (path or `path:line`, reason).
+pub type Skipped = Vec<(String, String)>;
+
+/// What building one planned shard gave: the shard (none if every input was skipped), the
+/// inputs skipped, and the input bytes read.
+type ShardOutcome = (Option<ShardInfo>, Skipped, u64);
+
+/// One input sample, as found by the scan.
+struct Item {
+    /// Name used in messages and stored in the `path` column.
+    rel: String,
+    path: PathBuf,
+    /// Estimated record size, used to plan shards.
+    size: u64,
+    extra: Extra,
+}
+
+enum Extra {
+    /// Image-folder class index.
+    Label(i64),
+    /// YOLO boxes as compact JSON.
+    Boxes(String),
+    /// A JSONL line already converted to values.
+    Row(Vec<Value>),
+}
+
+/// Packs `src` into `dst` (a local folder or an object-store URL).
+pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::ProgressBar) -> Result<PackReport> {
+    let t0 = Instant::now();
+    let kind = match opts.kind {
+        Some(k) => k,
+        None => SourceKind::detect(src)?,
+    };
+    if opts.shard_bytes_target < 4096 {
+        return Err(Error::invalid("--shard-size", "must be at least 4096 bytes"));
+    }
+    let store = open_dst(dst)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("tokio runtime", e))?;
+
+    // Phase 1: scan.
+    let mut skipped = Vec::new();
+    let (schema, meta, items) = match kind {
+        SourceKind::Yolo => scan_yolo(src, opts.skip_bad, &mut skipped)?,
+        SourceKind::Imagefolder => scan_imagefolder(src, opts.skip_bad, &mut skipped)?,
+        SourceKind::Jsonl => scan_jsonl(src, opts.skip_bad, &mut skipped)?,
+    };
+    if items.is_empty() {
+        return Err(Error::invalid(src.display().to_string(), "no samples found"));
+    }
+
+    // Phase 2: plan.
+    let mut plans: Vec<std::ops::Range<usize>> = Vec::new();
+    let (mut start, mut acc) = (0usize, 0u64);
+    for (i, it) in items.iter().enumerate() {
+        if acc > 0 && acc + it.size > opts.shard_bytes_target {
+            plans.push(start..i);
+            start = i;
+            acc = 0;
+        }
+        acc += it.size;
+    }
+    plans.push(start..items.len());
+    let total: u64 = items.iter().map(|i| i.size).sum();
+    progress.set_length(total);
+
+    // Phase 3: build and upload.
+    let built: Vec<ShardOutcome> = plans
+        .par_iter()
+        .enumerate()
+        .map(|(idx, range)| {
+            let mut b = ShardBuilder::new(schema.clone());
+            let est: u64 = items[range.clone()].iter().map(|i| i.size).sum();
+            b.reserve(est as usize);
+            let mut skipped = Vec::new();
+            let mut read = 0u64;
+            for it in &items[range.clone()] {
+                match load(it, kind) {
+                    Ok((vals, n)) => {
+                        read += n;
+                        b.push(&vals, &it.rel)?;
+                    }
+                    Err(e) if opts.skip_bad => skipped.push((it.rel.clone(), reason_of(&e))),
+                    Err(e) => return Err(e),
+                }
+                progress.inc(it.size);
+            }
+            if b.samples() == 0 {
+                return Ok((None, skipped, read));
+            }
+            let shard = b.finish();
+            let key = shard_key(idx, shard.checksum);
+            let info = ShardInfo {
+                key: key.clone(),
+                bytes: shard.bytes.len() as u64,
+                samples: shard.samples,
+                checksum: format!("{:016x}", shard.checksum),
+            };
+            rt.block_on(store.put(&key, Bytes::from(shard.bytes)))?;
+            Ok((Some(info), skipped, read))
+        })
+        .collect::<Result<_>>()?;
+    progress.finish_and_clear();
+
+    let mut shards = Vec::new();
+    let mut input_bytes = 0;
+    for (info, sk, read) in built {
+        shards.extend(info);
+        skipped.extend(sk);
+        input_bytes += read;
+    }
+    if shards.is_empty() {
+        return Err(Error::invalid(src.display().to_string(), "every input was skipped"));
+    }
+    let manifest = Manifest::new(kind.name(), schema, meta, shards);
+    let bytes = Bytes::from(manifest.to_bytes());
+    rt.block_on(async {
+        store
+            .put(&format!("manifests/{}.json", manifest.version), bytes.clone())
+            .await?;
+        store.put(MANIFEST_NAME, bytes).await
+    })?;
+    Ok(PackReport {
+        manifest_url: store.url(MANIFEST_NAME),
+        manifest,
+        skipped,
+        input_bytes,
+        elapsed: t0.elapsed(),
+    })
+}
+
+/// Opens the destination, creating a local folder if needed.
+pub fn open_dst(dst: &str) -> Result<Store> {
+    let local = !dst.contains("://") || dst.starts_with("file://");
+    if local {
+        let p = dst.strip_prefix("file://").unwrap_or(dst);
+        fs::create_dir_all(p).map_err(|e| Error::io(p, e))?;
+    }
+    Store::open(dst)
+}
+
+fn reason_of(e: &Error) -> String {
+    match e {
+        Error::InvalidInput { reason, .. } => reason.clone(),
+        Error::Io { source, .. } => source.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// Reads one item's file (if any) and builds its values. Returns the values and bytes read.
+fn load(it: &Item, kind: SourceKind) -> Result<(Vec<Value>, u64)> {
+    if let Extra::Row(vals) = &it.extra {
+        return Ok((vals.clone(), it.size));
+    }
+    let bytes = fs::read(&it.path).map_err(|e| Error::io(it.path.display(), e))?;
+    let info = probe(&bytes).map_err(|r| Error::invalid(it.path.display().to_string(), r))?;
+    let n = bytes.len() as u64;
+    let (w, h) = (info.width as i64, info.height as i64);
+    let vals = match (&it.extra, kind) {
+        (Extra::Label(l), _) => vec![
+            Value::Bytes(bytes),
+            Value::Int64(*l),
+            Value::Str(it.rel.clone()),
+            Value::Int64(w),
+            Value::Int64(h),
+        ],
+        (Extra::Boxes(b), _) => vec![
+            Value::Bytes(bytes),
+            Value::Str(it.rel.clone()),
+            Value::Int64(w),
+            Value::Int64(h),
+            Value::Json(b.clone()),
+        ],
+        (Extra::Row(_), _) => unreachable!("handled above"),
+    };
+    Ok((vals, n))
+}
+
+/// Files under `dir`, recursively, sorted by path; hidden entries are ignored.
+fn walk_sorted(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let rd = fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?;
+        for e in rd {
+            let e = e.map_err(|e| Error::io(d.display(), e))?;
+            if e.file_name().to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let p = e.path();
+            let ft = e.file_type().map_err(|err| Error::io(p.display(), err))?;
+            if ft.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn rel_of(base: &Path, p: &Path) -> String {
+    p.strip_prefix(base).unwrap_or(p).to_string_lossy().into_owned()
+}
+
+fn file_size(p: &Path) -> Result<u64> {
+    Ok(fs::metadata(p).map_err(|e| Error::io(p.display(), e))?.len())
+}
+
+/// Collects per-item scan results, skipping or failing on errors in input order.
+fn gather<T>(results: Vec<(String, Result<T>)>, skip_bad: bool, skipped: &mut Skipped) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(results.len());
+    for (what, r) in results {
+        match r {
+            Ok(v) => out.push(v),
+            Err(e) if skip_bad => skipped.push((what, reason_of(&e))),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+fn scan_yolo(src: &Path, skip_bad: bool, skipped: &mut Skipped) -> Result<(Schema, Map<String, Json>, Vec<Item>)> {
+    let images = src.join("images");
+    let labels = src.join("labels");
+    let files = walk_sorted(&images)?;
+    let results: Vec<(String, Result<Item>)> = files
+        .par_iter()
+        .map(|p| {
+            let rel = rel_of(src, p);
+            let r = (|| {
+                let size = file_size(p)?;
+                let label = labels.join(p.strip_prefix(&images).unwrap_or(p)).with_extension("txt");
+                let boxes = match fs::read_to_string(&label) {
+                    Ok(t) => parse_yolo_labels(&t, &label)?,
+                    // No label file is YOLO's way of saying "no objects".
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => "[]".to_owned(),
+                    Err(e) => return Err(Error::io(label.display(), e)),
+                };
+                Ok(Item {
+                    size: size + boxes.len() as u64 + rel.len() as u64 + 64,
+                    rel: rel.clone(),
+                    path: p.clone(),
+                    extra: Extra::Boxes(boxes),
+                })
+            })();
+            (rel, r)
+        })
+        .collect();
+    let items = gather(results, skip_bad, skipped)?;
+    let schema = Schema::new([
+        ("image", ColumnType::Bytes),
+        ("path", ColumnType::Str),
+        ("width", ColumnType::Int64),
+        ("height", ColumnType::Int64),
+        ("boxes", ColumnType::Json),
+    ])?;
+    let mut meta = Map::new();
+    if let Some(names) = read_yolo_names(&src.join("data.yaml")) {
+        meta.insert("classes".into(), Json::from(names));
+    }
+    meta.insert(
+        "boxes_format".into(),
+        Json::from("[[class, cx, cy, w, h], ...] normalised to [0, 1]"),
+    );
+    Ok((schema, meta, items))
+}
+
+/// Parses YOLO label text into compact JSON `[[class, cx, cy, w, h], ...]`.
+pub fn parse_yolo_labels(text: &str, path: &Path) -> Result<String> {
+    let mut boxes = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let what = || format!("{}:{}", path.display(), n + 1);
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() != 5 {
+            return Err(Error::invalid(
+                what(),
+                format!("expected 'class cx cy w h', found {} fields", f.len()),
+            ));
+        }
+        let class: u32 = f[0]
+            .parse()
+            .map_err(|_| Error::invalid(what(), format!("class {:?} is not a non-negative integer", f[0])))?;
+        let mut b = vec![Json::from(class)];
+        for v in &f[1..] {
+            let x: f64 = v
+                .parse()
+                .map_err(|_| Error::invalid(what(), format!("{v:?} is not a number")))?;
+            if !(-1e-6..=1.0 + 1e-6).contains(&x) {
+                return Err(Error::invalid(what(), format!("{v} is outside [0, 1]")));
+            }
+            b.push(Json::from(x));
+        }
+        boxes.push(Json::Array(b));
+    }
+    Ok(Json::Array(boxes).to_string())
+}
+
+/// Class names from a YOLO `data.yaml`: `names: [a, b]`, a block list, or `0: a` pairs.
+fn read_yolo_names(path: &Path) -> Option<Vec<String>> {
+    let text = fs::read_to_string(path).ok()?;
+    let mut lines = text.lines().peekable();
+    while let Some(l) = lines.next() {
+        let Some(rest) = l.trim_start().strip_prefix("names:") else {
+            continue;
+        };
+        let rest = rest.trim();
+        let clean = |s: &str| s.trim().trim_matches(|c| c == '\'' || c == '"').to_owned();
+        if let Some(inner) = rest.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            return Some(inner.split(',').map(clean).filter(|s| !s.is_empty()).collect());
+        }
+        let mut names = Vec::new();
+        while let Some(n) = lines.peek() {
+            let t = n.trim();
+            if let Some(item) = t.strip_prefix("- ") {
+                names.push(clean(item));
+            } else if let Some((k, v)) = t.split_once(':').filter(|(k, _)| k.trim().parse::<u32>().is_ok()) {
+                let _ = k;
+                names.push(clean(v));
+            } else {
+                break;
+            }
+            lines.next();
+        }
+        return (!names.is_empty()).then_some(names);
+    }
+    None
+}
+
+fn scan_imagefolder(
+    src: &Path,
+    skip_bad: bool,
+    skipped: &mut Skipped,
+) -> Result<(Schema, Map<String, Json>, Vec<Item>)> {
+    let mut classes: Vec<String> = Vec::new();
+    let mut loose = Vec::new();
+    let mut entries: Vec<_> = fs::read_dir(src)
+        .map_err(|e| Error::io(src.display(), e))?
+        .collect::<std::io::Result<_>>()
+        .map_err(|e| Error::io(src.display(), e))?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        if e.path().is_dir() {
+            classes.push(name);
+        } else {
+            loose.push(e.path());
+        }
+    }
+    let mut results = Vec::new();
+    for p in loose {
+        let rel = rel_of(src, &p);
+        results.push((
+            rel.clone(),
+            Err(Error::invalid(
+                p.display().to_string(),
+                "file is not inside a class folder",
+            )),
+        ));
+    }
+    let mut files = Vec::new();
+    for (ci, c) in classes.iter().enumerate() {
+        for p in walk_sorted(&src.join(c))? {
+            files.push((ci as i64, p));
+        }
+    }
+    results.extend(
+        files
+            .par_iter()
+            .map(|(ci, p)| {
+                let rel = rel_of(src, p);
+                let r = file_size(p).map(|size| Item {
+                    size: size + rel.len() as u64 + 64,
+                    rel: rel.clone(),
+                    path: p.clone(),
+                    extra: Extra::Label(*ci),
+                });
+                (rel, r)
+            })
+            .collect::<Vec<_>>(),
+    );
+    let items = gather(results, skip_bad, skipped)?;
+    let schema = Schema::new([
+        ("image", ColumnType::Bytes),
+        ("label", ColumnType::Int64),
+        ("path", ColumnType::Str),
+        ("width", ColumnType::Int64),
+        ("height", ColumnType::Int64),
+    ])?;
+    let mut meta = Map::new();
+    meta.insert("classes".into(), Json::from(classes));
+    Ok((schema, meta, items))
+}
+
+fn json_type(v: &Json) -> ColumnType {
+    match v {
+        Json::Number(n) if n.is_i64() => ColumnType::Int64,
+        Json::Number(n) if n.is_f64() => ColumnType::Float64,
+        Json::String(_) => ColumnType::Str,
+        _ => ColumnType::Json,
+    }
+}
+
+fn scan_jsonl(src: &Path, skip_bad: bool, skipped: &mut Skipped) -> Result<(Schema, Map<String, Json>, Vec<Item>)> {
+    let text = fs::read_to_string(src).map_err(|e| Error::io(src.display(), e))?;
+    let lines: Vec<(usize, &str)> = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()).collect();
+    let parsed: Vec<(String, Result<Map<String, Json>>)> = lines
+        .par_iter()
+        .map(|(n, l)| {
+            let what = format!("{}:{}", src.display(), n + 1);
+            let r = match serde_json::from_str::<Json>(l) {
+                Ok(Json::Object(m)) if !m.is_empty() => Ok(m),
+                Ok(_) => Err(Error::invalid(what.clone(), "line is not a non-empty JSON object")),
+                Err(e) => Err(Error::invalid(what.clone(), format!("invalid JSON: {e}"))),
+            };
+            (what, r)
+        })
+        .collect();
+    let mut rows_in = Vec::new();
+    let mut errs = Vec::new();
+    for (w, r) in parsed {
+        match r {
+            Ok(m) => rows_in.push((w, m)),
+            Err(e) => errs.push((w, Err::<(), _>(e))),
+        }
+    }
+    // Errors surface in line order, before any schema inference.
+    gather(errs, skip_bad, skipped)?;
+    let Some((_, first)) = rows_in.first() else {
+        return Err(Error::invalid(src.display().to_string(), "no JSON objects found"));
+    };
+    let schema = Schema::new(first.iter().map(|(k, v)| (k.clone(), json_type(v))))?;
+    let mut results = Vec::new();
+    for (what, m) in rows_in {
+        let r = (|| {
+            if m.len() != schema.columns.len() || schema.columns.iter().any(|c| !m.contains_key(&c.name)) {
+                let keys: Vec<&String> = m.keys().collect();
+                return Err(Error::invalid(
+                    what.clone(),
+                    format!("keys {keys:?} differ from the first line's ({})", schema.describe()),
+                ));
+            }
+            let mut vals = Vec::with_capacity(m.len());
+            let mut size = 0u64;
+            for c in &schema.columns {
+                let v = &m[&c.name];
+                let val = match (c.ty, v) {
+                    (ColumnType::Int64, Json::Number(n)) if n.is_i64() => Value::Int64(n.as_i64().expect("i64")),
+                    (ColumnType::Float64, Json::Number(n)) => Value::Float64(n.as_f64().expect("f64")),
+                    (ColumnType::Str, Json::String(s)) => Value::Str(s.clone()),
+                    (ColumnType::Json, v) if json_type(v) == ColumnType::Json => Value::Json(v.to_string()),
+                    _ => {
+                        return Err(Error::invalid(
+                            what.clone(),
+                            format!(
+                                "column {:?} is {} in the first line, but this value is {v}",
+                                c.name,
+                                c.ty.name()
+                            ),
+                        ))
+                    }
+                };
+                size += ramjet_engine::format::encoded_len(std::slice::from_ref(&val));
+                vals.push(val);
+            }
+            Ok(Item {
+                rel: what.clone(),
+                path: src.to_path_buf(),
+                size,
+                extra: Extra::Row(vals),
+            })
+        })();
+        results.push((what, r));
+    }
+    let items = gather(results, skip_bad, skipped)?;
+    let mut meta = Map::new();
+    meta.insert(
+        "source_file".into(),
+        Json::from(
+            src.file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        ),
+    );
+    Ok((schema, meta, items))
+}
