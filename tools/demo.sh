@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ramjet's main job on an embedded default: installs what it needs, starts the local S3
 # server, generates the synthetic YOLO dataset (5,315 photo-like images), packs it into
-# s3://$RAMJET_S3_BUCKET/demo, verifies every checksum, and prints a summary.
+# s3://$RAMJET_S3_BUCKET/demo, verifies every checksum, streams it through the engine twice
+# (cold: empty node-local cache; warm: from the cache), and prints a summary.
 #
 # Usage: tools/demo.sh          (RAMJET_DEMO_SAMPLES=N for another size)
 set -euo pipefail
@@ -42,6 +43,13 @@ t2=$(now)
 "$ramjet" verify "$url"
 t3=$(now)
 "$ramjet" inspect "$url"
+cache="$RAMJET_STATE/demo/cache"
+rm -rf "$cache"
+echo
+echo "demo: streaming epoch 1 (cold: empty node-local cache at $cache)"
+"$ramjet" stream "$url" --cache-dir "$cache" --cache-limit 4GiB | tee "$RAMJET_STATE/demo/cold.txt"
+echo "demo: streaming epoch 2 (warm: from the cache)"
+"$ramjet" stream "$url" --cache-dir "$cache" --cache-limit 4GiB | tee "$RAMJET_STATE/demo/warm.txt"
 
 echo
 echo "demo summary"
@@ -49,3 +57,6 @@ echo "  dataset   $samples synthetic 640x480 JPEGs with YOLO boxes ($src)"
 echo "  synth     $(secs "$t0" "$t1") s"
 echo "  pack      $(secs "$t1" "$t2") s -> $url (local S3 at $AWS_ENDPOINT_URL)"
 echo "  verify    $(secs "$t2" "$t3") s, every shard and sample checksum OK"
+echo "  stream    cold: $(head -1 "$RAMJET_STATE/demo/cold.txt" | sed 's/^stream: //')"
+echo "            warm: $(head -1 "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream: //')"
+echo "            warm: $(sed -n 2p "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream: //')"

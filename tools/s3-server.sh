@@ -8,6 +8,8 @@
 #
 # Settings (tools/env.sh): RAMJET_S3_HOST, RAMJET_S3_PORT, RAMJET_S3_BUCKET,
 # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. Data lives in $RAMJET_STATE/s3-$RAMJET_S3_PORT.
+# The server's other ports are the S3 port + 1 (master), + 2 (volume), + 3 (filer),
+# + 4 (admin), and those + 10000 (gRPC), so two servers on S3 ports 100 apart never collide.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
@@ -42,8 +44,11 @@ start() {
   fi
   mkdir -p "$dir/data"
   # A new session, so the server outlives this shell and is stopped only by PID.
+  # Every port derives from the S3 port, so servers on different S3 ports never collide.
+  local p="$RAMJET_S3_PORT"
   setsid "$weed" mini -dir="$dir/data" -ip="$RAMJET_S3_HOST" -ip.bind="$RAMJET_S3_HOST" \
-    -s3.port="$RAMJET_S3_PORT" -bucket="$RAMJET_S3_BUCKET" \
+    -s3.port="$p" -master.port=$((p + 1)) -volume.port=$((p + 2)) -filer.port=$((p + 3)) \
+    -admin.port=$((p + 4)) -bucket="$RAMJET_S3_BUCKET" \
     -webdav=false -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 \
     >"$log" 2>&1 < /dev/null &
   echo $! > "$pidfile"

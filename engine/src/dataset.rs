@@ -105,12 +105,19 @@ impl Dataset {
         &self.store
     }
 
-    /// Downloads shard `i` whole and checks its size, structure and whole-shard checksum
-    /// against the manifest. Returns the bytes only when they are sound.
+    /// Downloads shard `i` whole and checks it (see [`Dataset::check_shard`]). Returns the
+    /// bytes only when they are sound.
     pub async fn fetch_shard(&self, i: usize) -> Result<Bytes> {
+        let bytes = self.store.get(&self.manifest.shards[i].key).await?;
+        self.check_shard(i, &bytes)?;
+        Ok(bytes)
+    }
+
+    /// Checks shard `i`'s bytes against the manifest: size, structure, whole-shard checksum
+    /// (footer and manifest) and schema.
+    pub fn check_shard(&self, i: usize, bytes: &[u8]) -> Result<()> {
         let info = &self.manifest.shards[i];
         let url = self.store.url(&info.key);
-        let bytes = self.store.get(&info.key).await?;
         if (bytes.len() as u64) < info.bytes {
             return Err(Error::Truncated {
                 object: url,
@@ -118,10 +125,8 @@ impl Dataset {
                 actual: bytes.len() as u64,
             });
         }
-        let view = ShardView::parse(&bytes, &url)?;
+        let view = ShardView::parse(bytes, &url)?;
         let sum = view.check_checksum()?;
-        let found_schema = view.schema().clone();
-        drop(view);
         let expect = info.checksum_u64().expect("validated by Manifest::parse");
         if sum != expect || bytes.len() as u64 != info.bytes {
             return Err(Error::corrupt(
@@ -133,14 +138,21 @@ impl Dataset {
                 ),
             ));
         }
-        if found_schema != self.manifest.schema {
+        if view.schema() != &self.manifest.schema {
             return Err(Error::SchemaMismatch {
-                object: url,
+                object: url.clone(),
                 expected: self.manifest.schema.describe(),
-                found: found_schema.describe(),
+                found: view.schema().describe(),
             });
         }
-        Ok(bytes)
+        Ok(())
+    }
+
+    /// Byte offset of the first record in every shard of this dataset: the header, the index
+    /// and the schema (which every shard shares with the manifest) come first.
+    pub fn data_offset(&self, shard: usize) -> u64 {
+        crate::format::Header::entry_offset(self.manifest.shards[shard].samples)
+            + self.manifest.schema.to_canonical_json().len() as u64
     }
 
     /// Re-reads every shard and checks every checksum: shard sizes, whole-shard checksums,

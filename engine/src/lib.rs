@@ -6,12 +6,17 @@
 //! peer. See `docs/architecture.md`.
 #![deny(missing_docs)]
 
+pub mod cache;
 pub mod dataset;
 pub mod decode;
 pub mod error;
 pub mod format;
+pub mod metrics;
+pub mod order;
 pub mod store;
+pub mod stream;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};
 pub use error::{Error, Location, Result};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
+pub use stream::{Sample, SourceConfig, Stream, StreamConfig, StreamState};

@@ -1,0 +1,126 @@
+//! Streaming engine throughput against baselines measured in the same run.
+//!
+//! Targets (issue: streaming engine):
+//! - warm epoch of raw bytes (no decode) at least 0.9x the rate of `cat`-ing the same cache
+//!   files to /dev/null;
+//! - cold epoch from the local S3 at least 0.9x the rate of fetching the same shard objects
+//!   whole with N parallel GETs through the same client;
+//! - time to first sample, cold, under 0.25 s.
+//!
+//! `cargo bench -p ramjet-benches --bench stream` (5,315 images); under `cargo test` it runs
+//! once on 200 images. Needs the local S3 server, which it starts (tools/s3-server.sh).
+
+use std::process::Command;
+use std::time::Instant;
+
+use futures::stream::{self, StreamExt};
+use ramjet_benches::{full_run, save_results, synth_dataset};
+use ramjet_engine::cache::CacheConfig;
+use ramjet_engine::order::{OrderSpec, Shuffle};
+use ramjet_engine::{Dataset, Stream, StreamConfig};
+
+const PARALLEL_GETS: usize = 4;
+
+fn epoch(cfg: &StreamConfig) -> (f64, f64, u64, ramjet_engine::metrics::MetricsSnapshot) {
+    let t0 = Instant::now();
+    let mut s = Stream::open(cfg.clone()).expect("open stream");
+    let mut first = 0.0;
+    let mut bytes = 0u64;
+    let mut n = 0u64;
+    while let Some(x) = s.next_sample().expect("sample") {
+        if n == 0 {
+            first = t0.elapsed().as_secs_f64();
+        }
+        n += 1;
+        bytes += x.record.len() as u64;
+    }
+    (t0.elapsed().as_secs_f64(), first, bytes, s.metrics())
+}
+
+fn main() {
+    let full = full_run();
+    let n = if full { 5315 } else { 200 };
+    let s3 = ramjet_tests::s3();
+    let src = synth_dataset(n);
+    let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    if rt.block_on(Dataset::open(&url)).is_err() {
+        ramjet_tools::pack::pack(&src, &url, &Default::default(), &indicatif::ProgressBar::hidden()).expect("pack");
+    }
+    let ds = rt.block_on(Dataset::open(&url)).unwrap();
+    let total = ds.manifest().bytes;
+    let mib = total as f64 / (1 << 20) as f64;
+
+    // Baseline 1: the same shard objects, whole, N parallel GETs, same client.
+    let t0 = Instant::now();
+    let got: u64 = rt.block_on(async {
+        stream::iter(ds.manifest().shards.iter())
+            .map(|s| ds.store().get(&s.key))
+            .buffer_unordered(PARALLEL_GETS)
+            .map(|b| b.expect("GET").len() as u64)
+            .fold(0, |a, b| async move { a + b })
+            .await
+    });
+    let gets_s = t0.elapsed().as_secs_f64();
+    assert_eq!(got, total);
+
+    let cache = tempfile::tempdir_in(ramjet_benches::bench_dir()).unwrap();
+    let mut cfg = StreamConfig::new(url.clone());
+    cfg.cache = Some(CacheConfig::new(cache.path(), 64 << 30));
+    cfg.order = OrderSpec {
+        shuffle: Shuffle::None,
+        ..Default::default()
+    };
+    let (cold_s, ttfs, bytes, cold_m) = epoch(&cfg);
+    let (warm_s, warm_first, _, warm_m) = epoch(&cfg);
+
+    // Baseline 2: cat of the same cache files.
+    let files: Vec<_> = std::fs::read_dir(cache.path().join("shards"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    let t0 = Instant::now();
+    let ok = Command::new("cat")
+        .args(&files)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let cat_s = t0.elapsed().as_secs_f64();
+
+    let cold_ratio = gets_s / cold_s;
+    let warm_ratio = cat_s / warm_s;
+    println!(
+        "stream benchmark: {n} samples, {mib:.0} MiB in {} shards, cache I/O {}",
+        ds.manifest().shards.len(),
+        ramjet_engine::cache::io::detect().name()
+    );
+    println!("| scenario | time (s) | MiB/s | baseline | baseline time (s) | ratio (target) |");
+    println!("|---|---|---|---|---|---|");
+    println!("| cold epoch, local S3 | {cold_s:.3} | {:.0} | {PARALLEL_GETS} parallel whole-object GETs | {gets_s:.3} | {cold_ratio:.2}x (>= 0.90) |", mib / cold_s);
+    println!("| warm epoch, local cache | {warm_s:.3} | {:.0} | cat of the cache files | {cat_s:.3} | {warm_ratio:.2}x (>= 0.90) |", mib / warm_s);
+    println!("time to first sample, cold: {ttfs:.3} s (target < 0.25 s); warm: {warm_first:.3} s");
+    println!(
+        "cold: {} origin requests, {} samples by ranged GET; warm: hit rate {:.0}%, {} origin bytes",
+        cold_m.origin_requests,
+        cold_m.ranged_samples,
+        warm_m.hit_rate * 100.0,
+        warm_m.origin_bytes
+    );
+    assert_eq!(
+        bytes, warm_m.sample_bytes,
+        "warm and cold epochs delivered different bytes"
+    );
+    save_results(
+        if full { "stream" } else { "stream-quick" },
+        &serde_json::json!({
+            "samples": n, "bytes": total, "gets_seconds": gets_s, "cold_seconds": cold_s, "cold_ratio": cold_ratio,
+            "cat_seconds": cat_s, "warm_seconds": warm_s, "warm_ratio": warm_ratio, "ttfs_cold_seconds": ttfs,
+            "ttfs_warm_seconds": warm_first, "warm_hit_rate": warm_m.hit_rate,
+        }),
+    );
+}

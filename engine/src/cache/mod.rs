@@ -1,0 +1,472 @@
+//! The node-local shard cache: one directory shared by every process on the host.
+//!
+//! Layout under the cache directory:
+//!
+//! ```text
+//! lock                       flock held while admitting (budget accounting and eviction)
+//! shards/<xxh3>-<bytes>.rjs  complete, verified shards, named by content
+//! tmp/<name>.<pid>.<n>       shards being written (never read; removed if their writer died)
+//! fetch/<name>.lock          flock held by the one process downloading that shard
+//! ```
+//!
+//! Guarantees:
+//! - **Bounded.** The bytes under `shards/` and `tmp/` never exceed `limit_bytes`: room is made
+//!   and the temp file written while holding the admission lock, so every admission sees every
+//!   other's bytes.
+//! - **Crash-safe.** A shard is written to `tmp/`, fsynced, renamed into `shards/`, and the
+//!   directory fsynced. A name in `shards/` always holds a complete file. Temp files of dead
+//!   processes are removed when a cache is opened.
+//! - **Verified.** Every read hashes the whole shard and compares it with the checksum in its
+//!   name; a mismatch deletes the file and reports a miss, so a damaged shard is re-fetched and
+//!   never served.
+//! - **LRU, with a stable resident subset.** Eviction takes the least recently used shard not
+//!   in use (readers hold a shared flock). When the dataset is larger than the budget, plain
+//!   LRU evicts every shard before its next use and the hit rate falls to zero. So a recently
+//!   used shard is evicted only for a shard of higher *priority* (a fixed hash of its checksum):
+//!   over epochs the cache settles on the same highest-priority subset and the hit rate stays
+//!   near budget / dataset. Shards unused for `stale_after_secs` are evicted in plain LRU order.
+//!
+//! The design keeps ownership in one place (`Cache`), so the host daemon can own it later and
+//! serve other processes without changing the on-disk contract.
+
+pub mod io;
+
+use std::fs::{self, File};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::{Error, Result};
+use crate::format::FOOTER_LEN;
+use crate::metrics::Metrics;
+use io::CacheIo;
+
+/// Cache settings.
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    /// The cache directory.
+    pub dir: PathBuf,
+    /// Byte budget of `shards/` plus `tmp/`.
+    pub limit_bytes: u64,
+    /// A shard unused this long is evicted in plain LRU order.
+    pub stale_after_secs: u64,
+}
+
+impl CacheConfig {
+    /// A cache at `dir` holding at most `limit_bytes`.
+    pub fn new(dir: impl Into<PathBuf>, limit_bytes: u64) -> Self {
+        Self {
+            dir: dir.into(),
+            limit_bytes,
+            stale_after_secs: 600,
+        }
+    }
+}
+
+/// A shard's identity in the cache: its content checksum and size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ShardId {
+    /// Whole-shard xxh3-64.
+    pub checksum: u64,
+    /// Size in bytes.
+    pub bytes: u64,
+}
+
+impl ShardId {
+    /// File name in `shards/`.
+    pub fn file_name(&self) -> String {
+        format!("{:016x}-{}.rjs", self.checksum, self.bytes)
+    }
+
+    fn parse(name: &str) -> Option<ShardId> {
+        let stem = name.strip_suffix(".rjs")?;
+        let (c, b) = stem.split_once('-')?;
+        Some(ShardId {
+            checksum: u64::from_str_radix(c, 16).ok()?,
+            bytes: b.parse().ok()?,
+        })
+    }
+
+    /// Admission priority: a fixed pseudo-random rank, the same on every host and run.
+    pub fn priority(&self) -> u64 {
+        xxh3_64(&self.checksum.to_le_bytes())
+    }
+}
+
+/// The cache. Cheap to clone; every clone shares the I/O and metrics.
+#[derive(Clone)]
+pub struct Cache {
+    cfg: CacheConfig,
+    io: Arc<dyn CacheIo>,
+    metrics: Arc<Metrics>,
+    tmp_seq: Arc<AtomicU64>,
+}
+
+/// The host-wide download lock of one shard (see [`Cache::fetch_lock`]); released on drop.
+pub struct FetchGuard(#[allow(dead_code)] FileLock);
+
+/// An flock on a file, released on drop.
+struct FileLock {
+    // Held for the lock: closing the descriptor releases it.
+    _file: File,
+}
+
+impl FileLock {
+    fn acquire(path: &Path, exclusive: bool, block: bool) -> std::io::Result<Option<FileLock>> {
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        Self::on(f, exclusive, block)
+    }
+
+    fn on(f: File, exclusive: bool, block: bool) -> std::io::Result<Option<FileLock>> {
+        let mut op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+        if !block {
+            op |= libc::LOCK_NB;
+        }
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        let r = unsafe { libc::flock(f.as_raw_fd(), op) };
+        if r == 0 {
+            return Ok(Some(FileLock { _file: f }));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            Ok(None)
+        } else {
+            Err(e)
+        }
+    }
+}
+
+impl Cache {
+    /// Opens (creating) the cache directory and removes temp files of dead writers.
+    pub fn open(cfg: CacheConfig, io: Arc<dyn CacheIo>, metrics: Arc<Metrics>) -> Result<Cache> {
+        for sub in ["shards", "tmp", "fetch"] {
+            let d = cfg.dir.join(sub);
+            fs::create_dir_all(&d).map_err(|e| Error::io(d.display(), e))?;
+        }
+        let c = Cache {
+            cfg,
+            io,
+            metrics,
+            tmp_seq: Arc::new(AtomicU64::new(0)),
+        };
+        let _g = c.admission_lock()?;
+        c.remove_dead_temps()?;
+        Ok(c)
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    /// Name of the I/O implementation in use.
+    pub fn io_name(&self) -> &'static str {
+        self.io.name()
+    }
+
+    /// Path of a cached shard (whether or not it is present).
+    pub fn path_of(&self, id: ShardId) -> PathBuf {
+        self.cfg.dir.join("shards").join(id.file_name())
+    }
+
+    fn admission_lock(&self) -> Result<FileLock> {
+        let p = self.cfg.dir.join("lock");
+        FileLock::acquire(&p, true, true)
+            .map_err(|e| Error::io(p.display(), e))?
+            .ok_or_else(|| Error::io(p.display(), std::io::Error::other("lock not granted")))
+    }
+
+    /// Holds the download lock of one shard, so one process on the host fetches it while the
+    /// others wait and then read it from the cache.
+    pub fn fetch_lock(&self, id: ShardId) -> Result<FetchGuard> {
+        let p = self.cfg.dir.join("fetch").join(format!("{}.lock", id.file_name()));
+        FileLock::acquire(&p, true, true)
+            .map_err(|e| Error::io(p.display(), e))?
+            .map(FetchGuard)
+            .ok_or_else(|| Error::io(p.display(), std::io::Error::other("lock not granted")))
+    }
+
+    fn remove_dead_temps(&self) -> Result<()> {
+        let d = self.cfg.dir.join("tmp");
+        for e in fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid = name.rsplit('.').nth(1).and_then(|p| p.parse::<i32>().ok());
+            // SAFETY: kill with signal 0 only checks whether the process exists.
+            let alive = pid.is_some_and(|p| unsafe { libc::kill(p, 0) } == 0);
+            if !alive {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a cached shard, verifying it whole. `Ok(None)` on a miss (the caller counts
+    /// misses); a corrupt or truncated file is deleted, counted, and reported as a miss, never
+    /// returned.
+    pub fn get(&self, id: ShardId) -> Result<Option<Bytes>> {
+        let path = self.path_of(id);
+        let f = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(path.display(), e)),
+        };
+        // Pin against eviction while reading.
+        let _pin = FileLock::on(f.try_clone().map_err(|e| Error::io(path.display(), e))?, false, true)
+            .map_err(|e| Error::io(path.display(), e))?;
+        let (bytes, hash) = match self.io.read_file(&path, FOOTER_LEN as usize) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(path.display(), e)),
+        };
+        // The I/O layer hashed the bytes as they arrived (same function as shard_checksum).
+        let sound = bytes.len() as u64 == id.bytes && hash == Some(id.checksum);
+        if !sound {
+            tracing::warn!(path = %path.display(), "cached shard failed its checksum: deleted, will re-fetch");
+            Metrics::add(&self.metrics.cache_corrupt, 1);
+            let _ = fs::remove_file(&path);
+            return Ok(None);
+        }
+        let _ = f.set_modified(SystemTime::now());
+        Metrics::add(&self.metrics.cache_hits, 1);
+        Metrics::add(&self.metrics.cache_bytes, bytes.len() as u64);
+        Ok(Some(bytes))
+    }
+
+    /// Whether a shard is present (not verified).
+    pub fn contains(&self, id: ShardId) -> bool {
+        self.path_of(id).exists()
+    }
+
+    /// Bytes under `shards/` and `tmp/`.
+    pub fn usage(&self) -> Result<u64> {
+        Ok(self.entries()?.iter().map(|e| e.bytes).sum::<u64>() + self.temp_bytes()?)
+    }
+
+    fn temp_bytes(&self) -> Result<u64> {
+        let d = self.cfg.dir.join("tmp");
+        let mut n = 0;
+        for e in fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?.flatten() {
+            n += e.metadata().map(|m| m.len()).unwrap_or(0);
+        }
+        Ok(n)
+    }
+
+    fn entries(&self) -> Result<Vec<Entry>> {
+        let d = self.cfg.dir.join("shards");
+        let mut out = Vec::new();
+        for e in fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let (Some(id), Ok(m)) = (ShardId::parse(&name), e.metadata()) else {
+                continue;
+            };
+            out.push(Entry {
+                id,
+                bytes: m.len(),
+                used: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                path: e.path(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Stores a verified shard. Returns whether it was admitted; a full disk or a budget full
+    /// of in-use or higher-priority shards means "not admitted", and the caller streams the
+    /// shard from memory instead. Nothing partial is ever visible under `shards/`.
+    pub fn insert(&self, id: ShardId, data: &[u8]) -> Result<bool> {
+        assert_eq!(
+            data.len() as u64,
+            id.bytes,
+            "insert of a shard whose size does not match its id"
+        );
+        let dest = self.path_of(id);
+        if dest.exists() {
+            return Ok(true);
+        }
+        if id.bytes > self.cfg.limit_bytes {
+            Metrics::add(&self.metrics.cache_rejects, 1);
+            return Ok(false);
+        }
+        let tmp = self.cfg.dir.join("tmp").join(format!(
+            "{}.{}.{}",
+            id.file_name(),
+            std::process::id(),
+            self.tmp_seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        {
+            let _g = self.admission_lock()?;
+            if !self.make_room(id)? {
+                Metrics::add(&self.metrics.cache_rejects, 1);
+                return Ok(false);
+            }
+            // Written under the admission lock: no other process admits a shard until this
+            // one's bytes are on disk and counted (as a temp file) by every later scan.
+            if let Err(e) = self.io.write_file(&tmp, data) {
+                let _ = fs::remove_file(&tmp);
+                Metrics::add(&self.metrics.cache_rejects, 1);
+                tracing::warn!(path = %tmp.display(), error = %e, "cache write failed; shard not cached");
+                return Ok(false);
+            }
+        }
+        fs::rename(&tmp, &dest).map_err(|e| Error::io(dest.display(), e))?;
+        let shards = self.cfg.dir.join("shards");
+        if let Ok(d) = File::open(&shards) {
+            let _ = d.sync_all();
+        }
+        Metrics::add(&self.metrics.cache_inserts, 1);
+        Ok(true)
+    }
+
+    /// Evicts until `id` fits, or returns false (evicting nothing) if it cannot.
+    fn make_room(&self, id: ShardId) -> Result<bool> {
+        let mut entries = self.entries()?;
+        let used: u64 = entries.iter().map(|e| e.bytes).sum::<u64>() + self.temp_bytes()?;
+        let limit = self.cfg.limit_bytes;
+        if used + id.bytes <= limit {
+            return Ok(true);
+        }
+        entries.sort_by_key(|e| e.used);
+        let stale_before = SystemTime::now() - Duration::from_secs(self.cfg.stale_after_secs);
+        let mut need = used + id.bytes - limit;
+        let mut victims = Vec::new();
+        for e in entries {
+            if need == 0 {
+                break;
+            }
+            if e.used > stale_before && e.id.priority() >= id.priority() {
+                continue;
+            }
+            let f = match File::open(&e.path) {
+                Ok(f) => f,
+                Err(_) => continue,
+            };
+            // A reader holds a shared lock: in use, not evictable.
+            if let Ok(Some(lock)) = FileLock::on(f, true, false) {
+                need = need.saturating_sub(e.bytes);
+                victims.push((e, lock));
+            }
+        }
+        if need > 0 {
+            return Ok(false);
+        }
+        for (e, _lock) in victims {
+            if fs::remove_file(&e.path).is_ok() {
+                Metrics::add(&self.metrics.cache_evictions, 1);
+            }
+        }
+        Ok(true)
+    }
+}
+
+struct Entry {
+    id: ShardId,
+    bytes: u64,
+    used: SystemTime,
+    path: PathBuf,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{ColumnType, Schema, ShardBuilder, Value};
+
+    fn shard(tag: u8, n: usize) -> (ShardId, Vec<u8>) {
+        let mut b = ShardBuilder::new(Schema::new([("x", ColumnType::Bytes)]).unwrap());
+        for i in 0..n {
+            b.push(&[Value::Bytes(vec![tag; 1000 + i])], "t").unwrap();
+        }
+        let s = b.finish();
+        (
+            ShardId {
+                checksum: s.checksum,
+                bytes: s.bytes.len() as u64,
+            },
+            s.bytes,
+        )
+    }
+
+    fn cache(dir: &Path, limit: u64, io: Arc<dyn CacheIo>) -> Cache {
+        Cache::open(CacheConfig::new(dir, limit), io, Arc::default()).unwrap()
+    }
+
+    #[test]
+    fn round_trip_and_corruption_is_a_miss() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cache(d.path(), 1 << 20, io::detect());
+        let (id, data) = shard(1, 10);
+        assert!(c.get(id).unwrap().is_none());
+        assert!(c.insert(id, &data).unwrap());
+        assert_eq!(&c.get(id).unwrap().unwrap()[..], &data[..]);
+        // Flip a byte in the real file.
+        let p = c.path_of(id);
+        let mut b = fs::read(&p).unwrap();
+        b[500] ^= 1;
+        fs::write(&p, b).unwrap();
+        assert!(c.get(id).unwrap().is_none(), "a corrupt shard was served");
+        assert!(!p.exists(), "the corrupt file was not removed");
+        assert_eq!(c.metrics.cache_corrupt.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn budget_holds_and_admission_prefers_a_stable_subset() {
+        let d = tempfile::tempdir().unwrap();
+        let shards: Vec<_> = (0..12u8).map(|t| shard(t, 20)).collect();
+        let size = shards[0].0.bytes;
+        let c = cache(d.path(), size * 4 + size / 2, io::detect());
+        // Three passes over 12 shards with room for 4: after the first pass the resident set
+        // must stop changing (no thrash), and usage never exceeds the budget.
+        let mut resident_after = Vec::new();
+        for _pass in 0..3 {
+            for (id, data) in &shards {
+                if c.get(*id).unwrap().is_none() {
+                    c.insert(*id, data).unwrap();
+                }
+                assert!(c.usage().unwrap() <= c.config().limit_bytes);
+            }
+            let mut r: Vec<u64> = c.entries().unwrap().iter().map(|e| e.id.checksum).collect();
+            r.sort();
+            resident_after.push(r);
+        }
+        assert_eq!(resident_after[1], resident_after[2], "resident set still churning");
+        assert_eq!(resident_after[2].len(), 4);
+        // The resident ones are the 4 highest-priority shards.
+        let mut by_prio: Vec<&(ShardId, Vec<u8>)> = shards.iter().collect();
+        by_prio.sort_by_key(|(id, _)| std::cmp::Reverse(id.priority()));
+        let mut top: Vec<u64> = by_prio[..4].iter().map(|(id, _)| id.checksum).collect();
+        top.sort();
+        assert_eq!(resident_after[2], top);
+    }
+
+    #[test]
+    fn a_full_disk_is_not_admitted_and_leaves_nothing_partial() {
+        let d = tempfile::tempdir().unwrap();
+        let faulty = Arc::new(io::FaultyIo::new(io::detect()));
+        faulty.faults.enospc_writes.store(1, Ordering::SeqCst);
+        let c = cache(d.path(), 1 << 20, faulty);
+        let (id, data) = shard(3, 5);
+        assert!(!c.insert(id, &data).unwrap());
+        assert!(!c.contains(id));
+        assert_eq!(fs::read_dir(d.path().join("tmp")).unwrap().count(), 0);
+        assert!(c.insert(id, &data).unwrap(), "the next write succeeds");
+    }
+
+    #[test]
+    fn temps_of_dead_writers_are_removed_on_open() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir_all(d.path().join("tmp")).unwrap();
+        // PID 0x7ffffffe is never a live process.
+        let dead = d.path().join("tmp/abc-10.rjs.2147483646.0");
+        fs::write(&dead, b"partial").unwrap();
+        cache(d.path(), 1 << 20, io::detect());
+        assert!(!dead.exists());
+    }
+}

@@ -1,0 +1,145 @@
+//! Counters every other module reports into, and their snapshot.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// Live counters. Cheap to update from any thread (relaxed atomics).
+#[derive(Debug)]
+pub struct Metrics {
+    started: Instant,
+    /// Bytes fetched from the origin.
+    pub origin_bytes: AtomicU64,
+    /// Requests sent to the origin (GETs, ranged or whole).
+    pub origin_requests: AtomicU64,
+    /// Shards read whole from the local cache.
+    pub cache_hits: AtomicU64,
+    /// Bytes read from the local cache.
+    pub cache_bytes: AtomicU64,
+    /// Shards not found in the local cache.
+    pub cache_misses: AtomicU64,
+    /// Shards admitted into the local cache.
+    pub cache_inserts: AtomicU64,
+    /// Shards not admitted (budget full of higher-priority or in-use shards, or a write failed).
+    pub cache_rejects: AtomicU64,
+    /// Shards evicted.
+    pub cache_evictions: AtomicU64,
+    /// Cached shards found corrupt on read (deleted and re-fetched).
+    pub cache_corrupt: AtomicU64,
+    /// Samples fetched individually with ranged GETs (fast first batch, random access).
+    pub ranged_samples: AtomicU64,
+    /// Samples delivered to the consumer.
+    pub samples: AtomicU64,
+    /// Sample bytes delivered.
+    pub sample_bytes: AtomicU64,
+    /// Nanoseconds the consumer waited for data.
+    pub wait_ns: AtomicU64,
+    /// Time to the first delivered sample, in nanoseconds (0 until then).
+    pub first_sample_ns: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            started: Instant::now(),
+            origin_bytes: AtomicU64::new(0),
+            origin_requests: AtomicU64::new(0),
+            cache_hits: AtomicU64::new(0),
+            cache_bytes: AtomicU64::new(0),
+            cache_misses: AtomicU64::new(0),
+            cache_inserts: AtomicU64::new(0),
+            cache_rejects: AtomicU64::new(0),
+            cache_evictions: AtomicU64::new(0),
+            cache_corrupt: AtomicU64::new(0),
+            ranged_samples: AtomicU64::new(0),
+            samples: AtomicU64::new(0),
+            sample_bytes: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
+            first_sample_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+/// A consistent-enough copy of the counters, with derived rates.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct MetricsSnapshot {
+    /// Seconds since the metrics were created.
+    pub elapsed_s: f64,
+    /// Bytes from the origin.
+    pub origin_bytes: u64,
+    /// Requests to the origin.
+    pub origin_requests: u64,
+    /// Shard reads served by the local cache.
+    pub cache_hits: u64,
+    /// Bytes from the local cache.
+    pub cache_bytes: u64,
+    /// Shard reads that missed the local cache.
+    pub cache_misses: u64,
+    /// Shards admitted.
+    pub cache_inserts: u64,
+    /// Shards not admitted.
+    pub cache_rejects: u64,
+    /// Shards evicted.
+    pub cache_evictions: u64,
+    /// Corrupt cached shards found (and re-fetched).
+    pub cache_corrupt: u64,
+    /// Samples fetched with ranged GETs.
+    pub ranged_samples: u64,
+    /// Samples delivered.
+    pub samples: u64,
+    /// Sample bytes delivered.
+    pub sample_bytes: u64,
+    /// Seconds the consumer waited for data.
+    pub wait_s: f64,
+    /// Seconds to the first sample.
+    pub first_sample_s: f64,
+    /// cache_hits / (cache_hits + cache_misses).
+    pub hit_rate: f64,
+    /// Samples per second since creation.
+    pub samples_per_s: f64,
+    /// Sample bytes per second since creation.
+    pub bytes_per_s: f64,
+}
+
+impl Metrics {
+    /// Records the first sample's time, once.
+    pub fn mark_first_sample(&self) {
+        let ns = self.started.elapsed().as_nanos().max(1) as u64;
+        let _ = self.first_sample_ns.compare_exchange(0, ns, Relaxed, Relaxed);
+    }
+
+    /// Adds `n` to a counter.
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Relaxed);
+    }
+
+    /// A snapshot.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let g = |c: &AtomicU64| c.load(Relaxed);
+        let elapsed_s = self.started.elapsed().as_secs_f64();
+        let (hits, misses) = (g(&self.cache_hits), g(&self.cache_misses));
+        MetricsSnapshot {
+            elapsed_s,
+            origin_bytes: g(&self.origin_bytes),
+            origin_requests: g(&self.origin_requests),
+            cache_hits: hits,
+            cache_bytes: g(&self.cache_bytes),
+            cache_misses: misses,
+            cache_inserts: g(&self.cache_inserts),
+            cache_rejects: g(&self.cache_rejects),
+            cache_evictions: g(&self.cache_evictions),
+            cache_corrupt: g(&self.cache_corrupt),
+            ranged_samples: g(&self.ranged_samples),
+            samples: g(&self.samples),
+            sample_bytes: g(&self.sample_bytes),
+            wait_s: g(&self.wait_ns) as f64 / 1e9,
+            first_sample_s: g(&self.first_sample_ns) as f64 / 1e9,
+            hit_rate: if hits + misses == 0 {
+                0.0
+            } else {
+                hits as f64 / (hits + misses) as f64
+            },
+            samples_per_s: g(&self.samples) as f64 / elapsed_s.max(1e-9),
+            bytes_per_s: g(&self.sample_bytes) as f64 / elapsed_s.max(1e-9),
+        }
+    }
+}

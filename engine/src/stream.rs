@@ -1,0 +1,777 @@
+//! The stream of samples for one consumer (rank, worker) of a training job.
+//!
+//! ```text
+//!  prefetcher (tokio task)                                   consumer (caller's thread)
+//!  for each epoch: global order -> this consumer's positions   next():
+//!    -> shards in first-use order                               position -> (stream, shard, sample)
+//!    -> fetch: cache -> origin (parallel ranged GETs, verified)  shard live? slice its record
+//!    -> send in order, at most `prefetch_shards` ahead  ──────►  else: ranged GET of the sample while
+//!  (runs on into the next epoch, so the boundary has no stall)        the first shard downloads, or wait
+//! ```
+//!
+//! Shards arrive in the order of their first use, so the consumer never waits on a shard
+//! queued behind one it does not need yet; a shard is dropped from memory after its last use
+//! in the epoch. With the locality-preserving shuffle, at most `partitions x window_shards`
+//! shards are live. The full global shuffle would need every shard live at once, so in that
+//! mode samples are read one by one (from the disk cache, or with two ranged GETs) while the
+//! prefetcher fills the disk cache ahead.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::stream::{self, StreamExt};
+use tokio::sync::mpsc;
+
+use crate::cache::{io as cache_io, Cache, CacheConfig, ShardId};
+use crate::dataset::Dataset;
+use crate::error::{Error, Location, Result};
+use crate::format::{decode_record, IndexEntry, Schema, ShardReader, ValueRef, INDEX_ENTRY_LEN};
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::order::{
+    at_position, effective_len, global_order, EpochProgress, OrderSpec, SampleRef, Shuffle, StreamShape, Topology,
+    Weight,
+};
+
+/// One input dataset and its mixing weight.
+#[derive(Debug, Clone)]
+pub struct SourceConfig {
+    /// Dataset URL (prefix or manifest).
+    pub url: String,
+    /// Mixing weight.
+    pub weight: Weight,
+}
+
+/// Settings of a [`Stream`].
+#[derive(Debug, Clone)]
+pub struct StreamConfig {
+    /// Input datasets.
+    pub sources: Vec<SourceConfig>,
+    /// Sample order.
+    pub order: OrderSpec,
+    /// Which consumer this is.
+    pub topology: Topology,
+    /// Node-local cache; `None` streams from the origin only.
+    pub cache: Option<CacheConfig>,
+    /// Bytes of shards fetched ahead of the consumer.
+    pub prefetch_bytes_max: u64,
+    /// Whole shards are fetched as parallel ranged GETs of this size.
+    pub range_bytes: u64,
+    /// Ranged GETs in flight per shard.
+    pub ranges_in_flight_max: usize,
+    /// Shards fetched at once.
+    pub shards_in_flight_max: usize,
+    /// At most this many samples are fetched individually (two ranged GETs each) while the
+    /// first shards download, so the first batch costs a few GET latencies.
+    pub first_ranged_samples_max: usize,
+    /// Epochs to run; `None` runs until dropped.
+    pub epochs: Option<u64>,
+    /// Where to start: the job's progress in some epoch (see [`StreamState::job_progress`]).
+    pub resume: Option<ResumePoint>,
+}
+
+impl StreamConfig {
+    /// Defaults for one dataset.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            sources: vec![SourceConfig {
+                url: url.into(),
+                weight: Weight::Natural,
+            }],
+            order: OrderSpec::default(),
+            topology: Topology::default(),
+            cache: None,
+            prefetch_bytes_max: 512 << 20,
+            range_bytes: 8 << 20,
+            ranges_in_flight_max: 4,
+            shards_in_flight_max: 4,
+            first_ranged_samples_max: 64,
+            epochs: Some(1),
+            resume: None,
+        }
+    }
+}
+
+/// A saved position to resume from.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ResumePoint {
+    /// Manifest versions of the sources, in order; resuming on other data is refused.
+    pub versions: Vec<String>,
+    /// The order the progress refers to.
+    pub order: OrderSpec,
+    /// The job's progress.
+    pub progress: EpochProgress,
+}
+
+/// One consumer's position, to save and later combine with the other consumers' states.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StreamState {
+    /// Manifest versions of the sources.
+    pub versions: Vec<String>,
+    /// The order.
+    pub order: OrderSpec,
+    /// This consumer.
+    pub consumer: usize,
+    /// Consumers in the job.
+    pub consumers: usize,
+    /// The progress the current epoch's positions were dealt from.
+    pub base: EpochProgress,
+    /// Length of the current epoch's order (tail-adjusted).
+    pub len: u64,
+    /// Positions of the current deal this consumer has delivered.
+    pub delivered: u64,
+}
+
+impl StreamState {
+    /// The job's progress from the states of all its consumers (taken at the same step).
+    /// With one consumer, pass its state alone.
+    pub fn job_progress(states: &[StreamState]) -> Result<ResumePoint> {
+        let first = states
+            .first()
+            .ok_or_else(|| Error::invalid("stream states", "none given"))?;
+        let c = first.consumers;
+        let mut delivered = vec![0u64; c];
+        for s in states {
+            if s.consumers != c || s.base != first.base || s.versions != first.versions || s.order != first.order {
+                return Err(Error::invalid(
+                    "stream states",
+                    "they come from different jobs, epochs or deals",
+                ));
+            }
+            delivered[s.consumer] = s.delivered;
+        }
+        if states.len() != c {
+            return Err(Error::invalid(
+                "stream states",
+                format!("{} states for {c} consumers", states.len()),
+            ));
+        }
+        let mut progress = first.base.advance(first.len, &delivered);
+        if progress.consumed >= first.len && progress.ahead.is_empty() {
+            progress = EpochProgress {
+                epoch: progress.epoch + 1,
+                consumed: 0,
+                ahead: Vec::new(),
+            };
+        }
+        Ok(ResumePoint {
+            versions: first.versions.clone(),
+            order: first.order,
+            progress,
+        })
+    }
+}
+
+/// One delivered sample.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    /// Epoch.
+    pub epoch: u64,
+    /// Position in the epoch's global order.
+    pub position: u64,
+    /// Stream, shard and index in the shard.
+    pub id: SampleRef,
+    /// Index of the sample in its stream's dataset.
+    pub global_index: u64,
+    /// The record bytes (verified against their checksum).
+    pub record: Bytes,
+    schema: Arc<Schema>,
+}
+
+impl Sample {
+    /// The sample's columns.
+    pub fn values(&self) -> Result<Vec<ValueRef<'_>>> {
+        decode_record(
+            &self.schema,
+            &self.record,
+            &Location::sample(format!("stream {}", self.id.stream), self.global_index),
+        )
+    }
+}
+
+struct Source {
+    ds: Dataset,
+    starts: Vec<u64>,
+    ids: Vec<ShardId>,
+    schema: Arc<Schema>,
+}
+
+/// Cache copies being written in the background at once.
+const INSERTS_IN_FLIGHT_MAX: usize = 2;
+
+struct Shared {
+    inserts: Arc<tokio::sync::Semaphore>,
+    sources: Vec<Source>,
+    cache: Option<Cache>,
+    metrics: Arc<Metrics>,
+    cfg: StreamConfig,
+    shapes: Vec<StreamShape>,
+}
+
+/// One epoch as dealt to this consumer.
+struct EpochPlan {
+    epoch: u64,
+    order: Vec<SampleRef>,
+    len: u64,
+    base: EpochProgress,
+    positions: Vec<u64>,
+}
+
+type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
+
+enum Msg {
+    Epoch(Arc<EpochPlan>),
+    Shard {
+        key: ShardKey,
+        uses: u64,
+        bytes: Result<Bytes>,
+    },
+}
+
+struct Live {
+    bytes: Bytes,
+    header: crate::format::Header,
+    uses_left: u64,
+}
+
+/// The sample stream of one consumer. Iterate with [`Stream::next_sample`] (or as an
+/// `Iterator`) from an ordinary thread; the I/O runs on the stream's own runtime.
+pub struct Stream {
+    rt: tokio::runtime::Runtime,
+    shared: Arc<Shared>,
+    rx: mpsc::Receiver<Msg>,
+    plans: std::collections::VecDeque<Arc<EpochPlan>>,
+    plan: Option<Arc<EpochPlan>>,
+    cursor: usize,
+    live: HashMap<ShardKey, Live>,
+    pending_uses: HashMap<ShardKey, u64>,
+    ranged_left: usize,
+    per_sample: bool,
+    prefetch: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.prefetch.abort();
+        // Let cache copies already handed to the background finish, so a shard this stream
+        // fetched is in the cache for the next one (bounded: a stuck disk does not hang us).
+        let inserts = self.shared.inserts.clone();
+        let _ = self.rt.block_on(async {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(60),
+                inserts.acquire_many(INSERTS_IN_FLIGHT_MAX as u32),
+            )
+            .await
+        });
+    }
+}
+
+impl Stream {
+    /// Opens every source's manifest, checks the resume point, and starts prefetching.
+    pub fn open(cfg: StreamConfig) -> Result<Stream> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("tokio runtime", e))?;
+        let metrics = Arc::new(Metrics::default());
+        let cache = match &cfg.cache {
+            Some(c) => Some(Cache::open(c.clone(), cache_io::detect(), metrics.clone())?),
+            None => None,
+        };
+        let mut sources = Vec::new();
+        for sc in &cfg.sources {
+            let ds = rt.block_on(Dataset::open(&sc.url))?;
+            let m = ds.manifest();
+            let ids = m
+                .shards
+                .iter()
+                .map(|s| ShardId {
+                    checksum: s.checksum_u64().expect("validated"),
+                    bytes: s.bytes,
+                })
+                .collect();
+            sources.push(Source {
+                starts: m.shard_starts(),
+                ids,
+                schema: Arc::new(m.schema.clone()),
+                ds,
+            });
+        }
+        let shapes: Vec<StreamShape> = sources
+            .iter()
+            .zip(&cfg.sources)
+            .map(|(s, sc)| StreamShape {
+                version: s.ds.manifest().version.clone(),
+                shard_samples: s.ds.manifest().shards.iter().map(|x| x.samples).collect(),
+                weight: sc.weight,
+            })
+            .collect();
+        let start = match &cfg.resume {
+            Some(r) => {
+                let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
+                if r.versions != versions {
+                    return Err(Error::invalid(
+                        "resume state",
+                        format!(
+                            "it was saved for manifest versions {:?}, the sources are now {versions:?}",
+                            r.versions
+                        ),
+                    ));
+                }
+                if r.order != cfg.order {
+                    return Err(Error::invalid(
+                        "resume state",
+                        "it was saved for a different order (seed, shuffle or partitions)",
+                    ));
+                }
+                r.progress.clone()
+            }
+            None => EpochProgress::default(),
+        };
+        let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
+        let shared = Arc::new(Shared {
+            inserts: Arc::new(tokio::sync::Semaphore::new(INSERTS_IN_FLIGHT_MAX)),
+            sources,
+            cache,
+            metrics,
+            shapes,
+            cfg: cfg.clone(),
+        });
+        let avg_shard = shared
+            .sources
+            .iter()
+            .flat_map(|s| s.ids.iter().map(|i| i.bytes))
+            .sum::<u64>()
+            .checked_div(shared.sources.iter().map(|s| s.ids.len() as u64).sum::<u64>())
+            .unwrap_or(1)
+            .max(1);
+        let ahead = (cfg.prefetch_bytes_max / avg_shard).clamp(1, 64) as usize;
+        let (tx, rx) = mpsc::channel(ahead);
+        let prefetch = rt.spawn(prefetcher(shared.clone(), start, tx, per_sample));
+        Ok(Stream {
+            rt,
+            shared,
+            rx,
+            plans: Default::default(),
+            plan: None,
+            cursor: 0,
+            live: HashMap::new(),
+            pending_uses: HashMap::new(),
+            ranged_left: cfg.first_ranged_samples_max,
+            per_sample,
+            prefetch,
+        })
+    }
+
+    /// Counters so far.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.shared.metrics.snapshot()
+    }
+
+    /// The live counters (shared with the prefetcher).
+    pub fn metrics_handle(&self) -> Arc<Metrics> {
+        self.shared.metrics.clone()
+    }
+
+    /// This consumer's position, to save.
+    pub fn state(&self) -> Option<StreamState> {
+        let plan = self.plan.as_ref()?;
+        Some(StreamState {
+            versions: self.shared.shapes.iter().map(|s| s.version.clone()).collect(),
+            order: self.shared.cfg.order,
+            consumer: self.shared.cfg.topology.consumer(),
+            consumers: self.shared.cfg.topology.consumers(),
+            base: plan.base.clone(),
+            len: plan.len,
+            delivered: self.cursor as u64,
+        })
+    }
+
+    /// Samples this consumer gets in the current epoch (after tail handling and resume).
+    pub fn epoch_len(&self) -> Option<usize> {
+        self.plan.as_ref().map(|p| p.positions.len())
+    }
+
+    fn recv(&mut self) -> Result<bool> {
+        let t = Instant::now();
+        let msg = self.rx.blocking_recv();
+        Metrics::add(&self.shared.metrics.wait_ns, t.elapsed().as_nanos() as u64);
+        match msg {
+            None => Ok(false),
+            Some(m) => {
+                self.accept(m)?;
+                Ok(true)
+            }
+        }
+    }
+
+    fn accept(&mut self, m: Msg) -> Result<()> {
+        match m {
+            Msg::Epoch(p) => self.plans.push_back(p),
+            Msg::Shard { key, uses, bytes } => {
+                let bytes = bytes?;
+                let used = self.pending_uses.remove(&key).unwrap_or(0);
+                if uses > used {
+                    let src = &self.shared.sources[key.1 as usize];
+                    let url = src.ds.store().url(&src.ds.manifest().shards[key.2 as usize].key);
+                    let header = crate::format::Header::parse(&bytes[..64], &url)?;
+                    self.live.insert(
+                        key,
+                        Live {
+                            bytes,
+                            header,
+                            uses_left: uses - used,
+                        },
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next sample, `Ok(None)` after the last epoch.
+    pub fn next_sample(&mut self) -> Result<Option<Sample>> {
+        loop {
+            let exhausted = self.plan.as_ref().is_none_or(|p| self.cursor >= p.positions.len());
+            if !exhausted {
+                break;
+            }
+            if let Some(p) = self.plans.pop_front() {
+                self.plan = Some(p);
+                self.cursor = 0;
+                continue;
+            }
+            if !self.recv()? {
+                return Ok(None);
+            }
+        }
+        let plan = self.plan.clone().expect("plan set above");
+        let position = plan.positions[self.cursor];
+        let id = at_position(&plan.order, position);
+        let key = (plan.epoch, id.stream, id.shard);
+        let record = if self.per_sample {
+            self.read_one(id)?
+        } else {
+            // Take whatever has already arrived.
+            while let Ok(m) = self.rx.try_recv() {
+                self.accept(m)?;
+            }
+            if !self.live.contains_key(&key) && self.ranged_left > 0 {
+                self.ranged_left -= 1;
+                *self.pending_uses.entry(key).or_default() += 1;
+                self.read_one(id)?
+            } else {
+                while !self.live.contains_key(&key) {
+                    if !self.recv()? {
+                        return Err(Error::invalid("stream", "the prefetcher stopped early"));
+                    }
+                }
+                // Once shards flow, the ranged path is no longer needed.
+                self.ranged_left = 0;
+                let live = self.live.get_mut(&key).expect("present");
+                let rec = slice_record(live, id, &self.shared)?;
+                live.uses_left -= 1;
+                if live.uses_left == 0 {
+                    self.live.remove(&key);
+                }
+                rec
+            }
+        };
+        self.cursor += 1;
+        let m = &self.shared.metrics;
+        m.mark_first_sample();
+        Metrics::add(&m.samples, 1);
+        Metrics::add(&m.sample_bytes, record.len() as u64);
+        let src = &self.shared.sources[id.stream as usize];
+        Ok(Some(Sample {
+            epoch: plan.epoch,
+            position,
+            id,
+            global_index: src.starts[id.shard as usize] + id.index as u64,
+            record,
+            schema: src.schema.clone(),
+        }))
+    }
+
+    /// One sample, by its index in stream `stream`'s dataset: from the disk cache when the
+    /// shard is there (two reads), else with two ranged GETs.
+    pub fn get(&self, stream: usize, global_index: u64) -> Result<Sample> {
+        let src = self
+            .shared
+            .sources
+            .get(stream)
+            .ok_or_else(|| Error::invalid(format!("stream {stream}"), "no such stream"))?;
+        let (shard, index) = src.ds.manifest().locate(global_index).ok_or_else(|| {
+            Error::invalid(
+                format!("{} sample {global_index}", src.ds.manifest_url()),
+                format!("the dataset has {} samples", src.ds.manifest().samples),
+            )
+        })?;
+        let id = SampleRef {
+            stream: stream as u32,
+            shard: shard as u32,
+            index: index as u32,
+        };
+        Ok(Sample {
+            epoch: 0,
+            position: 0,
+            id,
+            global_index,
+            record: self.read_one(id)?,
+            schema: src.schema.clone(),
+        })
+    }
+
+    /// One sample on its own: two reads from the disk cache when its shard is cached, else two
+    /// ranged GETs.
+    fn read_one(&self, id: SampleRef) -> Result<Bytes> {
+        let src = &self.shared.sources[id.stream as usize];
+        if let Some(cache) = &self.shared.cache {
+            let sid = src.ids[id.shard as usize];
+            if let Ok(f) = std::fs::File::open(cache.path_of(sid)) {
+                let name = cache.path_of(sid).display().to_string();
+                if let Ok(r) = ShardReader::open(f, &name) {
+                    if let Ok(rec) = r.read_record(id.index as u64) {
+                        Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
+                        return Ok(Bytes::from(rec));
+                    }
+                }
+            }
+        }
+        self.rt.block_on(fetch_sample_ranged(&self.shared, id))
+    }
+}
+
+impl Iterator for Stream {
+    type Item = Result<Sample>;
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_sample().transpose()
+    }
+}
+
+/// A record out of a live shard. The whole shard was verified when it was loaded (cache read
+/// or origin fetch), so only the index entry's bounds are checked here: hashing every record
+/// again would read every byte twice.
+fn slice_record(live: &Live, id: SampleRef, shared: &Shared) -> Result<Bytes> {
+    let o = crate::format::Header::entry_offset(id.index as u64) as usize;
+    let e = IndexEntry::parse(&live.bytes[o..o + INDEX_ENTRY_LEN as usize]);
+    if let Err(err) = e.check_bounds(&live.header, live.bytes.len() as u64, &Location::sample("", 0)) {
+        let src = &shared.sources[id.stream as usize];
+        let url = src.ds.store().url(&src.ds.manifest().shards[id.shard as usize].key);
+        return Err(Error::corrupt(Location::sample(url, id.index as u64), err.to_string()));
+    }
+    Ok(live.bytes.slice(e.offset as usize..(e.offset + e.len) as usize))
+}
+
+/// One sample with two ranged GETs: its index entry, then its record.
+async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Result<Bytes> {
+    let src = &shared.sources[id.stream as usize];
+    let info = &src.ds.manifest().shards[id.shard as usize];
+    let store = src.ds.store();
+    let url = store.url(&info.key);
+    let at = Location::sample(&url, id.index as u64);
+    let eo = crate::format::Header::entry_offset(id.index as u64);
+    let eb = store.get_range(&info.key, eo..eo + INDEX_ENTRY_LEN).await?;
+    let e = IndexEntry::parse(&eb);
+    let data_offset = src.ds.data_offset(id.shard as usize);
+    let end = e.offset.checked_add(e.len);
+    if e.offset < data_offset || end.is_none_or(|x| x > info.bytes - crate::format::FOOTER_LEN) {
+        return Err(Error::corrupt(
+            at,
+            format!("index entry points at [{}, +{}) outside the records", e.offset, e.len),
+        ));
+    }
+    let rec = store.get_range(&info.key, e.offset..e.offset + e.len).await?;
+    e.check_record(id.index as u64, &rec, &at)?;
+    let m = &shared.metrics;
+    Metrics::add(&m.origin_requests, 2);
+    Metrics::add(&m.origin_bytes, INDEX_ENTRY_LEN + e.len);
+    Metrics::add(&m.ranged_samples, 1);
+    Ok(rec)
+}
+
+/// A whole shard from the origin: parallel ranged GETs, assembled and verified. A shard
+/// that fails verification is fetched once more before the error is returned.
+async fn fetch_shard_origin(shared: &Shared, stream: usize, shard: usize) -> Result<Bytes> {
+    let src = &shared.sources[stream];
+    let info = &src.ds.manifest().shards[shard];
+    let store = src.ds.store();
+    let part = shared.cfg.range_bytes.max(1 << 16);
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let ranges: Vec<std::ops::Range<u64>> = (0..info.bytes.div_ceil(part))
+            .map(|i| i * part..((i + 1) * part).min(info.bytes))
+            .collect();
+        let parts: Vec<Bytes> = stream::iter(ranges.iter().cloned())
+            .map(|r| store.get_range(&info.key, r))
+            .buffered(shared.cfg.ranges_in_flight_max.max(1))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_>>()?;
+        Metrics::add(&shared.metrics.origin_requests, parts.len() as u64);
+        Metrics::add(&shared.metrics.origin_bytes, info.bytes);
+        let bytes = if parts.len() == 1 {
+            parts.into_iter().next().expect("one part")
+        } else {
+            // SAFETY: the parts cover [0, bytes) exactly (checked just below), so every byte is
+            // written before the buffer is read.
+            let mut buf = unsafe { cache_io::BufPool::global().take(info.bytes as usize) };
+            assert_eq!(
+                parts.iter().map(|p| p.len() as u64).sum::<u64>(),
+                info.bytes,
+                "ranged parts do not cover the shard"
+            );
+            let dst = buf.as_mut_slice();
+            let mut off = 0;
+            for p in &parts {
+                dst[off..off + p.len()].copy_from_slice(p);
+                off += p.len();
+            }
+            buf.into_bytes()
+        };
+        match src.ds.check_shard(shard, &bytes) {
+            Ok(()) => return Ok(bytes),
+            Err(e) if attempt < 2 && e.is_data_error() => {
+                tracing::warn!(error = %e, "shard from origin failed verification; fetching again");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A whole shard: the disk cache, else (holding the host-wide download lock for it) the
+/// origin, then stored in the cache.
+async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
+    let Some(cache) = shared.cache.clone() else {
+        Metrics::add(&shared.metrics.cache_misses, 1);
+        return fetch_shard_origin(&shared, stream, shard).await;
+    };
+    let id = shared.sources[stream].ids[shard];
+    let c = cache.clone();
+    if let Some(b) = blocking(move || c.get(id)).await? {
+        return Ok(b);
+    }
+    let c = cache.clone();
+    let lock = blocking(move || c.fetch_lock(id)).await?;
+    let c = cache.clone();
+    if let Some(b) = blocking(move || c.get(id)).await? {
+        return Ok(b);
+    }
+    Metrics::add(&shared.metrics.cache_misses, 1);
+    let bytes = fetch_shard_origin(&shared, stream, shard).await?;
+    // Writing (and fsyncing) the cache copy is off the delivery path; the download lock is
+    // held until the copy is in place, so other processes on the host wait for it instead of
+    // fetching again. At most `INSERTS_IN_FLIGHT_MAX` copies are pending at once. The permit
+    // is taken before the shard is delivered, so a copy is never lost to cancellation: either
+    // the shard was not delivered, or its copy runs to completion (`Drop` waits for it).
+    let permit = shared.inserts.clone().acquire_owned().await.expect("semaphore open");
+    let (c, b) = (cache.clone(), bytes.clone());
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = c.insert(id, &b) {
+            tracing::warn!(error = %e, "cache insert failed; the shard was served from memory");
+        }
+        drop(lock);
+        drop(permit);
+    });
+    Ok(bytes)
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("blocking cache task panicked")
+}
+
+fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress) -> EpochPlan {
+    let order = global_order(&shared.shapes, &shared.cfg.order, epoch);
+    let topo = shared.cfg.topology;
+    let len = effective_len(order.len() as u64, topo.consumers() as u64, shared.cfg.order.tail);
+    let positions = if order.is_empty() {
+        Vec::new()
+    } else {
+        base.positions_for(len, topo.consumer(), topo.consumers())
+    };
+    EpochPlan {
+        epoch,
+        order,
+        len,
+        base,
+        positions,
+    }
+}
+
+async fn prefetcher(shared: Arc<Shared>, start: EpochProgress, tx: mpsc::Sender<Msg>, per_sample: bool) {
+    let mut base = start;
+    loop {
+        let epoch = base.epoch;
+        if shared.cfg.epochs.is_some_and(|n| epoch >= n) {
+            return;
+        }
+        let plan = Arc::new(plan_epoch(&shared, epoch, base));
+        // Shards in order of first use, with their use counts.
+        let mut first_use: Vec<(u32, u32)> = Vec::new();
+        let mut uses: HashMap<(u32, u32), u64> = HashMap::new();
+        for &p in &plan.positions {
+            let r = at_position(&plan.order, p);
+            let n = uses.entry((r.stream, r.shard)).or_insert(0);
+            if *n == 0 {
+                first_use.push((r.stream, r.shard));
+            }
+            *n += 1;
+        }
+        if tx.send(Msg::Epoch(plan.clone())).await.is_err() {
+            return;
+        }
+        let fetches = stream::iter(first_use).map(|(s, sh)| {
+            let shared = shared.clone();
+            async move { ((s, sh), fetch_shard(shared, s as usize, sh as usize).await) }
+        });
+        let mut fetched = fetches.buffered(shared.cfg.shards_in_flight_max.max(1));
+        while let Some(((s, sh), res)) = fetched.next().await {
+            let failed = res.is_err();
+            let msg = if per_sample {
+                // The consumer reads samples one by one; the fetch only warmed the disk cache.
+                match res {
+                    Ok(_) => continue,
+                    Err(e) => Msg::Shard {
+                        key: (epoch, s, sh),
+                        uses: 0,
+                        bytes: Err(e),
+                    },
+                }
+            } else {
+                Msg::Shard {
+                    key: (epoch, s, sh),
+                    uses: uses[&(s, sh)],
+                    bytes: res,
+                }
+            };
+            if tx.send(msg).await.is_err() || failed {
+                return;
+            }
+        }
+        base = EpochProgress {
+            epoch: epoch + 1,
+            consumed: 0,
+            ahead: Vec::new(),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_buf_into_bytes_keeps_alignment() {
+        let b = cache_io::AlignedBuf::zeroed(10);
+        let bytes = b.into_bytes();
+        assert_eq!(bytes.len(), 10);
+        assert_eq!(bytes.as_ptr() as usize % cache_io::IO_ALIGN, 0);
+        let _ = crate::format::ReadAt::size(&bytes[..]);
+    }
+}

@@ -1,0 +1,541 @@
+//! The streaming engine against the real local S3 server: exactly-once delivery and one global
+//! order for every topology, resume after SIGKILL and across world sizes, the cache budget,
+//! corrupted cache files, and the origin going away mid-epoch.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use ramjet_engine::cache::CacheConfig;
+use ramjet_engine::order::{EpochProgress, OrderSpec, SampleRef, Shuffle, Tail, Topology, Weight};
+use ramjet_engine::{SourceConfig, Stream, StreamConfig, StreamState};
+use ramjet_tests::{ramjet, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text};
+
+const N: usize = 40;
+
+/// The synthetic set packed once per process into small shards on S3.
+fn dataset() -> &'static str {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        s3();
+        let url = s3_prefix("stream");
+        ramjet_ok(&[
+            "pack",
+            synth_dataset(N).to_str().unwrap(),
+            &url,
+            "--shard-size",
+            "400KiB",
+        ]);
+        url
+    })
+}
+
+fn config(url: &str, topo: Topology, cache: Option<&Path>) -> StreamConfig {
+    let mut c = StreamConfig::new(url);
+    c.topology = topo;
+    c.order = OrderSpec {
+        seed: 7,
+        shuffle: Shuffle::ShardBlock {
+            window_shards: 2,
+            block_samples: 2,
+        },
+        partitions: 2,
+        tail: Tail::Uneven,
+    };
+    c.cache = cache.map(|d| CacheConfig::new(d, 1 << 30));
+    c
+}
+
+/// Runs every consumer of a topology to the end; returns (position, sample) per consumer.
+fn run_job(url: &str, world: usize, workers: usize, cache: &Path, tail: Tail) -> Vec<Vec<(u64, SampleRef)>> {
+    let mut out = Vec::new();
+    for rank in 0..world {
+        for worker in 0..workers {
+            let mut c = config(
+                url,
+                Topology {
+                    rank,
+                    world,
+                    worker,
+                    workers,
+                },
+                Some(cache),
+            );
+            c.order.tail = tail;
+            let s = Stream::open(c).unwrap();
+            out.push(
+                s.map(|x| x.map(|x| (x.position, x.id)))
+                    .collect::<Result<Vec<_>, _>>()
+                    .unwrap(),
+            );
+        }
+    }
+    out
+}
+
+#[test]
+fn every_sample_once_and_one_global_order_for_every_topology() {
+    let url = dataset();
+    let cache = tempfile::tempdir().unwrap();
+    let reference: BTreeMap<u64, SampleRef> = run_job(url, 1, 1, cache.path(), Tail::Uneven)
+        .into_iter()
+        .flatten()
+        .collect();
+    assert_eq!(reference.len(), N);
+    for world in [1, 2, 3, 8] {
+        for workers in [1, 4] {
+            let per = run_job(url, world, workers, cache.path(), Tail::Uneven);
+            let all: Vec<(u64, SampleRef)> = per.iter().flatten().copied().collect();
+            let mut ids: Vec<SampleRef> = all.iter().map(|x| x.1).collect();
+            ids.sort();
+            ids.dedup();
+            assert_eq!(ids.len(), N, "world {world} x {workers}: not every sample exactly once");
+            assert_eq!(all.len(), N, "world {world} x {workers}: duplicates");
+            let by_pos: BTreeMap<u64, SampleRef> = all.into_iter().collect();
+            assert_eq!(by_pos, reference, "world {world} x {workers}: the global order changed");
+        }
+    }
+}
+
+#[test]
+fn tails_drop_or_pad_evenly() {
+    let url = dataset();
+    let cache = tempfile::tempdir().unwrap();
+    // 40 samples over 3 x 4 = 12 consumers.
+    let drop = run_job(url, 3, 4, cache.path(), Tail::DropLast);
+    assert!(
+        drop.iter().all(|c| c.len() == 3),
+        "drop-last: {:?}",
+        drop.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    let pad = run_job(url, 3, 4, cache.path(), Tail::PadRepeat);
+    assert!(pad.iter().all(|c| c.len() == 4));
+    let mut ids: Vec<SampleRef> = pad.iter().flatten().map(|x| x.1).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), N, "padding must still cover every sample");
+}
+
+#[test]
+fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
+    let url = dataset();
+    let cache = tempfile::tempdir().unwrap();
+    // Two consumers read 7 and 5 samples, then the job stops.
+    let mut states = Vec::new();
+    let mut seen = Vec::new();
+    for (rank, k) in [(0usize, 7usize), (1, 5)] {
+        let mut s = Stream::open(config(
+            url,
+            Topology {
+                rank,
+                world: 2,
+                worker: 0,
+                workers: 1,
+            },
+            Some(cache.path()),
+        ))
+        .unwrap();
+        for _ in 0..k {
+            seen.push(s.next_sample().unwrap().unwrap().id);
+        }
+        states.push(s.state().unwrap());
+    }
+    let point = StreamState::job_progress(&states).unwrap();
+    // It resumes on three consumers.
+    for rank in 0..3 {
+        let mut c = config(
+            url,
+            Topology {
+                rank,
+                world: 3,
+                worker: 0,
+                workers: 1,
+            },
+            Some(cache.path()),
+        );
+        c.resume = Some(point.clone());
+        for x in Stream::open(c).unwrap() {
+            seen.push(x.unwrap().id);
+        }
+    }
+    let mut ids = seen.clone();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(
+        (seen.len(), ids.len()),
+        (N, N),
+        "samples lost or repeated across the resume"
+    );
+}
+
+#[test]
+fn resume_on_changed_data_is_refused() {
+    let url = dataset();
+    let mut c = config(url, Topology::default(), None);
+    c.resume = Some(ramjet_engine::stream::ResumePoint {
+        versions: vec!["0123".into()],
+        order: c.order,
+        progress: EpochProgress::default(),
+    });
+    let e = Stream::open(c).err().expect("must refuse").to_string();
+    assert!(e.contains("manifest versions"), "{e}");
+}
+
+fn lines(p: &Path) -> Vec<String> {
+    std::fs::read_to_string(p)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run() {
+    let url = dataset();
+    let t = tempfile::tempdir().unwrap();
+    let (a, b, st) = (
+        t.path().join("a.txt"),
+        t.path().join("b.txt"),
+        t.path().join("state.json"),
+    );
+    let cache = t.path().join("cache");
+    let common = [
+        "stream",
+        url,
+        "--epochs",
+        "2",
+        "--seed",
+        "3",
+        "--cache-dir",
+        cache.to_str().unwrap(),
+    ];
+    let mut args: Vec<&str> = common.to_vec();
+    args.extend(["--out", a.to_str().unwrap()]);
+    ramjet_ok(&args);
+    assert_eq!(lines(&a).len(), 2 * N);
+
+    let mut args: Vec<&str> = common.to_vec();
+    args.extend([
+        "--out",
+        b.to_str().unwrap(),
+        "--state",
+        st.to_str().unwrap(),
+        "--step-ms",
+        "20",
+    ]);
+    let mut child = Command::new(ramjet_bin())
+        .args(&args)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while lines(&b).len() < N / 2 + 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the reader made no progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: sending SIGKILL to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    child.wait().unwrap();
+    assert!(lines(&b).len() < 2 * N, "killed too late to test anything");
+
+    let mut args: Vec<&str> = common.to_vec();
+    args.extend([
+        "--out",
+        b.to_str().unwrap(),
+        "--state",
+        st.to_str().unwrap(),
+        "--resume",
+    ]);
+    ramjet_ok(&args);
+    assert_eq!(
+        lines(&b),
+        lines(&a),
+        "resumed output differs from the uninterrupted run"
+    );
+}
+
+fn dir_bytes(d: &Path) -> u64 {
+    ["shards", "tmp"]
+        .iter()
+        .flat_map(|s| std::fs::read_dir(d.join(s)).into_iter().flatten().flatten())
+        .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+        .sum()
+}
+
+#[test]
+fn the_cache_budget_holds_and_a_stable_subset_stays_resident() {
+    let url = dataset();
+    let cache = tempfile::tempdir().unwrap();
+    let total: u64 = {
+        let s = Stream::open(config(url, Topology::default(), None)).unwrap();
+        let _ = s.metrics();
+        ramjet_engine::format::Manifest::parse(
+            &ramjet_tests::block_on(ramjet_engine::Store::open(url).unwrap().get("manifest.json")).unwrap(),
+            "m",
+        )
+        .unwrap()
+        .bytes
+    };
+    let limit = total / 2;
+    let stop = Arc::new(AtomicBool::new(false));
+    let max_seen = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let (stop, max_seen, dir) = (stop.clone(), max_seen.clone(), cache.path().to_path_buf());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                max_seen.fetch_max(dir_bytes(&dir), Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let mut c = config(url, Topology::default(), Some(cache.path()));
+    c.cache = Some(CacheConfig::new(cache.path(), limit));
+    c.epochs = Some(4);
+    let mut hits_per_epoch = Vec::new();
+    let mut s = Stream::open(c).unwrap();
+    let mut last = (0, 0);
+    let mut epoch = 0;
+    while let Some(x) = s.next_sample().unwrap() {
+        if x.epoch != epoch {
+            let m = s.metrics();
+            hits_per_epoch.push((m.cache_hits - last.0, m.cache_misses - last.1));
+            last = (m.cache_hits, m.cache_misses);
+            epoch = x.epoch;
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    sampler.join().unwrap();
+    assert!(
+        max_seen.load(Ordering::SeqCst) <= limit,
+        "cache reached {} > budget {limit}",
+        max_seen.load(Ordering::SeqCst)
+    );
+    // After the first epochs the resident subset is stable: later epochs hit about
+    // budget/dataset of their shards instead of thrashing to zero.
+    let (h, m) = hits_per_epoch[2];
+    let rate = h as f64 / (h + m) as f64;
+    assert!(
+        rate >= 0.25,
+        "warm hit rate {rate:.2} with half the dataset cached ({hits_per_epoch:?})"
+    );
+}
+
+#[test]
+fn a_flipped_byte_in_a_cached_shard_is_refetched_never_yielded() {
+    let url = dataset();
+    let cache = tempfile::tempdir().unwrap();
+    let records = |c: &Path| -> (HashMap<SampleRef, Vec<u8>>, u64) {
+        let mut s = Stream::open(config(url, Topology::default(), Some(c))).unwrap();
+        let mut out = HashMap::new();
+        while let Some(x) = s.next_sample().unwrap() {
+            out.insert(x.id, x.record.to_vec());
+        }
+        (out, s.metrics().cache_corrupt)
+    };
+    let (first, _) = records(cache.path());
+    let shard = std::fs::read_dir(cache.path().join("shards"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut b = std::fs::read(&shard).unwrap();
+    let mid = b.len() / 2;
+    b[mid] ^= 0x08;
+    std::fs::write(&shard, b).unwrap();
+    let (second, corrupt) = records(cache.path());
+    assert_eq!(corrupt, 1, "the corruption was not detected");
+    assert_eq!(first, second, "a corrupted record was yielded");
+    // The re-fetched shard is sound again.
+    assert_eq!(records(cache.path()).1, 0);
+}
+
+#[test]
+fn random_access_by_global_index() {
+    let url = dataset();
+    let cache = tempfile::tempdir().unwrap();
+    let s = Stream::open(config(url, Topology::default(), Some(cache.path()))).unwrap();
+    let src = synth_dataset(N);
+    for i in [0u64, 13, N as u64 - 1] {
+        let x = s.get(0, i).unwrap();
+        let v = x.values().unwrap();
+        let ramjet_engine::format::ValueRef::Bytes(img) = v[0] else {
+            panic!("image column")
+        };
+        assert_eq!(img, std::fs::read(src.join(format!("images/{i:06}.jpg"))).unwrap());
+    }
+    assert!(s.get(0, N as u64).unwrap_err().to_string().contains("has 40 samples"));
+}
+
+#[test]
+fn mixed_streams_follow_their_weights() {
+    let url = dataset();
+    let mut c = config(url, Topology::default(), None);
+    c.sources = vec![
+        SourceConfig {
+            url: url.into(),
+            weight: Weight::Repeat(1.5),
+        },
+        SourceConfig {
+            url: url.into(),
+            weight: Weight::Count(5),
+        },
+    ];
+    let ids = |c: StreamConfig| Stream::open(c).unwrap().map(|x| x.unwrap().id).collect::<Vec<_>>();
+    let a = ids(c.clone());
+    assert_eq!(a.iter().filter(|r| r.stream == 0).count(), 60);
+    assert_eq!(a.iter().filter(|r| r.stream == 1).count(), 5);
+    assert_eq!(a, ids(c), "mixing is not deterministic");
+}
+
+/// A second, private S3 server (other ports, own data) that the test may stop and restart.
+struct PrivateS3 {
+    env: Vec<(String, String)>,
+}
+
+impl PrivateS3 {
+    fn start(port: u16) -> PrivateS3 {
+        s3();
+        let state = std::env::temp_dir().join(format!("ramjet-private-s3-{port}"));
+        let env = vec![
+            ("RAMJET_S3_PORT".to_owned(), port.to_string()),
+            ("AWS_ENDPOINT_URL".to_owned(), format!("http://127.0.0.1:{port}")),
+            ("RAMJET_STATE".to_owned(), state.display().to_string()),
+        ];
+        let p = PrivateS3 { env };
+        p.script("start");
+        p
+    }
+    fn script(&self, verb: &str) {
+        let o = Command::new("bash")
+            .arg(ramjet_tests::repo_root().join("tools/s3-server.sh"))
+            .arg(verb)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "s3-server.sh {verb}: {}", text(&o));
+    }
+    fn env(&self) -> Vec<(&str, &str)> {
+        self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+    }
+}
+
+impl Drop for PrivateS3 {
+    fn drop(&mut self) {
+        self.script("stop");
+    }
+}
+
+#[test]
+fn the_origin_stopping_mid_epoch_fails_clearly_or_resumes_when_it_returns() {
+    let srv = PrivateS3::start(8433);
+    let url = format!("s3://{}/outage", s3().bucket);
+    let mut env = srv.env();
+    let o = ramjet(
+        &[
+            "pack",
+            synth_dataset(N).to_str().unwrap(),
+            &url,
+            "--shard-size",
+            "200KiB",
+        ],
+        &env,
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let t = tempfile::tempdir().unwrap();
+    let reference = t.path().join("ref.txt");
+    let o = ramjet(
+        &[
+            "stream",
+            &url,
+            "--shuffle",
+            "none",
+            "--out",
+            reference.to_str().unwrap(),
+        ],
+        &env,
+    );
+    assert!(o.status.success(), "{}", text(&o));
+
+    // Outage shorter than the retry window: the run continues and its output is complete.
+    env.push(("RAMJET_RETRY_WINDOW_MS", "20000"));
+    let out = t.path().join("a.txt");
+    let args = [
+        "stream",
+        &url,
+        "--shuffle",
+        "none",
+        "--prefetch",
+        "1",
+        "--step-ms",
+        "100",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let child = Command::new(ramjet_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while lines(&out).len() < 5 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    srv.script("stop");
+    assert!(lines(&out).len() < N, "the outage must begin mid-epoch");
+    std::thread::sleep(Duration::from_millis(1500));
+    srv.script("start");
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "the run did not survive a 1.5 s outage: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(lines(&out), lines(&reference));
+
+    // Outage longer than the retry window: a clear error naming the object.
+    env.pop();
+    env.extend([("RAMJET_RETRY_WINDOW_MS", "1500"), ("RAMJET_RETRY_BACKOFF_MS", "100")]);
+    let out = t.path().join("b.txt");
+    let args = [
+        "stream",
+        &url,
+        "--shuffle",
+        "none",
+        "--prefetch",
+        "1",
+        "--step-ms",
+        "100",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let child = Command::new(ramjet_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while lines(&out).len() < 5 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    srv.script("stop");
+    assert!(lines(&out).len() < N, "the outage must begin mid-epoch");
+    let t0 = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the run cannot finish without its origin");
+    assert!(
+        err.contains("origin error on s3://") && err.contains("attempt(s)"),
+        "{err}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "gave up only after {:?}",
+        t0.elapsed()
+    );
+}
