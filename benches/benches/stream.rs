@@ -54,48 +54,76 @@ fn main() {
     let total = ds.manifest().bytes;
     let mib = total as f64 / (1 << 20) as f64;
 
-    // Baseline 1: the same shard objects, whole, N parallel GETs, same client.
-    let t0 = Instant::now();
-    let got: u64 = rt.block_on(async {
-        stream::iter(ds.manifest().shards.iter())
-            .map(|s| ds.store().get(&s.key))
-            .buffer_unordered(PARALLEL_GETS)
-            .map(|b| b.expect("GET").len() as u64)
-            .fold(0, |a, b| async move { a + b })
-            .await
-    });
-    let gets_s = t0.elapsed().as_secs_f64();
-    assert_eq!(got, total);
-
-    let cache = tempfile::tempdir_in(ramjet_benches::bench_dir()).unwrap();
-    let mut cfg = StreamConfig::new(url.clone());
-    cfg.cache = Some(CacheConfig::new(cache.path(), 64 << 30));
-    cfg.order = OrderSpec {
-        shuffle: Shuffle::None,
-        ..Default::default()
+    let reps = if full { 5 } else { 1 };
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
     };
-    let (cold_s, ttfs, bytes, cold_m) = epoch(&cfg);
-    let (warm_s, warm_first, _, warm_m) = epoch(&cfg);
+    let (mut gets, mut colds, mut ttfss, mut warms, mut warm_firsts, mut cats) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut cold_m, mut warm_m, mut bytes) = (Default::default(), Default::default(), 0);
+    // Alternate the contenders, so drift on a noisy machine hits both alike.
+    for _ in 0..reps {
+        // Baseline 1: the same shard objects, whole, N parallel GETs, same client.
+        let t0 = Instant::now();
+        let got: u64 = rt.block_on(async {
+            stream::iter(ds.manifest().shards.iter())
+                .map(|s| ds.store().get(&s.key))
+                .buffer_unordered(PARALLEL_GETS)
+                .map(|b| b.expect("GET").len() as u64)
+                .fold(0, |a, b| async move { a + b })
+                .await
+        });
+        gets.push(t0.elapsed().as_secs_f64());
+        assert_eq!(got, total);
 
-    // Baseline 2: cat of the same cache files.
-    let files: Vec<_> = std::fs::read_dir(cache.path().join("shards"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    let t0 = Instant::now();
-    let ok = Command::new("cat")
-        .args(&files)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
-    let cat_s = t0.elapsed().as_secs_f64();
+        // ramjet, cold (empty cache) then warm.
+        let cache = tempfile::tempdir_in(ramjet_benches::bench_dir()).unwrap();
+        let mut cfg = StreamConfig::new(url.clone());
+        cfg.cache = Some(CacheConfig::new(cache.path(), 64 << 30));
+        cfg.order = OrderSpec {
+            shuffle: Shuffle::None,
+            ..Default::default()
+        };
+        let (cold_s, ttfs, b, m) = epoch(&cfg);
+        colds.push(cold_s);
+        ttfss.push(ttfs);
+        cold_m = m;
+        bytes = b;
+        let (warm_s, warm_first, _, m) = epoch(&cfg);
+        warms.push(warm_s);
+        warm_firsts.push(warm_first);
+        warm_m = m;
 
+        // Baseline 2: cat of the same cache files.
+        let files: Vec<_> = std::fs::read_dir(cache.path().join("shards"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        let t0 = Instant::now();
+        let ok = Command::new("cat")
+            .args(&files)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+        cats.push(t0.elapsed().as_secs_f64());
+    }
+    let (gets_s, cold_s, ttfs, warm_s, warm_first, cat_s) = (
+        median(&mut gets),
+        median(&mut colds),
+        median(&mut ttfss),
+        median(&mut warms),
+        median(&mut warm_firsts),
+        median(&mut cats),
+    );
+    let cold_m: ramjet_engine::metrics::MetricsSnapshot = cold_m;
+    let warm_m: ramjet_engine::metrics::MetricsSnapshot = warm_m;
     let cold_ratio = gets_s / cold_s;
     let warm_ratio = cat_s / warm_s;
     println!(
-        "stream benchmark: {n} samples, {mib:.0} MiB in {} shards, cache I/O {}",
+        "stream benchmark: {n} samples, {mib:.0} MiB in {} shards, median of {reps}, cache I/O {}",
         ds.manifest().shards.len(),
         ramjet_engine::cache::io::detect().name()
     );

@@ -398,10 +398,26 @@ mod tests {
         Cache::open(CacheConfig::new(dir, limit), io, Arc::default()).unwrap()
     }
 
+    /// Every I/O path available here; io_uring is skipped, saying so, where the kernel refuses it.
+    fn all_io() -> Vec<Arc<dyn CacheIo>> {
+        let mut v: Vec<Arc<dyn CacheIo>> = vec![Arc::new(io::PreadIo)];
+        match io::UringIo::new(false) {
+            Ok(u) => v.push(Arc::new(u)),
+            Err(e) => println!("SKIPPED io_uring cache path: unavailable here: {e}"),
+        }
+        v
+    }
+
     #[test]
     fn round_trip_and_corruption_is_a_miss() {
+        for io in all_io() {
+            round_trip_and_corruption_is_a_miss_with(io);
+        }
+    }
+
+    fn round_trip_and_corruption_is_a_miss_with(io: Arc<dyn CacheIo>) {
         let d = tempfile::tempdir().unwrap();
-        let c = cache(d.path(), 1 << 20, io::detect());
+        let c = cache(d.path(), 1 << 20, io);
         let (id, data) = shard(1, 10);
         assert!(c.get(id).unwrap().is_none());
         assert!(c.insert(id, &data).unwrap());
@@ -418,10 +434,16 @@ mod tests {
 
     #[test]
     fn budget_holds_and_admission_prefers_a_stable_subset() {
+        for io in all_io() {
+            budget_holds_with(io);
+        }
+    }
+
+    fn budget_holds_with(io: Arc<dyn CacheIo>) {
         let d = tempfile::tempdir().unwrap();
         let shards: Vec<_> = (0..12u8).map(|t| shard(t, 20)).collect();
         let size = shards[0].0.bytes;
-        let c = cache(d.path(), size * 4 + size / 2, io::detect());
+        let c = cache(d.path(), size * 4 + size / 2, io);
         // Three passes over 12 shards with room for 4: after the first pass the resident set
         // must stop changing (no thrash), and usage never exceeds the budget.
         let mut resident_after = Vec::new();
@@ -448,8 +470,14 @@ mod tests {
 
     #[test]
     fn a_full_disk_is_not_admitted_and_leaves_nothing_partial() {
+        for io in all_io() {
+            full_disk_with(io);
+        }
+    }
+
+    fn full_disk_with(inner: Arc<dyn CacheIo>) {
         let d = tempfile::tempdir().unwrap();
-        let faulty = Arc::new(io::FaultyIo::new(io::detect()));
+        let faulty = Arc::new(io::FaultyIo::new(inner));
         faulty.faults.enospc_writes.store(1, Ordering::SeqCst);
         let c = cache(d.path(), 1 << 20, faulty);
         let (id, data) = shard(3, 5);

@@ -140,6 +140,9 @@ struct StreamArgs {
     /// Bytes of shards prefetched ahead.
     #[arg(long, default_value = "512MiB", value_parser = parse_size)]
     prefetch: u64,
+    /// Whole shards are fetched as parallel ranged GETs of this size.
+    #[arg(long, default_value = "32MiB", value_parser = parse_size)]
+    range_size: u64,
     /// Write one line per sample: epoch position stream shard index global_index record_bytes.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -236,6 +239,7 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     cfg.topology = topology;
     cfg.epochs = Some(a.epochs);
     cfg.prefetch_bytes_max = a.prefetch;
+    cfg.range_bytes = a.range_size;
     cfg.cache = a.cache_dir.as_ref().map(|d| CacheConfig::new(d, a.cache_limit));
     let mut out_len = 0u64;
     if a.resume {
@@ -322,6 +326,10 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn main() -> ExitCode {
+    // Like other Unix tools, end quietly when stdout is closed (`ramjet ... | head`), instead
+    // of failing on the write.
+    // SAFETY: restoring a signal's default disposition at start-up, before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("RAMJET_LOG"))
         .with_writer(std::io::stderr)
