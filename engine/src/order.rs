@@ -105,6 +105,17 @@ pub struct Topology {
     pub worker: usize,
     /// Workers per rank.
     pub workers: usize,
+    /// Rank of this process among those on its host (`LOCAL_RANK`). It does not change the
+    /// deal; it tells the host's processes apart (which one hosts the embedded cache daemon).
+    #[serde(default)]
+    pub local_rank: usize,
+    /// Processes on this host (`LOCAL_WORLD_SIZE`).
+    #[serde(default = "one")]
+    pub local_world: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Default for Topology {
@@ -114,20 +125,26 @@ impl Default for Topology {
             world: 1,
             worker: 0,
             workers: 1,
+            local_rank: 0,
+            local_world: 1,
         }
     }
 }
 
 impl Topology {
-    /// Rank and world from `RANK` / `WORLD_SIZE` (torchrun, Slurm wrappers), one worker.
+    /// Rank and world from `RANK` / `WORLD_SIZE`, host-local rank and size from `LOCAL_RANK` /
+    /// `LOCAL_WORLD_SIZE` (as torchrun sets them), one worker.
     pub fn from_env() -> Topology {
         let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
         let world = get("WORLD_SIZE").unwrap_or(1).max(1);
+        let local_world = get("LOCAL_WORLD_SIZE").unwrap_or(1).max(1);
         Topology {
             rank: get("RANK").unwrap_or(0).min(world - 1),
             world,
             worker: 0,
             workers: 1,
+            local_rank: get("LOCAL_RANK").unwrap_or(0).min(local_world - 1),
+            local_world,
         }
     }
 

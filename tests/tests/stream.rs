@@ -61,6 +61,7 @@ fn run_job(url: &str, world: usize, workers: usize, cache: &Path, tail: Tail) ->
                     world,
                     worker,
                     workers,
+                    ..Default::default()
                 },
                 Some(cache),
             );
@@ -134,6 +135,7 @@ fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
                 world: 2,
                 worker: 0,
                 workers: 1,
+                ..Default::default()
             },
             Some(cache.path()),
         ))
@@ -153,6 +155,7 @@ fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
                 world: 3,
                 worker: 0,
                 workers: 1,
+                ..Default::default()
             },
             Some(cache.path()),
         );
@@ -371,6 +374,33 @@ fn random_access_by_global_index() {
 }
 
 #[test]
+fn the_next_epoch_is_prefetched_before_this_one_ends() {
+    let url = dataset();
+    // No cache: every shard fetch is a miss, so the miss count says how many were fetched.
+    let mut c = config(url, Topology::default(), None);
+    c.epochs = Some(2);
+    let mut s = Stream::open(c).unwrap();
+    let per_epoch = s.metrics_handle();
+    let mut last_of_epoch0 = None;
+    let mut n = 0;
+    while let Some(x) = s.next_sample().unwrap() {
+        n += 1;
+        if x.epoch == 0 && s.epoch_len() == Some(n) {
+            // The consumer is at the end of epoch 0; give the prefetcher a moment.
+            std::thread::sleep(Duration::from_millis(300));
+            last_of_epoch0 = Some(per_epoch.snapshot());
+        }
+    }
+    let at_boundary = last_of_epoch0.expect("epoch 0 ended");
+    let shards = s.metrics().cache_misses / 2;
+    assert!(
+        at_boundary.cache_misses > shards,
+        "at the end of epoch 0 only {} shard fetches had started ({shards} per epoch): epoch 1 was not prefetched",
+        at_boundary.cache_misses
+    );
+}
+
+#[test]
 fn mixed_streams_follow_their_weights() {
     let url = dataset();
     let mut c = config(url, Topology::default(), None);
@@ -429,6 +459,36 @@ impl Drop for PrivateS3 {
     }
 }
 
+/// Starts a slow reader of `url` writing to `out`, lets it deliver a few samples, then stops
+/// the server under it (mid-epoch, which it checks). Returns the still-running reader.
+fn read_into_outage(srv: &PrivateS3, url: &str, env: &[(&str, &str)], out: &Path) -> std::process::Child {
+    let args = [
+        "stream",
+        url,
+        "--shuffle",
+        "none",
+        "--prefetch",
+        "1",
+        "--step-ms",
+        "100",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let child = Command::new(ramjet_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while lines(out).len() < 5 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    srv.script("stop");
+    assert!(lines(out).len() < N, "the outage must begin mid-epoch");
+    child
+}
+
 #[test]
 fn the_origin_stopping_mid_epoch_fails_clearly_or_resumes_when_it_returns() {
     let srv = PrivateS3::start(8433);
@@ -463,30 +523,7 @@ fn the_origin_stopping_mid_epoch_fails_clearly_or_resumes_when_it_returns() {
     // Outage shorter than the retry window: the run continues and its output is complete.
     env.push(("RAMJET_RETRY_WINDOW_MS", "20000"));
     let out = t.path().join("a.txt");
-    let args = [
-        "stream",
-        &url,
-        "--shuffle",
-        "none",
-        "--prefetch",
-        "1",
-        "--step-ms",
-        "100",
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    let child = Command::new(ramjet_bin())
-        .args(args)
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    while lines(&out).len() < 5 {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    srv.script("stop");
-    assert!(lines(&out).len() < N, "the outage must begin mid-epoch");
+    let child = read_into_outage(&srv, &url, &env, &out);
     std::thread::sleep(Duration::from_millis(1500));
     srv.script("start");
     let o = child.wait_with_output().unwrap();
@@ -501,30 +538,7 @@ fn the_origin_stopping_mid_epoch_fails_clearly_or_resumes_when_it_returns() {
     env.pop();
     env.extend([("RAMJET_RETRY_WINDOW_MS", "1500"), ("RAMJET_RETRY_BACKOFF_MS", "100")]);
     let out = t.path().join("b.txt");
-    let args = [
-        "stream",
-        &url,
-        "--shuffle",
-        "none",
-        "--prefetch",
-        "1",
-        "--step-ms",
-        "100",
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    let child = Command::new(ramjet_bin())
-        .args(args)
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    while lines(&out).len() < 5 {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    srv.script("stop");
-    assert!(lines(&out).len() < N, "the outage must begin mid-epoch");
+    let child = read_into_outage(&srv, &url, &env, &out);
     let t0 = Instant::now();
     let o = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);

@@ -222,14 +222,15 @@ impl ChunkHasher {
         }
     }
 
-    /// Chunk `i` of `buf` is complete: hash every chunk now contiguous from the start.
-    fn done(&mut self, i: usize, buf: &[u8]) {
+    /// Chunk `i` is complete: hash every chunk now contiguous from the start. `bytes(range)`
+    /// gives the bytes of a range of completed chunks (and is only asked for such ranges).
+    fn done<'a>(&mut self, i: usize, bytes: impl Fn(std::ops::Range<usize>) -> &'a [u8]) {
         self.ready[i] = true;
         while self.next < self.ready.len() && self.ready[self.next] {
             if let Some(h) = self.hasher.as_mut() {
                 let start = (self.next * IO_CHUNK_BYTES).min(self.limit);
                 let end = ((self.next + 1) * IO_CHUNK_BYTES).min(self.limit);
-                h.update(&buf[start..end]);
+                h.update(bytes(start..end));
             }
             self.next += 1;
         }
@@ -271,7 +272,7 @@ impl CacheIo for PreadIo {
         while off < len {
             let n = (len - off).min(IO_CHUNK_BYTES);
             f.read_exact_at(&mut dst[off..off + n], off as u64)?;
-            h.done(off / IO_CHUNK_BYTES, dst);
+            h.done(off / IO_CHUNK_BYTES, |r| &dst[r]);
             off += n;
         }
         Ok((buf.into_bytes(), h.finish()))
@@ -476,10 +477,11 @@ impl CacheIo for UringIo {
                             format!("short read at chunk {i}"),
                         ));
                     }
-                    // SAFETY: chunks 0..=i that are complete are initialised; the hasher only
-                    // reads chunks marked complete, and no read in flight overlaps them.
-                    let view = unsafe { std::slice::from_raw_parts(dst, len) };
-                    hasher.done(i, view);
+                    hasher.done(i, |r| {
+                        // SAFETY: the hasher asks only for ranges of completed chunks: they are
+                        // initialised and no read in flight overlaps them.
+                        unsafe { std::slice::from_raw_parts(dst.add(r.start), r.end - r.start) }
+                    });
                     Ok(())
                 },
             );

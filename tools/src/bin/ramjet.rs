@@ -199,6 +199,7 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
         world,
         worker: a.worker,
         workers: a.workers,
+        ..env_topo
     };
     anyhow::ensure!(
         topology.rank < world && a.worker < a.workers,
