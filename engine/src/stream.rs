@@ -252,7 +252,17 @@ pub struct Stream {
     ranged_left: usize,
     per_sample: bool,
     prefetch: tokio::task::JoinHandle<()>,
+    /// Open readers of cached shard files, for samples read one by one (global shuffle,
+    /// random access): a sample then costs its two reads, not three more to open the shard.
+    /// An open descriptor stays readable even if the cache evicts the file meanwhile.
+    readers: std::cell::RefCell<HashMap<(u32, u32), CachedReader>>,
 }
+
+/// An open reader of a cached shard file.
+type CachedReader = Arc<ShardReader<std::fs::File>>;
+
+/// Open shard readers kept by one stream.
+const OPEN_READERS_MAX: usize = 64;
 
 impl Drop for Stream {
     fn drop(&mut self) {
@@ -365,6 +375,7 @@ impl Stream {
             ranged_left: cfg.first_ranged_samples_max,
             per_sample,
             prefetch,
+            readers: Default::default(),
         })
     }
 
@@ -530,20 +541,34 @@ impl Stream {
     /// One sample on its own: two reads from the disk cache when its shard is cached, else two
     /// ranged GETs.
     fn read_one(&self, id: SampleRef) -> Result<Bytes> {
-        let src = &self.shared.sources[id.stream as usize];
-        if let Some(cache) = &self.shared.cache {
-            let sid = src.ids[id.shard as usize];
-            if let Ok(f) = std::fs::File::open(cache.path_of(sid)) {
-                let name = cache.path_of(sid).display().to_string();
-                if let Ok(r) = ShardReader::open(f, &name) {
-                    if let Ok(rec) = r.read_record(id.index as u64) {
-                        Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
-                        return Ok(Bytes::from(rec));
-                    }
-                }
+        if let Some(r) = self.cached_reader(id) {
+            if let Ok(rec) = r.read_record(id.index as u64) {
+                Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
+                return Ok(Bytes::from(rec));
             }
+            // A damaged cached record: forget this reader and read from the origin.
+            self.readers.borrow_mut().remove(&(id.stream, id.shard));
         }
         self.rt.block_on(fetch_sample_ranged(&self.shared, id))
+    }
+
+    /// An open reader of the cached copy of `id`'s shard, if the cache has one.
+    fn cached_reader(&self, id: SampleRef) -> Option<CachedReader> {
+        let key = (id.stream, id.shard);
+        if let Some(r) = self.readers.borrow().get(&key) {
+            return Some(r.clone());
+        }
+        let cache = self.shared.cache.as_ref()?;
+        let sid = self.shared.sources[id.stream as usize].ids[id.shard as usize];
+        let path = cache.path_of(sid);
+        let f = std::fs::File::open(&path).ok()?;
+        let r = Arc::new(ShardReader::open(f, &path.display().to_string()).ok()?);
+        let mut readers = self.readers.borrow_mut();
+        if readers.len() >= OPEN_READERS_MAX {
+            readers.clear();
+        }
+        readers.insert(key, r.clone());
+        Some(r)
     }
 }
 

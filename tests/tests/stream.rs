@@ -33,6 +33,15 @@ fn dataset() -> &'static str {
     })
 }
 
+/// Rank `rank` of `world`, one worker each.
+fn rank_of(rank: usize, world: usize) -> Topology {
+    Topology {
+        rank,
+        world,
+        ..Default::default()
+    }
+}
+
 fn config(url: &str, topo: Topology, cache: Option<&Path>) -> StreamConfig {
     let mut c = StreamConfig::new(url);
     c.topology = topo;
@@ -128,18 +137,7 @@ fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
     let mut states = Vec::new();
     let mut seen = Vec::new();
     for (rank, k) in [(0usize, 7usize), (1, 5)] {
-        let mut s = Stream::open(config(
-            url,
-            Topology {
-                rank,
-                world: 2,
-                worker: 0,
-                workers: 1,
-                ..Default::default()
-            },
-            Some(cache.path()),
-        ))
-        .unwrap();
+        let mut s = Stream::open(config(url, rank_of(rank, 2), Some(cache.path()))).unwrap();
         for _ in 0..k {
             seen.push(s.next_sample().unwrap().unwrap().id);
         }
@@ -148,17 +146,7 @@ fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
     let point = StreamState::job_progress(&states).unwrap();
     // It resumes on three consumers.
     for rank in 0..3 {
-        let mut c = config(
-            url,
-            Topology {
-                rank,
-                world: 3,
-                worker: 0,
-                workers: 1,
-                ..Default::default()
-            },
-            Some(cache.path()),
-        );
+        let mut c = config(url, rank_of(rank, 3), Some(cache.path()));
         c.resume = Some(point.clone());
         for x in Stream::open(c).unwrap() {
             seen.push(x.unwrap().id);
@@ -398,6 +386,36 @@ fn the_next_epoch_is_prefetched_before_this_one_ends() {
         "at the end of epoch 0 only {} shard fetches had started ({shards} per epoch): epoch 1 was not prefetched",
         at_boundary.cache_misses
     );
+}
+
+#[test]
+fn global_shuffle_reads_every_sample_once_cold_and_warm() {
+    let url = dataset();
+    let cache = tempfile::tempdir().unwrap();
+    let read = |shuffle: Shuffle| -> Vec<(SampleRef, Vec<u8>)> {
+        let mut c = config(url, Topology::default(), Some(cache.path()));
+        c.order.shuffle = shuffle;
+        Stream::open(c)
+            .unwrap()
+            .map(|x| x.map(|x| (x.id, x.record.to_vec())))
+            .collect::<Result<_, _>>()
+            .unwrap()
+    };
+    let mut plain = read(Shuffle::None);
+    for pass in ["cold", "warm"] {
+        let shuffled = read(Shuffle::Global);
+        assert_ne!(
+            shuffled.iter().map(|x| x.0).collect::<Vec<_>>(),
+            plain.iter().map(|x| x.0).collect::<Vec<_>>()
+        );
+        let mut sorted = shuffled;
+        sorted.sort();
+        plain.sort();
+        assert_eq!(
+            sorted, plain,
+            "{pass}: the global shuffle lost, repeated or changed samples"
+        );
+    }
 }
 
 #[test]
