@@ -754,6 +754,13 @@ async fn prefetcher(shared: Arc<Shared>, start: EpochProgress, tx: mpsc::Sender<
         if tx.send(Msg::Epoch(plan.clone())).await.is_err() {
             return;
         }
+        // Samples read one by one need whole shards only to warm the disk cache; without a
+        // cache, fetching them would double the origin traffic for nothing.
+        let first_use = if per_sample && shared.cache.is_none() {
+            Vec::new()
+        } else {
+            first_use
+        };
         let fetches = stream::iter(first_use).map(|(s, sh)| {
             let shared = shared.clone();
             async move { ((s, sh), fetch_shard(shared, s as usize, sh as usize).await) }
