@@ -10,6 +10,9 @@ use pyo3::types::PyDict;
 
 use ramjet_engine::{Dataset, Error};
 
+mod dlpack;
+mod loader;
+
 create_exception!(
     ramjet,
     RamjetError,
@@ -120,5 +123,10 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidInputError", py.get_type::<InvalidInputError>())?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
+    m.add_class::<dlpack::Tensor>()?;
+    m.add_class::<loader::Loader>()?;
+    m.add_class::<loader::Reader>()?;
+    m.add_function(wrap_pyfunction!(loader::job_progress, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::epoch_lengths, m)?)?;
     Ok(())
 }

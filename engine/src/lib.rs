@@ -11,6 +11,9 @@ pub mod dataset;
 pub mod decode;
 pub mod error;
 pub mod format;
+pub mod hostbuf;
+pub mod image;
+pub mod loader;
 pub mod metrics;
 pub mod order;
 pub mod store;
@@ -18,5 +21,6 @@ pub mod stream;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};
 pub use error::{Error, Location, Result};
+pub use loader::{Batch, ColumnData, Loader, LoaderConfig, Next, OnCorrupt};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
 pub use stream::{Sample, SourceConfig, Stream, StreamConfig, StreamState};

@@ -35,6 +35,12 @@ pub struct Metrics {
     pub wait_ns: AtomicU64,
     /// Time to the first delivered sample, in nanoseconds (0 until then).
     pub first_sample_ns: AtomicU64,
+    /// Nanoseconds the training loop waited for a batch (loader only).
+    pub batch_wait_ns: AtomicU64,
+    /// Images decoded (loader only).
+    pub images_decoded: AtomicU64,
+    /// Samples left out because their image did not decode (loader only).
+    pub samples_skipped: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -55,6 +61,9 @@ impl Default for Metrics {
             sample_bytes: AtomicU64::new(0),
             wait_ns: AtomicU64::new(0),
             first_sample_ns: AtomicU64::new(0),
+            batch_wait_ns: AtomicU64::new(0),
+            images_decoded: AtomicU64::new(0),
+            samples_skipped: AtomicU64::new(0),
         }
     }
 }
@@ -98,6 +107,12 @@ pub struct MetricsSnapshot {
     pub samples_per_s: f64,
     /// Sample bytes per second since creation.
     pub bytes_per_s: f64,
+    /// Seconds the training loop waited for batches.
+    pub batch_wait_s: f64,
+    /// Images decoded.
+    pub images_decoded: u64,
+    /// Samples skipped as undecodable.
+    pub samples_skipped: u64,
 }
 
 impl Metrics {
@@ -140,6 +155,9 @@ impl Metrics {
             },
             samples_per_s: g(&self.samples) as f64 / elapsed_s.max(1e-9),
             bytes_per_s: g(&self.sample_bytes) as f64 / elapsed_s.max(1e-9),
+            batch_wait_s: g(&self.batch_wait_ns) as f64 / 1e9,
+            images_decoded: g(&self.images_decoded),
+            samples_skipped: g(&self.samples_skipped),
         }
     }
 }

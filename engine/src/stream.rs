@@ -69,6 +69,8 @@ pub struct StreamConfig {
     pub epochs: Option<u64>,
     /// Where to start: the job's progress in some epoch (see [`StreamState::job_progress`]).
     pub resume: Option<ResumePoint>,
+    /// Without `resume`: the epoch to start at (from its beginning).
+    pub first_epoch: u64,
 }
 
 impl StreamConfig {
@@ -92,8 +94,29 @@ impl StreamConfig {
             first_ranged_samples_max: 64,
             epochs: Some(1),
             resume: None,
+            first_epoch: 0,
         }
     }
+}
+
+/// Samples in one epoch's order (after tail handling) and this consumer's share of them,
+/// from the manifests alone: nothing is prefetched and no thread outlives the call.
+pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
+    let mut shapes = Vec::with_capacity(cfg.sources.len());
+    for sc in &cfg.sources {
+        let ds = Dataset::open(&sc.url).await?;
+        shapes.push(StreamShape {
+            version: ds.manifest().version.clone(),
+            shard_samples: ds.manifest().shards.iter().map(|x| x.samples).collect(),
+            weight: sc.weight,
+        });
+    }
+    let n: u64 = (0..shapes.len()).map(|s| crate::order::stream_take(&shapes, s)).sum();
+    let consumers = cfg.topology.consumers() as u64;
+    let len = effective_len(n, consumers, cfg.order.tail);
+    let c = cfg.topology.consumer() as u64;
+    let mine = if len > c { (len - c).div_ceil(consumers) } else { 0 };
+    Ok((len, mine))
 }
 
 /// A saved position to resume from.
@@ -341,7 +364,10 @@ impl Stream {
                 }
                 r.progress.clone()
             }
-            None => EpochProgress::default(),
+            None => EpochProgress {
+                epoch: cfg.first_epoch,
+                ..EpochProgress::default()
+            },
         };
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
         let shared = Arc::new(Shared {
@@ -377,6 +403,27 @@ impl Stream {
             prefetch,
             readers: Default::default(),
         })
+    }
+
+    /// Number of sources.
+    pub fn sources(&self) -> usize {
+        self.shared.sources.len()
+    }
+
+    /// Source `s`'s dataset.
+    pub fn dataset(&self, s: usize) -> &Dataset {
+        &self.shared.sources[s].ds
+    }
+
+    /// Source `s`'s schema.
+    pub fn schema(&self, s: usize) -> Arc<Schema> {
+        self.shared.sources[s].schema.clone()
+    }
+
+    /// URL of a shard of a source.
+    pub fn shard_url(&self, stream: u32, shard: u32) -> String {
+        let ds = &self.shared.sources[stream as usize].ds;
+        ds.store().url(&ds.manifest().shards[shard as usize].key)
     }
 
     /// Counters so far.
@@ -468,9 +515,14 @@ impl Stream {
         let record = if self.per_sample {
             self.read_one(id)?
         } else {
-            // Take whatever has already arrived.
-            while let Ok(m) = self.rx.try_recv() {
-                self.accept(m)?;
+            // Take what has already arrived, up to the shard needed now: shards held here
+            // are outside the channel's bound, so taking more would let a slow consumer
+            // hold an unbounded number of shards in memory.
+            while !self.live.contains_key(&key) {
+                match self.rx.try_recv() {
+                    Ok(m) => self.accept(m)?,
+                    Err(_) => break,
+                }
             }
             if !self.live.contains_key(&key) && self.ranged_left > 0 {
                 self.ranged_left -= 1;

@@ -1,9 +1,29 @@
 """ramjet: stream training data from object storage into PyTorch at GPU speed.
 
-This release exposes dataset inspection and verification; the streaming loader builds on
-these (see docs/architecture.md).
+Quick start::
+
+    import ramjet
+    ds = ramjet.StreamingDataset(remote="s3://bucket/dataset", local="/nvme/ramjet",
+                                 batch_size=256, image_size=224)
+    for epoch in range(10):
+        ds.set_epoch(epoch)
+        for batch in ds:            # dict of torch tensors, decoded by Rust threads
+            train_step(batch["image"], batch["label"])
+
+Iterating the dataset directly is ramjet's own loader: shards are fetched and images are
+decoded and augmented by Rust threads with the GIL released, so no worker processes are
+needed. Inside ``torch.utils.data.DataLoader(ds, batch_size=None, num_workers=N)`` each
+worker reads its own share of every epoch instead.
 """
 
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from ramjet import _ramjet
 from ramjet._ramjet import (
     AuthError,
     CorruptError,
@@ -11,10 +31,18 @@ from ramjet._ramjet import (
     InvalidInputError,
     NotFoundError,
     OriginError,
+    Tensor,
     __version__,
     inspect,
     verify,
 )
+
+try:  # torch is optional: without it batches hold numpy arrays.
+    import torch
+    from torch.utils.data import IterableDataset as _Base
+except ImportError:  # pragma: no cover - exercised only without torch
+    torch = None  # type: ignore[assignment]
+    _Base = object  # type: ignore[assignment,misc]
 
 __all__ = [
     "AuthError",
@@ -23,7 +51,373 @@ __all__ = [
     "InvalidInputError",
     "NotFoundError",
     "OriginError",
+    "Stream",
+    "StreamingDataset",
+    "Tensor",
     "__version__",
     "inspect",
     "verify",
 ]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Native objects inherited through fork() have no threads in the child; dropping them there
+# could wait on threads that do not exist, so they are parked here and never dropped.
+_inherited: List[Any] = []
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One input dataset of a mix, with at most one of ``proportion``, ``repeat``, ``count``.
+
+    - ``proportion``: this stream's share of all proportional streams' samples per epoch;
+    - ``repeat``: a factor on its own size (2.0 takes every sample twice, 0.5 half of them);
+    - ``count``: exactly this many samples per epoch.
+    """
+
+    remote: str
+    proportion: Optional[float] = None
+    repeat: Optional[float] = None
+    count: Optional[int] = None
+
+    def _weight(self) -> Dict[str, Any]:
+        given = [k for k in ("proportion", "repeat", "count") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise InvalidInputError(f"stream {self.remote}: give at most one of {given}")
+        if self.proportion is not None:
+            return {"kind": "proportion", "value": float(self.proportion)}
+        if self.repeat is not None:
+            return {"kind": "repeat", "value": float(self.repeat)}
+        if self.count is not None:
+            return {"kind": "count", "value": int(self.count)}
+        return {"kind": "natural"}
+
+
+def _to_array(t: Tensor) -> Any:
+    if torch is not None:
+        return torch.from_dlpack(t)
+    import numpy
+
+    return numpy.from_dlpack(t)
+
+
+def _convert(d: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: _to_array(v) if isinstance(v, Tensor) else v for k, v in d.items()}
+
+
+def _parse_size(s: Union[int, str, None]) -> Optional[int]:
+    if s is None or isinstance(s, int):
+        return s
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = s.strip().lower().rstrip("ib").rstrip("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _distributed() -> Tuple[int, int]:
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    return min(rank, max(world, 1) - 1), max(world, 1)
+
+
+class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
+    """Batches from one or more packed datasets, as dicts of tensors.
+
+    Args:
+        remote: dataset URL (``s3://bucket/prefix``, a local path, ...), or a list of URLs or
+            :class:`Stream` objects to mix.
+        local: node-local cache directory (shared by every process on the host); ``None``
+            streams from the origin without a cache.
+        cache_limit: byte budget of the cache (int or ``"64GiB"``); default 64 GiB.
+        batch_size: samples per batch.
+        shuffle: shuffle the order (``shuffle_algo`` picks how).
+        shuffle_algo: ``"shard_block"`` (locality-preserving, few shards live at once) or
+            ``"global"`` (a full permutation).
+        seed: seed of the order and of the augmentations.
+        shuffle_window: shards per shuffle window (shard_block).
+        shuffle_block: consecutive samples kept together (shard_block).
+        partitions: canonical partitions of the order.
+        tail: ``"uneven"`` (every sample once), ``"drop"`` or ``"pad"`` when the epoch does
+            not divide across ranks and workers.
+        drop_last: drop an epoch's last batch when it is short.
+        image_size: decode the image column to this size (int or ``(height, width)``);
+            ``None`` yields encoded bytes.
+        augment: ``"train"`` (RandomResizedCrop + horizontal flip), ``"eval"`` (resize +
+            center crop) or ``"resize"``.
+        normalize: yield float32 images normalised with ``mean``/``std`` instead of uint8.
+        dct_scaling: let JPEG decode at a reduced scale when the crop is much larger than
+            the output.
+        image_column / boxes_column: column names.
+        num_threads: decode threads (default: one per core, divided among DataLoader workers).
+        prefetch_batches: batches prepared ahead.
+        on_corrupt: ``"error"`` (default: raise :class:`CorruptError` naming dataset, shard and
+            sample) or ``"skip"`` (leave the sample out and count it).
+        rank / world_size: override the topology (default: torch.distributed when
+            initialised, else ``RANK``/``WORLD_SIZE``).
+    """
+
+    def __init__(
+        self,
+        remote: Union[str, Stream, Sequence[Union[str, Stream]]],
+        local: Optional[str] = None,
+        *,
+        batch_size: int = 32,
+        shuffle: bool = True,
+        shuffle_algo: str = "shard_block",
+        seed: int = 0,
+        shuffle_window: int = 4,
+        shuffle_block: int = 1,
+        partitions: int = 1,
+        tail: str = "uneven",
+        drop_last: bool = False,
+        cache_limit: Union[int, str, None] = "64GiB",
+        image_size: Union[int, Tuple[int, int], None] = 224,
+        augment: str = "train",
+        normalize: bool = False,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        scale: Tuple[float, float] = (0.08, 1.0),
+        ratio: Tuple[float, float] = (3 / 4, 4 / 3),
+        flip: float = 0.5,
+        crop_fraction: float = 0.875,
+        dct_scaling: bool = True,
+        image_column: str = "image",
+        boxes_column: Optional[str] = "boxes",
+        num_threads: Optional[int] = None,
+        prefetch_batches: int = 4,
+        on_corrupt: str = "error",
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ) -> None:
+        if isinstance(remote, (str, Stream)):
+            remote = [remote]
+        streams = [s if isinstance(s, Stream) else Stream(str(s)) for s in remote]
+        if not streams:
+            raise InvalidInputError("remote: no dataset given")
+        if batch_size < 1:
+            raise InvalidInputError(f"batch_size must be at least 1, not {batch_size}")
+        if on_corrupt not in ("error", "skip"):
+            raise InvalidInputError(f'on_corrupt must be "error" or "skip", not {on_corrupt!r}')
+        if augment not in ("train", "eval", "resize"):
+            raise InvalidInputError(f'augment must be "train", "eval" or "resize", not {augment!r}')
+        tails = {"uneven": "uneven", "drop": "drop_last", "pad": "pad_repeat"}
+        if tail not in tails:
+            raise InvalidInputError(f'tail must be one of {list(tails)}, not {tail!r}')
+        if not shuffle:
+            order_shuffle: Dict[str, Any] = {"kind": "none"}
+        elif shuffle_algo == "shard_block":
+            order_shuffle = {"kind": "shard_block", "window_shards": shuffle_window, "block_samples": shuffle_block}
+        elif shuffle_algo == "global":
+            order_shuffle = {"kind": "global"}
+        else:
+            raise InvalidInputError(f'shuffle_algo must be "shard_block" or "global", not {shuffle_algo!r}')
+        image = None
+        if image_size is not None:
+            h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+            image = {
+                "width": int(w),
+                "height": int(h),
+                "augment": augment,
+                "scale": list(scale),
+                "ratio": list(ratio),
+                "flip": float(flip),
+                "crop_fraction": float(crop_fraction),
+                "float": bool(normalize),
+                "mean": [float(x) for x in mean],
+                "std": [float(x) for x in std],
+                "dct_scaling": bool(dct_scaling),
+            }
+        self.batch_size = batch_size
+        self.streams = streams
+        self._rank_override = (rank, world_size)
+        self._num_threads = num_threads
+        self._base: Dict[str, Any] = {
+            "sources": [{"url": s.remote, "weight": s._weight()} for s in streams],
+            "order": {"seed": int(seed), "shuffle": order_shuffle, "partitions": int(partitions), "tail": tails[tail]},
+            "cache": None
+            if local is None
+            else {"dir": os.fspath(local), "limit_bytes": _parse_size(cache_limit) or (64 << 30)},
+            "batch_size": int(batch_size),
+            "drop_last": bool(drop_last),
+            "image": image,
+            "image_column": image_column,
+            "boxes_column": boxes_column,
+            "prefetch_batches": int(prefetch_batches),
+            "skip_corrupt": on_corrupt == "skip",
+        }
+        self._epoch = 0
+        self._resume: Optional[str] = None  # a ResumePoint (JSON) to start from
+        self._state: Optional[str] = None  # this consumer's StreamState after its last batch
+        self._loader: Any = None
+        self._loader_key: Any = None
+        self._reader: Any = None
+        self._pid = os.getpid()
+        self._lengths: Dict[Any, Tuple[int, int]] = {}
+
+    # ----- topology -------------------------------------------------------------------
+
+    def _topology(self) -> Dict[str, int]:
+        rank, world = self._rank_override
+        if rank is None or world is None:
+            r, w = _distributed()
+            rank = r if rank is None else rank
+            world = w if world is None else world
+        worker, workers = 0, 1
+        if torch is not None:
+            info = torch.utils.data.get_worker_info()
+            if info is not None:
+                worker, workers = info.id, info.num_workers
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_rank = min(int(os.environ.get("LOCAL_RANK", "0")), max(local_world, 1) - 1)
+        return {
+            "rank": int(rank),
+            "world": int(world),
+            "worker": worker,
+            "workers": workers,
+            "local_rank": local_rank,
+            "local_world": local_world,
+        }
+
+    def _config(self, **extra: Any) -> str:
+        topo = self._topology()
+        cfg = dict(self._base, topology=topo, **extra)
+        if self._num_threads is not None:
+            cfg["threads"] = self._num_threads
+        else:
+            cfg["threads"] = max(1, (os.cpu_count() or 2) // topo["workers"])
+        return json.dumps(cfg)
+
+    def _after_fork(self) -> None:
+        if os.getpid() != self._pid:
+            _inherited.extend(x for x in (self._loader, self._reader) if x is not None)
+            self._loader = self._reader = None
+            self._pid = os.getpid()
+
+    # ----- iteration ------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        self._after_fork()
+        topo = self._topology()
+        key = (self._epoch, json.dumps(topo, sort_keys=True))
+        if self._loader is None or self._loader_key != key:
+            self._loader = None
+            extra: Dict[str, Any] = {"epochs": None, "first_epoch": self._epoch}
+            if self._resume is not None:
+                extra["resume"] = json.loads(self._resume)
+            self._loader = _ramjet.Loader(self._config(**extra))
+            self._loader_key = key
+        loader = self._loader
+        while True:
+            got = loader.next_batch()
+            if got is None:
+                return
+            cols, meta = got
+            self._state = meta["state"]
+            self._resume = None
+            if meta["end_of_epoch"]:
+                # The loader goes on into the next epoch; a later iteration continues there.
+                self._epoch = meta["epoch"] + 1
+                self._loader_key = (self._epoch, key[1])
+            if meta["skipped"]:
+                cols["_skipped"] = meta["skipped"]
+            yield _convert(cols)
+            if meta["end_of_epoch"]:
+                return
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next iteration reads (from its start)."""
+        if epoch != self._epoch or self._resume is not None:
+            self._epoch = int(epoch)
+            self._resume = None
+            self._state = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads."""
+        return self._epoch
+
+    # ----- state ----------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The job's position after the last batch this process yielded.
+
+        Under torch.distributed every rank must call it at the same step (it gathers the
+        ranks' states); the result is the same on every rank. Restoring it continues with
+        exactly the samples not yet seen, also with another world size.
+        """
+        if self._state is None:
+            return {"version": 1, "epoch": self._epoch, "resume": self._resume}
+        states = [self._state]
+        rank, world = self._topology()["rank"], self._topology()["world"]
+        if world > 1:
+            if torch is None or not torch.distributed.is_initialized():
+                raise InvalidInputError(
+                    "state_dict with world_size > 1 needs torch.distributed to gather the ranks' states"
+                )
+            gathered: List[Optional[str]] = [None] * world
+            torch.distributed.all_gather_object(gathered, self._state)
+            states = [s for s in gathered if s is not None]
+            if len(states) != world:
+                raise InvalidInputError("state_dict: some ranks have not read any batch yet")
+        del rank
+        resume = _ramjet.job_progress(states)
+        epoch = json.loads(resume)["progress"]["epoch"]
+        return {"version": 1, "epoch": epoch, "resume": resume}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continues from a :meth:`state_dict`: the next iteration yields the rest of its epoch."""
+        if state.get("version") != 1:
+            raise InvalidInputError(f"unknown state_dict version {state.get('version')!r}")
+        self._epoch = int(state["epoch"])
+        self._resume = state.get("resume")
+        self._state = None
+        self._loader = None
+        self._loader_key = None
+
+    # ----- sizes and random access ----------------------------------------------------
+
+    def _epoch_lengths(self) -> Tuple[int, int]:
+        key = json.dumps(self._topology(), sort_keys=True)
+        if key not in self._lengths:
+            self._lengths[key] = _ramjet.epoch_lengths(self._config())
+        return self._lengths[key]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in one epoch across the whole job."""
+        return self._epoch_lengths()[0]
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Samples this consumer reads per epoch."""
+        return self._epoch_lengths()[1]
+
+    def __len__(self) -> int:
+        """Batches this consumer yields per epoch."""
+        n = self.samples_per_rank
+        return n // self.batch_size if self._base["drop_last"] else -(-n // self.batch_size)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        """Sample ``index`` of the first dataset, decoded with the evaluation transform."""
+        self._after_fork()
+        if self._reader is None:
+            cfg = json.loads(self._config())
+            if cfg["image"] is not None:
+                cfg["image"]["augment"] = "eval" if cfg["image"]["augment"] == "train" else cfg["image"]["augment"]
+            self._reader = _ramjet.Reader(json.dumps(cfg))
+        if index < 0:
+            raise IndexError(index)
+        return _convert(self._reader.get(0, int(index)))
+
+    def metrics(self) -> Dict[str, float]:
+        """Counters of the running loader: origin and cache bytes, hit rate, batch wait."""
+        return {} if self._loader is None else dict(self._loader.metrics())
+
+    def __getstate__(self) -> Dict[str, Any]:
+        s = self.__dict__.copy()
+        s["_loader"] = s["_reader"] = None
+        return s

@@ -1,0 +1,245 @@
+//! DLPack export: a [`Tensor`] hands its memory to `torch.from_dlpack` / `numpy.from_dlpack`
+//! without a copy. The consumer owns a `DLManagedTensor` whose context keeps the storage
+//! alive; its deleter (or the capsule's destructor, when nobody consumed it) releases it, and
+//! a batch buffer then goes back to its pool.
+
+use std::ffi::{c_void, CStr};
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use ramjet_engine::hostbuf::HostBuf;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+const KDL_CPU: i32 = 1;
+const CAPSULE_NAME: &CStr = c"dltensor";
+
+/// Element types ramjet exports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    /// uint8.
+    U8,
+    /// int64.
+    I64,
+    /// float32.
+    F32,
+    /// float64.
+    F64,
+}
+
+impl DType {
+    fn dl(self) -> DLDataType {
+        let (code, bits) = match self {
+            DType::U8 => (1, 8),
+            DType::I64 => (0, 64),
+            DType::F32 => (2, 32),
+            DType::F64 => (2, 64),
+        };
+        DLDataType { code, bits, lanes: 1 }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "uint8",
+            DType::I64 => "int64",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+        }
+    }
+}
+
+/// Memory behind a tensor.
+pub enum Storage {
+    /// A pooled batch buffer.
+    Host(HostBuf),
+    /// uint8 values.
+    U8(Vec<u8>),
+    /// int64 values.
+    I64(Vec<i64>),
+    /// float32 values.
+    F32(Vec<f32>),
+    /// float64 values.
+    F64(Vec<f64>),
+}
+
+// SAFETY: a `Storage` is never mutated after construction (consumers write through the raw
+// pointer they were given, as DLPack allows, but ramjet itself only reads the address), and
+// `HostBuf` is an owned allocation with no thread affinity.
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    fn ptr(&self) -> *mut c_void {
+        match self {
+            Storage::Host(b) => b.as_ptr() as *mut c_void,
+            Storage::U8(v) => v.as_ptr() as *mut c_void,
+            Storage::I64(v) => v.as_ptr() as *mut c_void,
+            Storage::F32(v) => v.as_ptr() as *mut c_void,
+            Storage::F64(v) => v.as_ptr() as *mut c_void,
+        }
+    }
+}
+
+/// A CPU tensor exported through DLPack (`torch.from_dlpack(t)`, `numpy.from_dlpack(t)`).
+#[pyclass(frozen, module = "ramjet._ramjet")]
+pub struct Tensor {
+    storage: Arc<Storage>,
+    shape: Vec<i64>,
+    dtype: DType,
+}
+
+impl Tensor {
+    /// A tensor of `shape` over `storage` (which must hold at least that many elements).
+    pub fn new(storage: Storage, shape: Vec<i64>, dtype: DType) -> Self {
+        Self {
+            storage: Arc::new(storage),
+            shape,
+            dtype,
+        }
+    }
+}
+
+struct Ctx {
+    _storage: Arc<Storage>,
+    shape: Vec<i64>,
+}
+
+unsafe extern "C" fn managed_deleter(m: *mut DLManagedTensor) {
+    if m.is_null() {
+        return;
+    }
+    // SAFETY: `m` and its context were created by `Box::into_raw` in `__dlpack__` and the
+    // DLPack protocol calls the deleter exactly once.
+    unsafe {
+        drop(Box::from_raw((*m).manager_ctx.cast::<Ctx>()));
+        drop(Box::from_raw(m));
+    }
+}
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by CPython with a live capsule. A consumer renames it "used_dltensor"
+    // once it owns the tensor; only an unconsumed capsule still owns it here.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, CAPSULE_NAME.as_ptr()) == 1 {
+            let m = ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr()).cast::<DLManagedTensor>();
+            managed_deleter(m);
+        }
+    }
+}
+
+#[pymethods]
+impl Tensor {
+    /// Exports the tensor as a DLPack capsule (CPU, compact row-major).
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<Py<PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = (stream, max_version);
+        if let Some((t, _)) = dl_device {
+            if t != KDL_CPU {
+                return Err(PyBufferError::new_err("ramjet tensors live in host memory (kDLCPU)"));
+            }
+        }
+        if copy == Some(true) {
+            return Err(PyValueError::new_err(
+                "ramjet exports without copying; copy=True is not supported",
+            ));
+        }
+        let mut ctx = Box::new(Ctx {
+            _storage: self.storage.clone(),
+            shape: self.shape.clone(),
+        });
+        let managed = Box::new(DLManagedTensor {
+            dl_tensor: DLTensor {
+                data: self.storage.ptr(),
+                device: DLDevice {
+                    device_type: KDL_CPU,
+                    device_id: 0,
+                },
+                ndim: self.shape.len() as i32,
+                dtype: self.dtype.dl(),
+                shape: ctx.shape.as_mut_ptr(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: Box::into_raw(ctx).cast::<c_void>(),
+            deleter: Some(managed_deleter),
+        });
+        let raw = Box::into_raw(managed);
+        // SAFETY: `raw` is a valid DLManagedTensor; the capsule takes ownership and its
+        // destructor releases it unless a consumer took it over.
+        let cap = unsafe { ffi::PyCapsule_New(raw.cast::<c_void>(), CAPSULE_NAME.as_ptr(), Some(capsule_destructor)) };
+        if cap.is_null() {
+            // SAFETY: the capsule was not created, so we still own `raw`.
+            unsafe { managed_deleter(raw) };
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: `cap` is a new, owned reference.
+        Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+    }
+
+    /// `(kDLCPU, 0)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (KDL_CPU, 0)
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape(&self) -> Vec<i64> {
+        self.shape.clone()
+    }
+
+    /// The element type's name (numpy spelling).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// Address of the first element (for checking that consumers did not copy).
+    #[getter]
+    fn data_ptr(&self) -> usize {
+        self.storage.ptr() as usize
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ramjet.Tensor(shape={:?}, dtype={})", self.shape, self.dtype.name())
+    }
+}

@@ -1,0 +1,449 @@
+//! The loader behind `ramjet.StreamingDataset`: configuration arrives as JSON (built by the
+//! Python side), batches leave as dicts of DLPack tensors. Every wait releases the GIL and
+//! wakes every 50 ms to let Python deliver signals, so Ctrl-C interrupts a blocking call.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use serde::Deserialize;
+
+use ramjet_engine::cache::CacheConfig;
+use ramjet_engine::image::{Augment, ImageSpec, OutType, SampleRng, Scratch, Slot};
+use ramjet_engine::loader::{Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next, OnCorrupt};
+use ramjet_engine::order::{OrderSpec, Topology, Weight};
+use ramjet_engine::stream::{ResumePoint, SourceConfig, StreamConfig, StreamState};
+use ramjet_engine::{Error, Stream};
+
+use crate::dlpack::{DType, Storage, Tensor};
+use crate::{to_py, InvalidInputError};
+
+const POLL: Duration = Duration::from_millis(50);
+
+#[derive(Deserialize)]
+struct SourceJson {
+    url: String,
+    #[serde(default = "natural")]
+    weight: Weight,
+}
+
+fn natural() -> Weight {
+    Weight::Natural
+}
+
+#[derive(Deserialize)]
+struct CacheJson {
+    dir: String,
+    limit_bytes: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum AugmentJson {
+    Train,
+    Eval,
+    Resize,
+}
+
+#[derive(Deserialize)]
+struct ImageJson {
+    width: u32,
+    height: u32,
+    augment: AugmentJson,
+    #[serde(default = "default_scale")]
+    scale: (f32, f32),
+    #[serde(default = "default_ratio")]
+    ratio: (f32, f32),
+    #[serde(default = "half")]
+    flip: f32,
+    #[serde(default = "default_crop_fraction")]
+    crop_fraction: f32,
+    #[serde(default)]
+    float: bool,
+    #[serde(default = "default_mean")]
+    mean: [f32; 3],
+    #[serde(default = "default_std")]
+    std: [f32; 3],
+    #[serde(default = "yes")]
+    dct_scaling: bool,
+}
+
+fn default_scale() -> (f32, f32) {
+    (0.08, 1.0)
+}
+fn default_ratio() -> (f32, f32) {
+    (0.75, 4.0 / 3.0)
+}
+fn half() -> f32 {
+    0.5
+}
+fn default_crop_fraction() -> f32 {
+    0.875
+}
+fn default_mean() -> [f32; 3] {
+    [0.485, 0.456, 0.406]
+}
+fn default_std() -> [f32; 3] {
+    [0.229, 0.224, 0.225]
+}
+fn yes() -> bool {
+    true
+}
+
+impl ImageJson {
+    fn spec(&self) -> ImageSpec {
+        ImageSpec {
+            width: self.width,
+            height: self.height,
+            augment: match self.augment {
+                AugmentJson::Train => Augment::RandomResizedCrop {
+                    scale: self.scale,
+                    ratio: self.ratio,
+                    flip: self.flip,
+                },
+                AugmentJson::Eval => Augment::CenterCrop {
+                    crop_fraction: self.crop_fraction,
+                },
+                AugmentJson::Resize => Augment::Resize,
+            },
+            out: if self.float { OutType::F32 } else { OutType::U8 },
+            mean: self.mean,
+            std: self.std,
+            dct_scaling: self.dct_scaling,
+        }
+    }
+}
+
+/// Everything `StreamingDataset` passes down.
+#[derive(Deserialize)]
+struct ConfigJson {
+    sources: Vec<SourceJson>,
+    order: OrderSpec,
+    topology: Topology,
+    #[serde(default)]
+    cache: Option<CacheJson>,
+    #[serde(default)]
+    epochs: Option<u64>,
+    #[serde(default)]
+    first_epoch: u64,
+    #[serde(default)]
+    resume: Option<ResumePoint>,
+    batch_size: usize,
+    #[serde(default)]
+    drop_last: bool,
+    #[serde(default)]
+    image: Option<ImageJson>,
+    #[serde(default = "image_column")]
+    image_column: String,
+    #[serde(default)]
+    boxes_column: Option<String>,
+    #[serde(default)]
+    threads: Option<usize>,
+    #[serde(default = "four")]
+    prefetch_batches: usize,
+    #[serde(default)]
+    skip_corrupt: bool,
+}
+
+fn image_column() -> String {
+    "image".into()
+}
+fn four() -> usize {
+    4
+}
+
+fn parse(config: &str) -> PyResult<ConfigJson> {
+    serde_json::from_str(config).map_err(|e| InvalidInputError::new_err(format!("loader configuration: {e}")))
+}
+
+impl ConfigJson {
+    fn stream(&self) -> StreamConfig {
+        let mut sc = StreamConfig::new(String::new());
+        sc.sources = self
+            .sources
+            .iter()
+            .map(|s| SourceConfig {
+                url: s.url.clone(),
+                weight: s.weight,
+            })
+            .collect();
+        sc.order = self.order;
+        sc.topology = self.topology;
+        sc.cache = self.cache.as_ref().map(|c| CacheConfig::new(&c.dir, c.limit_bytes));
+        sc.epochs = self.epochs;
+        sc.first_epoch = self.first_epoch;
+        sc.resume = self.resume.clone();
+        sc
+    }
+
+    fn loader(&self) -> LoaderConfig {
+        let mut lc = LoaderConfig::new(self.stream());
+        lc.batch_size = self.batch_size;
+        lc.drop_last = self.drop_last;
+        lc.image = self.image.as_ref().map(|i| i.spec());
+        lc.image_column = self.image_column.clone();
+        lc.boxes_column = self.boxes_column.clone();
+        if let Some(t) = self.threads {
+            lc.threads = t.max(1);
+        }
+        lc.prefetch_batches = self.prefetch_batches.max(1);
+        lc.on_corrupt = if self.skip_corrupt {
+            OnCorrupt::Skip
+        } else {
+            OnCorrupt::Error
+        };
+        lc
+    }
+}
+
+/// Runs `f` on its own thread and waits for it with the GIL released, waking every 50 ms to
+/// let Python raise pending signals (Ctrl-C). An interrupted `f` finishes in the background.
+fn interruptible<T: Send + 'static>(py: Python<'_>, f: impl FnOnce() -> T + Send + 'static) -> PyResult<T> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name("ramjet-call".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| to_py(Error::io("thread", e)))?;
+    loop {
+        match py.detach(|| rx.recv_timeout(POLL)) {
+            Ok(v) => return Ok(v),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                return Err(to_py(Error::invalid(
+                    "ramjet call",
+                    "its thread ended without a result",
+                )))
+            }
+        }
+    }
+}
+
+/// A running batch pipeline (one consumer of the job).
+#[pyclass(module = "ramjet._ramjet")]
+pub struct Loader {
+    inner: Mutex<EngineLoader>,
+}
+
+#[pymethods]
+impl Loader {
+    /// Opens the datasets and starts the reader and decode threads.
+    #[new]
+    fn new(py: Python<'_>, config: &str) -> PyResult<Self> {
+        let cfg = parse(config)?.loader();
+        let inner = interruptible(py, move || EngineLoader::start(cfg))?.map_err(to_py)?;
+        Ok(Self {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// The next batch as `(columns, meta)`, or `None` after the last epoch.
+    fn next_batch<'py>(&self, py: Python<'py>) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
+        loop {
+            let r = py.detach(|| {
+                let mut l = self.inner.lock().expect("not poisoned");
+                l.next_batch(POLL)
+            });
+            match r.map_err(to_py)? {
+                Next::Batch(b) => return batch_to_py(py, *b).map(Some),
+                Next::End => return Ok(None),
+                Next::Pending => py.check_signals()?,
+            }
+        }
+    }
+
+    /// Counters of the stream and the decoders.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let snap = self.inner.lock().expect("not poisoned").metrics().snapshot();
+        let v = serde_json::to_value(&snap).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
+        let d = PyDict::new(py);
+        if let serde_json::Value::Object(m) = v {
+            for (k, v) in m {
+                if let Some(f) = v.as_f64() {
+                    d.set_item(k, f)?;
+                }
+            }
+        }
+        Ok(d)
+    }
+}
+
+fn tensor(py: Python<'_>, storage: Storage, shape: Vec<i64>, dtype: DType) -> PyResult<Py<Tensor>> {
+    Py::new(py, Tensor::new(storage, shape, dtype))
+}
+
+fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'_, PyDict>)> {
+    let d = PyDict::new(py);
+    let n = b.len() as i64;
+    for (name, col) in b.columns {
+        match col {
+            ColumnData::Image {
+                buf,
+                n,
+                height,
+                width,
+                out,
+            } => {
+                let shape = vec![n as i64, 3, height as i64, width as i64];
+                let dt = if out == OutType::U8 { DType::U8 } else { DType::F32 };
+                d.set_item(&name, tensor(py, Storage::Host(buf), shape, dt)?)?;
+            }
+            ColumnData::Int64(v) => d.set_item(&name, tensor(py, Storage::I64(v), vec![n], DType::I64)?)?,
+            ColumnData::Float64(v) => d.set_item(&name, tensor(py, Storage::F64(v), vec![n], DType::F64)?)?,
+            ColumnData::Str(v) | ColumnData::Json(v) => d.set_item(&name, PyList::new(py, v)?)?,
+            ColumnData::Bytes(v) => {
+                let l = PyList::empty(py);
+                for x in v {
+                    l.append(PyBytes::new(py, &x))?;
+                }
+                d.set_item(&name, l)?;
+            }
+            ColumnData::Boxes { values, offsets } => {
+                let rows = (values.len() / 5) as i64;
+                d.set_item(&name, tensor(py, Storage::F32(values), vec![rows, 5], DType::F32)?)?;
+                let k = offsets.len() as i64;
+                d.set_item(
+                    format!("{name}_offsets"),
+                    tensor(py, Storage::I64(offsets), vec![k], DType::I64)?,
+                )?;
+            }
+        }
+    }
+    d.set_item("_index", tensor(py, Storage::I64(b.indices), vec![n], DType::I64)?)?;
+    d.set_item("_stream", tensor(py, Storage::I64(b.streams), vec![n], DType::I64)?)?;
+    let meta = PyDict::new(py);
+    meta.set_item("epoch", b.epoch)?;
+    meta.set_item("end_of_epoch", b.end_of_epoch)?;
+    let state = serde_json::to_string(&b.state).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
+    meta.set_item("state", state)?;
+    let skipped: Vec<(String, u64, String)> = b.skipped.into_iter().map(|s| (s.shard, s.sample, s.reason)).collect();
+    meta.set_item("skipped", skipped)?;
+    Ok((d, meta))
+}
+
+/// The job's resume point (JSON) from every consumer's state (JSON), all taken after the
+/// same step.
+#[pyfunction]
+pub fn job_progress(states: Vec<String>) -> PyResult<String> {
+    let parsed: Vec<StreamState> = states
+        .iter()
+        .map(|s| serde_json::from_str(s))
+        .collect::<Result<_, _>>()
+        .map_err(|e| InvalidInputError::new_err(format!("stream state: {e}")))?;
+    let r = StreamState::job_progress(&parsed).map_err(to_py)?;
+    serde_json::to_string(&r).map_err(|e| InvalidInputError::new_err(e.to_string()))
+}
+
+/// `(epoch_len, mine)`: samples in an epoch's order and this consumer's share.
+#[pyfunction]
+pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64)> {
+    let sc = parse(config)?.stream();
+    interruptible(py, move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+        match rt {
+            Ok(rt) => rt.block_on(ramjet_engine::stream::epoch_lengths(&sc)),
+            Err(e) => Err(Error::io("tokio runtime", e)),
+        }
+    })?
+    .map_err(to_py)
+}
+
+/// Random access to samples by index, decoded with the evaluation transform.
+#[pyclass(module = "ramjet._ramjet")]
+pub struct Reader {
+    state: Mutex<(Stream, Scratch)>,
+    spec: Option<ImageSpec>,
+    image_column: String,
+    seed: u64,
+}
+
+#[pymethods]
+impl Reader {
+    /// Opens the datasets (nothing is prefetched).
+    #[new]
+    fn new(py: Python<'_>, config: &str) -> PyResult<Self> {
+        let cfg = parse(config)?;
+        let mut sc = cfg.stream();
+        sc.epochs = Some(0);
+        sc.resume = None;
+        sc.first_epoch = 0;
+        let stream = interruptible(py, move || Stream::open(sc))?.map_err(to_py)?;
+        Ok(Self {
+            state: Mutex::new((stream, Scratch::default())),
+            spec: cfg.image.as_ref().map(|i| i.spec()),
+            image_column: cfg.image_column,
+            seed: cfg.order.seed,
+        })
+    }
+
+    /// Sample `index` of source `stream` as a dict (image as a `(3, H, W)` tensor).
+    fn get<'py>(&self, py: Python<'py>, stream: usize, index: u64) -> PyResult<Bound<'py, PyDict>> {
+        let r = py.detach(|| {
+            let mut g = self.state.lock().expect("not poisoned");
+            let (st, scratch) = &mut *g;
+            let s = st.get(stream, index)?;
+            let url = st.shard_url(s.id.stream, s.id.shard);
+            let vals = s.values()?;
+            let schema = st.schema(stream);
+            let mut out = Vec::with_capacity(vals.len());
+            for (c, v) in schema.columns.iter().zip(vals) {
+                use ramjet_engine::format::ValueRef as V;
+                let item = match (v, &self.spec) {
+                    (V::Bytes(b), Some(spec)) if c.name == self.image_column => {
+                        let mut rng = SampleRng::new(self.seed, 0, stream as u32, index);
+                        let shape = vec![3, spec.height as i64, spec.width as i64];
+                        let res = match spec.out {
+                            OutType::U8 => {
+                                let mut v = vec![0u8; spec.elems()];
+                                ramjet_engine::image::process(b, spec, &mut rng, Slot::U8(&mut v), scratch)
+                                    .map(|_| Item::U8(v, shape))
+                            }
+                            OutType::F32 => {
+                                let mut v = vec![0f32; spec.elems()];
+                                ramjet_engine::image::process(b, spec, &mut rng, Slot::F32(&mut v), scratch)
+                                    .map(|_| Item::F32(v, shape))
+                            }
+                        };
+                        res.map_err(|reason| {
+                            Error::corrupt(
+                                ramjet_engine::Location::sample(url.clone(), index),
+                                format!("image column {:?}: {reason}", c.name),
+                            )
+                        })?
+                    }
+                    (V::Bytes(b), _) => Item::Bytes(b.to_vec()),
+                    (V::Str(t), _) | (V::Json(t), _) => Item::Text(t.to_string()),
+                    (V::Int64(x), _) => Item::Int(x),
+                    (V::Float64(x), _) => Item::Float(x),
+                };
+                out.push((c.name.clone(), item));
+            }
+            Ok::<_, Error>(out)
+        });
+        let d = PyDict::new(py);
+        for (k, v) in r.map_err(to_py)? {
+            match v {
+                Item::U8(v, shape) => d.set_item(k, tensor(py, Storage::U8(v), shape, DType::U8)?)?,
+                Item::F32(v, shape) => d.set_item(k, tensor(py, Storage::F32(v), shape, DType::F32)?)?,
+                Item::Bytes(b) => d.set_item(k, PyBytes::new(py, &b))?,
+                Item::Text(t) => d.set_item(k, t)?,
+                Item::Int(x) => d.set_item(k, x)?,
+                Item::Float(x) => d.set_item(k, x)?,
+            }
+        }
+        d.set_item("_index", index)?;
+        d.set_item("_stream", stream)?;
+        Ok(d)
+    }
+}
+
+enum Item {
+    U8(Vec<u8>, Vec<i64>),
+    F32(Vec<f32>, Vec<i64>),
+    Bytes(Vec<u8>),
+    Text(String),
+    Int(i64),
+    Float(f64),
+}

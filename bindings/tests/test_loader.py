@@ -1,0 +1,353 @@
+"""ramjet.StreamingDataset against the real local S3 server and real torch (CPU)."""
+
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import ramjet
+
+RAMJET = os.environ.get("RAMJET_BIN") or str(Path(__file__).resolve().parents[2] / "target/debug/ramjet")
+BUCKET = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
+CLASSES = 3
+N = 96
+
+
+def run(*args):
+    out = subprocess.run([RAMJET, *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def s3_url(name):
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    return f"s3://{BUCKET}/pytest-loader/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def synth(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synth") / "ds"
+    run("synth", str(d), "--samples", str(N))
+    return d
+
+
+@pytest.fixture(scope="session")
+def classes(synth, tmp_path_factory):
+    """An image-classification folder (JPEG and a few PNG) packed to S3 in several shards.
+    Returns (url, {relative path: (label, encoded bytes)})."""
+    root = tmp_path_factory.mktemp("classes") / "folder"
+    truth = {}
+    for i, src in enumerate(sorted((synth / "images").iterdir())):
+        label = i % CLASSES
+        d = root / f"c{label}"
+        d.mkdir(parents=True, exist_ok=True)
+        if i % 16 == 5:
+            dst = d / f"{src.stem}.png"
+            Image.open(src).convert("RGB").save(dst)
+        else:
+            dst = d / src.name
+            shutil.copy(src, dst)
+        truth[f"c{label}/{dst.name}"] = (label, dst.read_bytes())
+    url = s3_url("classes")
+    run("pack", str(root), url, "--shard-size", "1MiB")
+    return url, truth
+
+
+def dataset(url, **kw):
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("image_size", 64)
+    return ramjet.StreamingDataset(url, **kw)
+
+
+def epoch(ds):
+    return [b for b in ds]
+
+
+def indices(batches):
+    return [int(i) for b in batches for i in b["_index"]]
+
+
+def test_batches_match_what_pack_wrote(classes):
+    url, truth = classes
+    ds = dataset(url, shuffle=False, augment="resize", image_size=(48, 64))
+    batches = epoch(ds)
+    assert len(batches) == len(ds) == -(-N // 8)
+    seen = 0
+    for b in batches:
+        img, label = b["image"], b["label"]
+        assert img.dtype == torch.uint8 and tuple(img.shape[1:]) == (3, 48, 64)
+        assert label.dtype == torch.int64
+        for k, path in enumerate(b["path"]):
+            want_label, encoded = truth[path]
+            assert int(label[k]) == want_label, path
+            ref = Image.open(io.BytesIO(encoded)).convert("RGB").resize((64, 48), Image.BILINEAR)
+            ref = torch.from_numpy(np.array(ref)).permute(2, 0, 1).to(torch.float32)
+            diff = (img[k].to(torch.float32) - ref).abs()
+            assert diff.mean() < 2.5, f"{path}: mean abs difference {diff.mean():.2f} against Pillow"
+            seen += 1
+    assert seen == N
+
+
+def test_tensors_are_zero_copy_through_dlpack(classes):
+    url, _ = classes
+    ds = dataset(url)
+    it = iter(ds)
+    b = next(it)
+    assert isinstance(b["image"], torch.Tensor)
+    # The raw export: torch and numpy both use ramjet's memory.
+    loader = ds._loader
+    cols, _ = loader.next_batch()
+    t = cols["image"]
+    assert torch.from_dlpack(t).data_ptr() == t.data_ptr
+    assert np.from_dlpack(t).ctypes.data == t.data_ptr
+    assert t.data_ptr % 64 == 0, "batch buffers are 64-byte aligned"
+
+
+def test_float_output_is_normalised(classes):
+    url, _ = classes
+    ds = dataset(url, shuffle=False, augment="resize", normalize=True, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    raw = dataset(url, shuffle=False, augment="resize")
+    a, b = next(iter(ds)), next(iter(raw))
+    assert a["image"].dtype == torch.float32
+    torch.testing.assert_close(a["image"], b["image"].to(torch.float32) / 127.5 - 1.0, atol=1e-5, rtol=0)
+
+
+def test_yolo_boxes_are_flat_with_offsets(synth):
+    url = s3_url("yolo")
+    run("pack", str(synth), url)
+    ds = dataset(url, shuffle=False)
+    b = next(iter(ds))
+    boxes, off = b["boxes"], b["boxes_offsets"]
+    assert boxes.shape[1] == 5 and off.shape == (9,) and int(off[0]) == 0 and int(off[-1]) == boxes.shape[0]
+    first = sorted((synth / "labels").iterdir())[0].read_text().split()
+    assert abs(float(boxes[0, 1]) - float(first[1])) < 1e-6 and int(boxes[0, 0]) == int(first[0])
+
+
+def test_resume_replays_the_same_batches(classes, tmp_path):
+    url, _ = classes
+    make = lambda: dataset(url, seed=11, local=str(tmp_path / "cache"))  # noqa: E731
+    full = epoch(make())
+    ds = make()
+    it = iter(ds)
+    head = [next(it) for _ in range(5)]
+    state = json.loads(json.dumps(ds.state_dict()))
+    del it, ds
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = epoch(resumed)
+    got = head + tail
+    assert indices(got) == indices(full)
+    for a, b in zip(got, full):
+        assert torch.equal(a["image"], b["image"]), "augmentations replay identically"
+    # The next epoch follows on, reshuffled, and again covers every sample once.
+    nxt = epoch(resumed)
+    assert sorted(indices(nxt)) == list(range(N)) and indices(nxt) != indices(full)
+
+
+def test_order_is_the_same_for_any_batch_size_and_thread_count(classes):
+    url, _ = classes
+    a = indices(epoch(dataset(url, seed=3, batch_size=8, num_threads=1)))
+    b = indices(epoch(dataset(url, seed=3, batch_size=5, num_threads=3)))
+    assert a == b and sorted(a) == list(range(N))
+
+
+def test_two_ranks_see_disjoint_samples(classes):
+    url, _ = classes
+    r0 = indices(epoch(dataset(url, rank=0, world_size=2)))
+    r1 = indices(epoch(dataset(url, rank=1, world_size=2)))
+    assert not set(r0) & set(r1)
+    assert sorted(r0 + r1) == list(range(N))
+    assert len(r0) == dataset(url, rank=0, world_size=2).samples_per_rank
+
+
+def test_dataloader_workers_cover_each_sample_once(classes):
+    url, _ = classes
+    ds = dataset(url, seed=5)
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    got = []
+    for b in dl:
+        assert b["image"].shape[1:] == (3, 64, 64)
+        got += [int(i) for i in b["_index"]]
+    assert sorted(got) == list(range(N))
+
+
+def test_getitem_is_random_access(classes):
+    url, truth = classes
+    ds = dataset(url, augment="resize")
+    s = ds[17]
+    assert s["_index"] == 17 and s["image"].shape == (3, 64, 64)
+    assert s["label"] == truth[s["path"]][0]
+
+
+def test_mixing_streams_by_proportion(classes, synth):
+    url, _ = classes
+    ds = ramjet.StreamingDataset(
+        [ramjet.Stream(url, repeat=2.0), ramjet.Stream(url, count=10)],
+        batch_size=16,
+        image_size=32,
+        boxes_column=None,
+    )
+    batches = epoch(ds)
+    streams = torch.cat([b["_stream"] for b in batches])
+    assert int((streams == 0).sum()) == 2 * N and int((streams == 1).sum()) == 10
+    assert ds.num_samples == 2 * N + 10
+
+
+def test_missing_dataset_is_a_not_found_error():
+    with pytest.raises(ramjet.NotFoundError, match="manifest.json"):
+        next(iter(dataset(s3_url("absent"))))
+
+
+def test_bad_arguments_are_invalid_input_errors(classes):
+    url, _ = classes
+    with pytest.raises(ramjet.InvalidInputError):
+        dataset(url, on_corrupt="ignore")
+    with pytest.raises(ramjet.InvalidInputError, match="image"):
+        next(iter(dataset(url, image_column="nope")))
+
+
+@pytest.fixture(scope="session")
+def corrupt(synth, tmp_path_factory):
+    """A folder whose 7th image cannot be decoded (though its structure is valid)."""
+    root = tmp_path_factory.mktemp("corrupt") / "folder"
+    (root / "a").mkdir(parents=True)
+    bad_name = None
+    for i, src in enumerate(sorted((synth / "images").iterdir())[:20]):
+        data = src.read_bytes()
+        if i == 6:
+            sos = data.index(b"\xff\xda")
+            # A zero sampling factor in the frame header: the file's structure is still
+            # valid (pack accepts it), but no decoder can read it.
+            sof = data.index(b"\xff\xc0")
+            data = data[: sof + 11] + b"\x00" + data[sof + 12 :]
+            bad_name = src.name
+        (root / "a" / src.name).write_bytes(data)
+    url = s3_url("corrupt")
+    run("pack", str(root), url)
+    return url, bad_name
+
+
+def test_corrupt_image_raises_naming_shard_and_sample(corrupt):
+    url, _ = corrupt
+    with pytest.raises(ramjet.CorruptError) as e:
+        epoch(dataset(url, shuffle=False))
+    msg = str(e.value)
+    assert "shards/" in msg and "sample 6" in msg and "image" in msg, msg
+
+
+def test_corrupt_image_can_be_skipped_and_counted(corrupt):
+    url, bad = corrupt
+    ds = dataset(url, shuffle=False, on_corrupt="skip")
+    batches = epoch(ds)
+    got = indices(batches)
+    assert 6 not in got and sorted(got) == [i for i in range(20) if i != 6]
+    skipped = [s for b in batches for s in b.get("_skipped", [])]
+    assert len(skipped) == 1 and skipped[0][1] == 6
+    assert ds.metrics()["samples_skipped"] == 1
+
+
+INTERRUPT = textwrap.dedent(
+    """
+    import os, signal, socket, sys, threading, time
+    import ramjet
+    url, mode = sys.argv[1], sys.argv[2]
+    threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t = time.time()
+    try:
+        ds = ramjet.StreamingDataset(url, batch_size=4, image_size=32)
+        for b in ds:
+            pass
+        print("finished")
+    except KeyboardInterrupt:
+        print(f"interrupted after {time.time() - t:.2f}s")
+    """
+)
+
+
+class StallProxy:
+    """Forwards requests whose path contains `allow` to the real S3 server (one per
+    connection) and leaves every other request hanging forever."""
+
+    def __init__(self, upstream, allow):
+        self.upstream, self.allow = upstream, allow.encode()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held = []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            c, _ = self.sock.accept()
+            threading.Thread(target=self.serve, args=(c,), daemon=True).start()
+
+    def serve(self, c):
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = c.recv(65536)
+            if not chunk:
+                return
+            head += chunk
+        first = head.split(b"\r\n", 1)[0]
+        if self.allow not in first:
+            self.held.append(c)  # never answered
+            return
+        head = head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+        u = socket.create_connection(self.upstream)
+        u.sendall(head)
+        while True:
+            data = u.recv(65536)
+            if not data:
+                break
+            c.sendall(data)
+        c.close()
+        u.close()
+
+
+@pytest.mark.parametrize("stall", ["everything", "shards"])
+def test_ctrl_c_interrupts_a_blocking_iteration(classes, stall):
+    url, _ = classes
+    host, port = os.environ["AWS_ENDPOINT_URL"].rsplit("/", 1)[1].split(":")
+    proxy = StallProxy((host, int(port)), "manifest.json" if stall == "shards" else "\x00never")
+    env = dict(os.environ, AWS_ENDPOINT_URL=f"http://127.0.0.1:{proxy.port}", RAMJET_REQUEST_TIMEOUT_MS="600000")
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPT, url, stall], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "interrupted after" in out.stdout, out.stdout + out.stderr
+    assert float(out.stdout.split("after ")[1].rstrip("s\n")) < 5.0
+
+
+def test_fork_after_use_restarts_cleanly(classes):
+    url, _ = classes
+    ds = dataset(url, seed=9)
+    first = indices(epoch(ds))
+    ds.set_epoch(0)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the inherited loader has no threads; a new one must start
+        try:
+            got = indices(epoch(ds))
+            os.write(w, json.dumps(got).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.waitpid(pid, 0)
+    assert json.loads(data) == first

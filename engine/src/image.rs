@@ -1,0 +1,580 @@
+//! Image decode and augmentation, on CPU, into one slot of a batch.
+//!
+//! The crop is chosen in source coordinates from the header alone, before any pixel is
+//! decoded. That lets the decoder skip work: JPEG is decoded at the smallest DCT scale
+//! (1/8, 1/4, 1/2) that still leaves the crop at least as large as the output. The crop is
+//! then resized (antialiased bilinear,
+//! as Pillow and torchvision do) and written channel-first, flipped and normalised in the
+//! same pass.
+//!
+//! Every random choice comes from a generator keyed by (seed, epoch, stream, sample), so a
+//! resumed run replays identical pixels. See `docs/order.md`.
+
+use std::panic::AssertUnwindSafe;
+
+use fast_image_resize::images::{Image as FirImage, ImageRef};
+use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+
+use crate::decode::{probe, ImageFormat, ImageInfo};
+
+/// Largest image ramjet decodes, in pixels (a guard against decompression bombs).
+pub const MAX_PIXELS: u64 = 1 << 28;
+
+/// How a training or evaluation image becomes the output rectangle.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Augment {
+    /// torchvision's RandomResizedCrop: a random area fraction in `scale` and aspect ratio
+    /// in `ratio`, resized to the output; then a horizontal flip with probability `flip`.
+    RandomResizedCrop {
+        /// Area fraction range of the crop.
+        scale: (f32, f32),
+        /// Aspect-ratio range (width / height) of the crop.
+        ratio: (f32, f32),
+        /// Probability of a horizontal flip.
+        flip: f32,
+    },
+    /// Evaluation: resize the shorter side to `output / crop_fraction`, then take the center
+    /// crop of the output size (torchvision's `Resize(256)` + `CenterCrop(224)` for 0.875).
+    CenterCrop {
+        /// Fraction of the resized image the crop keeps (0.875 for 224 of 256).
+        crop_fraction: f32,
+    },
+    /// Resize the whole image to the output size, ignoring aspect ratio.
+    Resize,
+}
+
+/// Output element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutType {
+    /// uint8, values as decoded.
+    U8,
+    /// float32, `(x / 255 - mean) / std` per channel.
+    F32,
+}
+
+/// What a decoded image becomes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageSpec {
+    /// Output width.
+    pub width: u32,
+    /// Output height.
+    pub height: u32,
+    /// Crop and flip.
+    pub augment: Augment,
+    /// Element type.
+    pub out: OutType,
+    /// Per-channel mean for `OutType::F32`.
+    pub mean: [f32; 3],
+    /// Per-channel standard deviation for `OutType::F32`.
+    pub std: [f32; 3],
+    /// Decode JPEG at a reduced DCT scale when the crop is much larger than the output.
+    pub dct_scaling: bool,
+}
+
+impl ImageSpec {
+    /// Training defaults: RandomResizedCrop(size) + horizontal flip, uint8 output.
+    pub fn train(size: u32) -> Self {
+        Self {
+            width: size,
+            height: size,
+            augment: Augment::RandomResizedCrop {
+                scale: (0.08, 1.0),
+                ratio: (3.0 / 4.0, 4.0 / 3.0),
+                flip: 0.5,
+            },
+            out: OutType::U8,
+            mean: [0.485, 0.456, 0.406],
+            std: [0.229, 0.224, 0.225],
+            dct_scaling: true,
+        }
+    }
+
+    /// Evaluation defaults: resize to size/0.875 and center-crop size, uint8 output.
+    pub fn eval(size: u32) -> Self {
+        Self {
+            augment: Augment::CenterCrop { crop_fraction: 0.875 },
+            ..Self::train(size)
+        }
+    }
+
+    /// Elements per image (3 x height x width).
+    pub fn elems(&self) -> usize {
+        3 * self.width as usize * self.height as usize
+    }
+
+    /// Bytes per image.
+    pub fn bytes(&self) -> usize {
+        self.elems() * if self.out == OutType::U8 { 1 } else { 4 }
+    }
+}
+
+/// The deterministic generator of one sample's random choices (splitmix64).
+#[derive(Debug, Clone)]
+pub struct SampleRng(u64);
+
+impl SampleRng {
+    /// The generator of (seed, epoch, stream, sample).
+    pub fn new(seed: u64, epoch: u64, stream: u32, sample: u64) -> Self {
+        let mut key = [0u8; 28];
+        key[..8].copy_from_slice(&seed.to_le_bytes());
+        key[8..16].copy_from_slice(&epoch.to_le_bytes());
+        key[16..20].copy_from_slice(&stream.to_le_bytes());
+        key[20..].copy_from_slice(&sample.to_le_bytes());
+        Self(xxhash_rust::xxh3::xxh3_64_with_seed(&key, 0x5241_4d4a_4155_4721))
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+
+    /// Uniform integer in [0, n] (inclusive).
+    pub fn upto(&mut self, n: u32) -> u32 {
+        (self.next_u64() % (n as u64 + 1)) as u32
+    }
+}
+
+/// A rectangle in source pixels.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rect {
+    /// Left.
+    pub x: f64,
+    /// Top.
+    pub y: f64,
+    /// Width.
+    pub w: f64,
+    /// Height.
+    pub h: f64,
+}
+
+/// The geometric decisions for one image.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Plan {
+    /// Source rectangle that becomes the output.
+    pub crop: Rect,
+    /// Mirror horizontally.
+    pub flip: bool,
+}
+
+/// Chooses crop and flip for an image of `w` x `h` (torchvision's algorithms).
+pub fn plan(spec: &ImageSpec, w: u32, h: u32, rng: &mut SampleRng) -> Plan {
+    let (wf, hf) = (w as f64, h as f64);
+    match spec.augment {
+        Augment::RandomResizedCrop { scale, ratio, flip } => {
+            let area = wf * hf;
+            let (lr0, lr1) = ((ratio.0 as f64).ln(), (ratio.1 as f64).ln());
+            let mut crop = None;
+            for _ in 0..10 {
+                let target = area * rng.uniform(scale.0 as f64, scale.1 as f64);
+                let aspect = rng.uniform(lr0, lr1).exp();
+                let cw = (target * aspect).sqrt().round();
+                let ch = (target / aspect).sqrt().round();
+                if cw > 0.0 && ch > 0.0 && cw <= wf && ch <= hf {
+                    let x = rng.upto((wf - cw) as u32) as f64;
+                    let y = rng.upto((hf - ch) as u32) as f64;
+                    crop = Some(Rect { x, y, w: cw, h: ch });
+                    break;
+                }
+            }
+            let crop = crop.unwrap_or_else(|| {
+                // Fallback: the whole image, clamped to the ratio range, centered.
+                let r = wf / hf;
+                let (cw, ch) = if r < ratio.0 as f64 {
+                    (wf, (wf / ratio.0 as f64).round())
+                } else if r > ratio.1 as f64 {
+                    ((hf * ratio.1 as f64).round(), hf)
+                } else {
+                    (wf, hf)
+                };
+                Rect {
+                    x: ((wf - cw) / 2.0).floor(),
+                    y: ((hf - ch) / 2.0).floor(),
+                    w: cw,
+                    h: ch,
+                }
+            });
+            let flip = (rng.unit() as f32) < flip;
+            Plan { crop, flip }
+        }
+        Augment::CenterCrop { crop_fraction } => {
+            // Resize so the shorter side is out/fraction, then crop out: in source pixels,
+            // the crop is out * (source short side / resized short side) wide.
+            let out_short = spec.width.min(spec.height) as f64;
+            let resized_short = (out_short / crop_fraction as f64).round();
+            let k = wf.min(hf) / resized_short;
+            let (cw, ch) = ((spec.width as f64 * k).min(wf), (spec.height as f64 * k).min(hf));
+            Plan {
+                crop: Rect {
+                    x: (wf - cw) / 2.0,
+                    y: (hf - ch) / 2.0,
+                    w: cw,
+                    h: ch,
+                },
+                flip: false,
+            }
+        }
+        Augment::Resize => Plan {
+            crop: Rect {
+                x: 0.0,
+                y: 0.0,
+                w: wf,
+                h: hf,
+            },
+            flip: false,
+        },
+    }
+}
+
+/// A decoded RGB image (interleaved, 3 bytes per pixel).
+#[derive(Debug, Clone, Default)]
+pub struct Rgb {
+    /// Width.
+    pub width: u32,
+    /// Height.
+    pub height: u32,
+    /// Pixels.
+    pub data: Vec<u8>,
+}
+
+/// Decodes an image to RGB. `denom` (1, 2, 4 or 8) asks for a DCT-domain downscale
+/// (JPEG only; other formats decode at full size). `rows` limits the IDCT to the block rows
+/// that cover [top, bottom) (JPEG only). The result's size tells what was produced.
+pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, String> {
+    let info = probe(bytes)?;
+    if info.width as u64 * info.height as u64 > MAX_PIXELS {
+        return Err(format!(
+            "image is {}x{}, above the {MAX_PIXELS}-pixel limit",
+            info.width, info.height
+        ));
+    }
+    // The decoders are third-party code fed untrusted bytes: a panic in them is a decode
+    // error of this sample, not a crash of the process.
+    std::panic::catch_unwind(AssertUnwindSafe(|| match info.format {
+        ImageFormat::Jpeg => decode_jpeg(bytes, denom, rows),
+        ImageFormat::Png => decode_png(bytes),
+    }))
+    .unwrap_or_else(|_| Err("the decoder failed on malformed data".into()))
+}
+
+fn decode_jpeg(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, String> {
+    use libjpeg_turbo_rs::{decode::pipeline::Decoder, PixelFormat, ScalingFactor};
+    let mut d = Decoder::new(bytes).map_err(|e| format!("malformed JPEG: {e}"))?;
+    d.set_output_format(PixelFormat::Rgb);
+    d.set_max_pixels(MAX_PIXELS as usize);
+    if denom > 1 {
+        d.set_scale(ScalingFactor::new(1, denom));
+    }
+    if let Some((top, bottom)) = rows {
+        // The decoder takes the rows in output (scaled) pixels.
+        let k = denom.max(1) as usize;
+        let (w, h) = (
+            (d.header().width as usize).div_ceil(k),
+            (d.header().height as usize).div_ceil(k),
+        );
+        let top = (top as usize / k).min(h);
+        let bottom = (bottom as usize).div_ceil(k).clamp(top, h);
+        if bottom > top {
+            d.set_crop_region(0, top, w, bottom - top);
+        }
+    }
+    let img = d.decode_image().map_err(|e| format!("malformed JPEG: {e}"))?;
+    // The decoder fills damaged regions and reports them as warnings (a Huffman error, data
+    // ending early): that is a damaged image, never a training sample.
+    if let Some(w) = img.warnings.first() {
+        return Err(format!("malformed JPEG: {w:?}"));
+    }
+    let need = img.width * img.height * 3;
+    if img.data.len() < need {
+        return Err(format!(
+            "malformed JPEG: decoder returned {} of {need} bytes",
+            img.data.len()
+        ));
+    }
+    let mut data = img.data;
+    data.truncate(need);
+    Ok(Rgb {
+        width: img.width as u32,
+        height: img.height as u32,
+        data,
+    })
+}
+
+fn decode_png(bytes: &[u8]) -> Result<Rgb, String> {
+    let mut dec = png::Decoder::new(std::io::Cursor::new(bytes));
+    dec.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
+    let mut r = dec.read_info().map_err(|e| format!("malformed PNG: {e}"))?;
+    let mut buf = vec![0u8; r.output_buffer_size()];
+    let f = r.next_frame(&mut buf).map_err(|e| format!("malformed PNG: {e}"))?;
+    let (w, h) = (f.width, f.height);
+    let px = (w * h) as usize;
+    let src = &buf[..f.buffer_size()];
+    let data = match f.color_type {
+        png::ColorType::Rgb => src[..px * 3].to_vec(),
+        png::ColorType::Rgba => src.chunks_exact(4).flat_map(|p| [p[0], p[1], p[2]]).collect(),
+        png::ColorType::Grayscale => src.iter().flat_map(|&g| [g, g, g]).collect(),
+        png::ColorType::GrayscaleAlpha => src.chunks_exact(2).flat_map(|p| [p[0], p[0], p[0]]).collect(),
+        png::ColorType::Indexed => return Err("malformed PNG: palette was not expanded".into()),
+    };
+    Ok(Rgb {
+        width: w,
+        height: h,
+        data,
+    })
+}
+
+/// Per-thread buffers, reused from image to image.
+#[derive(Default)]
+pub struct Scratch {
+    resizer: Resizer,
+    resized: Vec<u8>,
+}
+
+/// The output slot of one image in a batch.
+pub enum Slot<'a> {
+    /// uint8 CHW.
+    U8(&'a mut [u8]),
+    /// float32 CHW.
+    F32(&'a mut [f32]),
+}
+
+/// Decodes `bytes`, applies `spec` with the random choices of `rng`, and writes the result
+/// channel-first into `slot`. Returns the decoded source size.
+pub fn process(
+    bytes: &[u8],
+    spec: &ImageSpec,
+    rng: &mut SampleRng,
+    slot: Slot<'_>,
+    scratch: &mut Scratch,
+) -> Result<ImageInfo, String> {
+    let info = probe(bytes)?;
+    let p = plan(spec, info.width, info.height, rng);
+    let (ow, oh) = (spec.width, spec.height);
+    // The largest DCT downscale that keeps the crop at least as large as the output.
+    let mut denom = 1u32;
+    if spec.dct_scaling && info.format == ImageFormat::Jpeg {
+        while denom < 8 && p.crop.w / (denom * 2) as f64 >= ow as f64 && p.crop.h / (denom * 2) as f64 >= oh as f64 {
+            denom *= 2;
+        }
+    }
+    // Whole rows are decoded: the decoder's row-limited mode (`rows`) left rows near the
+    // crop edge unwritten in our tests, which made output depend on stale memory.
+    let img = decode_rgb(bytes, denom, None)?;
+    // Map the crop into the decoded image's coordinates (the decoder rounds scaled sizes up).
+    let kx = img.width as f64 / info.width as f64;
+    let ky = img.height as f64 / info.height as f64;
+    let crop = Rect {
+        x: p.crop.x * kx,
+        y: p.crop.y * ky,
+        w: (p.crop.w * kx).min(img.width as f64 - p.crop.x * kx),
+        h: (p.crop.h * ky).min(img.height as f64 - p.crop.y * ky),
+    };
+    let src = ImageRef::new(img.width, img.height, &img.data, PixelType::U8x3).map_err(|e| e.to_string())?;
+    let n = (ow * oh * 3) as usize;
+    scratch.resized.resize(n, 0);
+    let mut dst = FirImage::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3).map_err(|e| e.to_string())?;
+    let opts = ResizeOptions::new()
+        .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
+        .crop(crop.x, crop.y, crop.w, crop.h);
+    scratch
+        .resizer
+        .resize(&src, &mut dst, &opts)
+        .map_err(|e| format!("resize failed: {e}"))?;
+    write_chw(&scratch.resized, ow as usize, oh as usize, p.flip, spec, slot);
+    Ok(info)
+}
+
+/// Interleaved RGB to planar CHW, mirrored if `flip`, converted to the slot's type.
+fn write_chw(hwc: &[u8], w: usize, h: usize, flip: bool, spec: &ImageSpec, slot: Slot<'_>) {
+    let plane = w * h;
+    match slot {
+        Slot::U8(out) => {
+            let (r, rest) = out.split_at_mut(plane);
+            let (g, b) = rest.split_at_mut(plane);
+            for y in 0..h {
+                let row = &hwc[y * w * 3..(y + 1) * w * 3];
+                let o = y * w;
+                for (x, px) in row.chunks_exact(3).enumerate() {
+                    let ox = o + if flip { w - 1 - x } else { x };
+                    r[ox] = px[0];
+                    g[ox] = px[1];
+                    b[ox] = px[2];
+                }
+            }
+        }
+        Slot::F32(out) => {
+            // One multiply-add per element: (x / 255 - mean) / std = x * a + b.
+            let a: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * spec.std[c]));
+            let k: [f32; 3] = std::array::from_fn(|c| -spec.mean[c] / spec.std[c]);
+            let (r, rest) = out.split_at_mut(plane);
+            let (g, b) = rest.split_at_mut(plane);
+            for y in 0..h {
+                let row = &hwc[y * w * 3..(y + 1) * w * 3];
+                let o = y * w;
+                for (x, px) in row.chunks_exact(3).enumerate() {
+                    let ox = o + if flip { w - 1 - x } else { x };
+                    r[ox] = px[0] as f32 * a[0] + k[0];
+                    g[ox] = px[1] as f32 * a[1] + k[1];
+                    b[ox] = px[2] as f32 * a[2] + k[2];
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn jpeg(w: u16, h: u16) -> Vec<u8> {
+        let mut px = Vec::with_capacity(w as usize * h as usize * 3);
+        for y in 0..h {
+            for x in 0..w {
+                px.extend_from_slice(&[(x % 256) as u8, (y % 256) as u8, 128]);
+            }
+        }
+        let mut out = Vec::new();
+        jpeg_encoder::Encoder::new(&mut out, 95)
+            .encode(&px, w, h, jpeg_encoder::ColorType::Rgb)
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn plans_are_deterministic_and_inside_the_image() {
+        let spec = ImageSpec::train(224);
+        for i in 0..500 {
+            let a = plan(&spec, 640, 480, &mut SampleRng::new(7, 1, 0, i));
+            let b = plan(&spec, 640, 480, &mut SampleRng::new(7, 1, 0, i));
+            assert_eq!(a, b);
+            let c = a.crop;
+            assert!(
+                c.x >= 0.0 && c.y >= 0.0 && c.x + c.w <= 640.0 && c.y + c.h <= 480.0,
+                "{c:?}"
+            );
+            let area = c.w * c.h / (640.0 * 480.0);
+            assert!((0.07..=1.0).contains(&area), "area {area}");
+        }
+        let other = plan(&spec, 640, 480, &mut SampleRng::new(7, 2, 0, 0));
+        assert_ne!(other, plan(&spec, 640, 480, &mut SampleRng::new(7, 1, 0, 0)));
+    }
+
+    #[test]
+    fn center_crop_matches_torchvision_geometry() {
+        let p = plan(&ImageSpec::eval(224), 640, 480, &mut SampleRng::new(0, 0, 0, 0));
+        // Resize(256): 480 -> 256, so 224 output pixels span 224 * 480 / 256 = 420 source pixels.
+        assert!((p.crop.h - 420.0).abs() < 1e-9 && (p.crop.w - 420.0).abs() < 1e-9);
+        assert!((p.crop.x - 110.0).abs() < 1e-9 && (p.crop.y - 30.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn decodes_resizes_and_flips() {
+        let j = jpeg(256, 192);
+        let mut spec = ImageSpec::eval(64);
+        spec.augment = Augment::Resize;
+        let mut out = vec![0u8; spec.elems()];
+        let mut s = Scratch::default();
+        process(&j, &spec, &mut SampleRng::new(0, 0, 0, 0), Slot::U8(&mut out), &mut s).unwrap();
+        // Red grows with x; blue is flat 128.
+        assert!(out[63] > out[0] + 100, "{} {}", out[0], out[63]);
+        assert!(out[2 * 64 * 64..].iter().all(|&b| (120..=136).contains(&b)));
+        let mut f = vec![0f32; spec.elems()];
+        spec.out = OutType::F32;
+        spec.mean = [0.0; 3];
+        spec.std = [1.0; 3];
+        process(&j, &spec, &mut SampleRng::new(0, 0, 0, 0), Slot::F32(&mut f), &mut s).unwrap();
+        assert!((f[63] - out[63] as f32 / 255.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn dct_scaling_stays_close_to_full_decode() {
+        let j = jpeg(1024, 768);
+        let mut spec = ImageSpec::eval(64);
+        spec.augment = Augment::Resize;
+        let mut s = Scratch::default();
+        let mut a = vec![0u8; spec.elems()];
+        let mut b = vec![0u8; spec.elems()];
+        process(&j, &spec, &mut SampleRng::new(0, 0, 0, 0), Slot::U8(&mut a), &mut s).unwrap();
+        spec.dct_scaling = false;
+        process(&j, &spec, &mut SampleRng::new(0, 0, 0, 0), Slot::U8(&mut b), &mut s).unwrap();
+        let mad: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (*x as f64 - *y as f64).abs())
+            .sum::<f64>()
+            / a.len() as f64;
+        assert!(mad < 3.0, "mean abs difference {mad}");
+    }
+
+    #[test]
+    fn scaled_and_row_limited_decodes_match_full_decodes() {
+        // Structure everywhere, so a wrongly placed or missing row shows.
+        let (w, h) = (1024u16, 768u16);
+        let mut px = Vec::new();
+        for y in 0..h {
+            for x in 0..w {
+                px.extend_from_slice(&[(x / 4) as u8, (y / 3) as u8, ((x ^ y) & 0xFF) as u8]);
+            }
+        }
+        let mut j = Vec::new();
+        jpeg_encoder::Encoder::new(&mut j, 95)
+            .encode(&px, w, h, jpeg_encoder::ColorType::Rgb)
+            .unwrap();
+        let mut s = Scratch::default();
+        let mut spec = ImageSpec::train(96);
+        for i in 0..40 {
+            let mut a = vec![0u8; spec.elems()];
+            let mut b = vec![0u8; spec.elems()];
+            spec.dct_scaling = true;
+            process(&j, &spec, &mut SampleRng::new(3, 0, 0, i), Slot::U8(&mut a), &mut s).unwrap();
+            spec.dct_scaling = false;
+            process(&j, &spec, &mut SampleRng::new(3, 0, 0, i), Slot::U8(&mut b), &mut s).unwrap();
+            // Red and green are smooth ramps: they must agree closely. (Blue is an XOR
+            // pattern above the scaled image's Nyquist limit, so it may differ.)
+            let plane = 96 * 96;
+            let mad = a[..2 * plane]
+                .iter()
+                .zip(&b[..2 * plane])
+                .map(|(x, y)| (*x as f64 - *y as f64).abs())
+                .sum::<f64>()
+                / (2 * plane) as f64;
+            assert!(mad < 4.0, "sample {i}: mean abs difference {mad}");
+        }
+    }
+
+    #[test]
+    fn malformed_images_are_errors() {
+        let mut j = jpeg(64, 64);
+        let mut s = Scratch::default();
+        let spec = ImageSpec::eval(32);
+        let mut out = vec![0u8; spec.elems()];
+        assert!(process(
+            b"nope",
+            &spec,
+            &mut SampleRng::new(0, 0, 0, 0),
+            Slot::U8(&mut out),
+            &mut s
+        )
+        .is_err());
+        for i in (200..j.len() - 2).step_by(7) {
+            j[i] ^= 0x5A;
+        }
+        // Either an error or some pixels; never a panic.
+        let _ = process(&j, &spec, &mut SampleRng::new(0, 0, 0, 0), Slot::U8(&mut out), &mut s);
+        let t = &j[..j.len() / 2];
+        assert!(decode_rgb(t, 1, None).is_err());
+    }
+}

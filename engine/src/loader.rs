@@ -1,0 +1,563 @@
+//! Batches: a [`Stream`] read by one thread, decoded and augmented by a pool of threads, and
+//! assembled in [`HostBuf`]s, in the stream's order.
+//!
+//! ```text
+//!  reader thread ── jobs (bounded) ──▶ decode threads ── batches ──▶ reorder ──▶ next_batch()
+//!  (owns Stream)      one per batch      (N, no locks)                 (by seq)
+//! ```
+//!
+//! A batch never spans two epochs: the last batch of an epoch may be short (or dropped with
+//! `drop_last`) and carries `end_of_epoch`. Each batch carries the stream's state after its
+//! last sample, so a consumer that saves the state of the last batch it used resumes exactly
+//! after it.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+
+use crate::error::{Error, Location, Result};
+use crate::format::{ColumnType, Schema, ValueRef};
+use crate::hostbuf::HostPool;
+use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
+use crate::metrics::Metrics;
+use crate::stream::{Sample, Stream, StreamConfig, StreamState};
+
+pub use crate::hostbuf::HostBuf;
+
+/// What to do with a sample whose image does not decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnCorrupt {
+    /// Fail the batch with an error naming dataset, shard and sample.
+    #[default]
+    Error,
+    /// Leave the sample out of its batch (which is then short) and count it.
+    Skip,
+}
+
+/// Settings of a [`Loader`].
+#[derive(Debug, Clone)]
+pub struct LoaderConfig {
+    /// The sample stream (sources, order, topology, cache, resume point).
+    pub stream: StreamConfig,
+    /// Samples per batch.
+    pub batch_size: usize,
+    /// Drop an epoch's last batch when it is short.
+    pub drop_last: bool,
+    /// Decode the image column into this shape; `None` yields it as bytes.
+    pub image: Option<ImageSpec>,
+    /// Name of the image column.
+    pub image_column: String,
+    /// A JSON column of YOLO boxes (`[[class, cx, cy, w, h], ...]`) yielded as a flat
+    /// `(M, 5)` float32 array plus per-sample offsets.
+    pub boxes_column: Option<String>,
+    /// Decode threads.
+    pub threads: usize,
+    /// Batches prepared ahead of the consumer.
+    pub prefetch_batches: usize,
+    /// Images that fail to decode.
+    pub on_corrupt: OnCorrupt,
+    /// Where batch buffers come from.
+    pub pool: Option<HostPool>,
+}
+
+impl LoaderConfig {
+    /// Defaults over `stream`: batches of 32, images as bytes, one decode thread per core.
+    pub fn new(stream: StreamConfig) -> Self {
+        Self {
+            stream,
+            batch_size: 32,
+            drop_last: false,
+            image: None,
+            image_column: "image".into(),
+            boxes_column: Some("boxes".into()),
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            prefetch_batches: 4,
+            on_corrupt: OnCorrupt::Error,
+            pool: None,
+        }
+    }
+}
+
+/// One column of a batch.
+#[derive(Debug)]
+pub enum ColumnData {
+    /// Decoded images, `(n, 3, height, width)`, uint8 or float32 per `out`.
+    Image {
+        /// The pixels.
+        buf: HostBuf,
+        /// Images.
+        n: usize,
+        /// Height.
+        height: u32,
+        /// Width.
+        width: u32,
+        /// Element type.
+        out: OutType,
+    },
+    /// Int64 values.
+    Int64(Vec<i64>),
+    /// Float64 values.
+    Float64(Vec<f64>),
+    /// Text values.
+    Str(Vec<String>),
+    /// Raw bytes values (zero-copy slices of the shard).
+    Bytes(Vec<Bytes>),
+    /// JSON text values.
+    Json(Vec<String>),
+    /// YOLO boxes: `values` is `(M, 5)` row-major `[class, cx, cy, w, h]`; sample `i` owns
+    /// rows `offsets[i]..offsets[i + 1]`.
+    Boxes {
+        /// Flattened rows.
+        values: Vec<f32>,
+        /// `n + 1` row offsets.
+        offsets: Vec<i64>,
+    },
+}
+
+/// A sample left out of a batch because its image did not decode.
+#[derive(Debug, Clone)]
+pub struct Skipped {
+    /// Shard URL.
+    pub shard: String,
+    /// Index of the sample in its dataset.
+    pub sample: u64,
+    /// Why.
+    pub reason: String,
+}
+
+/// One batch.
+#[derive(Debug)]
+pub struct Batch {
+    /// Epoch.
+    pub epoch: u64,
+    /// Columns, in schema order.
+    pub columns: Vec<(String, ColumnData)>,
+    /// Index of each sample in its dataset.
+    pub indices: Vec<i64>,
+    /// Stream (source) of each sample.
+    pub streams: Vec<i64>,
+    /// The stream's state after this batch's last sample.
+    pub state: StreamState,
+    /// This is the epoch's last batch for this consumer.
+    pub end_of_epoch: bool,
+    /// Samples left out (with `OnCorrupt::Skip`).
+    pub skipped: Vec<Skipped>,
+}
+
+impl Batch {
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    /// Whether the batch is empty.
+    pub fn is_empty(&self) -> bool {
+        self.indices.is_empty()
+    }
+}
+
+struct Job {
+    seq: u64,
+    epoch: u64,
+    samples: Vec<Sample>,
+    urls: Vec<String>,
+    state: StreamState,
+    end_of_epoch: bool,
+}
+
+type Done = (u64, Result<Batch>);
+
+/// Everything the decode threads share (read-only).
+struct Ctx {
+    cfg: LoaderConfig,
+    schema: Arc<Schema>,
+    pool: HostPool,
+    seed: u64,
+    metrics: Arc<Metrics>,
+}
+
+/// A running batch pipeline. Dropping it stops the threads.
+pub struct Loader {
+    done: Receiver<Done>,
+    reorder: BTreeMap<u64, Result<Batch>>,
+    next: u64,
+    finished: bool,
+    stop: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    schema: Arc<Schema>,
+}
+
+/// What [`Loader::next_batch`] found.
+#[derive(Debug)]
+pub enum Next {
+    /// A batch.
+    Batch(Box<Batch>),
+    /// No batch within the timeout; ask again.
+    Pending,
+    /// The stream ended (its `epochs` ran out).
+    End,
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        // Threads notice at their next send or sample; nothing here waits for them, so a
+        // consumer is never held up by a fetch in flight.
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Loader {
+    /// Opens the stream and starts the reader and decode threads.
+    pub fn start(cfg: LoaderConfig) -> Result<Loader> {
+        if cfg.batch_size == 0 {
+            return Err(Error::invalid("batch_size", "must be at least 1"));
+        }
+        let stream = Stream::open(cfg.stream.clone())?;
+        let schema = stream.schema(0);
+        for s in 1..stream.sources() {
+            if *stream.schema(s) != *schema {
+                return Err(Error::invalid(
+                    stream.dataset(s).manifest_url(),
+                    "its columns differ from the first dataset's; mixed datasets must share one schema",
+                ));
+            }
+        }
+        if cfg.image.is_some() {
+            match schema.columns.iter().find(|c| c.name == cfg.image_column) {
+                Some(c) if c.ty == ColumnType::Bytes => {}
+                _ => {
+                    return Err(Error::invalid(
+                        stream.dataset(0).manifest_url(),
+                        format!("no bytes column {:?} to decode images from", cfg.image_column),
+                    ))
+                }
+            }
+        }
+        let metrics = stream.metrics_handle();
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = cfg.threads.max(1);
+        let (job_tx, job_rx) = bounded::<Job>(cfg.prefetch_batches.max(1));
+        let (done_tx, done_rx) = bounded::<Done>(cfg.prefetch_batches.max(1) + threads);
+        let pool = cfg.pool.clone().unwrap_or_else(|| {
+            HostPool::new(
+                Box::new(crate::hostbuf::AlignedAlloc),
+                cfg.prefetch_batches + threads + 4,
+            )
+        });
+        let ctx = Arc::new(Ctx {
+            seed: cfg.stream.order.seed,
+            cfg,
+            schema: schema.clone(),
+            pool,
+            metrics: metrics.clone(),
+        });
+        {
+            let (ctx, stop, done_tx) = (ctx.clone(), stop.clone(), done_tx.clone());
+            std::thread::Builder::new()
+                .name("ramjet-reader".into())
+                .spawn(move || read_loop(stream, &ctx, &stop, job_tx, done_tx))
+                .map_err(|e| Error::io("reader thread", e))?;
+        }
+        for i in 0..threads {
+            let (ctx, stop, job_rx, done_tx) = (ctx.clone(), stop.clone(), job_rx.clone(), done_tx.clone());
+            std::thread::Builder::new()
+                .name(format!("ramjet-decode-{i}"))
+                .spawn(move || decode_loop(&ctx, &stop, job_rx, done_tx))
+                .map_err(|e| Error::io("decode thread", e))?;
+        }
+        Ok(Loader {
+            done: done_rx,
+            reorder: BTreeMap::new(),
+            next: 0,
+            finished: false,
+            stop,
+            metrics,
+            schema,
+        })
+    }
+
+    /// The next batch in order, waiting at most `timeout` (so a caller can check for
+    /// interrupts between waits). Time spent waiting counts as batch wait in the metrics.
+    pub fn next_batch(&mut self, timeout: Duration) -> Result<Next> {
+        let t = std::time::Instant::now();
+        let r = self.next_inner(timeout);
+        Metrics::add(&self.metrics.batch_wait_ns, t.elapsed().as_nanos() as u64);
+        r
+    }
+
+    fn next_inner(&mut self, timeout: Duration) -> Result<Next> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(r) = self.reorder.remove(&self.next) {
+                self.next += 1;
+                return match r {
+                    Ok(b) => Ok(Next::Batch(Box::new(b))),
+                    Err(e) => {
+                        self.finished = true;
+                        Err(e)
+                    }
+                };
+            }
+            if self.finished {
+                return Ok(Next::End);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.done.recv_timeout(left) {
+                Ok((seq, r)) => {
+                    self.reorder.insert(seq, r);
+                }
+                Err(RecvTimeoutError::Timeout) => return Ok(Next::Pending),
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.finished = true;
+                }
+            }
+        }
+    }
+
+    /// The live counters of the underlying stream.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The schema of the batches' columns.
+    pub fn schema(&self) -> Arc<Schema> {
+        self.schema.clone()
+    }
+}
+
+/// Pulls samples, cuts them into per-epoch batches and hands them to the decode threads.
+fn read_loop(mut stream: Stream, ctx: &Ctx, stop: &AtomicBool, jobs: Sender<Job>, done: Sender<Done>) {
+    let bs = ctx.cfg.batch_size;
+    let mut seq = 0u64;
+    let mut cur: Vec<Sample> = Vec::with_capacity(bs);
+    let mut urls: Vec<String> = Vec::with_capacity(bs);
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let s = match stream.next_sample() {
+            Ok(Some(s)) => s,
+            Ok(None) => return,
+            Err(e) => {
+                let _ = done.send((seq, Err(e)));
+                return;
+            }
+        };
+        let epoch = s.epoch;
+        urls.push(stream.shard_url(s.id.stream, s.id.shard));
+        cur.push(s);
+        let state = stream.state().expect("a sample was delivered");
+        let left = stream
+            .epoch_len()
+            .map_or(usize::MAX, |n| n.saturating_sub(state.delivered as usize));
+        if cur.len() < bs && left > 0 {
+            continue;
+        }
+        // With drop_last, the batch before a short remainder is the epoch's last.
+        let end_of_epoch = left == 0 || (ctx.cfg.drop_last && left < bs);
+        let samples = std::mem::replace(&mut cur, Vec::with_capacity(bs));
+        let job_urls = std::mem::replace(&mut urls, Vec::with_capacity(bs));
+        if samples.len() < bs && ctx.cfg.drop_last {
+            continue;
+        }
+        let job = Job {
+            seq,
+            epoch,
+            samples,
+            urls: job_urls,
+            state,
+            end_of_epoch,
+        };
+        seq += 1;
+        if jobs.send(job).is_err() {
+            return;
+        }
+    }
+}
+
+fn decode_loop(ctx: &Ctx, stop: &AtomicBool, jobs: Receiver<Job>, done: Sender<Done>) {
+    let mut scratch = Scratch::default();
+    while let Ok(job) = jobs.recv() {
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let seq = job.seq;
+        let r = assemble(ctx, job, &mut scratch);
+        if done.send((seq, r)).is_err() {
+            return;
+        }
+    }
+}
+
+fn corrupt(url: &str, sample: u64, reason: impl Into<String>) -> Error {
+    Error::corrupt(Location::sample(url, sample), reason)
+}
+
+/// Decodes one job into a batch.
+fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
+    let cfg = &ctx.cfg;
+    let schema = &ctx.schema;
+    let mut rows: Vec<(usize, Vec<ValueRef<'_>>)> = Vec::with_capacity(job.samples.len());
+    for (i, s) in job.samples.iter().enumerate() {
+        rows.push((i, s.values()?));
+    }
+    let image_col = cfg
+        .image
+        .as_ref()
+        .and_then(|_| schema.columns.iter().position(|c| c.name == cfg.image_column));
+    let mut skipped = Vec::new();
+    let mut image = None;
+    if let (Some(spec), Some(ci)) = (&cfg.image, image_col) {
+        let per = spec.bytes();
+        let mut buf = ctx
+            .pool
+            .take(per * rows.len().max(1))
+            .ok_or_else(|| Error::invalid("batch buffer", format!("cannot allocate {} bytes", per * rows.len())))?;
+        let mut kept = Vec::with_capacity(rows.len());
+        let mut n = 0usize;
+        for (i, vals) in rows {
+            let s = &job.samples[i];
+            let ValueRef::Bytes(bytes) = vals[ci] else {
+                unreachable!("checked to be a bytes column at start")
+            };
+            let mut rng = SampleRng::new(ctx.seed, job.epoch, s.id.stream, s.global_index);
+            let r = match spec.out {
+                OutType::U8 => {
+                    let slot = &mut buf.as_mut_slice()[n * per..(n + 1) * per];
+                    process(bytes, spec, &mut rng, Slot::U8(slot), scratch)
+                }
+                OutType::F32 => {
+                    let e = spec.elems();
+                    let slot = &mut buf.as_mut_f32()[n * e..(n + 1) * e];
+                    process(bytes, spec, &mut rng, Slot::F32(slot), scratch)
+                }
+            };
+            match r {
+                Ok(_) => {
+                    Metrics::add(&ctx.metrics.images_decoded, 1);
+                    n += 1;
+                    kept.push((i, vals));
+                }
+                Err(reason) => {
+                    let reason = format!("image column {:?}: {reason}", cfg.image_column);
+                    if cfg.on_corrupt == OnCorrupt::Error {
+                        return Err(corrupt(&job.urls[i], s.global_index, reason));
+                    }
+                    Metrics::add(&ctx.metrics.samples_skipped, 1);
+                    skipped.push(Skipped {
+                        shard: job.urls[i].clone(),
+                        sample: s.global_index,
+                        reason,
+                    });
+                }
+            }
+        }
+        rows = kept;
+        image = Some((ci, buf, n));
+    }
+    let mut columns = Vec::with_capacity(schema.columns.len());
+    for (ci, col) in schema.columns.iter().enumerate() {
+        if let Some((ic, _, _)) = &image {
+            if *ic == ci {
+                let (_, buf, n) = image.take().expect("present");
+                let spec = cfg.image.as_ref().expect("set");
+                columns.push((
+                    col.name.clone(),
+                    ColumnData::Image {
+                        buf,
+                        n,
+                        height: spec.height,
+                        width: spec.width,
+                        out: spec.out,
+                    },
+                ));
+                continue;
+            }
+        }
+        let is_boxes = cfg.boxes_column.as_deref() == Some(col.name.as_str()) && col.ty == ColumnType::Json;
+        let data = if is_boxes {
+            let mut values = Vec::new();
+            let mut offsets = vec![0i64];
+            for (i, vals) in &rows {
+                let s = &job.samples[*i];
+                let ValueRef::Json(text) = vals[ci] else {
+                    unreachable!("json column")
+                };
+                parse_boxes(text, &mut values)
+                    .map_err(|r| corrupt(&job.urls[*i], s.global_index, format!("column {:?}: {r}", col.name)))?;
+                offsets.push((values.len() / 5) as i64);
+            }
+            ColumnData::Boxes { values, offsets }
+        } else {
+            let it = rows.iter().map(|(i, v)| (*i, v[ci]));
+            match col.ty {
+                ColumnType::Int64 => ColumnData::Int64(it.map(|(_, v)| as_i64(v)).collect()),
+                ColumnType::Float64 => ColumnData::Float64(it.map(|(_, v)| as_f64(v)).collect()),
+                ColumnType::Str => ColumnData::Str(it.map(|(_, v)| as_text(v)).collect()),
+                ColumnType::Json => ColumnData::Json(it.map(|(_, v)| as_text(v)).collect()),
+                ColumnType::Bytes => ColumnData::Bytes(
+                    it.map(|(i, v)| {
+                        let ValueRef::Bytes(b) = v else {
+                            unreachable!("bytes column")
+                        };
+                        job.samples[i].record.slice_ref(b)
+                    })
+                    .collect(),
+                ),
+            }
+        };
+        columns.push((col.name.clone(), data));
+    }
+    let indices = rows.iter().map(|(i, _)| job.samples[*i].global_index as i64).collect();
+    let streams = rows.iter().map(|(i, _)| job.samples[*i].id.stream as i64).collect();
+    Ok(Batch {
+        epoch: job.epoch,
+        columns,
+        indices,
+        streams,
+        state: job.state,
+        end_of_epoch: job.end_of_epoch,
+        skipped,
+    })
+}
+
+fn as_i64(v: ValueRef<'_>) -> i64 {
+    match v {
+        ValueRef::Int64(x) => x,
+        _ => unreachable!("schema says int64"),
+    }
+}
+
+fn as_f64(v: ValueRef<'_>) -> f64 {
+    match v {
+        ValueRef::Float64(x) => x,
+        _ => unreachable!("schema says float64"),
+    }
+}
+
+fn as_text(v: ValueRef<'_>) -> String {
+    match v {
+        ValueRef::Str(s) | ValueRef::Json(s) => s.to_string(),
+        _ => unreachable!("schema says text"),
+    }
+}
+
+/// Appends `[[class, cx, cy, w, h], ...]` rows to `out`.
+pub fn parse_boxes(text: &str, out: &mut Vec<f32>) -> std::result::Result<(), String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("boxes are not JSON: {e}"))?;
+    let rows = v.as_array().ok_or("boxes are not a JSON array")?;
+    for r in rows {
+        let r = r
+            .as_array()
+            .filter(|r| r.len() == 5)
+            .ok_or("a box is not [class, cx, cy, w, h]")?;
+        for x in r {
+            out.push(x.as_f64().ok_or("a box value is not a number")? as f32);
+        }
+    }
+    Ok(())
+}
