@@ -30,8 +30,25 @@ trap 'tools/s3-server.sh stop >/dev/null' EXIT
 step "cargo test (unit, integration, property, fuzz corpus, benches in test mode)"
 cargo test --workspace --all-targets --locked
 
-step "python package (maturin develop) and pytest"
-VIRTUAL_ENV="$RAMJET_VENV" "$RAMJET_VENV/bin/maturin" develop --quiet -m bindings/Cargo.toml
+step "python package (maturin develop --release) and pytest"
+VIRTUAL_ENV="$RAMJET_VENV" "$RAMJET_VENV/bin/maturin" develop --release --quiet -m bindings/Cargo.toml
 RAMJET_BIN="$RAMJET_ROOT/target/debug/ramjet" "$RAMJET_VENV/bin/python" -m pytest -q bindings/tests
+
+step "examples: CNN training on CPU, 2-process torchrun (gloo)"
+py="$RAMJET_VENV/bin/python"
+ci="$RAMJET_STATE/ci"
+rm -rf "$ci" && mkdir -p "$ci"
+target/debug/ramjet synth "$ci/synth" --samples 400 >/dev/null
+url="s3://$RAMJET_S3_BUCKET/ci/synth-400-$(date +%s)"
+target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
+"$py" examples/train_cnn.py --remote "$url" --steps 200
+"$RAMJET_VENV/bin/torchrun" --nproc_per_node 2 examples/ddp_torchrun.py --remote "$url" 2>&1 | grep -v "^W.*torch/distributed"
+
+step "loader benchmark (quick mode: checks it runs; figures come from the full run)"
+mkdir -p "$ci/bench/a"
+cp "$ci"/synth/images/*.jpg "$ci/bench/a/"
+target/debug/ramjet pack "$ci/bench" "$url-bench" >/dev/null
+"$py" benches/python/bench_loader.py --images "$ci/bench" --remote "$url-bench" --n 400 --rounds 1 --rss-epochs 3 \
+  --local "$ci/bench-cache" | tail -4
 
 step "all tests passed"

@@ -29,12 +29,6 @@ fn main() {
         d.set_output_format(libjpeg_turbo_rs::PixelFormat::Rgb);
         std::hint::black_box(d.decode_image().expect("decode"));
     });
-    rate("raw ljt-rs max_pixels", &mut |b, _| {
-        let mut d = libjpeg_turbo_rs::decode::pipeline::Decoder::new(b).expect("hdr");
-        d.set_output_format(libjpeg_turbo_rs::PixelFormat::Rgb);
-        d.set_max_pixels(1 << 28);
-        std::hint::black_box(d.decode_image().expect("decode"));
-    });
     rate("rows 100..400", &mut |b, _| {
         std::hint::black_box(decode_rgb(b, 1, Some((100, 400))).expect("decode"));
     });

@@ -1,0 +1,127 @@
+"""Loader benchmark: ramjet vs a torch DataLoader (Pillow + torchvision) vs libjpeg-turbo's
+full-decode rate, on the same JPEGs and the same output (224x224 uint8, batch 8), side by
+side in one run; then ramjet's RSS over repeated epochs.
+
+    python benches/python/bench_loader.py --images DIR --remote URL [--n 1000] [--rounds 3]
+
+DIR holds the JPEGs; URL is the same images packed with `ramjet pack` (read through a warm
+node-local cache). Prints one JSON object and writes it to target/bench/loader.json.
+"""
+
+import argparse
+import io
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+import ramjet
+
+OUT = 224
+BATCH = 8
+
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Files(torch.utils.data.Dataset):
+    """The PyTorch baseline: Pillow decode + torchvision RandomResizedCrop + flip."""
+
+    def __init__(self, paths):
+        self.paths = paths
+        self.tf = v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(OUT, antialias=True), v2.RandomHorizontalFlip()])
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return self.tf(Image.open(self.paths[i]).convert("RGB"))
+
+
+def torch_rate(paths, workers):
+    dl = torch.utils.data.DataLoader(Files(paths), batch_size=BATCH, num_workers=workers, shuffle=True,
+                                     persistent_workers=False)
+    t = time.perf_counter()
+    n = sum(b.shape[0] for b in dl)
+    return n / (time.perf_counter() - t)
+
+
+def pillow_single_core(blobs):
+    t = time.perf_counter()
+    for b in blobs:
+        Image.open(io.BytesIO(b)).convert("RGB").load()
+    return len(blobs) / (time.perf_counter() - t)
+
+
+def ramjet_rate(ds, epoch):
+    ds.set_epoch(epoch)
+    t = time.perf_counter()
+    n = 0
+    for b in ds:
+        n += b["image"].shape[0]
+    return n / (time.perf_counter() - t)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--images", required=True)
+    p.add_argument("--remote", required=True)
+    p.add_argument("--local", default="target/bench/loader-cache")
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rss-epochs", type=int, default=10)
+    a = p.parse_args()
+    cores = os.cpu_count() or 2
+    paths = sorted(str(x) for x in Path(a.images).rglob("*") if x.suffix.lower() in (".jpg", ".jpeg"))[: a.n]
+    blobs = [open(x, "rb").read() for x in paths]
+    info = ramjet.inspect(a.remote)
+    assert info["samples"] == len(paths), f"{a.remote} has {info['samples']} samples, {a.images} {len(paths)}"
+    kw = dict(local=a.local, batch_size=BATCH, image_size=OUT, boxes_column=None)
+    rj = ramjet.StreamingDataset(a.remote, **kw)
+    rj_nodct = ramjet.StreamingDataset(a.remote, dct_scaling=False, **kw)
+    ramjet_rate(rj, 0)  # warm the node-local cache
+    res = {k: [] for k in ("ramjet", "ramjet_no_dct", "torch_dataloader", "pillow_1core")}
+    for r in range(a.rounds):  # interleaved, so machine noise hits every contender alike
+        res["ramjet"].append(ramjet_rate(rj, r + 1))
+        res["ramjet_no_dct"].append(ramjet_rate(rj_nodct, r + 1))
+        res["torch_dataloader"].append(torch_rate(paths, cores))
+        res["pillow_1core"].append(pillow_single_core(blobs))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f} img/s" for k, v in res.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    turbo = cores * med["pillow_1core"]
+    del rj, rj_nodct
+    # RSS over epochs: one dataset, epoch after epoch.
+    ds = ramjet.StreamingDataset(a.remote, **kw)
+    rss = []
+    for e in range(a.rss_epochs):
+        ramjet_rate(ds, e)
+        rss.append(round(rss_mib(), 1))
+    steady = rss[1:] or rss
+    out = {
+        "images": len(paths),
+        "cores": cores,
+        "median_img_per_s": {k: round(v, 1) for k, v in med.items()},
+        "ratio_vs_torch_dataloader": round(med["ramjet"] / med["torch_dataloader"], 2),
+        "libjpeg_turbo_full_decode_x_cores": round(turbo, 1),
+        "ratio_vs_libjpeg_turbo_x_cores": round(med["ramjet"] / turbo, 2),
+        "ratio_no_dct_vs_libjpeg_turbo_x_cores": round(med["ramjet_no_dct"] / turbo, 2),
+        "rss_mib_per_epoch": rss,
+        "rss_growth_after_first_epoch": round(max(steady) / min(steady) - 1, 3),
+        "rounds": {k: [round(x, 1) for x in v] for k, v in res.items()},
+    }
+    Path("target/bench").mkdir(parents=True, exist_ok=True)
+    Path("target/bench/loader.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
