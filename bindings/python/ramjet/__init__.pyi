@@ -32,3 +32,94 @@ def inspect(url: str) -> DatasetInfo:
 
 def verify(url: str, parallel: int = 4) -> VerifyResult:
     """Re-read every shard and check every checksum; ``problems`` names each bad shard and sample."""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+
+class Tensor:
+    """A host tensor exported through DLPack (``torch.from_dlpack(t)`` copies nothing)."""
+
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def data_ptr(self) -> int: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+
+@dataclass(frozen=True)
+class Stream:
+    """One dataset of a mix, with at most one of ``proportion``, ``repeat``, ``count``."""
+
+    remote: str
+    proportion: Optional[float] = None
+    repeat: Optional[float] = None
+    count: Optional[int] = None
+
+class StreamingDataset:
+    """Batches from packed datasets as dicts of tensors; see docs/python.md."""
+
+    batch_size: int
+    def __init__(
+        self,
+        remote: Union[str, Stream, Sequence[Union[str, Stream]]],
+        local: Optional[str] = None,
+        *,
+        batch_size: int = 32,
+        shuffle: bool = True,
+        shuffle_algo: str = "shard_block",
+        seed: int = 0,
+        shuffle_window: int = 4,
+        shuffle_block: int = 1,
+        partitions: int = 1,
+        tail: str = "uneven",
+        drop_last: bool = False,
+        cache_limit: Union[int, str, None] = "64GiB",
+        image_size: Union[int, Tuple[int, int], None] = 224,
+        augment: str = "train",
+        normalize: bool = False,
+        mean: Sequence[float] = ...,
+        std: Sequence[float] = ...,
+        scale: Tuple[float, float] = (0.08, 1.0),
+        ratio: Tuple[float, float] = ...,
+        flip: float = 0.5,
+        crop_fraction: float = 0.875,
+        dct_scaling: bool = True,
+        image_column: str = "image",
+        boxes_column: Optional[str] = "boxes",
+        num_threads: Optional[int] = None,
+        prefetch_batches: int = 4,
+        on_corrupt: str = "error",
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ) -> None: ...
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        """Batches of the current epoch (ramjet's loader: Rust threads, GIL released)."""
+    def __len__(self) -> int:
+        """Batches this process yields per epoch."""
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        """Sample ``index`` of the first dataset, decoded with the evaluation transform."""
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next iteration reads (from its start)."""
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def num_samples(self) -> int:
+        """Samples in one epoch across the whole job."""
+    @property
+    def samples_per_rank(self) -> int:
+        """Samples this consumer reads per epoch."""
+    def state_dict(self) -> Dict[str, Any]:
+        """The job's position after the last yielded batch (collective under torch.distributed)."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from a state_dict: the next iteration yields the rest of its epoch."""
+    def metrics(self) -> Dict[str, float]:
+        """Counters of the running loader."""
