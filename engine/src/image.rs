@@ -399,38 +399,32 @@ pub fn process(
 
 /// Interleaved RGB to planar CHW, mirrored if `flip`, converted to the slot's type.
 fn write_chw(hwc: &[u8], w: usize, h: usize, flip: bool, spec: &ImageSpec, slot: Slot<'_>) {
-    let plane = w * h;
     match slot {
-        Slot::U8(out) => {
-            let (r, rest) = out.split_at_mut(plane);
-            let (g, b) = rest.split_at_mut(plane);
-            for y in 0..h {
-                let row = &hwc[y * w * 3..(y + 1) * w * 3];
-                let o = y * w;
-                for (x, px) in row.chunks_exact(3).enumerate() {
-                    let ox = o + if flip { w - 1 - x } else { x };
-                    r[ox] = px[0];
-                    g[ox] = px[1];
-                    b[ox] = px[2];
-                }
-            }
-        }
+        Slot::U8(out) => planar(hwc, w, h, flip, out, |_, v| v),
         Slot::F32(out) => {
-            // One multiply-add per element: (x / 255 - mean) / std = x * a + b.
+            // One multiply-add per element: (x / 255 - mean) / std = x * a + k.
             let a: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * spec.std[c]));
             let k: [f32; 3] = std::array::from_fn(|c| -spec.mean[c] / spec.std[c]);
-            let (r, rest) = out.split_at_mut(plane);
-            let (g, b) = rest.split_at_mut(plane);
-            for y in 0..h {
-                let row = &hwc[y * w * 3..(y + 1) * w * 3];
-                let o = y * w;
-                for (x, px) in row.chunks_exact(3).enumerate() {
-                    let ox = o + if flip { w - 1 - x } else { x };
-                    r[ox] = px[0] as f32 * a[0] + k[0];
-                    g[ox] = px[1] as f32 * a[1] + k[1];
-                    b[ox] = px[2] as f32 * a[2] + k[2];
-                }
-            }
+            planar(hwc, w, h, flip, out, |c, v| v as f32 * a[c] + k[c])
+        }
+    }
+}
+
+/// Writes the three planes of `out` from interleaved `hwc`, converting each value with `f`
+/// (given the channel), mirrored if `flip`.
+#[inline(always)]
+fn planar<T>(hwc: &[u8], w: usize, h: usize, flip: bool, out: &mut [T], f: impl Fn(usize, u8) -> T) {
+    let plane = w * h;
+    let (r, rest) = out.split_at_mut(plane);
+    let (g, b) = rest.split_at_mut(plane);
+    for y in 0..h {
+        let row = &hwc[y * w * 3..(y + 1) * w * 3];
+        let o = y * w;
+        for (x, px) in row.chunks_exact(3).enumerate() {
+            let ox = o + if flip { w - 1 - x } else { x };
+            r[ox] = f(0, px[0]);
+            g[ox] = f(1, px[1]);
+            b[ox] = f(2, px[2]);
         }
     }
 }

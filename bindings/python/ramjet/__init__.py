@@ -352,7 +352,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         if self._state is None:
             return {"version": 1, "epoch": self._epoch, "resume": self._resume}
         states = [self._state]
-        rank, world = self._topology()["rank"], self._topology()["world"]
+        world = self._topology()["world"]
         if world > 1:
             if torch is None or not torch.distributed.is_initialized():
                 raise InvalidInputError(
@@ -363,7 +363,6 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             states = [s for s in gathered if s is not None]
             if len(states) != world:
                 raise InvalidInputError("state_dict: some ranks have not read any batch yet")
-        del rank
         resume = _ramjet.job_progress(states)
         epoch = json.loads(resume)["progress"]["epoch"]
         return {"version": 1, "epoch": epoch, "resume": resume}
