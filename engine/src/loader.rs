@@ -295,7 +295,12 @@ impl Loader {
             if let Some(r) = self.reorder.remove(&self.next) {
                 self.next += 1;
                 return match r {
-                    Ok(b) => Ok(Next::Batch(Box::new(b))),
+                    Ok(b) => {
+                        // Counted on delivery, not on decode: the reader runs ahead into the
+                        // next epoch, and its skips belong to batches not yet handed out.
+                        Metrics::add(&self.metrics.samples_skipped, b.skipped.len() as u64);
+                        Ok(Next::Batch(Box::new(b)))
+                    }
                     Err(e) => {
                         self.finished = true;
                         Err(e)
@@ -447,7 +452,6 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
                     if cfg.on_corrupt == OnCorrupt::Error {
                         return Err(corrupt(&job.urls[i], s.global_index, reason));
                     }
-                    Metrics::add(&ctx.metrics.samples_skipped, 1);
                     skipped.push(Skipped {
                         shard: job.urls[i].clone(),
                         sample: s.global_index,

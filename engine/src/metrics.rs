@@ -39,7 +39,7 @@ pub struct Metrics {
     pub batch_wait_ns: AtomicU64,
     /// Images decoded (loader only).
     pub images_decoded: AtomicU64,
-    /// Samples left out because their image did not decode (loader only).
+    /// Samples left out of delivered batches because their image did not decode (loader only).
     pub samples_skipped: AtomicU64,
 }
 
