@@ -5,6 +5,7 @@ use futures::stream::{self, StreamExt};
 
 use crate::error::{Error, Result};
 use crate::format::{verify_shard_bytes, Manifest, ShardExpect, ShardView, MANIFEST_BYTES_MAX};
+use crate::metrics::Metrics;
 use crate::store::{DatasetUrl, Store};
 
 /// An opened dataset: a store prefix plus its parsed, validated manifest.
@@ -111,6 +112,62 @@ impl Dataset {
         let bytes = self.store.get(&self.manifest.shards[i].key).await?;
         self.check_shard(i, &bytes)?;
         Ok(bytes)
+    }
+
+    /// Downloads shard `i` as parallel ranged GETs of `range_bytes` (`in_flight` at once),
+    /// assembled into one aligned buffer and checked. A shard that fails its check is fetched
+    /// once more before the error is returned. Requests and bytes are counted in `metrics`.
+    pub async fn fetch_shard_parallel(
+        &self,
+        i: usize,
+        range_bytes: u64,
+        in_flight: usize,
+        metrics: &Metrics,
+    ) -> Result<Bytes> {
+        let info = &self.manifest.shards[i];
+        let part = range_bytes.max(1 << 16);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let ranges: Vec<std::ops::Range<u64>> = (0..info.bytes.div_ceil(part))
+                .map(|i| i * part..((i + 1) * part).min(info.bytes))
+                .collect();
+            let parts: Vec<Bytes> = futures::stream::iter(ranges.iter().cloned())
+                .map(|r| self.store.get_range(&info.key, r))
+                .buffered(in_flight.max(1))
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect::<Result<_>>()?;
+            Metrics::add(&metrics.origin_requests, parts.len() as u64);
+            Metrics::add(&metrics.origin_bytes, info.bytes);
+            let bytes = if parts.len() == 1 {
+                parts.into_iter().next().expect("one part")
+            } else {
+                assert_eq!(
+                    parts.iter().map(|p| p.len() as u64).sum::<u64>(),
+                    info.bytes,
+                    "ranged parts do not cover the shard"
+                );
+                // SAFETY: the parts cover [0, bytes) exactly (checked just above), so every
+                // byte is written before the buffer is read.
+                let mut buf = unsafe { crate::cache::io::BufPool::global().take(info.bytes as usize) };
+                let dst = buf.as_mut_slice();
+                let mut off = 0;
+                for p in &parts {
+                    dst[off..off + p.len()].copy_from_slice(p);
+                    off += p.len();
+                }
+                buf.into_bytes()
+            };
+            match self.check_shard(i, &bytes) {
+                Ok(()) => return Ok(bytes),
+                Err(e) if attempt < 2 && e.is_data_error() => {
+                    tracing::warn!(error = %e, "shard from origin failed verification; fetching again");
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Checks shard `i`'s bytes against the manifest: size, structure, whole-shard checksum

@@ -16,11 +16,13 @@ pub mod image;
 pub mod loader;
 pub mod metrics;
 pub mod order;
+pub mod provider;
 pub mod store;
 pub mod stream;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};
 pub use error::{Error, Location, Result};
 pub use loader::{Batch, ColumnData, Loader, LoaderConfig, Next, OnCorrupt};
+pub use provider::{Fetched, ReadSource, ShardProvider, ShardRequest};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
 pub use stream::{Sample, SourceConfig, Stream, StreamConfig, StreamState};

@@ -41,6 +41,12 @@ pub struct Metrics {
     pub images_decoded: AtomicU64,
     /// Samples left out of delivered batches because their image did not decode (loader only).
     pub samples_skipped: AtomicU64,
+    /// Shards delivered by the host daemon, by source (see [`crate::ReadSource`]).
+    pub provider_shards: [AtomicU64; 3],
+    /// Bytes delivered by the host daemon.
+    pub provider_bytes: AtomicU64,
+    /// Daemon requests that failed (or delivered unsound bytes) and were read directly.
+    pub provider_failures: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -64,6 +70,9 @@ impl Default for Metrics {
             batch_wait_ns: AtomicU64::new(0),
             images_decoded: AtomicU64::new(0),
             samples_skipped: AtomicU64::new(0),
+            provider_shards: Default::default(),
+            provider_bytes: AtomicU64::new(0),
+            provider_failures: AtomicU64::new(0),
         }
     }
 }
@@ -113,6 +122,16 @@ pub struct MetricsSnapshot {
     pub images_decoded: u64,
     /// Samples skipped as undecodable.
     pub samples_skipped: u64,
+    /// Shards the host daemon delivered from its own cache.
+    pub daemon_cache_local: u64,
+    /// Shards the host daemon delivered from a peer's cache.
+    pub daemon_cache_peer: u64,
+    /// Shards the host daemon delivered from the origin.
+    pub daemon_origin: u64,
+    /// Bytes the host daemon delivered.
+    pub daemon_bytes: u64,
+    /// Daemon requests that failed and were read directly.
+    pub daemon_failures: u64,
 }
 
 impl Metrics {
@@ -158,6 +177,11 @@ impl Metrics {
             batch_wait_s: g(&self.batch_wait_ns) as f64 / 1e9,
             images_decoded: g(&self.images_decoded),
             samples_skipped: g(&self.samples_skipped),
+            daemon_cache_local: g(&self.provider_shards[0]),
+            daemon_cache_peer: g(&self.provider_shards[1]),
+            daemon_origin: g(&self.provider_shards[2]),
+            daemon_bytes: g(&self.provider_bytes),
+            daemon_failures: g(&self.provider_failures),
         }
     }
 }

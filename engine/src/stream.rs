@@ -33,6 +33,7 @@ use crate::order::{
     at_position, effective_len, global_order, EpochProgress, OrderSpec, SampleRef, Shuffle, StreamShape, Topology,
     Weight,
 };
+use crate::provider::{ShardProvider, ShardRequest};
 
 /// One input dataset and its mixing weight.
 #[derive(Debug, Clone)]
@@ -71,6 +72,9 @@ pub struct StreamConfig {
     pub resume: Option<ResumePoint>,
     /// Without `resume`: the epoch to start at (from its beginning).
     pub first_epoch: u64,
+    /// The host's cache daemon (or another supplier of whole shards). When set, whole shards
+    /// come from it; if it fails, the stream falls back to `cache` and the origin.
+    pub provider: Option<Arc<dyn ShardProvider>>,
 }
 
 impl StreamConfig {
@@ -95,6 +99,7 @@ impl StreamConfig {
             epochs: Some(1),
             resume: None,
             first_epoch: 0,
+            provider: None,
         }
     }
 }
@@ -398,7 +403,12 @@ impl Stream {
             cursor: 0,
             live: HashMap::new(),
             pending_uses: HashMap::new(),
-            ranged_left: cfg.first_ranged_samples_max,
+            // With a host daemon every byte goes through it (and its cluster-wide singleflight).
+            ranged_left: if cfg.provider.is_some() {
+                0
+            } else {
+                cfg.first_ranged_samples_max
+            },
             per_sample,
             prefetch,
             readers: Default::default(),
@@ -672,53 +682,51 @@ async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Result<Bytes> {
     Ok(rec)
 }
 
-/// A whole shard from the origin: parallel ranged GETs, assembled and verified. A shard
-/// that fails verification is fetched once more before the error is returned.
+/// A whole shard from the origin (see [`Dataset::fetch_shard_parallel`]).
 async fn fetch_shard_origin(shared: &Shared, stream: usize, shard: usize) -> Result<Bytes> {
-    let src = &shared.sources[stream];
-    let info = &src.ds.manifest().shards[shard];
-    let store = src.ds.store();
-    let part = shared.cfg.range_bytes.max(1 << 16);
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let ranges: Vec<std::ops::Range<u64>> = (0..info.bytes.div_ceil(part))
-            .map(|i| i * part..((i + 1) * part).min(info.bytes))
-            .collect();
-        let parts: Vec<Bytes> = stream::iter(ranges.iter().cloned())
-            .map(|r| store.get_range(&info.key, r))
-            .buffered(shared.cfg.ranges_in_flight_max.max(1))
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<_>>()?;
-        Metrics::add(&shared.metrics.origin_requests, parts.len() as u64);
-        Metrics::add(&shared.metrics.origin_bytes, info.bytes);
-        let bytes = if parts.len() == 1 {
-            parts.into_iter().next().expect("one part")
-        } else {
-            // SAFETY: the parts cover [0, bytes) exactly (checked just below), so every byte is
-            // written before the buffer is read.
-            let mut buf = unsafe { cache_io::BufPool::global().take(info.bytes as usize) };
-            assert_eq!(
-                parts.iter().map(|p| p.len() as u64).sum::<u64>(),
-                info.bytes,
-                "ranged parts do not cover the shard"
-            );
-            let dst = buf.as_mut_slice();
-            let mut off = 0;
-            for p in &parts {
-                dst[off..off + p.len()].copy_from_slice(p);
-                off += p.len();
-            }
-            buf.into_bytes()
+    let cfg = &shared.cfg;
+    shared.sources[stream]
+        .ds
+        .fetch_shard_parallel(shard, cfg.range_bytes, cfg.ranges_in_flight_max, &shared.metrics)
+        .await
+}
+
+/// A whole shard from the host daemon, verified here. `None` when the daemon failed or its
+/// bytes did not verify: the caller then reads the shard itself.
+async fn fetch_shard_provider(
+    shared: &Arc<Shared>,
+    p: &Arc<dyn ShardProvider>,
+    stream: usize,
+    shard: usize,
+) -> Option<Bytes> {
+    let (sh, p) = (shared.clone(), p.clone());
+    let r = tokio::task::spawn_blocking(move || {
+        let src = &sh.sources[stream];
+        let req = ShardRequest {
+            manifest_url: src.ds.manifest_url(),
+            shard: shard as u32,
+            id: src.ids[shard],
         };
-        match src.ds.check_shard(shard, &bytes) {
-            Ok(()) => return Ok(bytes),
-            Err(e) if attempt < 2 && e.is_data_error() => {
-                tracing::warn!(error = %e, "shard from origin failed verification; fetching again");
-            }
-            Err(e) => return Err(e),
+        let got = p.fetch(&req)?;
+        if let Err(e) = src.ds.check_shard(shard, &got.bytes) {
+            p.report_corrupt(&req);
+            return Err(e);
+        }
+        Ok(got)
+    })
+    .await
+    .expect("provider task panicked");
+    match r {
+        Ok(got) => {
+            let m = &shared.metrics;
+            Metrics::add(&m.provider_shards[got.source.index()], 1);
+            Metrics::add(&m.provider_bytes, got.bytes.len() as u64);
+            Some(got.bytes)
+        }
+        Err(e) => {
+            Metrics::add(&shared.metrics.provider_failures, 1);
+            tracing::warn!(error = %e, "the host daemon did not deliver a sound shard; reading it directly");
+            None
         }
     }
 }
@@ -726,6 +734,11 @@ async fn fetch_shard_origin(shared: &Shared, stream: usize, shard: usize) -> Res
 /// A whole shard: the disk cache, else (holding the host-wide download lock for it) the
 /// origin, then stored in the cache.
 async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
+    if let Some(p) = &shared.cfg.provider {
+        if let Some(b) = fetch_shard_provider(&shared, p, stream, shard).await {
+            return Ok(b);
+        }
+    }
     let Some(cache) = shared.cache.clone() else {
         Metrics::add(&shared.metrics.cache_misses, 1);
         return fetch_shard_origin(&shared, stream, shard).await;

@@ -267,6 +267,100 @@ fn serve(mut client: TcpStream, fault: Fault, upstream: &str) {
     }
 }
 
+/// A TCP proxy in front of an HTTP server that records every request line (`GET /path`),
+/// to count what reaches the origin. Dropping it stops it.
+pub struct CountingProxy {
+    /// `http://127.0.0.1:PORT` to give clients.
+    pub url: String,
+    requests: Arc<Mutex<Vec<String>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    addr: SocketAddr,
+}
+
+impl CountingProxy {
+    /// Proxies to `upstream` (`host:port`).
+    pub fn start(upstream: &str) -> CountingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind proxy");
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (reqs, stop2, upstream) = (requests.clone(), stop.clone(), upstream.to_owned());
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                if stop2.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = s else { continue };
+                let (up, reqs) = (upstream.clone(), reqs.clone());
+                std::thread::spawn(move || {
+                    let Ok(server) = TcpStream::connect(&up) else {
+                        return;
+                    };
+                    let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    let t = std::thread::spawn(move || {
+                        // Requests to the origin carry no bodies here (GET/HEAD), so every
+                        // request line starts a line of the client's byte stream.
+                        let mut buf = vec![0u8; 64 << 10];
+                        let mut line = Vec::new();
+                        let mut at_start = true;
+                        while let Ok(n) = c2.read(&mut buf) {
+                            if n == 0 || s2.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            for &b in &buf[..n] {
+                                if b == b'\n' {
+                                    let l = String::from_utf8_lossy(&line).trim().to_owned();
+                                    if at_start && !l.is_empty() {
+                                        reqs.lock().unwrap().push(l.clone());
+                                    }
+                                    at_start = l.is_empty();
+                                    line.clear();
+                                } else if line.len() < 4096 {
+                                    line.push(b);
+                                }
+                            }
+                        }
+                        let _ = s2.shutdown(std::net::Shutdown::Write);
+                    });
+                    let (mut s3, mut c3) = (server, client);
+                    let _ = std::io::copy(&mut s3, &mut c3);
+                    let _ = c3.shutdown(std::net::Shutdown::Write);
+                    let _ = t.join();
+                });
+            }
+        });
+        CountingProxy {
+            url: format!("http://{addr}"),
+            requests,
+            stop,
+            addr,
+        }
+    }
+
+    /// Request lines seen so far whose method is `method` and whose path contains `needle`.
+    pub fn count(&self, method: &str, needle: &str) -> usize {
+        let prefix = format!("{method} ");
+        self.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with(&prefix) && l.contains(needle))
+            .count()
+    }
+
+    /// Forgets what was recorded.
+    pub fn reset(&self) {
+        self.requests.lock().unwrap().clear();
+    }
+}
+
+impl Drop for CountingProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+    }
+}
+
 /// Runs a future on a fresh runtime (tests that touch the store directly).
 pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()

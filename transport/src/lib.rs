@@ -1,9 +1,18 @@
-//! Peer networking for ramjet: the host cache daemon (`ramjet serve`), the consistent-hash
-//! ring of daemons, cluster-wide singleflight, and the authenticated wire protocol.
+//! ramjet's host daemon and peer cluster: the consistent-hash ring, cluster-wide
+//! singleflight, the authenticated wire protocol, and the client loaders use.
 //!
-//! This crate is a placeholder in the foundation release: the cluster issue fills it. It
-//! depends on `ramjet-engine` and nothing depends on it except `tools` and `bindings`.
+//! See `docs/cluster.md` (operators) and `docs/protocol.md` (the bytes).
 #![deny(missing_docs)]
 
-/// Version of the peer wire protocol this build will speak.
-pub const WIRE_PROTOCOL_VERSION: u16 = 0;
+pub mod client;
+pub mod daemon;
+pub mod hostlist;
+pub mod ring;
+pub mod stats;
+pub mod sys;
+pub mod wire;
+
+pub use client::{default_socket, ensure_daemon, DaemonClient, HostDaemon};
+pub use daemon::{read_members, Daemon, DaemonConfig};
+pub use ring::{Membership, Ring};
+pub use stats::StatsDoc;

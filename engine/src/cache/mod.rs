@@ -242,6 +242,37 @@ impl Cache {
         Ok(Some(bytes))
     }
 
+    /// Opens a cached shard for another process to read (the host daemon passes the
+    /// descriptor over its socket), marking it used. Not verified here: the reader verifies
+    /// and reports a bad copy with [`Cache::remove`]. An open descriptor stays readable if the
+    /// file is evicted meanwhile. `Ok(None)` on a miss or a file of the wrong size.
+    pub fn open_file(&self, id: ShardId) -> Result<Option<File>> {
+        let path = self.path_of(id);
+        let f = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(path.display(), e)),
+        };
+        let len = f.metadata().map_err(|e| Error::io(path.display(), e))?.len();
+        if len != id.bytes {
+            tracing::warn!(path = %path.display(), "cached shard has the wrong size: deleted, will re-fetch");
+            Metrics::add(&self.metrics.cache_corrupt, 1);
+            let _ = fs::remove_file(&path);
+            return Ok(None);
+        }
+        let _ = f.set_modified(SystemTime::now());
+        Metrics::add(&self.metrics.cache_hits, 1);
+        Metrics::add(&self.metrics.cache_bytes, len);
+        Ok(Some(f))
+    }
+
+    /// Deletes a cached shard a reader found corrupt, so it is fetched again.
+    pub fn remove(&self, id: ShardId) {
+        if fs::remove_file(self.path_of(id)).is_ok() {
+            Metrics::add(&self.metrics.cache_corrupt, 1);
+        }
+    }
+
     /// Whether a shard is present (not verified).
     pub fn contains(&self, id: ShardId) -> bool {
         self.path_of(id).exists()

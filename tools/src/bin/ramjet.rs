@@ -12,6 +12,7 @@ use ramjet_engine::{Dataset, SourceConfig, Stream, StreamConfig, StreamState};
 use ramjet_tools::pack::{pack, PackOptions, SourceKind};
 use ramjet_tools::synth::{synth, SynthOptions};
 use ramjet_tools::ui::{bytes_bar, count_bar, human_bytes, parse_size};
+use ramjet_transport::{Daemon, DaemonConfig};
 
 #[derive(Parser)]
 #[command(
@@ -66,6 +67,18 @@ enum Cmd {
     },
     /// Stream samples through the engine (order, cache, prefetch) and report throughput.
     Stream(Box<StreamArgs>),
+    /// Run the host cache daemon: owns the node cache, serves local loaders over a Unix
+    /// socket and peers over TCP (consistent-hash ring, singleflight, RAMJET_API_KEY).
+    Serve(Box<ServeArgs>),
+    /// Print a cluster view from daemons' /stats (HOST is host:port of their --http).
+    Stats {
+        /// Daemons' HTTP addresses.
+        #[arg(required = true)]
+        hosts: Vec<String>,
+        /// Print the raw JSON documents.
+        #[arg(long)]
+        json: bool,
+    },
     /// Re-read every shard and check every checksum. Exits 1 and names each bad shard and sample.
     Verify {
         /// Dataset URL (a prefix, or a manifest .json).
@@ -88,6 +101,45 @@ enum TailArg {
     Uneven,
     DropLast,
     PadRepeat,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Unix socket for local loaders (default: $RAMJET_SOCKET, $XDG_RUNTIME_DIR/ramjet.sock
+    /// or /tmp/ramjet-UID.sock).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Node-local cache directory.
+    #[arg(long, env = "RAMJET_CACHE_DIR")]
+    cache_dir: PathBuf,
+    /// Cache byte budget.
+    #[arg(long, default_value = "100GiB", value_parser = parse_size)]
+    cache_limit: u64,
+    /// Peer TCP address to listen on (none: no peers).
+    #[arg(long)]
+    listen: Option<std::net::SocketAddr>,
+    /// This daemon's name in the member list (default: the listen address, or
+    /// HOSTNAME:PORT when the members are host names).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Members, host:port, comma-separated; hostlists allowed (`node[01-04]:7341`).
+    #[arg(long, env = "RAMJET_PEERS")]
+    peers: Option<String>,
+    /// A member file, one host:port or hostlist per line; re-read every second.
+    #[arg(long)]
+    peers_file: Option<PathBuf>,
+    /// Port of every member when members come from SLURM_JOB_NODELIST.
+    #[arg(long, default_value_t = 7341)]
+    peer_port: u16,
+    /// HTTP address for /stats and /metrics.
+    #[arg(long)]
+    http: Option<std::net::SocketAddr>,
+    /// Serve only datasets under these URL prefixes (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    allow: Vec<String>,
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
 }
 
 #[derive(clap::Args)]
@@ -161,6 +213,9 @@ struct StreamArgs {
     /// Simulated training step: sleep this many milliseconds after each sample.
     #[arg(long, default_value_t = 0)]
     step_ms: u64,
+    /// Read whole shards through the host daemon at this socket (`ramjet serve`).
+    #[arg(long)]
+    daemon: Option<PathBuf>,
     /// Print the final metrics as JSON.
     #[arg(long)]
     json: bool,
@@ -242,6 +297,9 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     cfg.prefetch_bytes_max = a.prefetch;
     cfg.range_bytes = a.range_size;
     cfg.cache = a.cache_dir.as_ref().map(|d| CacheConfig::new(d, a.cache_limit));
+    cfg.provider = a.daemon.as_ref().map(|p| {
+        std::sync::Arc::new(ramjet_transport::DaemonClient::new(p)) as std::sync::Arc<dyn ramjet_engine::ShardProvider>
+    });
     let mut out_len = 0u64;
     if a.resume {
         let p = a.state.as_ref().context("--resume needs --state")?;
@@ -324,6 +382,148 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
+    let socket = a.socket.unwrap_or_else(ramjet_transport::default_socket);
+    let mut cfg = DaemonConfig::new(socket, CacheConfig::new(&a.cache_dir, a.cache_limit));
+    cfg.listen = a.listen;
+    cfg.http = a.http;
+    cfg.peers_file = a.peers_file;
+    cfg.allow_prefixes = a.allow;
+    cfg.threads = a.threads;
+    let mut from_slurm = false;
+    if let Some(p) = &a.peers {
+        cfg.peers = ramjet_transport::read_members(p).map_err(anyhow::Error::msg)?;
+    } else if cfg.peers_file.is_none() {
+        if let Ok(list) = std::env::var("SLURM_JOB_NODELIST") {
+            cfg.peers = ramjet_transport::hostlist::expand(&list)
+                .map_err(anyhow::Error::msg)?
+                .into_iter()
+                .map(|h| format!("{h}:{}", a.peer_port))
+                .collect();
+            from_slurm = true;
+        }
+    }
+    cfg.advertise = a.advertise.or_else(|| {
+        let host = hostname()?;
+        let port = cfg.listen.map(|l| l.port()).unwrap_or(a.peer_port);
+        let name = format!("{host}:{port}");
+        (from_slurm || cfg.peers.contains(&name)).then_some(name)
+    });
+    anyhow::ensure!(
+        cfg.peers.is_empty() && cfg.peers_file.is_none() || cfg.listen.is_some(),
+        "members were given but no --listen address for peers"
+    );
+    let d = Daemon::start(cfg).context("start the daemon")?;
+    eprintln!(
+        "ramjet serve: socket {}, peers {}, http {}",
+        d.socket().display(),
+        d.peer_addr().map(|a| a.to_string()).unwrap_or("-".into()),
+        d.http_addr().map(|a| a.to_string()).unwrap_or("-".into())
+    );
+    d.run_until_signal();
+    Ok(ExitCode::SUCCESS)
+}
+
+fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into our buffer.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    if r != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+/// GET over plain HTTP/1.1 (the daemons' stats port).
+fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    let addr = host.trim_start_matches("http://").trim_end_matches('/');
+    let mut s = std::net::TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let (head, body) = resp.split_once("\r\n\r\n").context("malformed HTTP response")?;
+    anyhow::ensure!(
+        head.starts_with("HTTP/1.1 200"),
+        "{addr}{path}: {}",
+        head.lines().next().unwrap_or("")
+    );
+    Ok(body.to_owned())
+}
+
+fn stats_cmd(hosts: &[String], json: bool) -> anyhow::Result<ExitCode> {
+    let mut docs = Vec::new();
+    let mut failed = false;
+    for h in hosts {
+        match http_get(h, "/stats").and_then(|b| Ok(serde_json::from_str::<ramjet_transport::StatsDoc>(&b)?)) {
+            Ok(d) => docs.push((h.clone(), d)),
+            Err(e) => {
+                eprintln!("{h}: {e:#}");
+                failed = true;
+            }
+        }
+    }
+    if json {
+        let all: Vec<_> = docs
+            .iter()
+            .map(|(h, d)| serde_json::json!({"host": h, "stats": d}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&all)?);
+    } else {
+        println!(
+            "{:<22} {:>5} {:>8} {:>8} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}  peers",
+            "node", "ring", "local", "peer", "origin", "origin", "cached", "coalesc", "refused", "p50ms"
+        );
+        for (_, d) in &docs {
+            let p50 = d
+                .latency
+                .values()
+                .filter(|l| l.count > 0)
+                .map(|l| l.p50_us)
+                .max()
+                .unwrap_or(0);
+            let down: Vec<&str> = d
+                .peers
+                .iter()
+                .filter(|(_, h)| !h.healthy)
+                .map(|(p, _)| p.as_str())
+                .collect();
+            println!(
+                "{:<22} {:>5} {:>8} {:>8} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6.1}  {} members{}{}",
+                d.node,
+                d.ring_version,
+                d.reads["cache_local"],
+                d.reads["cache_peer"],
+                d.reads["origin"],
+                human_bytes(d.origin_bytes),
+                human_bytes(d.cache_bytes),
+                d.singleflight_coalesced,
+                d.auth_refused,
+                p50 as f64 / 1e3,
+                d.members.len(),
+                if d.frozen { ", frozen" } else { "" },
+                if down.is_empty() {
+                    String::new()
+                } else {
+                    format!(", down: {}", down.join(" "))
+                }
+            );
+        }
+        let total = |f: &dyn Fn(&ramjet_transport::StatsDoc) -> u64| docs.iter().map(|(_, d)| f(d)).sum::<u64>();
+        println!(
+            "cluster: {} nodes, origin {} in {} requests, {} shards from peers, {} from local caches",
+            docs.len(),
+            human_bytes(total(&|d| d.origin_bytes)),
+            total(&|d| d.origin_requests),
+            total(&|d| d.reads["cache_peer"]),
+            total(&|d| d.reads["cache_local"])
+        );
+    }
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
 fn main() -> ExitCode {
@@ -435,6 +635,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Cmd::Stream(a) => return stream_cmd(*a),
+        Cmd::Serve(a) => return serve_cmd(*a),
+        Cmd::Stats { hosts, json } => return stats_cmd(&hosts, json),
         Cmd::Verify { url, parallel } => {
             let rt = runtime()?;
             let t0 = std::time::Instant::now();

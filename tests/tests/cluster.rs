@@ -1,0 +1,514 @@
+//! The host daemon and its peer ring, as separate `ramjet serve` processes on distinct
+//! loopback addresses in front of the real local S3 server (behind a proxy that counts every
+//! request): one origin GET per shard for the whole cluster, ring shares, SIGKILL of a daemon
+//! mid-epoch, wrong API keys, lying, stalling and vanishing peers, request validation, and
+//! the embedded daemon.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use ramjet_engine::cache::{CacheConfig, ShardId};
+use ramjet_engine::{Dataset, ReadSource, ShardProvider, ShardRequest, Stream, StreamConfig};
+use ramjet_tests::{block_on, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text, CountingProxy};
+use ramjet_transport::{wire, DaemonClient, Ring};
+
+const N: usize = 120;
+
+/// The synthetic set packed once per process into ~30 small shards on S3.
+fn dataset() -> &'static str {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        s3();
+        let url = s3_prefix("cluster");
+        ramjet_ok(&[
+            "pack",
+            synth_dataset(N).to_str().unwrap(),
+            &url,
+            "--shard-size",
+            "160KiB",
+        ]);
+        url
+    })
+}
+
+fn shard_ids(url: &str) -> Vec<ShardId> {
+    let ds = block_on(Dataset::open(url)).unwrap();
+    ds.manifest()
+        .shards
+        .iter()
+        .map(|s| ShardId {
+            checksum: s.checksum_u64().unwrap(),
+            bytes: s.bytes,
+        })
+        .collect()
+}
+
+fn free_port(ip: &str) -> u16 {
+    std::net::TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn s3_upstream() -> String {
+    s3().endpoint.trim_start_matches("http://").to_owned()
+}
+
+struct Node {
+    child: Child,
+    sock: PathBuf,
+    peer: String,
+    http: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Node {
+    fn stats(&self) -> serde_json::Value {
+        let mut s = std::net::TcpStream::connect(&self.http).expect("stats port");
+        write!(s, "GET /stats HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        serde_json::from_str(r.split_once("\r\n\r\n").unwrap().1).unwrap()
+    }
+}
+
+/// Peer names (`127.0.0.K:PORT`) for `n` daemons, the first on 127.0.0.`first`.
+fn names(n: usize, first: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            let ip = format!("127.0.0.{}", first + i);
+            format!("{ip}:{}", free_port(&ip))
+        })
+        .collect()
+}
+
+/// Starts daemon `me` of `members`, its origin through `origin_url`.
+fn start_node(dir: &Path, me: &str, members: &[String], origin_url: &str, env: &[(&str, &str)]) -> Node {
+    let ip = me.split(':').next().unwrap();
+    let http = format!("{ip}:{}", free_port(ip));
+    let tag = me.replace([':', '.'], "_");
+    let sock = dir.join(format!("{tag}.sock"));
+    let mut c = Command::new(ramjet_bin());
+    c.args(["serve", "--socket", sock.to_str().unwrap()])
+        .args(["--cache-dir", dir.join(format!("cache-{tag}")).to_str().unwrap()])
+        .args([
+            "--cache-limit",
+            "1GiB",
+            "--listen",
+            me,
+            "--advertise",
+            me,
+            "--http",
+            &http,
+        ])
+        .args(["--peers", &members.join(","), "--threads", "2"])
+        .env("AWS_ENDPOINT_URL", origin_url)
+        .env_remove("RAMJET_API_KEY")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let child = c.spawn().expect("spawn ramjet serve");
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() || std::net::TcpStream::connect(&http).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "daemon {me} did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Node {
+        child,
+        sock,
+        peer: me.to_owned(),
+        http,
+    }
+}
+
+/// A reader process: the whole dataset, unshuffled, through the daemon at `sock`.
+fn reader(url: &str, sock: &Path, out: &Path, origin_url: &str, step_ms: u64) -> Child {
+    Command::new(ramjet_bin())
+        .args(["stream", url, "--shuffle", "none", "--daemon", sock.to_str().unwrap()])
+        .args([
+            "--out",
+            out.to_str().unwrap(),
+            "--step-ms",
+            &step_ms.to_string(),
+            "--json",
+        ])
+        // Slow readers fetch as they go (one shard ahead), so a kill lands mid-epoch.
+        .args(["--prefetch", if step_ms > 0 { "1KiB" } else { "512MiB" }])
+        .env("AWS_ENDPOINT_URL", origin_url)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn reader")
+}
+
+fn finish(c: Child) -> serde_json::Value {
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "reader failed:\n{}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("reader JSON: {e}\n{}", text(&o)))
+}
+
+/// What every reader must deliver: a run straight from the origin.
+fn reference(url: &str) -> String {
+    static REF: OnceLock<String> = OnceLock::new();
+    REF.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("ref.txt");
+        ramjet_ok(&["stream", url, "--shuffle", "none", "--out", out.to_str().unwrap()]);
+        std::fs::read_to_string(out).unwrap()
+    })
+    .clone()
+}
+
+fn u(v: &serde_json::Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
+}
+
+#[test]
+fn three_daemons_fetch_each_shard_from_the_origin_once_and_hold_their_ring_share() {
+    let url = dataset();
+    let ids = shard_ids(url);
+    let want = reference(url);
+    let proxy = CountingProxy::start(&s3_upstream());
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(3, 1);
+    let nodes: Vec<Node> = members
+        .iter()
+        .map(|m| start_node(dir.path(), m, &members, &proxy.url, &[]))
+        .collect();
+    proxy.reset();
+    let outs: Vec<PathBuf> = (0..3).map(|i| dir.path().join(format!("out{i}"))).collect();
+    let readers: Vec<Child> = nodes
+        .iter()
+        .zip(&outs)
+        .map(|(n, o)| reader(url, &n.sock, o, &proxy.url, 0))
+        .collect();
+    let metrics: Vec<serde_json::Value> = readers.into_iter().map(finish).collect();
+    for o in &outs {
+        assert_eq!(
+            std::fs::read_to_string(o).unwrap(),
+            want,
+            "a reader delivered different samples"
+        );
+    }
+    // Every shard crossed from the origin once for the whole cluster: one GET per shard
+    // (shards are smaller than one ranged part), none from the readers themselves.
+    let shard_gets = proxy.count("GET", "/shards/");
+    assert_eq!(shard_gets, ids.len(), "origin shard GETs for {} shards", ids.len());
+    let total: u64 = ids.iter().map(|i| i.bytes).sum();
+    let stats: Vec<serde_json::Value> = nodes.iter().map(Node::stats).collect();
+    let origin_bytes: u64 = stats.iter().map(|s| u(&s["origin_bytes"])).sum();
+    assert_eq!(origin_bytes, total, "origin bytes = 1.0x the dataset");
+    for m in &metrics {
+        assert_eq!(u(&m["daemon_failures"]), 0, "{m}");
+        let got = u(&m["daemon_cache_local"]) + u(&m["daemon_cache_peer"]) + u(&m["daemon_origin"]);
+        assert_eq!(got, ids.len() as u64, "every shard came through the daemon: {m}");
+    }
+    // Each daemon caches exactly the shards the ring gives it.
+    let ring = Ring::new(1, members.clone(), ramjet_transport::ring::VNODES_DEFAULT);
+    for (n, s) in nodes.iter().zip(&stats) {
+        let share = ids.iter().filter(|i| ring.owner(**i) == Some(n.peer.as_str())).count() as u64;
+        assert_eq!(u(&s["cache_shards"]), share, "{}: {s}", n.peer);
+        assert!(
+            share as f64 >= ids.len() as f64 / 3.0 * 0.4,
+            "a lopsided ring: {share} of {}",
+            ids.len()
+        );
+        assert_eq!(u(&s["ring_version"]), 1);
+        assert!(u(&s["reads"]["cache_peer"]) > 0, "{s}");
+    }
+    // The cluster view.
+    let hosts: Vec<&str> = nodes.iter().map(|n| n.http.as_str()).collect();
+    let mut args = vec!["stats"];
+    args.extend(hosts);
+    let view = ramjet_ok(&args);
+    assert!(view.contains("cluster: 3 nodes"), "{view}");
+    // A second epoch reads nothing from the origin.
+    proxy.reset();
+    let again = dir.path().join("again");
+    finish(reader(url, &nodes[0].sock, &again, &proxy.url, 0));
+    assert_eq!(proxy.count("GET", "/shards/"), 0, "a warm cluster went to the origin");
+}
+
+#[test]
+fn sigkill_of_a_daemon_mid_epoch_leaves_every_reader_with_correct_data() {
+    let url = dataset();
+    let want = reference(url);
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(3, 4);
+    let origin = s3().endpoint.clone();
+    let mut nodes: Vec<Node> = members
+        .iter()
+        .map(|m| start_node(dir.path(), m, &members, &origin, &[("RAMJET_PEER_TIMEOUT_MS", "2000")]))
+        .collect();
+    let outs: Vec<PathBuf> = (0..3).map(|i| dir.path().join(format!("out{i}"))).collect();
+    let readers: Vec<Child> = nodes
+        .iter()
+        .zip(&outs)
+        .map(|(n, o)| reader(url, &n.sock, o, &origin, 25))
+        .collect();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&outs[1])
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+        < N / 4
+    {
+        assert!(t0.elapsed() < Duration::from_secs(60), "readers made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SIGKILL: no clean-up of any kind.
+    let victim = &mut nodes[1].child;
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(victim.id() as i32, libc::SIGKILL) };
+    victim.wait().unwrap();
+    let metrics: Vec<serde_json::Value> = readers.into_iter().map(finish).collect();
+    for (i, o) in outs.iter().enumerate() {
+        assert_eq!(
+            std::fs::read_to_string(o).unwrap(),
+            want,
+            "reader {i} delivered different samples"
+        );
+    }
+    // The reader whose own daemon died went on by itself.
+    assert!(u(&metrics[1]["daemon_failures"]) > 0, "{}", metrics[1]);
+    // The survivors saw the dead peer.
+    for n in [&nodes[0], &nodes[2]] {
+        let s = n.stats();
+        let peer = &s["peers"][&members[1]];
+        assert!(u(&peer["failures"]) > 0 || !peer["healthy"].as_bool().unwrap(), "{s}");
+    }
+}
+
+#[test]
+fn a_wrong_api_key_is_refused_and_counted() {
+    let url = dataset();
+    let want = reference(url);
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(2, 7);
+    let origin = s3().endpoint.clone();
+    let a = start_node(
+        dir.path(),
+        &members[0],
+        &members,
+        &origin,
+        &[("RAMJET_API_KEY", "alpha")],
+    );
+    let b = start_node(
+        dir.path(),
+        &members[1],
+        &members,
+        &origin,
+        &[("RAMJET_API_KEY", "bravo")],
+    );
+    let out = dir.path().join("out");
+    finish(reader(url, &a.sock, &out, &origin, 0));
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want);
+    let (sa, sb) = (a.stats(), b.stats());
+    assert!(u(&sb["auth_refused"]) >= 1, "{sb}");
+    assert_eq!(u(&sb["peer_served"]), 0, "{sb}");
+    let err = sa["peers"][&members[1]]["last_error"].as_str().unwrap_or("").to_owned();
+    assert!(err.contains("API key"), "{sa}");
+    // A client without the key is refused too, and the key is never needed on the wire.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let r = rt.block_on(async {
+        let mut s = tokio::net::TcpStream::connect(&members[1]).await.unwrap();
+        wire::connect(&mut s, Some(&wire::ApiKey::new("charlie"))).await
+    });
+    assert!(matches!(r, Err(wire::HandshakeError::Refused(_))), "{r:?}");
+    let r = rt.block_on(async {
+        let mut s = tokio::net::TcpStream::connect(&members[1]).await.unwrap();
+        wire::connect(&mut s, Some(&wire::ApiKey::new("bravo"))).await
+    });
+    assert!(r.is_ok(), "{r:?}");
+    assert!(u(&b.stats()["auth_refused"]) >= 2);
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Lie {
+    /// The right size, one byte flipped.
+    Corrupt,
+    /// Half the shard, then silence.
+    Stall,
+    /// Half the shard, then the connection closes (a peer killed mid-transfer).
+    Vanish,
+}
+
+/// A peer that speaks the protocol and then lies. Returns its name.
+fn lying_peer(rt: &tokio::runtime::Runtime, lie: Lie) -> String {
+    let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.12:0")).unwrap();
+    let name = l.local_addr().unwrap().to_string();
+    rt.spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                if wire::accept(&mut s, None).await.is_err() {
+                    return;
+                }
+                while let Ok(wire::Msg::Get {
+                    manifest_url,
+                    shard,
+                    bytes,
+                    ..
+                }) = wire::read_msg(&mut s).await
+                {
+                    let ds = Dataset::open(&manifest_url).await.unwrap();
+                    let mut data = ds.fetch_shard(shard as usize).await.unwrap().to_vec();
+                    let reply = wire::Msg::Data {
+                        bytes,
+                        source: "cache_local".into(),
+                    };
+                    if wire::write_msg(&mut s, &reply).await.is_err() {
+                        return;
+                    }
+                    match lie {
+                        Lie::Corrupt => {
+                            data[bytes as usize / 2] ^= 0x5a;
+                            if s.write_all(&data).await.is_err() {
+                                return;
+                            }
+                        }
+                        Lie::Stall => {
+                            let _ = s.write_all(&data[..data.len() / 2]).await;
+                            tokio::time::sleep(Duration::from_secs(120)).await;
+                            return;
+                        }
+                        Lie::Vanish => {
+                            let _ = s.write_all(&data[..data.len() / 2]).await;
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    name
+}
+
+#[test]
+fn lying_stalling_and_vanishing_peers_are_survived_with_correct_data() {
+    let url = dataset();
+    let want = reference(url);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for lie in [Lie::Corrupt, Lie::Stall, Lie::Vanish] {
+        let dir = tempfile::tempdir().unwrap();
+        let liar = lying_peer(&rt, lie);
+        let me = names(1, 11).remove(0);
+        let members = vec![me.clone(), liar.clone()];
+        let origin = s3().endpoint.clone();
+        let a = start_node(
+            dir.path(),
+            &me,
+            &members,
+            &origin,
+            &[("RAMJET_PEER_TIMEOUT_MS", "1000")],
+        );
+        let out = dir.path().join("out");
+        let t0 = Instant::now();
+        let m = finish(reader(url, &a.sock, &out, &origin, 0));
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "{lie:?}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "{lie:?}: too slow");
+        let s = a.stats();
+        let peer = &s["peers"][&liar];
+        assert!(u(&peer["failures"]) >= 1, "{lie:?}: {s}");
+        let err = peer["last_error"].as_str().unwrap_or("");
+        match lie {
+            Lie::Corrupt => assert!(u(&s["peer_corrupt"]) >= 1 && err.contains("corrupt"), "{s}"),
+            Lie::Stall => assert!(err.contains("stalled"), "{s}"),
+            Lie::Vanish => assert!(err.contains("closed"), "{s}"),
+        }
+        // Nothing the liar sent reached the reader: every delivered shard verified.
+        assert_eq!(u(&m["daemon_failures"]), 0, "{lie:?}: {m}");
+        assert_eq!(u(&s["reads"]["cache_peer"]), 0, "{lie:?}: {s}");
+    }
+}
+
+#[test]
+fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache() {
+    let url = dataset();
+    let ids = shard_ids(url);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("embedded.sock");
+    let cache = CacheConfig::new(dir.path().join("cache"), 1 << 30);
+    let host = ramjet_transport::ensure_daemon(&sock, cache.clone()).unwrap();
+    assert!(host.embedded.is_some(), "no daemon was running, so one starts here");
+    let read = |client: std::sync::Arc<DaemonClient>| {
+        let mut cfg = StreamConfig::new(url);
+        cfg.provider = Some(client);
+        let mut s = Stream::open(cfg).unwrap();
+        let mut n = 0;
+        while s.next_sample().unwrap().is_some() {
+            n += 1;
+        }
+        assert_eq!(n, N);
+        s.metrics()
+    };
+    let cold = read(host.client.clone());
+    assert_eq!(cold.daemon_origin, ids.len() as u64, "{cold:?}");
+    // A second process-level caller finds the daemon and shares it.
+    let second = ramjet_transport::ensure_daemon(&sock, cache).unwrap();
+    assert!(second.embedded.is_none());
+    let warm = read(second.client.clone());
+    assert_eq!(warm.daemon_cache_local, ids.len() as u64, "{warm:?}");
+    assert_eq!(warm.origin_bytes, 0);
+    // Requests are validated: path traversal, unknown schemes, shards not in the manifest,
+    // and identities that do not match.
+    let ds = block_on(Dataset::open(url)).unwrap();
+    let good = ds.manifest_url().to_owned();
+    let bucket = &s3().bucket;
+    let traversal = format!("s3://{bucket}/tests/../../etc/manifest.json");
+    let cases: [(&str, u32, ShardId); 4] = [
+        (&traversal, 0, ids[0]),
+        ("ftp://x/manifest.json", 0, ids[0]),
+        (&good, ids.len() as u32, ids[0]),
+        (
+            &good,
+            0,
+            ShardId {
+                checksum: ids[0].checksum ^ 1,
+                bytes: ids[0].bytes,
+            },
+        ),
+    ];
+    for (m, shard, id) in cases {
+        let e = second
+            .client
+            .fetch(&ShardRequest {
+                manifest_url: m,
+                shard,
+                id,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("refused"), "{m} {shard}: {e}");
+    }
+    let d = host.embedded.as_ref().unwrap().stats();
+    assert_eq!(d.requests_refused, 4);
+    assert_eq!(d.reads[ReadSource::CacheLocal.name()], ids.len() as u64);
+    // A copy a reader reports corrupt is dropped and fetched again.
+    second.client.report_corrupt(&ShardRequest {
+        manifest_url: &good,
+        shard: 0,
+        id: ids[0],
+    });
+    let got = second
+        .client
+        .fetch(&ShardRequest {
+            manifest_url: &good,
+            shard: 0,
+            id: ids[0],
+        })
+        .unwrap();
+    assert_eq!(got.source, ReadSource::Origin);
+    ds.check_shard(0, &got.bytes).unwrap();
+}

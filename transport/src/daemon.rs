@@ -1,0 +1,979 @@
+//! `ramjet serve`: the host cache daemon.
+//!
+//! ```text
+//!  loader ──unix socket──► local request ─┐                      ┌─► cache hit: pass the file's fd
+//!  peer   ──tcp (hmac)──► peer request  ──┴─► validate ─► cache ─┤
+//!                                                                └─► miss: singleflight(shard)
+//!                                             owner is a peer (and the request is local): ask it,
+//!                                             verify; else, or when that fails: origin. Then cache.
+//! ```
+//!
+//! One flight per shard per daemon: concurrent requests for a shard (local loaders and peers
+//! alike) wait on it. Peer requests never go on to another peer, so a shard is fetched from
+//! the origin once per cluster, at its owner, while membership agrees. See `docs/cluster.md`.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use ramjet_engine::cache::{io as cache_io, Cache, CacheConfig, ShardId};
+use ramjet_engine::metrics::Metrics;
+use ramjet_engine::{Dataset, ReadSource};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+use crate::ring::{Membership, VNODES_DEFAULT};
+use crate::stats::{PeerHealth, Stats, StatsDoc};
+use crate::sys;
+use crate::wire::{self, ApiKey, HandshakeError, Msg, SHARD_MAX, URL_MAX};
+
+/// Settings of a daemon.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// Unix socket for the host's loaders.
+    pub socket: PathBuf,
+    /// The node-local cache.
+    pub cache: CacheConfig,
+    /// TCP address for peers; `None` runs without peers.
+    pub listen: Option<SocketAddr>,
+    /// This daemon's name in the member list (`host:port`); defaults to `listen`.
+    pub advertise: Option<String>,
+    /// Members (`host:port`), this daemon included.
+    pub peers: Vec<String>,
+    /// A file of members (one `host:port` or hostlist per line), re-read every second.
+    pub peers_file: Option<PathBuf>,
+    /// HTTP address for `/stats` and `/metrics`.
+    pub http: Option<SocketAddr>,
+    /// Cluster secret (`RAMJET_API_KEY`).
+    pub api_key: Option<ApiKey>,
+    /// Waiters on a flight give up after this and read the origin (`RAMJET_SINGLEFLIGHT_TIMEOUT_MS`).
+    pub singleflight_timeout: Duration,
+    /// A peer that sends nothing for this long is given up on (`RAMJET_PEER_TIMEOUT_MS`).
+    pub peer_timeout: Duration,
+    /// A failed peer is skipped for this long before it is tried again.
+    pub peer_backoff: Duration,
+    /// Only datasets under these URL prefixes are served (empty: any).
+    pub allow_prefixes: Vec<String>,
+    /// Virtual nodes per member.
+    pub vnodes: usize,
+    /// Origin range size and ranges in flight per shard.
+    pub range_bytes: u64,
+    /// Ranged GETs in flight per shard.
+    pub ranges_in_flight: usize,
+    /// Runtime worker threads (0: one per core).
+    pub threads: usize,
+}
+
+fn env_ms(name: &str, default: u64) -> Duration {
+    Duration::from_millis(std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default))
+}
+
+impl DaemonConfig {
+    /// A standalone daemon (no peers) on `socket` with `cache`; timeouts and key from the
+    /// environment.
+    pub fn new(socket: impl Into<PathBuf>, cache: CacheConfig) -> DaemonConfig {
+        DaemonConfig {
+            socket: socket.into(),
+            cache,
+            listen: None,
+            advertise: None,
+            peers: Vec::new(),
+            peers_file: None,
+            http: None,
+            api_key: ApiKey::from_env(),
+            singleflight_timeout: env_ms("RAMJET_SINGLEFLIGHT_TIMEOUT_MS", 30_000),
+            peer_timeout: env_ms("RAMJET_PEER_TIMEOUT_MS", 5_000),
+            peer_backoff: Duration::from_secs(2),
+            allow_prefixes: Vec::new(),
+            vnodes: VNODES_DEFAULT,
+            range_bytes: 32 << 20,
+            ranges_in_flight: 4,
+            threads: 0,
+        }
+    }
+
+    fn me(&self) -> String {
+        self.advertise
+            .clone()
+            .or_else(|| self.listen.map(|a| a.to_string()))
+            .unwrap_or_else(|| "local".into())
+    }
+}
+
+/// Reads a member list: `host:port` entries (or hostlists with a `:port`), separated by
+/// commas or lines; `#` starts a comment.
+pub fn read_members(text: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    let lines = text.lines().map(|l| l.split('#').next().unwrap_or(""));
+    for line in lines.flat_map(|l| crate::hostlist::split_top(l).unwrap_or_else(|_| vec![l])) {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let (hosts, port) = match line.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(']') || h.contains('[') => (h, Some(p)),
+            _ => (line, None),
+        };
+        for h in crate::hostlist::expand(hosts)? {
+            out.push(match port {
+                Some(p) => format!("{h}:{p}"),
+                None => h,
+            });
+        }
+    }
+    Ok(out)
+}
+
+type FlightOut = Result<(Bytes, ReadSource), String>;
+type Flight = Shared<BoxFuture<'static, FlightOut>>;
+
+struct PeerState {
+    health: PeerHealth,
+    down_until: Option<Instant>,
+    idle: Vec<TcpStream>,
+}
+
+struct Inner {
+    cfg: DaemonConfig,
+    me: String,
+    cache: Cache,
+    metrics: Arc<Metrics>,
+    stats: Stats,
+    membership: RwLock<Membership>,
+    datasets: Mutex<HashMap<String, Arc<Dataset>>>,
+    flights: Mutex<HashMap<ShardId, Flight>>,
+    peers: Mutex<HashMap<String, PeerState>>,
+    started: Instant,
+    stopping: AtomicBool,
+}
+
+/// A shard request after validation.
+#[derive(Clone)]
+struct Req {
+    ds: Arc<Dataset>,
+    shard: usize,
+    id: ShardId,
+}
+
+impl Req {
+    fn describe(&self) -> String {
+        format!(
+            "shard {} ({})",
+            self.shard,
+            self.ds.store().url(&self.ds.manifest().shards[self.shard].key)
+        )
+    }
+}
+
+/// What is sent back: the cache file, or the bytes (a shard the cache did not admit).
+enum Body {
+    File(File),
+    Memory(Bytes),
+}
+
+/// A running daemon. Dropping it stops it.
+pub struct Daemon {
+    inner: Arc<Inner>,
+    rt: Option<tokio::runtime::Runtime>,
+    peer_addr: Option<SocketAddr>,
+    http_addr: Option<SocketAddr>,
+}
+
+impl Daemon {
+    /// Opens the cache, binds the socket(s) and starts serving on a runtime of its own.
+    pub fn start(cfg: DaemonConfig) -> std::io::Result<Daemon> {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        if cfg.threads > 0 {
+            b.worker_threads(cfg.threads);
+        }
+        let rt = b.enable_all().thread_name("ramjet-daemon").build()?;
+        let metrics = Arc::new(Metrics::default());
+        let cache =
+            Cache::open(cfg.cache.clone(), cache_io::detect(), metrics.clone()).map_err(std::io::Error::other)?;
+        let me = cfg.me();
+        let mut members = cfg.peers.clone();
+        if let Some(f) = &cfg.peers_file {
+            let text = std::fs::read_to_string(f)?;
+            members = read_members(&text).map_err(std::io::Error::other)?;
+        }
+        if members.is_empty() {
+            members.push(me.clone());
+        }
+        if !members.contains(&me) {
+            tracing::warn!(me = %me, ?members, "this daemon is not in the member list: it owns no shards");
+        }
+        let inner = Arc::new(Inner {
+            membership: RwLock::new(Membership::new(members, cfg.vnodes)),
+            me,
+            cache,
+            metrics,
+            stats: Stats::default(),
+            datasets: Mutex::default(),
+            flights: Mutex::default(),
+            peers: Mutex::default(),
+            started: Instant::now(),
+            stopping: AtomicBool::new(false),
+            cfg,
+        });
+        let _g = rt.enter();
+        let local = bind_unix(&inner.cfg.socket)?;
+        rt.spawn(serve_local(inner.clone(), local));
+        let mut peer_addr = None;
+        if let Some(a) = inner.cfg.listen {
+            let l = std::net::TcpListener::bind(a)?;
+            l.set_nonblocking(true)?;
+            peer_addr = Some(l.local_addr()?);
+            rt.spawn(serve_peers(inner.clone(), TcpListener::from_std(l)?));
+        }
+        let mut http_addr = None;
+        if let Some(a) = inner.cfg.http {
+            let l = std::net::TcpListener::bind(a)?;
+            l.set_nonblocking(true)?;
+            http_addr = Some(l.local_addr()?);
+            rt.spawn(serve_http(inner.clone(), TcpListener::from_std(l)?));
+        }
+        if let Some(f) = inner.cfg.peers_file.clone() {
+            rt.spawn(watch_members(inner.clone(), f));
+        }
+        tracing::info!(socket = %inner.cfg.socket.display(), peers = ?peer_addr, http = ?http_addr, node = %inner.me, "ramjet daemon serving");
+        Ok(Daemon {
+            inner,
+            rt: Some(rt),
+            peer_addr,
+            http_addr,
+        })
+    }
+
+    /// The bound peer address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr
+    }
+
+    /// The bound HTTP address.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// The Unix socket path.
+    pub fn socket(&self) -> &Path {
+        &self.inner.cfg.socket
+    }
+
+    /// The `/stats` document.
+    pub fn stats(&self) -> StatsDoc {
+        self.inner.stats_doc()
+    }
+
+    /// Holds the ring version.
+    pub fn freeze(&self) {
+        self.inner.membership.write().expect("membership lock").freeze();
+    }
+
+    /// Releases one freeze.
+    pub fn unfreeze(&self) {
+        self.inner.membership.write().expect("membership lock").unfreeze();
+    }
+
+    /// Proposes a member set (applied unless frozen).
+    pub fn set_members(&self, members: Vec<String>) {
+        self.inner.membership.write().expect("membership lock").propose(members);
+    }
+
+    /// Serves until SIGINT or SIGTERM.
+    pub fn run_until_signal(mut self) {
+        let rt = self.rt.take().expect("running");
+        rt.block_on(async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        });
+        tracing::info!("ramjet daemon stopping");
+        self.inner.stopping.store(true, Ordering::Relaxed);
+        let _ = std::fs::remove_file(&self.inner.cfg.socket);
+        rt.shutdown_timeout(Duration::from_secs(5));
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.inner.stopping.store(true, Ordering::Relaxed);
+        if let Some(rt) = self.rt.take() {
+            let _ = std::fs::remove_file(&self.inner.cfg.socket);
+            rt.shutdown_timeout(Duration::from_secs(2));
+        }
+    }
+}
+
+fn bind_unix(path: &Path) -> std::io::Result<UnixListener> {
+    if path.exists() {
+        // A live daemon answers; a dead one left its socket file behind.
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("a daemon already serves {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let l = UnixListener::bind(path)?;
+    // Loaders of the same user only: the socket hands out descriptors of cache files.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
+}
+
+impl Inner {
+    fn stats_doc(&self) -> StatsDoc {
+        let m = self.membership.read().expect("membership lock");
+        let mut d = StatsDoc {
+            node: self.me.clone(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            ring_version: m.ring().version(),
+            members: m.ring().members().to_vec(),
+            frozen: m.frozen(),
+            pending_members: m.pending().map(|p| p.to_vec()),
+            cache_limit_bytes: self.cfg.cache.limit_bytes,
+            ..Default::default()
+        };
+        drop(m);
+        d.fill(&self.stats);
+        let s = self.metrics.snapshot();
+        d.origin_requests = s.origin_requests;
+        d.origin_bytes = s.origin_bytes;
+        if let Ok(rd) = std::fs::read_dir(self.cfg.cache.dir.join("shards")) {
+            for e in rd.flatten() {
+                d.cache_shards += 1;
+                d.cache_bytes += e.metadata().map(|m| m.len()).unwrap_or(0);
+            }
+        }
+        let peers = self.peers.lock().expect("peers lock");
+        for member in &d.members {
+            if *member != self.me {
+                let h = peers.get(member).map(|p| p.health.clone()).unwrap_or(PeerHealth {
+                    healthy: true,
+                    ..Default::default()
+                });
+                d.peers.insert(member.clone(), h);
+            }
+        }
+        d
+    }
+
+    /// Validates a request: a well-formed URL under an allowed prefix, a manifest that opens,
+    /// a shard in it whose identity matches.
+    async fn resolve(&self, manifest_url: &str, shard: u32, checksum: u64, bytes: u64) -> Result<Req, String> {
+        let bad = |why: &str| Err(format!("refused {manifest_url:?} shard {shard}: {why}"));
+        if manifest_url.len() > URL_MAX || manifest_url.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return bad("malformed URL");
+        }
+        let Some((scheme, path)) = manifest_url.split_once("://") else {
+            return bad("not a URL");
+        };
+        if !["s3", "gs", "az", "azure", "abfs", "file", "http", "https"].contains(&scheme) {
+            return bad("unsupported scheme");
+        }
+        if path.split('/').any(|seg| seg == ".." || seg == ".") || !manifest_url.ends_with(".json") {
+            return bad("not a manifest path (path traversal or not .json)");
+        }
+        if !self.cfg.allow_prefixes.is_empty()
+            && !self
+                .cfg
+                .allow_prefixes
+                .iter()
+                .any(|p| manifest_url.starts_with(p.as_str()))
+        {
+            return bad("outside the allowed prefixes");
+        }
+        let known = self.datasets.lock().expect("datasets lock").get(manifest_url).cloned();
+        let ds = match known {
+            Some(d) => d,
+            None => {
+                let d = tokio::time::timeout(Duration::from_secs(60), Dataset::open(manifest_url))
+                    .await
+                    .map_err(|_| format!("refused {manifest_url:?}: manifest did not load in 60 s"))?
+                    .map_err(|e| format!("refused {manifest_url:?}: {e}"))?;
+                let d = Arc::new(d);
+                self.datasets
+                    .lock()
+                    .expect("datasets lock")
+                    .insert(manifest_url.to_owned(), d.clone());
+                d
+            }
+        };
+        let Some(info) = ds.manifest().shards.get(shard as usize) else {
+            return bad("no such shard in the manifest");
+        };
+        let id = ShardId {
+            checksum: info.checksum_u64().ok_or("manifest checksum unreadable")?,
+            bytes: info.bytes,
+        };
+        if id.checksum != checksum || id.bytes != bytes || bytes > SHARD_MAX {
+            return bad("checksum or size does not match the manifest");
+        }
+        Ok(Req {
+            ds,
+            shard: shard as usize,
+            id,
+        })
+    }
+
+    /// A shard for a local loader or a peer: the cache, else the flight for it.
+    async fn serve(self: &Arc<Self>, req: &Req, from_peer: bool) -> Result<(Body, ReadSource, u64), String> {
+        let (c, id) = (self.cache.clone(), req.id);
+        let hit = tokio::task::spawn_blocking(move || c.open_file(id))
+            .await
+            .expect("cache task")
+            .map_err(|e| e.to_string())?;
+        if let Some(f) = hit {
+            return Ok((Body::File(f), ReadSource::CacheLocal, id.bytes));
+        }
+        let (bytes, src) = self.obtain(req, !from_peer).await?;
+        let c = self.cache.clone();
+        let f = tokio::task::spawn_blocking(move || c.open_file(id))
+            .await
+            .expect("cache task");
+        let body = match f {
+            Ok(Some(f)) => Body::File(f),
+            _ => Body::Memory(bytes),
+        };
+        Ok((body, src, id.bytes))
+    }
+
+    /// Joins the flight for the shard, or starts it.
+    async fn obtain(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+        let (flight, joined) = {
+            let mut flights = self.flights.lock().expect("flights lock");
+            match flights.get(&req.id) {
+                Some(f) => (f.clone(), true),
+                None => {
+                    let (me, r) = (self.clone(), req.clone());
+                    // The flight runs as its own task: it completes (and fills the cache) even if
+                    // the request that started it goes away.
+                    let task = tokio::spawn(async move {
+                        let out = me.fetch_and_store(&r, allow_peer).await;
+                        me.flights.lock().expect("flights lock").remove(&r.id);
+                        out
+                    });
+                    let f = async move { task.await.unwrap_or_else(|e| Err(format!("fetch task failed: {e}"))) }
+                        .boxed()
+                        .shared();
+                    flights.insert(req.id, f.clone());
+                    (f, false)
+                }
+            }
+        };
+        if !joined {
+            return flight.await;
+        }
+        self.stats.coalesced.fetch_add(1, Ordering::Relaxed);
+        match tokio::time::timeout(self.cfg.singleflight_timeout, flight).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.stats.singleflight_timeouts.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(shard = %req.describe(), "gave up waiting on the fetch in flight; reading the origin");
+                self.origin(req).await.map(|b| (b, ReadSource::Origin))
+            }
+        }
+    }
+
+    async fn origin(&self, req: &Req) -> Result<Bytes, String> {
+        req.ds
+            .fetch_shard_parallel(
+                req.shard,
+                self.cfg.range_bytes,
+                self.cfg.ranges_in_flight,
+                &self.metrics,
+            )
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// The flight: the owner peer (for local requests), else the origin; verified; cached.
+    async fn fetch_and_store(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+        let owner = {
+            let m = self.membership.read().expect("membership lock");
+            m.ring().owner(req.id).map(str::to_owned)
+        };
+        let mut got = None;
+        if let Some(owner) = owner
+            .clone()
+            .filter(|o| allow_peer && *o != self.me && self.peer_usable(o))
+        {
+            match self.fetch_from_peer(&owner, req).await {
+                Ok(b) => {
+                    let (ds, shard, b2) = (req.ds.clone(), req.shard, b.clone());
+                    let check = tokio::task::spawn_blocking(move || ds.check_shard(shard, &b2))
+                        .await
+                        .expect("check task");
+                    match check {
+                        Ok(()) => {
+                            self.peer_ok(&owner);
+                            got = Some((b, ReadSource::CachePeer));
+                        }
+                        Err(e) => {
+                            self.stats.peer_corrupt.fetch_add(1, Ordering::Relaxed);
+                            self.peer_failed(&owner, format!("sent a corrupt {}: {e}", req.describe()));
+                        }
+                    }
+                }
+                Err(e) => self.peer_failed(&owner, e),
+            }
+        }
+        let (bytes, src) = match got {
+            Some(g) => g,
+            None => (self.origin(req).await?, ReadSource::Origin),
+        };
+        // Each node caches the shards it owns, so the cluster's caches add up instead of
+        // all holding the same hot set; the others are served from memory.
+        if owner.as_deref().is_some_and(|o| o != self.me) {
+            return Ok((bytes, src));
+        }
+        let (c, id, b) = (self.cache.clone(), req.id, bytes.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = c.insert(id, &b) {
+                tracing::warn!(error = %e, "cache insert failed; serving from memory");
+            }
+        })
+        .await
+        .expect("insert task");
+        Ok((bytes, src))
+    }
+
+    fn peer_usable(&self, peer: &str) -> bool {
+        let peers = self.peers.lock().expect("peers lock");
+        peers
+            .get(peer)
+            .and_then(|p| p.down_until)
+            .is_none_or(|t| Instant::now() >= t)
+    }
+
+    fn peer_ok(&self, peer: &str) {
+        let mut peers = self.peers.lock().expect("peers lock");
+        let p = peer_entry(&mut peers, peer);
+        p.health.healthy = true;
+        p.health.fetched += 1;
+        p.down_until = None;
+    }
+
+    fn peer_failed(&self, peer: &str, why: String) {
+        tracing::warn!(peer, error = %why, "peer fetch failed; reading the origin");
+        let mut peers = self.peers.lock().expect("peers lock");
+        let p = peer_entry(&mut peers, peer);
+        p.health.healthy = false;
+        p.health.failures += 1;
+        p.health.last_error = Some(why);
+        p.down_until = Some(Instant::now() + self.cfg.peer_backoff);
+        p.idle.clear();
+    }
+
+    async fn peer_conn(&self, peer: &str) -> Result<TcpStream, String> {
+        if let Some(c) = self
+            .peers
+            .lock()
+            .expect("peers lock")
+            .get_mut(peer)
+            .and_then(|p| p.idle.pop())
+        {
+            return Ok(c);
+        }
+        let t = self.cfg.peer_timeout;
+        let mut s = tokio::time::timeout(t, TcpStream::connect(peer))
+            .await
+            .map_err(|_| format!("peer {peer}: connect timed out"))?
+            .map_err(|e| format!("peer {peer}: connect: {e}"))?;
+        let _ = s.set_nodelay(true);
+        tokio::time::timeout(t, wire::connect(&mut s, self.cfg.api_key.as_ref()))
+            .await
+            .map_err(|_| format!("peer {peer}: handshake timed out"))?
+            .map_err(|e| format!("peer {peer}: handshake: {e}"))?;
+        Ok(s)
+    }
+
+    async fn fetch_from_peer(&self, peer: &str, req: &Req) -> Result<Bytes, String> {
+        let mut s = self.peer_conn(peer).await?;
+        let t = self.cfg.peer_timeout;
+        let get = Msg::Get {
+            manifest_url: req.ds.manifest_url().to_owned(),
+            shard: req.shard as u32,
+            checksum: req.id.checksum,
+            bytes: req.id.bytes,
+        };
+        let io = |e: std::io::Error| format!("peer {peer}: {} : {e}", req.describe());
+        wire::write_msg(&mut s, &get).await.map_err(io)?;
+        // The owner may be fetching from the origin: allow it the singleflight wait.
+        let reply = tokio::time::timeout(self.cfg.singleflight_timeout + t, wire::read_msg(&mut s))
+            .await
+            .map_err(|_| format!("peer {peer}: no reply for {} in time", req.describe()))?
+            .map_err(io)?;
+        let n = match reply {
+            Msg::Data { bytes, .. } if bytes == req.id.bytes => bytes as usize,
+            Msg::Data { bytes, .. } => {
+                return Err(format!(
+                    "peer {peer}: announced {bytes} bytes for {} of {} bytes",
+                    req.describe(),
+                    req.id.bytes
+                ))
+            }
+            Msg::Fail { message } => return Err(format!("peer {peer}: {message}")),
+            m => return Err(format!("peer {peer}: unexpected reply {m:?}")),
+        };
+        // SAFETY: every byte of the buffer is written by the reads below before it is used;
+        // a short read returns an error and the buffer is dropped unread.
+        let mut buf = unsafe { cache_io::BufPool::global().take(n) };
+        let dst = buf.as_mut_slice();
+        let mut off = 0;
+        while off < n {
+            let end = (off + (8 << 20)).min(n);
+            let r = tokio::time::timeout(t, s.read(&mut dst[off..end]))
+                .await
+                .map_err(|_| format!("peer {peer}: stalled at byte {off} of {}", req.describe()))?
+                .map_err(io)?;
+            if r == 0 {
+                return Err(format!(
+                    "peer {peer}: connection closed at byte {off} of {n} of {}",
+                    req.describe()
+                ));
+            }
+            off += r;
+        }
+        self.peers
+            .lock()
+            .expect("peers lock")
+            .entry(peer.to_owned())
+            .or_insert_with(new_peer)
+            .idle
+            .push(s);
+        Ok(buf.into_bytes())
+    }
+}
+
+fn new_peer() -> PeerState {
+    PeerState {
+        health: PeerHealth {
+            healthy: true,
+            ..Default::default()
+        },
+        down_until: None,
+        idle: Vec::new(),
+    }
+}
+
+fn peer_entry<'a>(peers: &'a mut HashMap<String, PeerState>, peer: &str) -> &'a mut PeerState {
+    peers.entry(peer.to_owned()).or_insert_with(new_peer)
+}
+
+async fn serve_local(inner: Arc<Inner>, l: UnixListener) {
+    loop {
+        match l.accept().await {
+            Ok((s, _)) => {
+                let inner = inner.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = local_conn(&inner, s).await {
+                        if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                            tracing::debug!(error = %e, "local connection ended");
+                        }
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept on the local socket failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn local_conn(inner: &Arc<Inner>, mut s: UnixStream) -> std::io::Result<()> {
+    loop {
+        let msg = wire::read_msg(&mut s).await?;
+        match msg {
+            Msg::Get {
+                manifest_url,
+                shard,
+                checksum,
+                bytes,
+            } => {
+                let t = Instant::now();
+                let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
+                    Ok(req) => inner.serve(&req, false).await,
+                    Err(e) => {
+                        inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                        Err(e)
+                    }
+                };
+                match r {
+                    Ok((body, src, n)) => {
+                        let file = match body {
+                            Body::File(f) => f,
+                            Body::Memory(b) => sys::memfd_with("ramjet-shard", &b)?,
+                        };
+                        let frame = wire::encode(&Msg::Data {
+                            bytes: n,
+                            source: src.name().into(),
+                        });
+                        send_frame_with_fd(&s, &frame, &file).await?;
+                        inner.stats.record(src, n, t.elapsed());
+                    }
+                    Err(message) => {
+                        inner.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                    }
+                }
+            }
+            Msg::Corrupt { checksum, bytes } => {
+                inner.stats.local_corrupt.fetch_add(1, Ordering::Relaxed);
+                inner.cache.remove(ShardId { checksum, bytes });
+                wire::write_msg(&mut s, &Msg::Ok).await?;
+            }
+            Msg::Freeze => {
+                inner.membership.write().expect("membership lock").freeze();
+                wire::write_msg(&mut s, &Msg::Ok).await?;
+            }
+            Msg::Unfreeze => {
+                inner.membership.write().expect("membership lock").unfreeze();
+                wire::write_msg(&mut s, &Msg::Ok).await?;
+            }
+            m => {
+                let message = format!("unexpected message {m:?}");
+                wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Writes a frame with a descriptor attached to its first byte.
+async fn send_frame_with_fd(s: &UnixStream, frame: &[u8], file: &File) -> std::io::Result<()> {
+    let mut sent = 0;
+    while sent < frame.len() {
+        s.writable().await?;
+        let r = s.try_io(Interest::WRITABLE, || {
+            if sent == 0 {
+                sys::send_with_fd(s.as_raw_fd(), frame, file.as_raw_fd())
+            } else {
+                s.try_write(&frame[sent..])
+            }
+        });
+        match r {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
+    loop {
+        match l.accept().await {
+            Ok((s, from)) => {
+                let inner = inner.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = peer_conn(&inner, s, from).await {
+                        tracing::debug!(%from, error = %e, "peer connection ended");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept on the peer port failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> std::io::Result<()> {
+    let _ = s.set_nodelay(true);
+    let hs = tokio::time::timeout(
+        Duration::from_secs(10),
+        wire::accept(&mut s, inner.cfg.api_key.as_ref()),
+    )
+    .await;
+    match hs {
+        Ok(Ok(())) => {}
+        Ok(Err(HandshakeError::Refused(why))) => {
+            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%from, reason = %why, "peer refused");
+            return Ok(());
+        }
+        Ok(Err(HandshakeError::Io(e))) => {
+            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        Err(_) => {
+            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+    }
+    loop {
+        let msg = match tokio::time::timeout(Duration::from_secs(600), wire::read_msg(&mut s)).await {
+            Ok(m) => m?,
+            Err(_) => return Ok(()),
+        };
+        let Msg::Get {
+            manifest_url,
+            shard,
+            checksum,
+            bytes,
+        } = msg
+        else {
+            let message = format!("unexpected message {msg:?}");
+            wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+            return Ok(());
+        };
+        let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
+            Ok(req) => inner.serve(&req, true).await,
+            Err(e) => {
+                inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        };
+        match r {
+            Ok((body, src, n)) => {
+                wire::write_msg(
+                    &mut s,
+                    &Msg::Data {
+                        bytes: n,
+                        source: src.name().into(),
+                    },
+                )
+                .await?;
+                match body {
+                    Body::File(f) => send_file(&s, &f, n).await?,
+                    Body::Memory(b) => s.write_all(&b).await?,
+                }
+                inner.stats.peer_served.fetch_add(1, Ordering::Relaxed);
+                inner.stats.peer_served_bytes.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(message) => {
+                inner.stats.failures.fetch_add(1, Ordering::Relaxed);
+                wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+            }
+        }
+    }
+}
+
+/// Sends a file with `sendfile`: the bytes go from the page cache to the socket without
+/// passing through this process.
+async fn send_file(s: &TcpStream, f: &File, len: u64) -> std::io::Result<()> {
+    let mut off: i64 = 0;
+    while (off as u64) < len {
+        s.writable().await?;
+        let left = (len - off as u64).min(1 << 30) as usize;
+        match s.try_io(Interest::WRITABLE, || {
+            sys::sendfile_once(s.as_raw_fd(), f, &mut off, left)
+        }) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "file ended early",
+                ))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+async fn watch_members(inner: Arc<Inner>, path: PathBuf) {
+    let mut last = String::new();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let Ok(text) = tokio::fs::read_to_string(&path).await else {
+            continue;
+        };
+        if text == last {
+            continue;
+        }
+        match read_members(&text) {
+            Ok(m) if !m.is_empty() => {
+                let changed = inner.membership.write().expect("membership lock").propose(m);
+                if changed {
+                    tracing::info!(file = %path.display(), "ring membership changed");
+                }
+                last = text;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(file = %path.display(), error = %e, "member file not applied"),
+        }
+    }
+}
+
+async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
+    loop {
+        let Ok((mut s, _)) = l.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let mut buf = Vec::with_capacity(1024);
+            let mut chunk = [0u8; 1024];
+            while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = match tokio::time::timeout(Duration::from_secs(5), s.read(&mut chunk)).await {
+                    Ok(Ok(n)) if n > 0 => n,
+                    _ => return,
+                };
+                buf.extend_from_slice(&chunk[..n]);
+                if buf.len() > 8192 {
+                    return;
+                }
+            }
+            let head = String::from_utf8_lossy(&buf);
+            let mut parts = head.split_whitespace();
+            let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            let (status, ctype, body) = match (method, path) {
+                ("GET", "/stats") => (
+                    "200 OK",
+                    "application/json",
+                    serde_json::to_string_pretty(&inner.stats_doc()).expect("json"),
+                ),
+                ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", inner.stats_doc().prometheus()),
+                ("GET", "/health") => ("200 OK", "text/plain", "ok\n".into()),
+                ("POST", "/freeze") => {
+                    inner.membership.write().expect("membership lock").freeze();
+                    ("200 OK", "text/plain", "frozen\n".into())
+                }
+                ("POST", "/unfreeze") => {
+                    inner.membership.write().expect("membership lock").unfreeze();
+                    ("200 OK", "text/plain", "unfrozen\n".into())
+                }
+                _ => ("404 Not Found", "text/plain", "not found\n".into()),
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_members;
+
+    #[test]
+    fn member_files_take_hostlists_and_comments() {
+        let m = read_members("# ring\nnode[01-02]:7341\n10.0.0.9:7000  # spare\n\n").unwrap();
+        assert_eq!(m, ["node01:7341", "node02:7341", "10.0.0.9:7000"]);
+        let m = read_members("n[1-2,4]:9,127.0.0.2:7341").unwrap();
+        assert_eq!(m, ["n1:9", "n2:9", "n4:9", "127.0.0.2:7341"]);
+        assert!(read_members("n[1-:7341").is_err());
+    }
+}

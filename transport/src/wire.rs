@@ -1,0 +1,384 @@
+//! The wire protocol shared by peers (TCP) and local loaders (Unix socket).
+//!
+//! Every control message is one frame: a little-endian `u32` length, then that many bytes of
+//! JSON (a [`Msg`]). A frame longer than [`FRAME_MAX`] is an error, never an allocation. A
+//! `Data` reply is followed by exactly `bytes` raw bytes (TCP), or carries the shard as a file
+//! descriptor (Unix socket, `SCM_RIGHTS`). See `docs/protocol.md`.
+
+use ring::hmac;
+use ring::rand::{SecureRandom, SystemRandom};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Protocol version, sent in `Hello`.
+pub const VERSION: u32 = 1;
+/// The largest control frame.
+pub const FRAME_MAX: usize = 64 << 10;
+/// The largest shard a peer may announce.
+pub const SHARD_MAX: u64 = 16 << 30;
+/// A URL in a request.
+pub const URL_MAX: usize = 4096;
+
+/// One control message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Msg {
+    /// Server → client, first: the server's nonce and whether it requires the API key.
+    Hello {
+        /// Protocol version.
+        version: u32,
+        /// 32 random bytes, hex.
+        nonce: String,
+        /// Whether the server holds an API key.
+        auth: bool,
+    },
+    /// Client → server: its nonce and HMAC(key, "ramjet-client" | server nonce | client nonce).
+    Auth {
+        /// 32 random bytes, hex.
+        nonce: String,
+        /// Hex MAC; empty without a key.
+        mac: String,
+    },
+    /// Server → client: HMAC(key, "ramjet-server" | client nonce | server nonce), proving the
+    /// server holds the key too.
+    Welcome {
+        /// Hex MAC; empty without a key.
+        mac: String,
+    },
+    /// The connection is refused (then closed).
+    Refused {
+        /// Why.
+        reason: String,
+    },
+    /// Asks for one whole shard.
+    Get {
+        /// The dataset's manifest URL.
+        manifest_url: String,
+        /// Shard index in that manifest.
+        shard: u32,
+        /// Whole-shard xxh3 (from the manifest).
+        checksum: u64,
+        /// Shard size (from the manifest).
+        bytes: u64,
+    },
+    /// The shard follows.
+    Data {
+        /// Its size.
+        bytes: u64,
+        /// Where the server got it (`cache_local`, `cache_peer`, `origin`).
+        source: String,
+    },
+    /// A request failed.
+    Fail {
+        /// Why, naming the object or peer.
+        message: String,
+    },
+    /// Local only: the shard last delivered failed verification; drop the cached copy.
+    Corrupt {
+        /// Shard checksum.
+        checksum: u64,
+        /// Shard size.
+        bytes: u64,
+    },
+    /// Local only: hold the ring version (a training epoch begins).
+    Freeze,
+    /// Local only: release one freeze.
+    Unfreeze,
+    /// Acknowledges `Freeze`, `Unfreeze` or `Corrupt`.
+    Ok,
+}
+
+fn decode(body: &[u8]) -> std::io::Result<Msg> {
+    serde_json::from_slice(body)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad frame: {e}")))
+}
+
+/// Encodes a frame.
+pub fn encode(m: &Msg) -> Vec<u8> {
+    let body = serde_json::to_vec(m).expect("messages serialise");
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+fn check_len(n: usize) -> std::io::Result<()> {
+    if n > FRAME_MAX {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {n} bytes exceeds the limit of {FRAME_MAX}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads one frame.
+pub async fn read_msg<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Msg> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await?;
+    let n = u32::from_le_bytes(len) as usize;
+    check_len(n)?;
+    let mut body = vec![0u8; n];
+    r.read_exact(&mut body).await?;
+    decode(&body)
+}
+
+/// Writes one frame.
+pub async fn write_msg<W: AsyncWrite + Unpin>(w: &mut W, m: &Msg) -> std::io::Result<()> {
+    w.write_all(&encode(m)).await
+}
+
+/// Reads one frame from a blocking reader.
+pub fn read_msg_blocking<R: std::io::Read>(r: &mut R) -> std::io::Result<Msg> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let n = u32::from_le_bytes(len) as usize;
+    check_len(n)?;
+    let mut body = vec![0u8; n];
+    r.read_exact(&mut body)?;
+    decode(&body)
+}
+
+/// Parses one complete frame from `buf` if it holds one: `(message, bytes used)`.
+pub fn parse_frame(buf: &[u8]) -> std::io::Result<Option<(Msg, usize)>> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let n = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+    check_len(n)?;
+    if buf.len() < 4 + n {
+        return Ok(None);
+    }
+    Ok(Some((decode(&buf[4..4 + n])?, 4 + n)))
+}
+
+/// The shared secret of a cluster (`RAMJET_API_KEY`).
+#[derive(Clone)]
+pub struct ApiKey(hmac::Key);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(..)")
+    }
+}
+
+impl ApiKey {
+    /// A key from its secret text.
+    pub fn new(secret: &str) -> ApiKey {
+        ApiKey(hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes()))
+    }
+
+    /// From `RAMJET_API_KEY`, if set and non-empty.
+    pub fn from_env() -> Option<ApiKey> {
+        std::env::var("RAMJET_API_KEY")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .map(|s| ApiKey::new(&s))
+    }
+
+    fn mac(&self, role: &str, a: &[u8], b: &[u8]) -> String {
+        let mut ctx = hmac::Context::with_key(&self.0);
+        ctx.update(role.as_bytes());
+        ctx.update(a);
+        ctx.update(b);
+        hex(ctx.sign().as_ref())
+    }
+
+    fn verify(&self, role: &str, a: &[u8], b: &[u8], mac_hex: &str) -> bool {
+        let Some(mac) = unhex(mac_hex) else {
+            return false;
+        };
+        let mut msg = Vec::with_capacity(role.len() + a.len() + b.len());
+        msg.extend_from_slice(role.as_bytes());
+        msg.extend_from_slice(a);
+        msg.extend_from_slice(b);
+        hmac::verify(&self.0, &msg, &mac).is_ok()
+    }
+}
+
+fn nonce() -> [u8; 32] {
+    let mut n = [0u8; 32];
+    SystemRandom::new().fill(&mut n).expect("system randomness");
+    n
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 || s.len() > 256 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Why a handshake failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// The other side refused us, or we refused it.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// I/O or protocol error.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Server side of the handshake. The key never crosses the wire: each side proves it holds it
+/// by a MAC over both fresh nonces. Without a server key, every client is welcome.
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, key: Option<&ApiKey>) -> Result<(), HandshakeError> {
+    let sn = nonce();
+    write_msg(
+        s,
+        &Msg::Hello {
+            version: VERSION,
+            nonce: hex(&sn),
+            auth: key.is_some(),
+        },
+    )
+    .await?;
+    let Msg::Auth { nonce: cn_hex, mac } = read_msg(s).await? else {
+        return Err(refuse(s, "expected auth").await);
+    };
+    let Some(cn) = unhex(&cn_hex).filter(|n| n.len() == 32) else {
+        return Err(refuse(s, "bad client nonce").await);
+    };
+    let Some(key) = key else {
+        write_msg(s, &Msg::Welcome { mac: String::new() }).await?;
+        return Ok(());
+    };
+    if !key.verify("ramjet-client", &sn, &cn, &mac) {
+        return Err(refuse(s, "wrong or missing API key (RAMJET_API_KEY)").await);
+    }
+    write_msg(
+        s,
+        &Msg::Welcome {
+            mac: key.mac("ramjet-server", &cn, &sn),
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+async fn refuse<S: AsyncWrite + Unpin>(s: &mut S, reason: &str) -> HandshakeError {
+    let _ = write_msg(s, &Msg::Refused { reason: reason.into() }).await;
+    HandshakeError::Refused(reason.into())
+}
+
+/// Client side of the handshake; also checks that the server holds the same key.
+pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, key: Option<&ApiKey>) -> Result<(), HandshakeError> {
+    let Msg::Hello {
+        version,
+        nonce: sn_hex,
+        auth,
+    } = read_msg(s).await?
+    else {
+        return Err(HandshakeError::Refused("expected hello".into()));
+    };
+    if version != VERSION {
+        return Err(HandshakeError::Refused(format!(
+            "protocol version {version}, we speak {VERSION}"
+        )));
+    }
+    let sn = unhex(&sn_hex)
+        .filter(|n| n.len() == 32)
+        .ok_or_else(|| HandshakeError::Refused("bad server nonce".into()))?;
+    if auth && key.is_none() {
+        return Err(HandshakeError::Refused(
+            "the peer requires an API key and RAMJET_API_KEY is not set".into(),
+        ));
+    }
+    if !auth && key.is_some() {
+        return Err(HandshakeError::Refused(
+            "the peer runs without an API key while we hold one".into(),
+        ));
+    }
+    let cn = nonce();
+    let mac = key.map(|k| k.mac("ramjet-client", &sn, &cn)).unwrap_or_default();
+    write_msg(s, &Msg::Auth { nonce: hex(&cn), mac }).await?;
+    match read_msg(s).await? {
+        Msg::Welcome { mac } => match key {
+            Some(k) if !k.verify("ramjet-server", &cn, &sn, &mac) => Err(HandshakeError::Refused(
+                "the peer could not prove it holds the API key".into(),
+            )),
+            _ => Ok(()),
+        },
+        Msg::Refused { reason } => Err(HandshakeError::Refused(reason)),
+        m => Err(HandshakeError::Refused(format!("unexpected {m:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn pair(
+        server: Option<&str>,
+        client: Option<&str>,
+    ) -> (Result<(), HandshakeError>, Result<(), HandshakeError>) {
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        let (sk, ck) = (server.map(ApiKey::new), client.map(ApiKey::new));
+        // Each side owns its end: a side that gives up closes it, as a real peer would.
+        tokio::join!(async move { accept(&mut a, sk.as_ref()).await }, async move {
+            connect(&mut b, ck.as_ref()).await
+        })
+    }
+
+    #[tokio::test]
+    async fn matching_keys_are_welcome_and_wrong_ones_refused() {
+        let (s, c) = pair(Some("k1"), Some("k1")).await;
+        assert!(s.is_ok() && c.is_ok());
+        let (s, c) = pair(Some("k1"), Some("k2")).await;
+        assert!(matches!(s, Err(HandshakeError::Refused(_))));
+        assert!(matches!(c, Err(HandshakeError::Refused(r)) if r.contains("API key")));
+        let (s, c) = pair(None, None).await;
+        assert!(s.is_ok() && c.is_ok());
+        let (_, c) = pair(Some("k1"), None).await;
+        assert!(c.is_err());
+        let (_, c) = pair(None, Some("k1")).await;
+        assert!(c.is_err());
+    }
+
+    #[tokio::test]
+    async fn the_key_never_crosses_the_wire() {
+        let secret = "correct horse battery staple";
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let (mut br, mut bw) = tokio::io::split(b);
+        let key = ApiKey::new(secret);
+        // A client that records what it sends.
+        let client = async {
+            let mut sent = Vec::new();
+            let hello = read_msg(&mut br).await.unwrap();
+            let Msg::Hello { nonce, .. } = hello else { panic!() };
+            let cn = [7u8; 32];
+            let m = Msg::Auth {
+                nonce: hex(&cn),
+                mac: key.mac("ramjet-client", &unhex(&nonce).unwrap(), &cn),
+            };
+            sent.extend(encode(&m));
+            write_msg(&mut bw, &m).await.unwrap();
+            read_msg(&mut br).await.unwrap();
+            sent
+        };
+        let (s, sent) = tokio::join!(accept(&mut a, Some(&key)), client);
+        s.unwrap();
+        assert!(!String::from_utf8_lossy(&sent).contains(secret));
+    }
+
+    #[test]
+    fn oversized_and_garbage_frames_are_errors() {
+        let mut big = ((FRAME_MAX + 1) as u32).to_le_bytes().to_vec();
+        big.extend(vec![b' '; 16]);
+        assert!(parse_frame(&big).is_err());
+        assert!(read_msg_blocking(&mut &big[..]).is_err());
+        let mut junk = 5u32.to_le_bytes().to_vec();
+        junk.extend(b"{{{{{");
+        assert!(parse_frame(&junk).is_err());
+        assert!(parse_frame(&junk[..6]).unwrap().is_none());
+        let ok = encode(&Msg::Freeze);
+        assert_eq!(parse_frame(&ok).unwrap(), Some((Msg::Freeze, ok.len())));
+    }
+}
