@@ -128,5 +128,6 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loader::Reader>()?;
     m.add_function(wrap_pyfunction!(loader::job_progress, m)?)?;
     m.add_function(wrap_pyfunction!(loader::epoch_lengths, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::init, m)?)?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! Python side), batches leave as dicts of DLPack tensors. Every wait releases the GIL and
 //! wakes every 50 ms to let Python deliver signals, so Ctrl-C interrupts a blocking call.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -144,6 +144,9 @@ struct ConfigJson {
     prefetch_batches: usize,
     #[serde(default)]
     skip_corrupt: bool,
+    /// The host daemon's socket: whole shards come through it.
+    #[serde(default)]
+    daemon: Option<String>,
 }
 
 fn image_column() -> String {
@@ -174,6 +177,10 @@ impl ConfigJson {
         sc.epochs = self.epochs;
         sc.first_epoch = self.first_epoch;
         sc.resume = self.resume.clone();
+        sc.provider = self
+            .daemon
+            .as_ref()
+            .map(|p| Arc::new(ramjet_transport::DaemonClient::new(p)) as Arc<dyn ramjet_engine::ShardProvider>);
         sc
     }
 
@@ -195,6 +202,32 @@ impl ConfigJson {
         };
         lc
     }
+}
+
+/// This process's embedded daemon, kept for the life of the process.
+static HOST_DAEMON: std::sync::Mutex<Option<ramjet_transport::HostDaemon>> = std::sync::Mutex::new(None);
+
+/// Connects to the host daemon at `socket` (default: `RAMJET_SOCKET`, else a per-user path),
+/// or starts one embedded in this process with its cache at `cache_dir`. Returns the socket
+/// path and whether this process started the daemon.
+#[pyfunction]
+#[pyo3(signature = (cache_dir, cache_limit, socket=None))]
+pub fn init(py: Python<'_>, cache_dir: String, cache_limit: u64, socket: Option<String>) -> PyResult<(String, bool)> {
+    let mut held = HOST_DAEMON.lock().expect("not poisoned");
+    let path = socket.map(std::path::PathBuf::from).unwrap_or_else(ramjet_transport::default_socket);
+    if let Some(h) = held.as_ref() {
+        if h.client.socket() == path {
+            return Ok((path.display().to_string(), h.embedded.is_some()));
+        }
+    }
+    let cache = CacheConfig::new(&cache_dir, cache_limit);
+    let p = path.clone();
+    let h = py
+        .detach(move || ramjet_transport::ensure_daemon(&p, cache))
+        .map_err(to_py)?;
+    let embedded = h.embedded.is_some();
+    *held = Some(h);
+    Ok((path.display().to_string(), embedded))
 }
 
 /// Runs `f` on its own thread and waits for it with the GIL released, waking every 50 ms to

@@ -351,3 +351,46 @@ def test_fork_after_use_restarts_cleanly(classes):
         data += chunk
     os.waitpid(pid, 0)
     assert json.loads(data) == first
+
+
+EMBEDDED = textwrap.dedent(
+    """
+    import json, sys, torch, ramjet
+    url, cache, sock = sys.argv[1:4]
+    path = ramjet.init(cache, socket=sock)
+    assert path == sock, path
+    def run(**kw):
+        ds = ramjet.StreamingDataset(url, batch_size=8, image_size=32, shuffle=False, **kw)
+        n = sum(len(b["_index"]) for b in ds)
+        return n, ds.metrics()
+    n1, cold = run()
+    n2, warm = run()
+    # DataLoader workers (forked) share the daemon of their parent.
+    dl = torch.utils.data.DataLoader(
+        ramjet.StreamingDataset(url, batch_size=8, image_size=32, shuffle=False), batch_size=None, num_workers=2
+    )
+    n3 = sum(len(b["_index"]) for b in dl)
+    print(json.dumps({"n": [n1, n2, n3], "cold": cold, "warm": warm}))
+    """
+)
+
+
+def test_init_starts_an_embedded_daemon_that_every_dataset_and_worker_shares(classes, tmp_path):
+    url, truth = classes
+    shards = ramjet.inspect(url)["shards"]
+    sock = str(tmp_path / "d.sock")
+    p = subprocess.run(
+        [sys.executable, "-c", EMBEDDED, url, str(tmp_path / "cache"), sock],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["n"] == [len(truth)] * 3
+    assert r["cold"]["daemon_origin"] == shards and r["cold"]["origin_bytes"] == 0, r["cold"]
+    # (The loader prefetches on into later epochs, so counts can exceed one epoch's shards.)
+    warm = r["warm"]
+    assert warm["daemon_cache_local"] >= shards and warm["daemon_origin"] == 0, warm
+    assert warm["daemon_failures"] == 0 and warm["origin_bytes"] == 0, warm
+    assert sorted(os.listdir(tmp_path / "cache" / "shards")), "the daemon filled its cache"

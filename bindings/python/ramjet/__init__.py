@@ -55,12 +55,39 @@ __all__ = [
     "StreamingDataset",
     "Tensor",
     "__version__",
+    "init",
     "inspect",
     "verify",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# The host daemon's socket once init() ran in this process (inherited by forked workers).
+_daemon_socket: Optional[str] = None
+
+
+def init(
+    cache_dir: Optional[str] = None,
+    *,
+    socket: Optional[str] = None,
+    cache_limit: Union[int, str] = "64GiB",
+) -> str:
+    """Uses the host's cache daemon (``ramjet serve``), starting one inside this process if
+    none is running, so a single host needs no set-up. Every ``StreamingDataset`` created
+    afterwards (in this process and its DataLoader workers) reads whole shards through it:
+    one node cache shared by all ranks and workers, and, with peers, the cluster ring.
+
+    Returns the daemon's socket path. ``socket`` defaults to ``RAMJET_SOCKET`` or a per-user
+    path; ``cache_dir`` (default ``RAMJET_CACHE_DIR`` or ``~/.cache/ramjet``) is used only if
+    the daemon starts here.
+    """
+    global _daemon_socket
+    cache = cache_dir or os.environ.get("RAMJET_CACHE_DIR") or os.path.expanduser("~/.cache/ramjet")
+    path, _embedded = _ramjet.init(os.fspath(cache), _parse_size(cache_limit) or (64 << 30), socket)
+    _daemon_socket = path
+    return path
+
 
 # Native objects inherited through fork() have no threads in the child; dropping them there
 # could wait on threads that do not exist, so they are parked here and never dropped.
@@ -158,6 +185,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             sample) or ``"skip"`` (leave the sample out and count it).
         rank / world_size: override the topology (default: torch.distributed when
             initialised, else ``RANK``/``WORLD_SIZE``).
+        daemon: the host daemon's socket (default: the one :func:`init` connected to, else
+            ``RAMJET_SOCKET``, else none: this process reads shards itself).
     """
 
     def __init__(
@@ -192,6 +221,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         on_corrupt: str = "error",
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        daemon: Optional[str] = None,
     ) -> None:
         if isinstance(remote, (str, Stream)):
             remote = [remote]
@@ -235,6 +265,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self.streams = streams
         self._rank_override = (rank, world_size)
         self._num_threads = num_threads
+        self._daemon = daemon
         self._base: Dict[str, Any] = {
             "sources": [{"url": s.remote, "weight": s._weight()} for s in streams],
             "order": {"seed": int(seed), "shuffle": order_shuffle, "partitions": int(partitions), "tail": tails[tail]},
@@ -285,6 +316,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     def _config(self, **extra: Any) -> str:
         topo = self._topology()
         cfg = dict(self._base, topology=topo, **extra)
+        daemon = self._daemon or _daemon_socket or os.environ.get("RAMJET_SOCKET")
+        if daemon:
+            cfg["daemon"] = daemon
         if self._num_threads is not None:
             cfg["threads"] = self._num_threads
         else:

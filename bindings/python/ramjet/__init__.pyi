@@ -100,6 +100,7 @@ class StreamingDataset:
         on_corrupt: str = "error",
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        daemon: Optional[str] = None,
     ) -> None: ...
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         """Batches of the current epoch (ramjet's loader: Rust threads, GIL released)."""
@@ -123,3 +124,10 @@ class StreamingDataset:
         """Continue from a state_dict: the next iteration yields the rest of its epoch."""
     def metrics(self) -> Dict[str, float]:
         """Counters of the running loader."""
+
+def init(
+    cache_dir: Optional[str] = None,
+    *,
+    socket: Optional[str] = None,
+    cache_limit: Union[int, str] = "64GiB",
+) -> str: ...
