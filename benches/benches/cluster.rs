@@ -1,0 +1,195 @@
+//! The peer cluster against baselines measured in the same run.
+//!
+//! Targets (issue: host cache daemon and peer cluster):
+//! - peer fetch throughput (shards read from a peer daemon's cache over TCP, `sendfile` on
+//!   its side) at least 0.8x raw loopback TCP throughput measured by `iperf3`;
+//! - origin bytes for a 3-node epoch (three readers, one per daemon, each reading the whole
+//!   dataset at once) 1.0x the dataset with the ring, against 3.0x without it.
+//!
+//! `cargo bench -p ramjet-benches --bench cluster` (5,315 images); under `cargo test` it runs
+//! once on 200 images. Needs the local S3 server (started here) and `iperf3` (Debian package;
+//! without it the TCP baseline is skipped).
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ramjet_benches::{full_run, save_results, synth_dataset};
+use ramjet_engine::cache::CacheConfig;
+use ramjet_engine::{Dataset, Stream, StreamConfig};
+use ramjet_transport::wire::{self, Msg};
+use ramjet_transport::{Daemon, DaemonClient, DaemonConfig};
+use tokio::io::AsyncReadExt;
+
+fn free_port(ip: &str) -> u16 {
+    std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
+}
+
+/// Three daemons (a ring, or three standalone ones) and three readers at once; returns the
+/// origin bytes of the whole cluster.
+fn three_node_epoch(url: &str, ring: bool, dir: &std::path::Path) -> u64 {
+    let names: Vec<String> = (1..=3)
+        .map(|i| {
+            let ip = format!("127.0.0.{}", 20 + i);
+            format!("{ip}:{}", free_port(&ip))
+        })
+        .collect();
+    let daemons: Vec<Daemon> = names
+        .iter()
+        .enumerate()
+        .map(|(i, me)| {
+            let tag = format!("{}-{i}", if ring { "ring" } else { "solo" });
+            let mut c = DaemonConfig::new(dir.join(format!("{tag}.sock")), CacheConfig::new(dir.join(&tag), 8 << 30));
+            c.threads = 2;
+            if ring {
+                c.listen = Some(me.parse().unwrap());
+                c.peers = names.clone();
+            }
+            Daemon::start(c).expect("daemon")
+        })
+        .collect();
+    let readers: Vec<_> = daemons
+        .iter()
+        .map(|d| {
+            let (url, sock) = (url.to_owned(), d.socket().to_owned());
+            std::thread::spawn(move || {
+                let mut cfg = StreamConfig::new(url);
+                cfg.provider = Some(Arc::new(DaemonClient::new(sock)));
+                let mut s = Stream::open(cfg).expect("stream");
+                while s.next_sample().expect("sample").is_some() {}
+                let m = s.metrics();
+                assert_eq!(m.daemon_failures, 0, "{m:?}");
+            })
+        })
+        .collect();
+    for r in readers {
+        r.join().expect("reader");
+    }
+    daemons.iter().map(|d| d.stats().origin_bytes).sum()
+}
+
+/// Reads every shard `passes` times from a warm peer over one connection; returns bytes/s.
+fn peer_throughput(rt: &tokio::runtime::Runtime, peer: &str, ds: &Dataset, passes: usize) -> f64 {
+    rt.block_on(async {
+        let mut s = tokio::net::TcpStream::connect(peer).await.unwrap();
+        s.set_nodelay(true).unwrap();
+        wire::connect(&mut s, None).await.unwrap();
+        let max = ds.manifest().shards.iter().map(|x| x.bytes).max().unwrap() as usize;
+        let mut buf = vec![0u8; max];
+        let t0 = Instant::now();
+        let mut total = 0u64;
+        for _ in 0..passes {
+            for (i, sh) in ds.manifest().shards.iter().enumerate() {
+                let get = Msg::Get {
+                    manifest_url: ds.manifest_url().to_owned(),
+                    shard: i as u32,
+                    checksum: sh.checksum_u64().unwrap(),
+                    bytes: sh.bytes,
+                };
+                wire::write_msg(&mut s, &get).await.unwrap();
+                match wire::read_msg(&mut s).await.unwrap() {
+                    Msg::Data { bytes, source } => {
+                        assert_eq!(source, "cache_local", "the peer was not warm");
+                        s.read_exact(&mut buf[..bytes as usize]).await.unwrap();
+                        total += bytes;
+                    }
+                    m => panic!("{m:?}"),
+                }
+            }
+        }
+        total as f64 / t0.elapsed().as_secs_f64()
+    })
+}
+
+/// Loopback TCP throughput by iperf3 (one stream, like one peer connection), bytes/s.
+fn iperf3(secs: u64) -> Option<f64> {
+    let port = free_port("127.0.0.1").to_string();
+    let mut server = Command::new("iperf3")
+        .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("iperf3")
+        .args(["-c", "127.0.0.1", "-p", &port, "-t", &secs.to_string(), "-J"])
+        .output()
+        .ok()?;
+    let _ = server.wait();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["end"]["sum_received"]["bits_per_second"].as_f64().map(|b| b / 8.0)
+}
+
+fn main() {
+    let full = full_run();
+    let n = if full { 5315 } else { 200 };
+    let s3 = ramjet_tests::s3();
+    let src = synth_dataset(n);
+    let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    if rt.block_on(Dataset::open(&url)).is_err() {
+        ramjet_tools::pack::pack(&src, &url, &Default::default(), &indicatif::ProgressBar::hidden()).expect("pack");
+    }
+    let ds = rt.block_on(Dataset::open(&url)).unwrap();
+    let total = ds.manifest().bytes;
+    let dir = tempfile::tempdir().unwrap();
+
+    let with_ring = three_node_epoch(&url, true, dir.path());
+    let without = three_node_epoch(&url, false, dir.path());
+    let (r1, r3) = (with_ring as f64 / total as f64, without as f64 / total as f64);
+
+    // A warm peer: a standalone daemon serving peers, its cache filled by one read.
+    let ip = "127.0.0.30";
+    let me = format!("{ip}:{}", free_port(ip));
+    let mut c = DaemonConfig::new(dir.path().join("peer.sock"), CacheConfig::new(dir.path().join("peer"), 8 << 30));
+    c.listen = Some(me.parse().unwrap());
+    c.peers = vec![me.clone()];
+    let d = Daemon::start(c).unwrap();
+    let mut cfg = StreamConfig::new(url.clone());
+    cfg.provider = Some(Arc::new(DaemonClient::new(d.socket())));
+    let mut s = Stream::open(cfg).unwrap();
+    while s.next_sample().unwrap().is_some() {}
+    drop(s);
+    let passes = if full { 5 } else { 1 };
+    let secs = if full { 5 } else { 1 };
+    // Interleave the two, three rounds, and take medians (the machine is noisy).
+    let (mut peer, mut tcp) = (Vec::new(), Vec::new());
+    for _ in 0..if full { 3 } else { 1 } {
+        peer.push(peer_throughput(&rt, &me, &ds, passes));
+        if let Some(t) = iperf3(secs) {
+            tcp.push(t);
+        }
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
+    let peer_bps = med(&mut peer).unwrap();
+    let tcp_bps = med(&mut tcp);
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    println!("cluster benchmark: {n} images, {} shards, {:.1} MiB", ds.manifest().shards.len(), total as f64 / (1 << 20) as f64);
+    println!("| scenario | ramjet | baseline | ratio (target) |");
+    println!("|---|---|---|---|");
+    println!("| origin bytes, 3-node epoch | ring: {r1:.2}x the dataset | no ring: {r3:.2}x | {:.2} (ring 1.0x vs 3.0x) |", r1 / r3);
+    match tcp_bps {
+        Some(t) => println!(
+            "| peer fetch throughput, loopback | {:.2} GiB/s | iperf3 1 stream: {:.2} GiB/s | {:.2}x (>= 0.80) |",
+            gib(peer_bps),
+            gib(t),
+            peer_bps / t
+        ),
+        None => println!("| peer fetch throughput, loopback | {:.2} GiB/s | iperf3 not installed: skipped | - |", gib(peer_bps)),
+    }
+    save_results(
+        "cluster",
+        &serde_json::json!({
+            "images": n,
+            "dataset_bytes": total,
+            "origin_ratio_ring": r1,
+            "origin_ratio_no_ring": r3,
+            "peer_bytes_per_s": peer,
+            "iperf3_bytes_per_s": tcp,
+            "peer_over_iperf3": tcp_bps.map(|t| peer_bps / t),
+        }),
+    );
+}
