@@ -22,7 +22,11 @@ use ramjet_transport::{Daemon, DaemonClient, DaemonConfig};
 use tokio::io::AsyncReadExt;
 
 fn free_port(ip: &str) -> u16 {
-    std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Three daemons (a ring, or three standalone ones) and three readers at once; returns the
@@ -39,7 +43,10 @@ fn three_node_epoch(url: &str, ring: bool, dir: &std::path::Path) -> u64 {
         .enumerate()
         .map(|(i, me)| {
             let tag = format!("{}-{i}", if ring { "ring" } else { "solo" });
-            let mut c = DaemonConfig::new(dir.join(format!("{tag}.sock")), CacheConfig::new(dir.join(&tag), 8 << 30));
+            let mut c = DaemonConfig::new(
+                dir.join(format!("{tag}.sock")),
+                CacheConfig::new(dir.join(&tag), 8 << 30),
+            );
             c.threads = 2;
             if ring {
                 c.listen = Some(me.parse().unwrap());
@@ -126,7 +133,10 @@ fn main() {
     let s3 = ramjet_tests::s3();
     let src = synth_dataset(n);
     let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     if rt.block_on(Dataset::open(&url)).is_err() {
         ramjet_tools::pack::pack(&src, &url, &Default::default(), &indicatif::ProgressBar::hidden()).expect("pack");
     }
@@ -141,7 +151,10 @@ fn main() {
     // A warm peer: a standalone daemon serving peers, its cache filled by one read.
     let ip = "127.0.0.30";
     let me = format!("{ip}:{}", free_port(ip));
-    let mut c = DaemonConfig::new(dir.path().join("peer.sock"), CacheConfig::new(dir.path().join("peer"), 8 << 30));
+    let mut c = DaemonConfig::new(
+        dir.path().join("peer.sock"),
+        CacheConfig::new(dir.path().join("peer"), 8 << 30),
+    );
     c.listen = Some(me.parse().unwrap());
     c.peers = vec![me.clone()];
     let d = Daemon::start(c).unwrap();
@@ -167,10 +180,17 @@ fn main() {
     let peer_bps = med(&mut peer).unwrap();
     let tcp_bps = med(&mut tcp);
     let gib = |b: f64| b / (1u64 << 30) as f64;
-    println!("cluster benchmark: {n} images, {} shards, {:.1} MiB", ds.manifest().shards.len(), total as f64 / (1 << 20) as f64);
+    println!(
+        "cluster benchmark: {n} images, {} shards, {:.1} MiB",
+        ds.manifest().shards.len(),
+        total as f64 / (1 << 20) as f64
+    );
     println!("| scenario | ramjet | baseline | ratio (target) |");
     println!("|---|---|---|---|");
-    println!("| origin bytes, 3-node epoch | ring: {r1:.2}x the dataset | no ring: {r3:.2}x | {:.2} (ring 1.0x vs 3.0x) |", r1 / r3);
+    println!(
+        "| origin bytes, 3-node epoch | ring: {r1:.2}x the dataset | no ring: {r3:.2}x | {:.2} (ring 1.0x vs 3.0x) |",
+        r1 / r3
+    );
     match tcp_bps {
         Some(t) => println!(
             "| peer fetch throughput, loopback | {:.2} GiB/s | iperf3 1 stream: {:.2} GiB/s | {:.2}x (>= 0.80) |",
@@ -178,7 +198,10 @@ fn main() {
             gib(t),
             peer_bps / t
         ),
-        None => println!("| peer fetch throughput, loopback | {:.2} GiB/s | iperf3 not installed: skipped | - |", gib(peer_bps)),
+        None => println!(
+            "| peer fetch throughput, loopback | {:.2} GiB/s | iperf3 not installed: skipped | - |",
+            gib(peer_bps)
+        ),
     }
     save_results(
         "cluster",

@@ -214,7 +214,9 @@ static HOST_DAEMON: std::sync::Mutex<Option<ramjet_transport::HostDaemon>> = std
 #[pyo3(signature = (cache_dir, cache_limit, socket=None))]
 pub fn init(py: Python<'_>, cache_dir: String, cache_limit: u64, socket: Option<String>) -> PyResult<(String, bool)> {
     let mut held = HOST_DAEMON.lock().expect("not poisoned");
-    let path = socket.map(std::path::PathBuf::from).unwrap_or_else(ramjet_transport::default_socket);
+    let path = socket
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(ramjet_transport::default_socket);
     if let Some(h) = held.as_ref() {
         if h.client.socket() == path {
             return Ok((path.display().to_string(), h.embedded.is_some()));
