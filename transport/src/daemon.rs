@@ -503,6 +503,15 @@ impl Inner {
 
     /// The flight: the owner peer (for local requests), else the origin; verified; cached.
     async fn fetch_and_store(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+        // A flight that finished between this request's cache lookup and its start has left
+        // the shard in the cache: read it there rather than fetch it again.
+        let (c, id) = (self.cache.clone(), req.id);
+        if let Ok(Some(b)) = tokio::task::spawn_blocking(move || c.get(id))
+            .await
+            .expect("cache task")
+        {
+            return Ok((b, ReadSource::CacheLocal));
+        }
         let owner = {
             let m = self.membership.read().expect("membership lock");
             m.ring().owner(req.id).map(str::to_owned)
