@@ -14,20 +14,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ramjet_benches::{full_run, save_results, synth_dataset};
+use ramjet_benches::{bench_dataset, full_run, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::{Dataset, Stream, StreamConfig};
+use ramjet_tests::free_port;
 use ramjet_transport::wire::{self, Msg};
 use ramjet_transport::{Daemon, DaemonClient, DaemonConfig};
 use tokio::io::AsyncReadExt;
-
-fn free_port(ip: &str) -> u16 {
-    std::net::TcpListener::bind((ip, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// Three daemons (a ring, or three standalone ones) and three readers at once; returns the
 /// origin bytes of the whole cluster.
@@ -130,17 +123,11 @@ fn iperf3(secs: u64) -> Option<f64> {
 fn main() {
     let full = full_run();
     let n = if full { 5315 } else { 200 };
-    let s3 = ramjet_tests::s3();
-    let src = synth_dataset(n);
-    let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    if rt.block_on(Dataset::open(&url)).is_err() {
-        ramjet_tools::pack::pack(&src, &url, &Default::default(), &indicatif::ProgressBar::hidden()).expect("pack");
-    }
-    let ds = rt.block_on(Dataset::open(&url)).unwrap();
+    let (url, ds) = bench_dataset(&rt, n);
     let total = ds.manifest().bytes;
     let dir = tempfile::tempdir().unwrap();
 

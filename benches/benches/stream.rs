@@ -14,10 +14,10 @@ use std::process::Command;
 use std::time::Instant;
 
 use futures::stream::{self, StreamExt};
-use ramjet_benches::{full_run, save_results, synth_dataset};
+use ramjet_benches::{bench_dataset, full_run, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{OrderSpec, Shuffle};
-use ramjet_engine::{Dataset, Stream, StreamConfig};
+use ramjet_engine::{Stream, StreamConfig};
 
 const PARALLEL_GETS: usize = 4;
 
@@ -40,17 +40,11 @@ fn epoch(cfg: &StreamConfig) -> (f64, f64, u64, ramjet_engine::metrics::MetricsS
 fn main() {
     let full = full_run();
     let n = if full { 5315 } else { 200 };
-    let s3 = ramjet_tests::s3();
-    let src = synth_dataset(n);
-    let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    if rt.block_on(Dataset::open(&url)).is_err() {
-        ramjet_tools::pack::pack(&src, &url, &Default::default(), &indicatif::ProgressBar::hidden()).expect("pack");
-    }
-    let ds = rt.block_on(Dataset::open(&url)).unwrap();
+    let (url, ds) = bench_dataset(&rt, n);
     let total = ds.manifest().bytes;
     let mib = total as f64 / (1 << 20) as f64;
 

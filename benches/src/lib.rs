@@ -36,6 +36,21 @@ pub fn synth_dataset(n: usize) -> PathBuf {
     dir
 }
 
+/// The synthetic set of `n` images packed (once) at `s3://BUCKET/bench/stream-N` on the local
+/// S3 server, which is started if needed. Returns its URL and the opened dataset.
+pub fn bench_dataset(rt: &tokio::runtime::Runtime, n: usize) -> (String, ramjet_engine::Dataset) {
+    let s3 = ramjet_tests::s3();
+    let src = synth_dataset(n);
+    let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
+    if rt.block_on(ramjet_engine::Dataset::open(&url)).is_err() {
+        ramjet_tools::pack::pack(&src, &url, &Default::default(), &indicatif::ProgressBar::hidden()).expect("pack");
+    }
+    let ds = rt
+        .block_on(ramjet_engine::Dataset::open(&url))
+        .expect("open the packed set");
+    (url, ds)
+}
+
 /// Median of `reps` timings of `f`, run after `setup` each time (setup is not timed).
 pub fn median_time(reps: usize, mut setup: impl FnMut(), mut f: impl FnMut()) -> Duration {
     let mut ts: Vec<Duration> = (0..reps)

@@ -117,6 +117,15 @@ pub fn s3() -> &'static S3 {
     })
 }
 
+/// A TCP port free on `ip` right now (for daemons that must be told their address).
+pub fn free_port(ip: &str) -> u16 {
+    TcpListener::bind((ip, 0))
+        .expect("bind")
+        .local_addr()
+        .expect("local addr")
+        .port()
+}
+
 /// A fresh `s3://bucket/tests/NAME-PID-N` prefix.
 pub fn s3_prefix(name: &str) -> String {
     static N: AtomicUsize = AtomicUsize::new(0);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ramjet_engine::cache::{CacheConfig, ShardId};
 use ramjet_engine::{Dataset, ReadSource, ShardProvider, ShardRequest, Stream, StreamConfig};
-use ramjet_tests::{block_on, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text, CountingProxy};
+use ramjet_tests::{block_on, free_port, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text, CountingProxy};
 use ramjet_transport::{wire, DaemonClient, Ring};
 
 const N: usize = 120;
@@ -44,14 +44,6 @@ fn shard_ids(url: &str) -> Vec<ShardId> {
             bytes: s.bytes,
         })
         .collect()
-}
-
-fn free_port(ip: &str) -> u16 {
-    std::net::TcpListener::bind((ip, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn s3_upstream() -> String {
