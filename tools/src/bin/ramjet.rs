@@ -385,6 +385,11 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
+    // A peer or loader that goes away mid-transfer must cost that transfer an EPIPE, not the
+    // daemon its life (`main` restores SIGPIPE's default for the other subcommands, and
+    // `sendfile` has no MSG_NOSIGNAL).
+    // SAFETY: setting a signal's disposition to ignore, before the daemon starts its threads.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let socket = a.socket.unwrap_or_else(ramjet_transport::default_socket);
     let mut cfg = DaemonConfig::new(socket, CacheConfig::new(&a.cache_dir, a.cache_limit));
     cfg.listen = a.listen;
