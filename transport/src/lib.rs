@@ -7,12 +7,16 @@
 pub mod client;
 pub mod daemon;
 pub mod hostlist;
+pub mod peer;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod ring;
 pub mod stats;
 pub mod sys;
 pub mod wire;
 
 pub use client::{default_socket, ensure_daemon, DaemonClient, HostDaemon};
-pub use daemon::{read_members, Daemon, DaemonConfig};
+pub use daemon::{read_members, Daemon, DaemonConfig, TransportKind};
+pub use peer::{PeerTransport, ShardGet, TcpTransport};
 pub use ring::{Membership, Ring};
 pub use stats::StatsDoc;

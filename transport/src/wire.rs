@@ -86,6 +86,38 @@ pub enum Msg {
     Unfreeze,
     /// Acknowledges `Freeze`, `Unfreeze` or `Corrupt`.
     Ok,
+    /// Requester → owner, then owner → requester: the sender's RDMA queue pair (feature
+    /// `rdma`). An owner without RDMA answers `Fail`.
+    RdmaConnect(QpInfo),
+    /// Asks for one whole shard, written by RDMA into the requester's registered region; the
+    /// `Data` reply carries no bytes.
+    GetRdma {
+        /// The dataset's manifest URL.
+        manifest_url: String,
+        /// Shard index in that manifest.
+        shard: u32,
+        /// Whole-shard xxh3 (from the manifest).
+        checksum: u64,
+        /// Shard size (from the manifest); the region is exactly this long.
+        bytes: u64,
+        /// The region's address in the requester.
+        addr: u64,
+        /// The region's remote key.
+        rkey: u32,
+    },
+}
+
+/// The address of an RDMA queue pair.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QpInfo {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// First packet sequence number (24 bits).
+    pub psn: u32,
+    /// Port LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// Port GID, as an IPv6 address.
+    pub gid: String,
 }
 
 fn decode(body: &[u8]) -> std::io::Result<Msg> {

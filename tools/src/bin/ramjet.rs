@@ -140,6 +140,16 @@ struct ServeArgs {
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// How shard bytes move between peers: `tcp`, or `rdma` (RDMA WRITE; needs a build with
+    /// the cargo feature `rdma` and an RDMA device; peers without RDMA are read over TCP).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+    transport: String,
+    /// RDMA device (default: the first one).
+    #[arg(long)]
+    rdma_device: Option<String>,
+    /// GID index on the RDMA port (RoCE v2: usually 1 or 3; InfiniBand: 0).
+    #[arg(long, default_value_t = 0)]
+    rdma_gid_index: u8,
 }
 
 #[derive(clap::Args)]
@@ -397,6 +407,12 @@ fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
     cfg.peers_file = a.peers_file;
     cfg.allow_prefixes = a.allow;
     cfg.threads = a.threads;
+    if a.transport == "rdma" {
+        cfg.transport = ramjet_transport::TransportKind::Rdma {
+            device: a.rdma_device,
+            gid_index: a.rdma_gid_index,
+        };
+    }
     let mut from_slurm = false;
     if let Some(p) = &a.peers {
         cfg.peers = ramjet_transport::read_members(p).map_err(anyhow::Error::msg)?;

@@ -1,0 +1,212 @@
+//! How a daemon fetches a whole shard from the peer that owns it.
+//!
+//! [`PeerTransport`] is the seam: the daemon asks for a shard by manifest, index and identity,
+//! and gets exactly its bytes back (or an error naming the peer and the shard). The daemon
+//! verifies them, tracks peer health and falls back to the origin; a transport only moves bytes.
+//!
+//! - [`TcpTransport`]: the control frames of `docs/protocol.md`, then the shard's raw bytes on
+//!   the same connection (sent with `sendfile` by the owner), received in large chunks into a
+//!   pooled buffer. Connections are authenticated once and reused.
+//! - `RdmaTransport` (cargo feature `rdma`, [`crate::rdma`]): the same authenticated TCP
+//!   connection carries the control frames; the owner writes the shard straight into the
+//!   requester's registered buffer with RDMA WRITE.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use ramjet_engine::cache::io as cache_io;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+
+use crate::wire::{self, ApiKey, Msg};
+
+/// One request for a whole shard, as the owner will validate it.
+#[derive(Debug, Clone)]
+pub struct ShardGet {
+    /// The dataset's manifest URL.
+    pub manifest_url: String,
+    /// Shard index in that manifest.
+    pub shard: u32,
+    /// Whole-shard xxh3 (from the manifest).
+    pub checksum: u64,
+    /// Shard size (from the manifest); the reply must be exactly this long.
+    pub bytes: u64,
+    /// How errors name the shard: `shard N (URL)`.
+    pub what: String,
+}
+
+impl ShardGet {
+    pub(crate) fn msg(&self) -> Msg {
+        Msg::Get {
+            manifest_url: self.manifest_url.clone(),
+            shard: self.shard,
+            checksum: self.checksum,
+            bytes: self.bytes,
+        }
+    }
+}
+
+/// Moves shard bytes from an owner peer to this daemon.
+pub trait PeerTransport: Send + Sync + 'static {
+    /// `tcp` or `rdma`, for logs and stats.
+    fn name(&self) -> &'static str;
+    /// Fetches the whole shard from `peer` (`host:port` of its daemon). The bytes are not yet
+    /// verified; errors name the peer and the shard.
+    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, String>>;
+    /// Drops pooled connections to `peer` (it failed).
+    fn forget(&self, peer: &str);
+}
+
+/// What every transport's control connection needs.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// Cluster secret.
+    pub api_key: Option<ApiKey>,
+    /// Connect, handshake and "no byte for this long" limit.
+    pub peer_timeout: Duration,
+    /// How long the owner may take before its first reply (it may be fetching from the origin).
+    pub reply_timeout: Duration,
+}
+
+/// Authenticated connections to peers, pooled per peer.
+pub(crate) struct Pool<C> {
+    idle: Mutex<HashMap<String, Vec<C>>>,
+}
+
+impl<C> Default for Pool<C> {
+    fn default() -> Self {
+        Pool {
+            idle: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<C> Pool<C> {
+    pub(crate) fn take(&self, peer: &str) -> Option<C> {
+        self.idle.lock().expect("pool lock").get_mut(peer).and_then(Vec::pop)
+    }
+
+    pub(crate) fn put(&self, peer: &str, c: C) {
+        self.idle
+            .lock()
+            .expect("pool lock")
+            .entry(peer.to_owned())
+            .or_default()
+            .push(c);
+    }
+
+    pub(crate) fn forget(&self, peer: &str) {
+        self.idle.lock().expect("pool lock").remove(peer);
+    }
+}
+
+/// Opens a TCP connection to `peer` and runs the mutual handshake.
+pub(crate) async fn connect(cfg: &LinkConfig, peer: &str) -> Result<TcpStream, String> {
+    let t = cfg.peer_timeout;
+    let mut s = tokio::time::timeout(t, TcpStream::connect(peer))
+        .await
+        .map_err(|_| format!("peer {peer}: connect timed out"))?
+        .map_err(|e| format!("peer {peer}: connect: {e}"))?;
+    let _ = s.set_nodelay(true);
+    tokio::time::timeout(t, wire::connect(&mut s, cfg.api_key.as_ref()))
+        .await
+        .map_err(|_| format!("peer {peer}: handshake timed out"))?
+        .map_err(|e| format!("peer {peer}: handshake: {e}"))?;
+    Ok(s)
+}
+
+/// Sends `m` and waits for the owner's first reply, allowing it the reply timeout.
+pub(crate) async fn request(
+    cfg: &LinkConfig,
+    s: &mut TcpStream,
+    peer: &str,
+    get: &ShardGet,
+    m: &Msg,
+) -> Result<Msg, String> {
+    let io = |e: std::io::Error| format!("peer {peer}: {}: {e}", get.what);
+    wire::write_msg(s, m).await.map_err(io)?;
+    tokio::time::timeout(cfg.reply_timeout + cfg.peer_timeout, wire::read_msg(s))
+        .await
+        .map_err(|_| format!("peer {peer}: no reply for {} in time", get.what))?
+        .map_err(io)
+}
+
+/// Checks a `Data` reply against the request.
+pub(crate) fn expect_data(reply: Msg, peer: &str, get: &ShardGet) -> Result<(), String> {
+    match reply {
+        Msg::Data { bytes, .. } if bytes == get.bytes => Ok(()),
+        Msg::Data { bytes, .. } => Err(format!(
+            "peer {peer}: announced {bytes} bytes for {} of {} bytes",
+            get.what, get.bytes
+        )),
+        Msg::Fail { message } => Err(format!("peer {peer}: {message}")),
+        m => Err(format!("peer {peer}: unexpected reply {m:?}")),
+    }
+}
+
+/// The TCP transport.
+pub struct TcpTransport {
+    cfg: LinkConfig,
+    pool: Pool<TcpStream>,
+}
+
+/// The receive chunk: large reads keep syscalls per shard few.
+const CHUNK: usize = 8 << 20;
+
+impl TcpTransport {
+    /// A transport with no connections yet.
+    pub fn new(cfg: LinkConfig) -> TcpTransport {
+        TcpTransport {
+            cfg,
+            pool: Pool::default(),
+        }
+    }
+
+    async fn fetch_inner(&self, peer: &str, get: &ShardGet) -> Result<Bytes, String> {
+        let mut s = match self.pool.take(peer) {
+            Some(s) => s,
+            None => connect(&self.cfg, peer).await?,
+        };
+        let reply = request(&self.cfg, &mut s, peer, get, &get.msg()).await?;
+        expect_data(reply, peer, get)?;
+        let n = get.bytes as usize;
+        // SAFETY: every byte of the buffer is written by the reads below before it is used;
+        // a short read returns an error and the buffer is dropped unread.
+        let mut buf = unsafe { cache_io::BufPool::global().take(n) };
+        let dst = buf.as_mut_slice();
+        let mut off = 0;
+        while off < n {
+            let end = (off + CHUNK).min(n);
+            let r = tokio::time::timeout(self.cfg.peer_timeout, s.read(&mut dst[off..end]))
+                .await
+                .map_err(|_| format!("peer {peer}: stalled at byte {off} of {}", get.what))?
+                .map_err(|e| format!("peer {peer}: {}: {e}", get.what))?;
+            if r == 0 {
+                return Err(format!(
+                    "peer {peer}: connection closed at byte {off} of {n} of {}",
+                    get.what
+                ));
+            }
+            off += r;
+        }
+        self.pool.put(peer, s);
+        Ok(buf.into_bytes())
+    }
+}
+
+impl PeerTransport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, String>> {
+        Box::pin(self.fetch_inner(peer, get))
+    }
+
+    fn forget(&self, peer: &str) {
+        self.pool.forget(peer);
+    }
+}
