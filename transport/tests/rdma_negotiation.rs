@@ -63,7 +63,7 @@ async fn an_owner_without_rdma_says_so_and_keeps_serving_tcp() {
     // A get_rdma on a connection without a link is refused (the request is not even valid:
     // the manifest does not exist), and the connection stays usable for TCP gets.
     let get_rdma = Msg::GetRdma {
-        manifest_url: "s3://nowhere/x/manifest.json".into(),
+        manifest_url: "file:///nonexistent/x/manifest.json".into(),
         shard: 0,
         checksum: 1,
         bytes: 10,
