@@ -151,7 +151,11 @@ impl Endpoint {
             .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
         qp.modify(&attr)
             .map_err(|e| format!("RDMA: {}: queue pair to INIT: {e}", dev.name))?;
-        let psn = (std::process::id() ^ (Instant::now().elapsed().subsec_nanos() << 4)) & 0xFF_FFFF;
+        // Any 24-bit start works as long as each side tells the other; vary it per queue pair.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let psn = (std::process::id() ^ nanos) & 0xFF_FFFF;
         Ok(Endpoint {
             dev: dev.clone(),
             cq,
