@@ -2,7 +2,9 @@
 # ramjet's main job on an embedded default: installs what it needs, starts the local S3
 # server, generates the synthetic YOLO dataset (5,315 photo-like images), packs it into
 # s3://$RAMJET_S3_BUCKET/demo, verifies every checksum, streams it through the engine twice
-# (cold: empty node-local cache; warm: from the cache), and prints a summary.
+# (cold: empty node-local cache; warm: from the cache), prints a summary, then runs
+# ramjet-bench's quick mode: ramjet beside MosaicML Streaming, WebDataset, boto3 GETs and a torch
+# DataLoader over local files, on the same data (table, JSON and chart in target/bench/ramjet-bench).
 #
 # Usage: tools/demo.sh          (RAMJET_DEMO_SAMPLES=N for another size)
 set -euo pipefail
@@ -60,3 +62,7 @@ echo "  verify    $(secs "$t2" "$t3") s, every shard and sample checksum OK"
 echo "  stream    cold: $(head -1 "$RAMJET_STATE/demo/cold.txt" | sed 's/^stream: //')"
 echo "            warm: $(head -1 "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream: //')"
 echo "            warm: $(sed -n 2p "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream: //')"
+
+echo
+echo "demo: ramjet-bench --quick (ramjet and its peers side by side; about 2-3 minutes)"
+tools/ramjet-bench --quick

@@ -8,6 +8,8 @@
 #
 # Settings (tools/env.sh): RAMJET_S3_HOST, RAMJET_S3_PORT, RAMJET_S3_BUCKET,
 # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. Data lives in $RAMJET_STATE/s3-$RAMJET_S3_PORT.
+# RAMJET_S3_NETNS=NAME runs the server inside that network namespace (the WAN-like origin of
+# tools/ramjet-bench); host and port are then the namespace's own.
 # The server's other ports are the S3 port + 1 (master), + 2 (volume), + 3 (filer),
 # + 4 (admin), and those + 10000 (gRPC), so two servers on S3 ports 100 apart never collide.
 set -euo pipefail
@@ -17,15 +19,20 @@ dir="$RAMJET_STATE/s3-$RAMJET_S3_PORT"
 pidfile="$dir/weed.pid"
 log="$dir/weed.log"
 weed="$RAMJET_VENV/bin/weed"
+nsexec=()
+if [ -n "${RAMJET_S3_NETNS:-}" ]; then
+  nsexec=(ip netns exec "$RAMJET_S3_NETNS")
+fi
 
 running() {
   [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null
 }
 
 bucket_ready() {
-  "$RAMJET_VENV/bin/python" - <<'PY' 2>/dev/null
+  "${nsexec[@]}" "$RAMJET_VENV/bin/python" - <<'PY' 2>/dev/null
 import os, sys, boto3, botocore.config
-c = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+url = f"http://{os.environ['RAMJET_S3_HOST']}:{os.environ['RAMJET_S3_PORT']}"
+c = boto3.client("s3", endpoint_url=url,
                  config=botocore.config.Config(connect_timeout=1, read_timeout=2, retries={"max_attempts": 0}))
 c.head_bucket(Bucket=os.environ["RAMJET_S3_BUCKET"])
 PY
@@ -46,7 +53,7 @@ start() {
   # A new session, so the server outlives this shell and is stopped only by PID.
   # Every port derives from the S3 port, so servers on different S3 ports never collide.
   local p="$RAMJET_S3_PORT"
-  setsid "$weed" mini -dir="$dir/data" -ip="$RAMJET_S3_HOST" -ip.bind="$RAMJET_S3_HOST" \
+  setsid "${nsexec[@]}" "$weed" mini -dir="$dir/data" -ip="$RAMJET_S3_HOST" -ip.bind="$RAMJET_S3_HOST" \
     -s3.port="$p" -master.port=$((p + 1)) -volume.port=$((p + 2)) -filer.port=$((p + 3)) \
     -admin.port=$((p + 4)) -bucket="$RAMJET_S3_BUCKET" \
     -webdav=false -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 \

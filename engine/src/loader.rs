@@ -24,7 +24,7 @@ use crate::format::{ColumnType, Schema, ValueRef};
 use crate::hostbuf::HostPool;
 use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
 use crate::metrics::Metrics;
-use crate::stream::{Sample, Stream, StreamConfig, StreamState};
+use crate::stream::{FirstGate, Sample, Stream, StreamConfig, StreamState};
 
 pub use crate::hostbuf::HostBuf;
 
@@ -189,6 +189,9 @@ pub struct Loader {
     stop: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
     schema: Arc<Schema>,
+    /// Opened on the first batch handed out: whole-shard fetches start then (or after half a
+    /// second), so they do not slow the first batch's ranged reads and decode.
+    first_gate: Option<FirstGate>,
 }
 
 /// What [`Loader::next_batch`] found.
@@ -216,7 +219,8 @@ impl Loader {
         if cfg.batch_size == 0 {
             return Err(Error::invalid("batch_size", "must be at least 1"));
         }
-        let stream = Stream::open(cfg.stream.clone())?;
+        let mut stream = Stream::open(cfg.stream.clone())?;
+        let first_gate = stream.defer_first_gate();
         let schema = stream.schema(0);
         for s in 1..stream.sources() {
             if *stream.schema(s) != *schema {
@@ -277,6 +281,7 @@ impl Loader {
             stop,
             metrics,
             schema,
+            first_gate,
         })
     }
 
@@ -296,6 +301,9 @@ impl Loader {
                 self.next += 1;
                 return match r {
                     Ok(b) => {
+                        if let Some(g) = self.first_gate.take() {
+                            g.open();
+                        }
                         // Counted on delivery, not on decode: the reader runs ahead into the
                         // next epoch, and its skips belong to batches not yet handed out.
                         Metrics::add(&self.metrics.samples_skipped, b.skipped.len() as u64);

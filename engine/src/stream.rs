@@ -278,6 +278,14 @@ pub struct Stream {
     live: HashMap<ShardKey, Live>,
     pending_uses: HashMap<ShardKey, u64>,
     ranged_left: usize,
+    /// Samples read ahead on the ranged path, by (epoch, position): the first batch's
+    /// samples are fetched together, so it costs two GET latencies rather than two per sample.
+    ranged_ready: HashMap<(u64, u64), Result<Bytes>>,
+    /// Opens the prefetcher's gate once the first samples were read on the ranged path: whole
+    /// shards would otherwise compete with those few small reads for the link and the cores.
+    first_go: Option<Arc<tokio::sync::watch::Sender<bool>>>,
+    /// A consumer that decodes (the loader) opens the gate itself, after its first batch.
+    gate_deferred: bool,
     per_sample: bool,
     prefetch: tokio::task::JoinHandle<()>,
     /// Open readers of cached shard files, for samples read one by one (global shuffle,
@@ -286,11 +294,27 @@ pub struct Stream {
     readers: std::cell::RefCell<HashMap<(u32, u32), CachedReader>>,
 }
 
+/// Opens the prefetcher's first-batch gate (see [`Stream::defer_first_gate`]).
+pub struct FirstGate(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl FirstGate {
+    /// Lets whole-shard fetches start.
+    pub fn open(self) {
+        let _ = self.0.send(true);
+    }
+}
+
 /// An open reader of a cached shard file.
 type CachedReader = Arc<ShardReader<std::fs::File>>;
 
 /// Open shard readers kept by one stream.
 const OPEN_READERS_MAX: usize = 64;
+
+/// Ranged sample reads issued together while the first shards download.
+const RANGED_AHEAD_MAX: usize = 8;
+
+/// The longest the prefetcher holds whole-shard fetches back for the first ranged reads.
+const FIRST_GATE_MAX: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Drop for Stream {
     fn drop(&mut self) {
@@ -393,7 +417,18 @@ impl Stream {
             .max(1);
         let ahead = (cfg.prefetch_bytes_max / avg_shard).clamp(1, 64) as usize;
         let (tx, rx) = mpsc::channel(ahead);
-        let prefetch = rt.spawn(prefetcher(shared.clone(), start, tx, per_sample));
+        let ranged_left = if cfg.provider.is_some() || per_sample {
+            0
+        } else {
+            cfg.first_ranged_samples_max
+        };
+        let (first_go, gate) = if ranged_left > 0 {
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            (Some(Arc::new(tx)), Some(rx))
+        } else {
+            (None, None)
+        };
+        let prefetch = rt.spawn(prefetcher(shared.clone(), start, tx, per_sample, gate));
         Ok(Stream {
             rt,
             shared,
@@ -404,11 +439,10 @@ impl Stream {
             live: HashMap::new(),
             pending_uses: HashMap::new(),
             // With a host daemon every byte goes through it (and its cluster-wide singleflight).
-            ranged_left: if cfg.provider.is_some() {
-                0
-            } else {
-                cfg.first_ranged_samples_max
-            },
+            ranged_left,
+            ranged_ready: HashMap::new(),
+            first_go,
+            gate_deferred: false,
             per_sample,
             prefetch,
             readers: Default::default(),
@@ -524,6 +558,8 @@ impl Stream {
         let key = (plan.epoch, id.stream, id.shard);
         let record = if self.per_sample {
             self.read_one(id)?
+        } else if let Some(r) = self.ranged_ready.remove(&(plan.epoch, position)) {
+            r?
         } else {
             // Take what has already arrived, up to the shard needed now: shards held here
             // are outside the channel's bound, so taking more would let a slow consumer
@@ -535,9 +571,11 @@ impl Stream {
                 }
             }
             if !self.live.contains_key(&key) && self.ranged_left > 0 {
-                self.ranged_left -= 1;
-                *self.pending_uses.entry(key).or_default() += 1;
-                self.read_one(id)?
+                self.read_ranged_ahead(&plan)?;
+                self.open_gate();
+                self.ranged_ready
+                    .remove(&(plan.epoch, position))
+                    .expect("the lookahead starts at the cursor")?
             } else {
                 while !self.live.contains_key(&key) {
                     if !self.recv()? {
@@ -546,6 +584,7 @@ impl Stream {
                 }
                 // Once shards flow, the ranged path is no longer needed.
                 self.ranged_left = 0;
+                self.open_gate();
                 let live = self.live.get_mut(&key).expect("present");
                 let rec = slice_record(live, id, &self.shared)?;
                 live.uses_left -= 1;
@@ -569,6 +608,68 @@ impl Stream {
             record,
             schema: src.schema.clone(),
         }))
+    }
+
+    /// Lets the prefetcher start fetching whole shards.
+    fn open_gate(&mut self) {
+        if self.gate_deferred {
+            return;
+        }
+        if let Some(g) = self.first_go.take() {
+            let _ = g.send(true);
+        }
+    }
+
+    /// For a consumer with work of its own before its first output (the loader decodes the
+    /// first batch): whole-shard fetches wait until it opens the returned gate, or at most
+    /// half a second, instead of starting once the first samples were read.
+    pub fn defer_first_gate(&mut self) -> Option<FirstGate> {
+        self.gate_deferred = true;
+        self.first_go.clone().map(FirstGate)
+    }
+
+    /// Reads the samples at the cursor and after it whose shards have not arrived, up to
+    /// [`RANGED_AHEAD_MAX`] and the ranged budget, all at once (two ranged GETs each, or two
+    /// reads of a cached shard), into `ranged_ready`. Each counts as a use of its shard.
+    fn read_ranged_ahead(&mut self, plan: &EpochPlan) -> Result<()> {
+        let mut ids = Vec::new();
+        for &position in plan.positions[self.cursor..].iter() {
+            if ids.len() >= RANGED_AHEAD_MAX.min(self.ranged_left) {
+                break;
+            }
+            let id = at_position(&plan.order, position);
+            let key = (plan.epoch, id.stream, id.shard);
+            if self.live.contains_key(&key) || self.ranged_ready.contains_key(&(plan.epoch, position)) {
+                continue;
+            }
+            *self.pending_uses.entry(key).or_default() += 1;
+            ids.push((position, id));
+        }
+        self.ranged_left -= ids.len();
+        // Cached shards are read here, the rest from the origin concurrently.
+        let mut remote = Vec::new();
+        for (position, id) in ids {
+            match self.cached_reader(id).map(|r| r.read_record(id.index as u64)) {
+                Some(Ok(rec)) => {
+                    Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
+                    self.ranged_ready.insert((plan.epoch, position), Ok(Bytes::from(rec)));
+                }
+                Some(Err(_)) => {
+                    // A damaged cached record: forget this reader and read from the origin.
+                    self.readers.borrow_mut().remove(&(id.stream, id.shard));
+                    remote.push((position, id));
+                }
+                None => remote.push((position, id)),
+            }
+        }
+        let shared = &self.shared;
+        let got = self.rt.block_on(futures::future::join_all(
+            remote.iter().map(|&(_, id)| fetch_sample_ranged(shared, id)),
+        ));
+        for ((position, _), r) in remote.into_iter().zip(got) {
+            self.ranged_ready.insert((plan.epoch, position), r);
+        }
+        Ok(())
     }
 
     /// One sample, by its index in stream `stream`'s dataset: from the disk cache when the
@@ -797,7 +898,13 @@ fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress) -> EpochPlan {
     }
 }
 
-async fn prefetcher(shared: Arc<Shared>, start: EpochProgress, tx: mpsc::Sender<Msg>, per_sample: bool) {
+async fn prefetcher(
+    shared: Arc<Shared>,
+    start: EpochProgress,
+    tx: mpsc::Sender<Msg>,
+    per_sample: bool,
+    mut gate: Option<tokio::sync::watch::Receiver<bool>>,
+) {
     let mut base = start;
     loop {
         let epoch = base.epoch;
@@ -830,6 +937,11 @@ async fn prefetcher(shared: Arc<Shared>, start: EpochProgress, tx: mpsc::Sender<
             let shared = shared.clone();
             async move { ((s, sh), fetch_shard(shared, s as usize, sh as usize).await) }
         });
+        if let Some(mut g) = gate.take() {
+            // The consumer reads the first batch's samples with small ranged GETs first; a
+            // dropped sender (the stream went away) opens the gate too.
+            let _ = tokio::time::timeout(FIRST_GATE_MAX, g.wait_for(|go| *go)).await;
+        }
         let mut fetched = fetches.buffered(shared.cfg.shards_in_flight_max.max(1));
         while let Some(((s, sh), res)) = fetched.next().await {
             let failed = res.is_err();

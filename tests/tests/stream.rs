@@ -389,6 +389,37 @@ fn the_next_epoch_is_prefetched_before_this_one_ends() {
 }
 
 #[test]
+fn the_first_samples_are_read_ahead_together_and_shards_then_deliver_the_rest_once() {
+    let url = dataset();
+    // No cache, so every ranged read goes to the origin and is counted.
+    let run = |ranged: usize| {
+        let mut c = config(url, Topology::default(), None);
+        c.first_ranged_samples_max = ranged;
+        let mut s = Stream::open(c).unwrap();
+        let first = s.next_sample().unwrap().unwrap();
+        let at_first = s.metrics().ranged_samples;
+        let mut all = vec![(first.position, first.id, first.record)];
+        while let Some(x) = s.next_sample().unwrap() {
+            all.push((x.position, x.id, x.record));
+        }
+        (at_first, s.metrics().ranged_samples, all)
+    };
+    let (none_first, none_total, plain) = run(0);
+    assert_eq!((none_first, none_total), (0, 0));
+    assert_eq!(plain.len(), N);
+    let (at_first, total, ranged) = run(64);
+    assert_eq!(
+        at_first, 8,
+        "the first sample should bring the next 8 samples' ranged reads with it, together"
+    );
+    assert!((8..=64).contains(&total), "{total} ranged samples");
+    assert_eq!(
+        ranged, plain,
+        "reading ahead changed the order, the samples or their bytes"
+    );
+}
+
+#[test]
 fn global_shuffle_reads_every_sample_once_cold_and_warm() {
     let url = dataset();
     let cache = tempfile::tempdir().unwrap();
