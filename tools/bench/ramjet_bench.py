@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -60,7 +59,7 @@ def now():
     return time.perf_counter()
 
 
-def sh(*cmd, check=True, env=None, quiet=False):
+def sh(*cmd, check=True, env=None):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if check and r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
