@@ -54,7 +54,7 @@ step "loader benchmark (quick mode: checks it runs; figures come from the full r
 mkdir -p "$ci/bench/a"
 cp "$ci"/synth/images/*.jpg "$ci/bench/a/"
 target/debug/ramjet pack "$ci/bench" "$url-bench" >/dev/null
-"$py" benches/python/bench_loader.py --images "$ci/bench" --remote "$url-bench" --n 400 --rounds 1 --rss-epochs 3 \
+RAMJET_BIN=target/debug/ramjet "$py" benches/python/bench_loader.py --images "$ci/bench" --remote "$url-bench" --n 400 --rounds 1 --rss-epochs 3 --large 16 \
   --local "$ci/bench-cache" | tail -4
 
 step "all tests passed"

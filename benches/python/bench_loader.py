@@ -6,6 +6,11 @@ side in one run; then ramjet's RSS over repeated epochs.
 
 DIR holds the JPEGs; URL is the same images packed with `ramjet pack` (read through a warm
 node-local cache). Prints one JSON object and writes it to target/bench/loader.json.
+
+With `--large N`, a second part measures where DCT-domain downscaling pays: the first N images
+upscaled 2.5x (1600x1200, the size of a phone photo), packed with `ramjet pack` to
+URL-large, and decoded to the same 224x224 output by ramjet with and without DCT scaling,
+against Pillow's single-core full decode of the same large JPEGs times the cores.
 """
 
 import argparse
@@ -13,6 +18,7 @@ import io
 import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -56,9 +62,13 @@ def torch_rate(paths, workers):
 
 
 def pillow_single_core(blobs):
+    """libjpeg-turbo's full decode through Pillow, one core (no conversion copy for RGB JPEGs)."""
     t = time.perf_counter()
     for b in blobs:
-        Image.open(io.BytesIO(b)).convert("RGB").load()
+        im = Image.open(io.BytesIO(b))
+        im.load()
+        if im.mode != "RGB":
+            im.convert("RGB")
     return len(blobs) / (time.perf_counter() - t)
 
 
@@ -71,6 +81,55 @@ def ramjet_rate(ds, epoch):
     return n / (time.perf_counter() - t)
 
 
+def large_set(paths, n, images_dir, remote):
+    """The first `n` images upscaled 2.5x and re-encoded (quality 90), packed to remote-large."""
+    d = Path(str(images_dir).rstrip("/") + "-large") / "a"
+    d.mkdir(parents=True, exist_ok=True)
+    out = []
+    for p in paths[:n]:
+        q = d / Path(p).name
+        if not q.exists():
+            im = Image.open(p).convert("RGB")
+            im.resize((im.width * 5 // 2, im.height * 5 // 2), Image.LANCZOS).save(q, quality=90)
+        out.append(str(q))
+    url = remote.rstrip("/") + "-large"
+    try:
+        ok = ramjet.inspect(url)["samples"] == len(out)
+    except ramjet.Error:
+        ok = False
+    if not ok:
+        exe = os.environ.get("RAMJET_BIN", "target/release/ramjet")
+        subprocess.run([exe, "pack", str(d.parent), url], check=True, stdout=subprocess.DEVNULL)
+    return out, url
+
+
+def bench_large(paths, n, a, kw, cores):
+    files, url = large_set(paths, n, a.images, a.remote)
+    blobs = [open(x, "rb").read() for x in files]
+    kw = dict(kw, local=a.local + "-large")
+    rj = ramjet.StreamingDataset(url, **kw)
+    rj_nodct = ramjet.StreamingDataset(url, dct_scaling=False, **kw)
+    ramjet_rate(rj, 0)
+    res = {k: [] for k in ("ramjet", "ramjet_no_dct", "pillow_1core")}
+    for r in range(a.rounds):
+        res["ramjet"].append(ramjet_rate(rj, r + 1))
+        res["ramjet_no_dct"].append(ramjet_rate(rj_nodct, r + 1))
+        res["pillow_1core"].append(pillow_single_core(blobs))
+        print(f"large round {r}: " + ", ".join(f"{k} {v[-1]:.0f} img/s" for k, v in res.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    turbo = cores * med["pillow_1core"]
+    w, h = Image.open(files[0]).size
+    return {
+        "images": len(files),
+        "source_size": f"{w}x{h}",
+        "median_img_per_s": {k: round(v, 1) for k, v in med.items()},
+        "libjpeg_turbo_full_decode_x_cores": round(turbo, 1),
+        "ratio_vs_libjpeg_turbo_x_cores": round(med["ramjet"] / turbo, 2),
+        "ratio_no_dct_vs_libjpeg_turbo_x_cores": round(med["ramjet_no_dct"] / turbo, 2),
+        "rounds": {k: [round(x, 1) for x in v] for k, v in res.items()},
+    }
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--images", required=True)
@@ -79,6 +138,7 @@ def main():
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rss-epochs", type=int, default=10)
+    p.add_argument("--large", type=int, default=0, help="images in the large-source (DCT scaling) part")
     a = p.parse_args()
     cores = os.cpu_count() or 2
     paths = sorted(str(x) for x in Path(a.images).rglob("*") if x.suffix.lower() in (".jpg", ".jpeg"))[: a.n]
@@ -118,6 +178,8 @@ def main():
         "rss_growth_after_first_epoch": round(max(steady) / min(steady) - 1, 3),
         "rounds": {k: [round(x, 1) for x in v] for k, v in res.items()},
     }
+    if a.large:
+        out["large_sources"] = bench_large(paths, a.large, a, kw, cores)
     Path("target/bench").mkdir(parents=True, exist_ok=True)
     Path("target/bench/loader.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))

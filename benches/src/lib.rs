@@ -10,6 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+// The benchmarks measure the engine with the allocator ramjet's binaries and Python extension
+// use (tools/src/bin/ramjet.rs, bindings/src/lib.rs).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Whether this is a real run (`cargo bench`) or a quick test-mode run (`cargo test`).
 pub fn full_run() -> bool {
     std::env::args().any(|a| a == "--bench")

@@ -13,6 +13,11 @@ use ramjet_engine::{Dataset, Error};
 mod dlpack;
 mod loader;
 
+// mimalloc keeps freed memory mapped for reuse: with the system allocator each decoded image's
+// buffers were fresh pages, faulted in again image after image (docs/dependencies.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 create_exception!(
     ramjet,
     RamjetError,

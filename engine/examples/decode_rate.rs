@@ -2,6 +2,10 @@
 //! `cargo run --release -p ramjet-engine --example decode_rate -- DIR [N]`.
 use ramjet_engine::image::{decode_rgb, process, ImageSpec, SampleRng, Scratch, Slot};
 use std::time::Instant;
+// mimalloc keeps freed memory mapped for reuse: with the system allocator every decoded image's
+// buffers were fresh pages, faulted in again image after image (docs/dependencies.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
     let mut args = std::env::args().skip(1);

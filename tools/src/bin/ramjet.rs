@@ -14,6 +14,11 @@ use ramjet_tools::synth::{synth, SynthOptions};
 use ramjet_tools::ui::{bytes_bar, count_bar, human_bytes, parse_size};
 use ramjet_transport::{Daemon, DaemonConfig};
 
+// mimalloc keeps freed memory mapped for reuse: with the system allocator every decoded image's
+// buffers were fresh pages, faulted in again image after image (docs/dependencies.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "ramjet",
