@@ -649,15 +649,9 @@ impl Stream {
         // Cached shards are read here, the rest from the origin concurrently.
         let mut remote = Vec::new();
         for (position, id) in ids {
-            match self.cached_reader(id).map(|r| r.read_record(id.index as u64)) {
-                Some(Ok(rec)) => {
-                    Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
-                    self.ranged_ready.insert((plan.epoch, position), Ok(Bytes::from(rec)));
-                }
-                Some(Err(_)) => {
-                    // A damaged cached record: forget this reader and read from the origin.
-                    self.readers.borrow_mut().remove(&(id.stream, id.shard));
-                    remote.push((position, id));
+            match self.read_cached(id) {
+                Some(rec) => {
+                    self.ranged_ready.insert((plan.epoch, position), Ok(rec));
                 }
                 None => remote.push((position, id)),
             }
@@ -704,15 +698,27 @@ impl Stream {
     /// One sample on its own: two reads from the disk cache when its shard is cached, else two
     /// ranged GETs.
     fn read_one(&self, id: SampleRef) -> Result<Bytes> {
-        if let Some(r) = self.cached_reader(id) {
-            if let Ok(rec) = r.read_record(id.index as u64) {
-                Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
-                return Ok(Bytes::from(rec));
-            }
-            // A damaged cached record: forget this reader and read from the origin.
-            self.readers.borrow_mut().remove(&(id.stream, id.shard));
+        match self.read_cached(id) {
+            Some(rec) => Ok(rec),
+            None => self.rt.block_on(fetch_sample_ranged(&self.shared, id)),
         }
-        self.rt.block_on(fetch_sample_ranged(&self.shared, id))
+    }
+
+    /// `id`'s record from the cached copy of its shard (two reads), or `None` when the shard is
+    /// not cached or the record there is damaged (its reader is then forgotten, and the caller
+    /// reads the sample from the origin).
+    fn read_cached(&self, id: SampleRef) -> Option<Bytes> {
+        let r = self.cached_reader(id)?;
+        match r.read_record(id.index as u64) {
+            Ok(rec) => {
+                Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
+                Some(Bytes::from(rec))
+            }
+            Err(_) => {
+                self.readers.borrow_mut().remove(&(id.stream, id.shard));
+                None
+            }
+        }
     }
 
     /// An open reader of the cached copy of `id`'s shard, if the cache has one.
