@@ -48,7 +48,7 @@ fn main() {
     let total = ds.manifest().bytes;
     let mib = total as f64 / (1 << 20) as f64;
 
-    let reps = if full { 5 } else { 1 };
+    let reps = if full { 9 } else { 1 };
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -104,6 +104,14 @@ fn main() {
         assert!(ok);
         cats.push(t0.elapsed().as_secs_f64());
     }
+    let rounds = |v: &[f64]| v.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ");
+    println!(
+        "per round (s): GETs {} | cold {} | warm {} | cat {}",
+        rounds(&gets),
+        rounds(&colds),
+        rounds(&warms),
+        rounds(&cats)
+    );
     let (gets_s, cold_s, ttfs, warm_s, warm_first, cat_s) = (
         median(&mut gets),
         median(&mut colds),

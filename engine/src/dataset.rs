@@ -1,7 +1,7 @@
 //! A dataset as a whole: its manifest, its shards at the origin, and checks over all of them.
 
 use bytes::Bytes;
-use futures::stream::{self, StreamExt};
+use futures::stream::{self, StreamExt, TryStreamExt};
 
 use crate::error::{Error, Result};
 use crate::format::{verify_shard_bytes, Manifest, ShardExpect, ShardView, MANIFEST_BYTES_MAX};
@@ -129,37 +129,25 @@ impl Dataset {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let ranges: Vec<std::ops::Range<u64>> = (0..info.bytes.div_ceil(part))
-                .map(|i| i * part..((i + 1) * part).min(info.bytes))
-                .collect();
-            let parts: Vec<Bytes> = futures::stream::iter(ranges.iter().cloned())
-                .map(|r| self.store.get_range(&info.key, r))
-                .buffered(in_flight.max(1))
-                .collect::<Vec<_>>()
-                .await
-                .into_iter()
-                .collect::<Result<_>>()?;
-            Metrics::add(&metrics.origin_requests, parts.len() as u64);
+            // Each range streams straight into its place in one pooled buffer: no part is
+            // buffered on its own and copied again.
+            // SAFETY: every range's bytes are written by `get_range_into`, which fails unless it
+            // filled its whole slice; the ranges cover [0, bytes), so on success every byte was
+            // written, and on failure the buffer is dropped unread.
+            let mut buf = unsafe { crate::cache::io::BufPool::global().take(info.bytes as usize) };
+            let mut gets = Vec::new();
+            for (n, dst) in buf.as_mut_slice().chunks_mut(part as usize).enumerate() {
+                let at = n as u64 * part;
+                gets.push(self.store.get_range_into(&info.key, at..at + dst.len() as u64, dst));
+            }
+            let requests = gets.len() as u64;
+            futures::stream::iter(gets)
+                .buffer_unordered(in_flight.max(1))
+                .try_collect::<()>()
+                .await?;
+            Metrics::add(&metrics.origin_requests, requests);
             Metrics::add(&metrics.origin_bytes, info.bytes);
-            let bytes = if parts.len() == 1 {
-                parts.into_iter().next().expect("one part")
-            } else {
-                assert_eq!(
-                    parts.iter().map(|p| p.len() as u64).sum::<u64>(),
-                    info.bytes,
-                    "ranged parts do not cover the shard"
-                );
-                // SAFETY: the parts cover [0, bytes) exactly (checked just above), so every
-                // byte is written before the buffer is read.
-                let mut buf = unsafe { crate::cache::io::BufPool::global().take(info.bytes as usize) };
-                let dst = buf.as_mut_slice();
-                let mut off = 0;
-                for p in &parts {
-                    dst[off..off + p.len()].copy_from_slice(p);
-                    off += p.len();
-                }
-                buf.into_bytes()
-            };
+            let bytes = buf.into_bytes();
             match self.check_shard(i, &bytes) {
                 Ok(()) => return Ok(bytes),
                 Err(e) if attempt < 2 && e.is_data_error() => {

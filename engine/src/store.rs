@@ -207,30 +207,39 @@ impl Store {
         let (inner, prefix): (Arc<dyn ObjectStore>, String) = match scheme {
             "s3" | "s3a" => {
                 let (bucket, prefix) = split_bucket(rest)?;
-                let mut b = object_store::aws::AmazonS3Builder::from_env()
-                    .with_bucket_name(bucket)
-                    .with_retry(retry)
-                    .with_client_options(client.with_allow_http(true));
-                if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
-                    b = b.with_region("us-east-1");
-                }
-                (Arc::new(b.build().map_err(|e| bad(e.to_string()))?), prefix)
+                let client = shared_client(scheme, &bucket, &config, || {
+                    let mut b = object_store::aws::AmazonS3Builder::from_env()
+                        .with_bucket_name(&bucket)
+                        .with_retry(retry)
+                        .with_client_options(client.with_allow_http(true));
+                    if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+                        b = b.with_region("us-east-1");
+                    }
+                    Ok(Arc::new(b.build().map_err(|e| bad(e.to_string()))?))
+                })?;
+                (client, prefix)
             }
             "gs" => {
                 let (bucket, prefix) = split_bucket(rest)?;
-                let b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                    .with_bucket_name(bucket)
-                    .with_retry(retry)
-                    .with_client_options(client);
-                (Arc::new(b.build().map_err(|e| bad(e.to_string()))?), prefix)
+                let client = shared_client(scheme, &bucket, &config, || {
+                    let b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                        .with_bucket_name(&bucket)
+                        .with_retry(retry)
+                        .with_client_options(client);
+                    Ok(Arc::new(b.build().map_err(|e| bad(e.to_string()))?))
+                })?;
+                (client, prefix)
             }
             "az" | "azure" | "abfs" | "abfss" => {
                 let (container, prefix) = split_bucket(rest)?;
-                let b = object_store::azure::MicrosoftAzureBuilder::from_env()
-                    .with_container_name(container)
-                    .with_retry(retry)
-                    .with_client_options(client);
-                (Arc::new(b.build().map_err(|e| bad(e.to_string()))?), prefix)
+                let client = shared_client(scheme, &container, &config, || {
+                    let b = object_store::azure::MicrosoftAzureBuilder::from_env()
+                        .with_container_name(&container)
+                        .with_retry(retry)
+                        .with_client_options(client);
+                    Ok(Arc::new(b.build().map_err(|e| bad(e.to_string()))?))
+                })?;
+                (client, prefix)
             }
             "memory" => (
                 Arc::new(object_store::memory::InMemory::new()),
@@ -310,26 +319,29 @@ impl Store {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = object_store::Result<T>>,
     {
-        let p = self.config.retry;
-        let start = Instant::now();
-        let mut backoff = Duration::from_millis(p.backoff_initial_ms);
-        let mut attempt = 0u32;
+        let mut retry = Retrying::new(self.config.retry);
         loop {
-            attempt += 1;
             match op().await {
                 Ok(v) => return Ok(v),
-                Err(e) => {
-                    let transient = is_transient(&e);
-                    let out_of_time = start.elapsed() + backoff > Duration::from_millis(p.window_ms);
-                    if !transient || attempt >= p.attempts_max || out_of_time {
-                        return Err(self.convert(key, e, attempt));
-                    }
-                    tracing::debug!(object = %self.url(key), attempt, error = %e, "retrying origin request");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(p.backoff_max_ms));
-                }
+                Err(e) => self.after_failure(key, &mut retry, e).await?,
             }
         }
+    }
+
+    /// After a failed attempt: waits out the backoff and returns `Ok` to try again, or returns
+    /// the error to give up with (a permanent error, or the attempts or the window spent).
+    async fn after_failure(&self, key: &str, r: &mut Retrying, e: object_store::Error) -> Result<()> {
+        let p = self.config.retry;
+        r.attempt += 1;
+        let transient = is_transient(&e);
+        let out_of_time = r.start.elapsed() + r.backoff > Duration::from_millis(p.window_ms);
+        if !transient || r.attempt >= p.attempts_max || out_of_time {
+            return Err(self.convert(key, e, r.attempt));
+        }
+        tracing::debug!(object = %self.url(key), attempt = r.attempt, error = %e, "retrying origin request");
+        tokio::time::sleep(r.backoff).await;
+        r.backoff = (r.backoff * 2).min(Duration::from_millis(p.backoff_max_ms));
+        Ok(())
     }
 
     fn convert(&self, key: &str, e: object_store::Error, attempts: u32) -> Error {
@@ -371,6 +383,39 @@ impl Store {
             });
         }
         Ok(b)
+    }
+
+    /// Bytes `range` of an object, written into `dst` (exactly as long as the range) as they
+    /// arrive, with no buffer in between. Retried like every request; a retry rewrites `dst`
+    /// from its start. A short or long answer is an error naming the object, and on any error
+    /// `dst` holds no defined content.
+    pub async fn get_range_into(&self, key: &str, range: Range<u64>, dst: &mut [u8]) -> Result<()> {
+        assert_eq!(
+            dst.len() as u64,
+            range.end - range.start,
+            "destination of the wrong size"
+        );
+        let path = self.path(key);
+        let mut retry = Retrying::new(self.config.retry);
+        loop {
+            match read_stream_into(self.inner.as_ref(), &path, range.clone(), dst).await {
+                Ok(n) if n == dst.len() => return Ok(()),
+                Ok(n) if n < dst.len() => {
+                    return Err(Error::Truncated {
+                        object: self.url(key),
+                        expected: range.end,
+                        actual: range.start + n as u64,
+                    })
+                }
+                Ok(n) => {
+                    return Err(Error::corrupt(
+                        crate::Location::object(self.url(key)),
+                        format!("asked for {} bytes at {}, the origin sent {n}", dst.len(), range.start),
+                    ))
+                }
+                Err(e) => self.after_failure(key, &mut retry, e).await?,
+            }
+        }
     }
 
     /// Size of an object.
@@ -425,6 +470,88 @@ fn normalize_base(url: &str) -> String {
     } else {
         t.to_owned()
     }
+}
+
+/// Cloud clients kept by the process, at most this many.
+const SHARED_CLIENTS_MAX: usize = 32;
+
+/// The process's client for one bucket, built on first use and then shared by every store
+/// opened on it with the same settings and the same credentials in the environment. Building
+/// one (TLS set-up, a new connection pool) cost 10-16 ms here, most of a warm stream's start;
+/// a shared one also keeps its pooled connections.
+fn shared_client(
+    scheme: &str,
+    bucket: &str,
+    config: &StoreConfig,
+    build: impl FnOnce() -> Result<Arc<dyn ObjectStore>>,
+) -> Result<Arc<dyn ObjectStore>> {
+    type Clients = std::sync::Mutex<std::collections::HashMap<String, Arc<dyn ObjectStore>>>;
+    static CLIENTS: std::sync::OnceLock<Clients> = std::sync::OnceLock::new();
+    let mut env: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| ["AWS_", "GOOGLE_", "AZURE_"].iter().any(|p| k.starts_with(p)))
+        .collect();
+    env.sort();
+    // The process id is part of the key: a forked child (a DataLoader worker) must not use
+    // its parent's client, whose pooled connections and tasks belong to the parent.
+    let key = format!(
+        "{}\0{scheme}\0{bucket}\0{}\0{}\0{}\0{env:?}",
+        std::process::id(),
+        config.request_timeout_ms,
+        config.connect_timeout_ms,
+        config.retry.window_ms
+    );
+    let clients = CLIENTS.get_or_init(Default::default);
+    if let Some(c) = clients.lock().expect("client cache lock").get(&key) {
+        return Ok(c.clone());
+    }
+    let c = build()?;
+    let mut map = clients.lock().expect("client cache lock");
+    if map.len() >= SHARED_CLIENTS_MAX {
+        map.clear();
+    }
+    Ok(map.entry(key).or_insert(c).clone())
+}
+
+/// The state of one request's retries.
+struct Retrying {
+    start: Instant,
+    backoff: Duration,
+    attempt: u32,
+}
+
+impl Retrying {
+    fn new(p: RetryPolicy) -> Retrying {
+        Retrying {
+            start: Instant::now(),
+            backoff: Duration::from_millis(p.backoff_initial_ms),
+            attempt: 0,
+        }
+    }
+}
+
+/// One ranged GET, its body copied into `dst` chunk by chunk as it arrives. Returns the bytes
+/// the origin sent (only the first `dst.len()` are kept).
+async fn read_stream_into(
+    store: &dyn ObjectStore,
+    path: &Path,
+    range: Range<u64>,
+    dst: &mut [u8],
+) -> object_store::Result<usize> {
+    use futures::StreamExt;
+    let opts = object_store::GetOptions {
+        range: Some(range.into()),
+        ..Default::default()
+    };
+    let mut body = store.get_opts(path, opts).await?.into_stream();
+    let mut n = 0usize;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk?;
+        if let Some(d) = dst.get_mut(n..n + chunk.len()) {
+            d.copy_from_slice(&chunk);
+        }
+        n += chunk.len();
+    }
+    Ok(n)
 }
 
 /// Whether an object_store error is worth retrying.

@@ -228,11 +228,18 @@ struct Source {
     schema: Arc<Schema>,
 }
 
-/// Cache copies being written in the background at once.
+/// Cache copies being written to disk at once.
 const INSERTS_IN_FLIGHT_MAX: usize = 2;
+/// Unit of the pending-insert budget (a semaphore permit per MiB).
+const INSERT_PERMIT_BYTES: u64 = 1 << 20;
 
 struct Shared {
+    /// Bytes of shards delivered whose cache copy is still pending, in MiB permits: the
+    /// copies queue behind a slow disk without holding delivery back, up to this budget.
     inserts: Arc<tokio::sync::Semaphore>,
+    insert_permits: u32,
+    /// Cache copies being written at once.
+    writers: Arc<tokio::sync::Semaphore>,
     sources: Vec<Source>,
     cache: Option<Cache>,
     metrics: Arc<Metrics>,
@@ -325,7 +332,7 @@ impl Drop for Stream {
         let _ = self.rt.block_on(async {
             tokio::time::timeout(
                 std::time::Duration::from_secs(60),
-                inserts.acquire_many(INSERTS_IN_FLIGHT_MAX as u32),
+                inserts.acquire_many(self.shared.insert_permits),
             )
             .await
         });
@@ -399,8 +406,17 @@ impl Stream {
             },
         };
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
+        let largest = sources
+            .iter()
+            .flat_map(|s| s.ids.iter().map(|i| i.bytes))
+            .max()
+            .unwrap_or(0);
+        let insert_permits =
+            (cfg.prefetch_bytes_max.max(largest) / INSERT_PERMIT_BYTES + 1).min(u32::MAX as u64) as u32;
         let shared = Arc::new(Shared {
-            inserts: Arc::new(tokio::sync::Semaphore::new(INSERTS_IN_FLIGHT_MAX)),
+            inserts: Arc::new(tokio::sync::Semaphore::new(insert_permits as usize)),
+            insert_permits,
+            writers: Arc::new(tokio::sync::Semaphore::new(INSERTS_IN_FLIGHT_MAX)),
             sources,
             cache,
             metrics,
@@ -865,17 +881,30 @@ async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result
     let bytes = fetch_shard_origin(&shared, stream, shard).await?;
     // Writing (and fsyncing) the cache copy is off the delivery path; the download lock is
     // held until the copy is in place, so other processes on the host wait for it instead of
-    // fetching again. At most `INSERTS_IN_FLIGHT_MAX` copies are pending at once. The permit
-    // is taken before the shard is delivered, so a copy is never lost to cancellation: either
-    // the shard was not delivered, or its copy runs to completion (`Drop` waits for it).
-    let permit = shared.inserts.clone().acquire_owned().await.expect("semaphore open");
-    let (c, b) = (cache.clone(), bytes.clone());
-    tokio::task::spawn_blocking(move || {
-        if let Err(e) = c.insert(id, &b) {
-            tracing::warn!(error = %e, "cache insert failed; the shard was served from memory");
-        }
-        drop(lock);
-        drop(permit);
+    // fetching again. Copies queue behind a disk slower than the link, holding at most
+    // `prefetch_bytes_max` of delivered shards, and `INSERTS_IN_FLIGHT_MAX` are written at
+    // once. The budget is taken before the shard is delivered, so a copy is never lost to
+    // cancellation: either the shard was not delivered, or its copy runs to completion (`Drop`
+    // waits for it).
+    let need = (bytes.len() as u64 / INSERT_PERMIT_BYTES + 1).min(shared.insert_permits as u64) as u32;
+    let permit = shared
+        .inserts
+        .clone()
+        .acquire_many_owned(need)
+        .await
+        .expect("semaphore open");
+    let (c, b, writers) = (cache.clone(), bytes.clone(), shared.writers.clone());
+    tokio::spawn(async move {
+        let writer = writers.acquire_owned().await.expect("semaphore open");
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Err(e) = c.insert(id, &b) {
+                tracing::warn!(error = %e, "cache insert failed; the shard was served from memory");
+            }
+            drop(lock);
+            drop(writer);
+            drop(permit);
+        })
+        .await;
     });
     Ok(bytes)
 }

@@ -1,13 +1,16 @@
-//! Disk I/O of the node-local cache: one trait, three implementations.
+//! Disk I/O of the node-local cache: one trait, four implementations.
 //!
 //! - [`UringIo`]: io_uring, one ring per thread (thread-per-core: no lock is shared between
 //!   rings), with a pool of registered (fixed) buffers that every read and write goes through,
 //!   several operations in flight, and `O_DIRECT` where the filesystem allows it.
 //! - [`PreadIo`]: plain `pread`/`pwrite`, the fallback where io_uring is unavailable.
+//! - [`MapResident`]: wraps one of those; a file whose pages are all in the page cache is
+//!   mapped and served in place (no copy), the others are read by the wrapped one.
 //! - [`FaultyIo`]: wraps another and flips bytes or fails writes, for tests.
 //!
-//! [`detect`] picks io_uring when a ring can be created, else pread; `RAMJET_CACHE_IO=pread`
-//! or `=uring` forces one.
+//! [`detect`] picks io_uring when a ring can be created, else pread, and wraps it in
+//! [`MapResident`]; `RAMJET_CACHE_IO=pread` or `=uring` forces one, `RAMJET_CACHE_MMAP=0`
+//! turns the mapping off.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::cell::RefCell;
@@ -206,7 +209,7 @@ impl Drop for PooledBuf {
 
 /// Hashes a file's chunks in order as their reads complete (completions may come out of order).
 struct ChunkHasher {
-    hasher: Option<xxhash_rust::xxh3::Xxh3>,
+    hasher: Option<crate::format::ShardHasher>,
     limit: usize,
     next: usize,
     ready: Vec<bool>,
@@ -215,7 +218,7 @@ struct ChunkHasher {
 impl ChunkHasher {
     fn new(len: usize, skip_tail: usize) -> Self {
         ChunkHasher {
-            hasher: (len >= skip_tail).then(xxhash_rust::xxh3::Xxh3::new),
+            hasher: (len >= skip_tail).then(crate::format::ShardHasher::default),
             limit: len.saturating_sub(skip_tail),
             next: 0,
             ready: vec![false; len.div_ceil(IO_CHUNK_BYTES)],
@@ -238,6 +241,118 @@ impl ChunkHasher {
 
     fn finish(self) -> Option<u64> {
         self.hasher.map(|h| h.digest())
+    }
+}
+
+/// xxh3-64 of the first `len - skip_tail` bytes, when there are at least `skip_tail`.
+fn hash_prefix(b: &[u8], skip_tail: usize) -> Option<u64> {
+    (b.len() >= skip_tail).then(|| crate::format::shard_checksum(&b[..b.len() - skip_tail]))
+}
+
+/// A read-only shared mapping of a whole file: its page-cache pages, in place.
+///
+/// Cache files are immutable: written under `tmp/`, renamed into place, and only ever
+/// unlinked, which leaves a mapping valid. A process outside ramjet that truncated a cache
+/// file in place while it is mapped would make a read of the lost pages fault (SIGBUS); the
+/// cache directory belongs to ramjet, as a database's files belong to the database.
+pub struct MappedFile {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and owned by this value; reads from any thread are sound.
+unsafe impl Send for MappedFile {}
+// SAFETY: as above: shared access only reads.
+unsafe impl Sync for MappedFile {}
+
+impl MappedFile {
+    /// Maps the first `len` bytes of `f` when every one of their pages is in the page cache.
+    /// `None` when some page is not (reading it into a buffer with queued I/O is then faster
+    /// than faulting pages in one by one), or when `len` is 0.
+    pub fn map_if_resident(f: &File, len: usize) -> io::Result<Option<MappedFile>> {
+        if len == 0 {
+            return Ok(None);
+        }
+        // SAFETY: a new read-only shared mapping of a descriptor we hold open; the kernel picks
+        // the address, so no existing memory is affected.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let m = MappedFile { ptr, len };
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        let mut resident = vec![0u8; len.div_ceil(page)];
+        // SAFETY: `resident` has one byte per page of the mapping [ptr, ptr + len).
+        if unsafe { libc::mincore(m.ptr, len, resident.as_mut_ptr()) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(resident.iter().all(|r| r & 1 == 1).then_some(m))
+    }
+}
+
+impl AsRef<[u8]> for MappedFile {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the mapping covers `len` readable bytes and lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `map_if_resident`; no slice of it outlives
+        // `self` (`Bytes` keeps the owner alive while any slice exists).
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
+}
+
+/// Serves files that are wholly in the page cache from a mapping of it, without a copy, and
+/// reads the others with the wrapped implementation.
+///
+/// A warm shard read into a buffer moves every byte through memory twice (page cache to
+/// buffer, then the buffer to whoever reads it); mapped, once, as `cat` does. Files not
+/// resident still go through the wrapped queued reads (io_uring), which beat faulting pages
+/// in one at a time. Writes go to the wrapped implementation.
+pub struct MapResident {
+    inner: Arc<dyn CacheIo>,
+}
+
+impl MapResident {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn CacheIo>) -> MapResident {
+        MapResident { inner }
+    }
+}
+
+impl CacheIo for MapResident {
+    fn name(&self) -> &'static str {
+        match self.inner.name() {
+            "io_uring" => "io_uring (mmap when resident)",
+            "io_uring+O_DIRECT" => "io_uring+O_DIRECT (mmap when resident)",
+            "pread" => "pread (mmap when resident)",
+            _ => "mmap when resident",
+        }
+    }
+    fn read_file(&self, path: &Path, hash_skip_tail: usize) -> io::Result<(Bytes, Option<u64>)> {
+        let f = File::open(path)?;
+        let len = f.metadata()?.len() as usize;
+        if let Some(m) = MappedFile::map_if_resident(&f, len)? {
+            let h = hash_prefix(m.as_ref(), hash_skip_tail);
+            return Ok((Bytes::from_owner(m), h));
+        }
+        self.inner.read_file(path, hash_skip_tail)
+    }
+    fn write_file(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        self.inner.write_file(path, data)
     }
 }
 
@@ -311,6 +426,21 @@ impl Ring {
         // ring is dropped, unregistering them, before the buffers: fields drop in order).
         unsafe { ring.submitter().register_buffers_update(0, &iovecs, None)? };
         Ok(Ring { ring, bufs })
+    }
+
+    /// Empties the destination slot, releasing the kernel's reference to the memory it held.
+    fn clear_dest(&mut self) -> io::Result<()> {
+        let clear = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }];
+        // SAFETY: an empty iovec registers no memory; it only drops the slot's old reference.
+        unsafe {
+            self.ring
+                .submitter()
+                .register_buffers_update(DEST_SLOT as u32, &clear, None)?
+        };
+        Ok(())
     }
 
     /// Runs `ops` chunked operations: `prep(i, buf_index, buf_ptr)` builds the entry for chunk
@@ -485,16 +615,7 @@ impl CacheIo for UringIo {
                     Ok(())
                 },
             );
-            let clear = [libc::iovec {
-                iov_base: std::ptr::null_mut(),
-                iov_len: 0,
-            }];
-            // SAFETY: clearing a slot releases the kernel's reference to `out`.
-            unsafe {
-                ring.ring
-                    .submitter()
-                    .register_buffers_update(DEST_SLOT as u32, &clear, None)?
-            };
+            ring.clear_dest()?;
             r
         })?;
         Ok((out.into_bytes(), hasher.finish()))
@@ -505,11 +626,36 @@ impl CacheIo for UringIo {
         let chunks = data.len().div_ceil(IO_CHUNK_BYTES);
         let fd = io_uring::types::Fd(f.as_raw_fd());
         with_ring(|ring| {
-            ring.run(
+            // Buffered writes go straight from `data`, registered in the destination slot:
+            // a copy into the bounce buffers first would read every byte once more. O_DIRECT
+            // needs aligned lengths (the last chunk is padded), so it keeps the bounce buffers,
+            // as do writes from memory the kernel will not register (read-only mappings).
+            let dest = [libc::iovec {
+                iov_base: data.as_ptr() as *mut libc::c_void,
+                iov_len: data.len(),
+            }];
+            let in_place = !direct && !data.is_empty() && {
+                // SAFETY: `data` outlives the registration: the slot is cleared below, before
+                // this closure returns, and no operation is in flight after `run` returns. The
+                // kernel only reads through it (writes to the file).
+                unsafe {
+                    ring.ring
+                        .submitter()
+                        .register_buffers_update(DEST_SLOT as u32, &dest, None)
+                }
+                .is_ok()
+            };
+            let r = ring.run(
                 chunks,
                 |i, b, ptr| {
                     let off = i * IO_CHUNK_BYTES;
                     let n = (data.len() - off).min(IO_CHUNK_BYTES);
+                    if in_place {
+                        let src = data[off..].as_ptr();
+                        return io_uring::opcode::WriteFixed::new(fd, src, n as u32, DEST_SLOT)
+                            .offset(off as u64)
+                            .build();
+                    }
                     // SAFETY: ptr is registered buffer `b` of IO_CHUNK_BYTES bytes, not in flight.
                     let buf = unsafe { std::slice::from_raw_parts_mut(ptr, IO_CHUNK_BYTES) };
                     buf[..n].copy_from_slice(&data[off..off + n]);
@@ -535,7 +681,11 @@ impl CacheIo for UringIo {
                     }
                     Ok(())
                 },
-            )
+            );
+            if in_place {
+                ring.clear_dest()?;
+            }
+            r
         })?;
         if direct {
             f.set_len(data.len() as u64)?;
@@ -545,8 +695,18 @@ impl CacheIo for UringIo {
 }
 
 /// Picks the cache I/O: io_uring (O_DIRECT when `RAMJET_CACHE_DIRECT=1`) when a ring can be
-/// created, else pread. `RAMJET_CACHE_IO=pread|uring` forces one.
+/// created, else pread; `RAMJET_CACHE_IO=pread|uring` forces one. It is wrapped in
+/// [`MapResident`] unless `RAMJET_CACHE_MMAP=0`.
 pub fn detect() -> Arc<dyn CacheIo> {
+    let io = detect_disk_io();
+    if std::env::var("RAMJET_CACHE_MMAP").is_ok_and(|v| v == "0") {
+        io
+    } else {
+        Arc::new(MapResident::new(io))
+    }
+}
+
+fn detect_disk_io() -> Arc<dyn CacheIo> {
     let direct = std::env::var("RAMJET_CACHE_DIRECT").is_ok_and(|v| v == "1");
     match std::env::var("RAMJET_CACHE_IO").as_deref() {
         Ok("pread") => return Arc::new(PreadIo),
@@ -607,7 +767,7 @@ impl CacheIo for FaultyIo {
             v[mid] ^= 0x40;
         }
         // Hash what is returned, so an injected flip is seen by the checksum as a real one would be.
-        let h = (v.len() >= hash_skip_tail).then(|| xxhash_rust::xxh3::xxh3_64(&v[..v.len() - hash_skip_tail]));
+        let h = hash_prefix(&v, hash_skip_tail);
         Ok((Bytes::from(v), h))
     }
     fn write_file(&self, path: &Path, data: &[u8]) -> io::Result<()> {
@@ -659,5 +819,42 @@ mod tests {
                 Err(e) => println!("SKIPPED io_uring (direct={direct}): unavailable here: {e}"),
             }
         }
+    }
+
+    #[test]
+    fn map_resident_suite() {
+        suite(&MapResident::new(Arc::new(PreadIo)));
+    }
+
+    /// A resident file is served from the mapping; once its pages are dropped from the page
+    /// cache, from the wrapped implementation (which here flips a byte, to tell them apart).
+    #[test]
+    fn map_resident_maps_resident_files_and_reads_the_others() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        let data: Vec<u8> = (0..3 * IO_CHUNK_BYTES + 5).map(|i| (i % 253) as u8).collect();
+        PreadIo.write_file(&p, &data).unwrap();
+        let faulty = Arc::new(FaultyIo::new(Arc::new(PreadIo)));
+        faulty.faults.corrupt_reads.store(u64::MAX, Ordering::SeqCst);
+        let io = MapResident::new(faulty.clone());
+        let (got, h) = io.read_file(&p, 7).unwrap();
+        assert_eq!(&got[..], &data[..], "a resident file was not served from the mapping");
+        assert_eq!(h, hash_prefix(&data, 7));
+        assert_eq!(faulty.faults.corrupt_reads.load(Ordering::SeqCst), u64::MAX);
+        drop(got);
+        let f = File::open(&p).unwrap();
+        // SAFETY: advice on a descriptor we hold; no memory is involved.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if MappedFile::map_if_resident(&f, data.len()).unwrap().is_some() {
+            println!("SKIPPED the non-resident half: the page cache kept the file");
+            return;
+        }
+        let (got, h) = io.read_file(&p, 7).unwrap();
+        assert_ne!(
+            &got[..],
+            &data[..],
+            "a file not resident was not read by the wrapped io"
+        );
+        assert_eq!(h, hash_prefix(&got, 7));
     }
 }

@@ -431,7 +431,10 @@ mod tests {
 
     /// Every I/O path available here; io_uring is skipped, saying so, where the kernel refuses it.
     fn all_io() -> Vec<Arc<dyn CacheIo>> {
-        let mut v: Vec<Arc<dyn CacheIo>> = vec![Arc::new(io::PreadIo)];
+        let mut v: Vec<Arc<dyn CacheIo>> = vec![
+            Arc::new(io::PreadIo),
+            Arc::new(io::MapResident::new(Arc::new(io::PreadIo))),
+        ];
         match io::UringIo::new(false) {
             Ok(u) => v.push(Arc::new(u)),
             Err(e) => println!("SKIPPED io_uring cache path: unavailable here: {e}"),
