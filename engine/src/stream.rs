@@ -238,8 +238,8 @@ struct Shared {
     /// copies queue behind a slow disk without holding delivery back, up to this budget.
     inserts: Arc<tokio::sync::Semaphore>,
     insert_permits: u32,
-    /// Cache copies being written at once.
-    writers: Arc<tokio::sync::Semaphore>,
+    /// Writes the cache copies, at low priority.
+    filler: Option<crate::cache::Filler>,
     sources: Vec<Source>,
     cache: Option<Cache>,
     metrics: Arc<Metrics>,
@@ -416,7 +416,13 @@ impl Stream {
         let shared = Arc::new(Shared {
             inserts: Arc::new(tokio::sync::Semaphore::new(insert_permits as usize)),
             insert_permits,
-            writers: Arc::new(tokio::sync::Semaphore::new(INSERTS_IN_FLIGHT_MAX)),
+            filler: match &cache {
+                Some(_) => Some(
+                    crate::cache::Filler::new(INSERTS_IN_FLIGHT_MAX)
+                        .map_err(|e| Error::io("cache filler thread", e))?,
+                ),
+                None => None,
+            },
             sources,
             cache,
             metrics,
@@ -885,7 +891,7 @@ async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result
     // `prefetch_bytes_max` of delivered shards, and `INSERTS_IN_FLIGHT_MAX` are written at
     // once. The budget is taken before the shard is delivered, so a copy is never lost to
     // cancellation: either the shard was not delivered, or its copy runs to completion (`Drop`
-    // waits for it).
+    // waits for it). The copies are written at low CPU priority (see `Filler`).
     let need = (bytes.len() as u64 / INSERT_PERMIT_BYTES + 1).min(shared.insert_permits as u64) as u32;
     let permit = shared
         .inserts
@@ -893,19 +899,15 @@ async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result
         .acquire_many_owned(need)
         .await
         .expect("semaphore open");
-    let (c, b, writers) = (cache.clone(), bytes.clone(), shared.writers.clone());
-    tokio::spawn(async move {
-        let writer = writers.acquire_owned().await.expect("semaphore open");
-        let _ = tokio::task::spawn_blocking(move || {
-            if let Err(e) = c.insert(id, &b) {
-                tracing::warn!(error = %e, "cache insert failed; the shard was served from memory");
-            }
-            drop(lock);
-            drop(writer);
-            drop(permit);
-        })
-        .await;
-    });
+    let (c, b) = (cache.clone(), bytes.clone());
+    let filler = shared.filler.as_ref().expect("a cache has a filler");
+    filler.submit(Box::new(move || {
+        if let Err(e) = c.insert(id, &b) {
+            tracing::warn!(error = %e, "cache insert failed; the shard was served from memory");
+        }
+        drop(lock);
+        drop(permit);
+    }));
     Ok(bytes)
 }
 

@@ -398,6 +398,57 @@ impl Cache {
     }
 }
 
+/// Nice value of the cache-filling threads: a tenth of a normal thread's CPU share when the
+/// cores are contended (19, the lowest, could starve the copies for minutes on a busy host).
+const FILL_NICE: libc::c_int = 10;
+
+/// Threads that write cache copies at a low CPU priority (nice 10), so filling the cache
+/// never takes a core from fetching, verifying and delivering samples: where the cores are
+/// busy, the copies wait for idle time (the consumer's compute, or the end of the epoch).
+/// Jobs run in submission order across the threads; the threads end when the filler is
+/// dropped and the queue is drained.
+pub struct Filler {
+    tx: std::sync::Mutex<std::sync::mpsc::Sender<FillJob>>,
+}
+
+/// One background cache write.
+pub type FillJob = Box<dyn FnOnce() + Send>;
+
+impl Filler {
+    /// A filler with `threads` writer threads.
+    pub fn new(threads: usize) -> std::io::Result<Filler> {
+        let (tx, rx) = std::sync::mpsc::channel::<FillJob>();
+        let rx = Arc::new(std::sync::Mutex::new(rx));
+        for i in 0..threads.max(1) {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("ramjet-cache-fill-{i}"))
+                .spawn(move || {
+                    // SAFETY: setpriority on the calling thread (on Linux, PRIO_PROCESS with
+                    // who = 0 names the calling thread); no memory is involved. Raising one's
+                    // own nice value needs no privilege; a failure only leaves the priority as is.
+                    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, FILL_NICE) };
+                    loop {
+                        let job = rx.lock().expect("filler queue lock").recv();
+                        match job {
+                            Ok(job) => job(),
+                            Err(_) => return,
+                        }
+                    }
+                })?;
+        }
+        Ok(Filler {
+            tx: std::sync::Mutex::new(tx),
+        })
+    }
+
+    /// Queues a write.
+    pub fn submit(&self, job: FillJob) {
+        // The threads live as long as the sender, so the send cannot fail.
+        let _ = self.tx.lock().expect("filler lock").send(job);
+    }
+}
+
 struct Entry {
     id: ShardId,
     bytes: u64,
