@@ -268,7 +268,8 @@ unsafe impl Sync for MappedFile {}
 impl MappedFile {
     /// Maps the first `len` bytes of `f` when every one of their pages is in the page cache.
     /// `None` when some page is not (reading it into a buffer with queued I/O is then faster
-    /// than faulting pages in one by one), or when `len` is 0.
+    /// than faulting pages in one by one), or when `len` is 0. An error means the file cannot
+    /// be mapped or checked here (a filesystem without mmap); the caller reads it instead.
     pub fn map_if_resident(f: &File, len: usize) -> io::Result<Option<MappedFile>> {
         if len == 0 {
             return Ok(None);
@@ -345,7 +346,8 @@ impl CacheIo for MapResident {
     fn read_file(&self, path: &Path, hash_skip_tail: usize) -> io::Result<(Bytes, Option<u64>)> {
         let f = File::open(path)?;
         let len = f.metadata()?.len() as usize;
-        if let Some(m) = MappedFile::map_if_resident(&f, len)? {
+        // The mapping only saves a copy: where it fails, the file is read as without it.
+        if let Ok(Some(m)) = MappedFile::map_if_resident(&f, len) {
             let h = hash_prefix(m.as_ref(), hash_skip_tail);
             return Ok((Bytes::from_owner(m), h));
         }
