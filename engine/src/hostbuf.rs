@@ -14,7 +14,12 @@ use std::sync::{Arc, Mutex};
 pub const HOST_ALIGN: usize = 64;
 
 /// Obtains and releases host memory for batch buffers.
-pub trait HostAlloc: Send + Sync + 'static {
+///
+/// # Safety
+/// `alloc(len)` must return memory valid for reads and writes of `len` bytes, aligned to
+/// [`HOST_ALIGN`], owned by nobody else until it is passed to `free`: the pool hands it out as
+/// `&mut [u8]` and exports it to other runtimes (DLPack) on that promise.
+pub unsafe trait HostAlloc: Send + Sync + 'static {
     /// `len` bytes aligned to [`HOST_ALIGN`], or `None` when none can be had.
     fn alloc(&self, len: usize) -> Option<NonNull<u8>>;
     /// Releases memory that `alloc(len)` returned.
@@ -32,7 +37,8 @@ pub trait HostAlloc: Send + Sync + 'static {
 #[derive(Debug, Default)]
 pub struct AlignedAlloc;
 
-impl HostAlloc for AlignedAlloc {
+// SAFETY: memory from the global allocator with the stated layout, exclusively owned.
+unsafe impl HostAlloc for AlignedAlloc {
     fn alloc(&self, len: usize) -> Option<NonNull<u8>> {
         let layout = Layout::from_size_align(len.max(1), HOST_ALIGN).ok()?;
         // SAFETY: the layout has a non-zero size.

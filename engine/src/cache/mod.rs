@@ -30,10 +30,10 @@
 //! serve other processes without changing the on-disk contract.
 
 pub mod io;
+pub mod lock;
 
 use std::fs::{self, File};
-use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -45,6 +45,7 @@ use crate::error::{Error, Result};
 use crate::format::FOOTER_LEN;
 use crate::metrics::Metrics;
 use io::CacheIo;
+use lock::FileLock;
 
 /// Cache settings.
 #[derive(Debug, Clone)]
@@ -110,42 +111,6 @@ pub struct Cache {
 /// The host-wide download lock of one shard (see [`Cache::fetch_lock`]); released on drop.
 pub struct FetchGuard(#[allow(dead_code)] FileLock);
 
-/// An flock on a file, released on drop.
-struct FileLock {
-    // Held for the lock: closing the descriptor releases it.
-    _file: File,
-}
-
-impl FileLock {
-    fn acquire(path: &Path, exclusive: bool, block: bool) -> std::io::Result<Option<FileLock>> {
-        let f = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)?;
-        Self::on(f, exclusive, block)
-    }
-
-    fn on(f: File, exclusive: bool, block: bool) -> std::io::Result<Option<FileLock>> {
-        let mut op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
-        if !block {
-            op |= libc::LOCK_NB;
-        }
-        // SAFETY: flock on a descriptor this function owns; no memory is involved.
-        let r = unsafe { libc::flock(f.as_raw_fd(), op) };
-        if r == 0 {
-            return Ok(Some(FileLock { _file: f }));
-        }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            Ok(None)
-        } else {
-            Err(e)
-        }
-    }
-}
-
 impl Cache {
     /// Opens (creating) the cache directory and removes temp files of dead writers.
     pub fn open(cfg: CacheConfig, io: Arc<dyn CacheIo>, metrics: Arc<Metrics>) -> Result<Cache> {
@@ -181,7 +146,7 @@ impl Cache {
 
     fn admission_lock(&self) -> Result<FileLock> {
         let p = self.cfg.dir.join("lock");
-        FileLock::acquire(&p, true, true)
+        FileLock::acquire(&p, true, true, true)
             .map_err(|e| Error::io(p.display(), e))?
             .ok_or_else(|| Error::io(p.display(), std::io::Error::other("lock not granted")))
     }
@@ -190,7 +155,7 @@ impl Cache {
     /// others wait and then read it from the cache.
     pub fn fetch_lock(&self, id: ShardId) -> Result<FetchGuard> {
         let p = self.cfg.dir.join("fetch").join(format!("{}.lock", id.file_name()));
-        FileLock::acquire(&p, true, true)
+        FileLock::acquire(&p, true, true, true)
             .map_err(|e| Error::io(p.display(), e))?
             .map(FetchGuard)
             .ok_or_else(|| Error::io(p.display(), std::io::Error::other("lock not granted")))
@@ -215,14 +180,13 @@ impl Cache {
     /// returned.
     pub fn get(&self, id: ShardId) -> Result<Option<Bytes>> {
         let path = self.path_of(id);
-        let f = match File::open(&path) {
-            Ok(f) => f,
+        // Pin against eviction while reading (a shared lock; eviction takes an exclusive one).
+        let pin = match FileLock::acquire(&path, false, true, false) {
+            Ok(Some(p)) => p,
+            Ok(None) => return Ok(None),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io(path.display(), e)),
         };
-        // Pin against eviction while reading.
-        let _pin = FileLock::on(f.try_clone().map_err(|e| Error::io(path.display(), e))?, false, true)
-            .map_err(|e| Error::io(path.display(), e))?;
         let (bytes, hash) = match self.io.read_file(&path, FOOTER_LEN as usize) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -236,7 +200,7 @@ impl Cache {
             let _ = fs::remove_file(&path);
             return Ok(None);
         }
-        let _ = f.set_modified(SystemTime::now());
+        let _ = pin.file().set_modified(SystemTime::now());
         Metrics::add(&self.metrics.cache_hits, 1);
         Metrics::add(&self.metrics.cache_bytes, bytes.len() as u64);
         Ok(Some(bytes))
@@ -376,12 +340,8 @@ impl Cache {
             if e.used > stale_before && e.id.priority() >= id.priority() {
                 continue;
             }
-            let f = match File::open(&e.path) {
-                Ok(f) => f,
-                Err(_) => continue,
-            };
             // A reader holds a shared lock: in use, not evictable.
-            if let Ok(Some(lock)) = FileLock::on(f, true, false) {
+            if let Ok(Some(lock)) = FileLock::acquire(&e.path, true, false, false) {
                 need = need.saturating_sub(e.bytes);
                 victims.push((e, lock));
             }
@@ -460,6 +420,7 @@ struct Entry {
 mod tests {
     use super::*;
     use crate::format::{ColumnType, Schema, ShardBuilder, Value};
+    use std::path::Path;
 
     fn shard(tag: u8, n: usize) -> (ShardId, Vec<u8>) {
         let mut b = ShardBuilder::new(Schema::new([("x", ColumnType::Bytes)]).unwrap());
@@ -482,12 +443,12 @@ mod tests {
 
     /// Every I/O path available here; io_uring is skipped, saying so, where the kernel refuses it.
     fn all_io() -> Vec<Arc<dyn CacheIo>> {
-        let mut v: Vec<Arc<dyn CacheIo>> = vec![
-            Arc::new(io::PreadIo),
-            Arc::new(io::MapResident::new(Arc::new(io::PreadIo))),
-        ];
+        let mut v: Vec<Arc<dyn CacheIo>> = vec![Arc::new(io::PreadIo)];
         match io::UringIo::new(false) {
             Ok(u) => v.push(Arc::new(u)),
+            Err(e) if io::uring_expected() => {
+                panic!("io_uring expected (RAMJET_EXPECT_IO_URING=1) but unavailable: {e}")
+            }
             Err(e) => println!("SKIPPED io_uring cache path: unavailable here: {e}"),
         }
         v
@@ -581,5 +542,92 @@ mod tests {
         fs::write(&dead, b"partial").unwrap();
         cache(d.path(), 1 << 20, io::detect());
         assert!(!dead.exists());
+    }
+
+    /// Waits up to `secs` for one byte on `fd`; `None` on timeout.
+    fn read_byte_within(fd: libc::c_int, secs: i32) -> Option<u8> {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut p, 1, secs * 1000) } != 1 {
+            return None;
+        }
+        let mut b = [0u8; 1];
+        // SAFETY: reads at most one byte into `b`.
+        (unsafe { libc::read(fd, b.as_mut_ptr().cast(), 1) } == 1).then_some(b[0])
+    }
+
+    /// Regression: `flock` belongs to the open file description, which `fork` shares. A worker
+    /// forked while the admission and fetch locks were held kept them for its whole life: its
+    /// own `Cache::open` waited forever, and so did the parent's next insert.
+    #[test]
+    fn cache_locks_leak_into_forked_workers() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cache(d.path(), 1 << 20, Arc::new(io::PreadIo));
+        let (id, data) = shard(7, 5);
+        let (id2, data2) = shard(8, 5);
+        let adm = c.admission_lock().unwrap();
+        let fetch = c.fetch_lock(id).unwrap();
+        let mut fds = [0; 2];
+        // SAFETY: a pipe into a two-element array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: the child only runs the cache calls below and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // The child, forked while its parent holds both locks: it must wait only for the
+            // parent (which lets go below), never on locks it inherited.
+            let ok = (|| -> Result<()> {
+                let c2 = Cache::open(
+                    CacheConfig::new(d.path(), 1 << 20),
+                    Arc::new(io::PreadIo),
+                    Arc::default(),
+                )?;
+                let _g = c2.fetch_lock(id)?;
+                c2.insert(id2, &data2)?;
+                Ok(())
+            })()
+            .is_ok();
+            // SAFETY: writes one byte to the pipe, then waits to be killed without unwinding.
+            unsafe {
+                libc::write(fds[1], [ok as u8].as_ptr().cast(), 1);
+                libc::sleep(30);
+                libc::_exit(0);
+            }
+        }
+        drop(adm);
+        drop(fetch);
+        let child = read_byte_within(fds[0], 20);
+        // The child is alive and holds nothing now: the parent takes both locks at once.
+        let adm_free = FileLock::acquire(&d.path().join("lock"), true, false, true)
+            .unwrap()
+            .is_some();
+        let fetch_free = {
+            let p = d.path().join("fetch").join(format!("{}.lock", id.file_name()));
+            FileLock::acquire(&p, true, false, true).unwrap().is_some()
+        };
+        // Only when the lock is free: with the bug, this insert would wait forever.
+        let inserted = adm_free && c.insert(id, &data).unwrap();
+        // SAFETY: ends and reaps our own child.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+            libc::close(fds[0]);
+            libc::close(fds[1]);
+        }
+        assert_eq!(
+            child,
+            Some(1),
+            "the forked child could not open the cache and take a lock"
+        );
+        assert!(adm_free, "the forked child still holds the admission lock");
+        assert!(fetch_free, "the forked child still holds the fetch lock");
+        assert!(
+            inserted && c.contains(id2),
+            "the child's insert or the parent's did not land"
+        );
     }
 }
