@@ -16,18 +16,62 @@ use crate::daemon::{Daemon, DaemonConfig};
 use crate::sys;
 use crate::wire::{self, Msg};
 
-/// The default socket path: `$RAMJET_SOCKET`, else `$XDG_RUNTIME_DIR/ramjet.sock`, else
-/// `/tmp/ramjet-<uid>.sock`.
+/// The default socket path: `$RAMJET_SOCKET`, else `daemon.sock` in the private directory
+/// `$XDG_RUNTIME_DIR/ramjet/`, else `/tmp/ramjet-<uid>/` (created with mode 0700 and checked
+/// to be ours by [`ensure_private_dir`] before a daemon binds there).
 pub fn default_socket() -> PathBuf {
     if let Ok(p) = std::env::var("RAMJET_SOCKET") {
         return p.into();
     }
-    if let Ok(d) = std::env::var("XDG_RUNTIME_DIR") {
-        return Path::new(&d).join("ramjet.sock");
+    let dir = match std::env::var("XDG_RUNTIME_DIR") {
+        Ok(d) if !d.is_empty() => Path::new(&d).join("ramjet"),
+        _ => std::env::temp_dir().join(format!("ramjet-{}", sys::my_uid())),
+    };
+    dir.join("daemon.sock")
+}
+
+/// Creates `dir` with mode 0700 if it is missing, then checks that it is a real directory
+/// (not a symbolic link), owned by us, that no one else may enter or write. In a shared `/tmp`
+/// another user could otherwise create the directory first and serve its own socket there.
+pub fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
     }
-    // SAFETY: getuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::getuid() };
-    std::env::temp_dir().join(format!("ramjet-{uid}.sock"))
+    let m = std::fs::symlink_metadata(dir)?;
+    let me = sys::my_uid();
+    if !m.file_type().is_dir() || m.uid() != me || m.mode() & 0o077 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a private directory of uid {me} (owner uid {}, mode {:o}, {}); refusing to use it for the daemon socket",
+                dir.display(),
+                m.uid(),
+                m.mode() & 0o7777,
+                if m.file_type().is_symlink() { "a symbolic link" } else if m.is_dir() { "a directory" } else { "not a directory" }
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Connects to the daemon socket and checks, with `SO_PEERCRED`, that the process serving it
+/// runs as our user: a socket path alone proves nothing about who listens there.
+pub fn connect_checked(socket: &Path) -> std::io::Result<UnixStream> {
+    let c = UnixStream::connect(socket)?;
+    let (theirs, ours) = (sys::peer_uid(c.as_raw_fd())?, sys::my_uid());
+    if theirs != ours {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the daemon at {} runs as uid {theirs}, not as this user (uid {ours}); refused",
+                socket.display()
+            ),
+        ));
+    }
+    Ok(c)
 }
 
 /// A blocking client of the host daemon. Connections are pooled; every method may be called
@@ -60,11 +104,21 @@ impl DaemonClient {
         UnixStream::connect(&self.socket).is_ok()
     }
 
+    /// Whether a daemon of this user answers on the socket (an error says why one of another
+    /// user is refused).
+    pub fn alive_checked(&self) -> std::io::Result<bool> {
+        match connect_checked(&self.socket) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(e),
+            Err(_) => Ok(false),
+        }
+    }
+
     fn conn(&self) -> std::io::Result<UnixStream> {
         if let Some(c) = self.idle.lock().expect("pool lock").pop() {
             return Ok(c);
         }
-        let c = UnixStream::connect(&self.socket)?;
+        let c = connect_checked(&self.socket)?;
         c.set_read_timeout(Some(self.timeout))?;
         c.set_write_timeout(Some(self.timeout))?;
         Ok(c)
@@ -138,7 +192,7 @@ impl ShardProvider for DaemonClient {
                 }
                 let source = ReadSource::parse(&source)
                     .ok_or_else(|| self.err(&what, std::io::Error::other(format!("unknown source {source:?}"))))?;
-                let bytes = sys::map_file(&f, bytes).map_err(|e| self.err(&what, e))?;
+                let bytes = sys::received_shard(&f, bytes).map_err(|e| self.err(&what, e))?;
                 Ok(Fetched { bytes, source })
             }
             Msg::Fail { message } => Err(self.err(&what, std::io::Error::other(message))),
@@ -170,7 +224,10 @@ pub struct HostDaemon {
 /// Connects to the daemon at `socket`, or starts an embedded one with `cache` there.
 pub fn ensure_daemon(socket: &Path, cache: CacheConfig) -> Result<HostDaemon> {
     let client = std::sync::Arc::new(DaemonClient::new(socket));
-    if client.alive() {
+    let alive = client
+        .alive_checked()
+        .map_err(|e| Error::io(format!("host daemon at {}", socket.display()), e))?;
+    if alive {
         return Ok(HostDaemon { client, embedded: None });
     }
     match Daemon::start(DaemonConfig::new(socket, cache)) {
@@ -183,5 +240,77 @@ pub fn ensure_daemon(socket: &Path, cache: CacheConfig) -> Result<HostDaemon> {
             Ok(HostDaemon { client, embedded: None })
         }
         Err(e) => Err(Error::io(format!("embedded daemon at {}", socket.display()), e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Regression: the default socket was `/tmp/ramjet-<uid>.sock`, in a directory any user may
+    /// write, so another user could create it first and serve it.
+    #[test]
+    fn default_socket_dir_open_to_others_or_a_symlink_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("ramjet");
+        ensure_private_dir(&dir).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = ensure_private_dir(&dir).unwrap_err();
+        assert!(e.to_string().contains("not a private directory"), "{e}");
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(d.path(), &link).unwrap();
+        let e = ensure_private_dir(&link).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+    }
+
+    /// Regression: the client never checked who served the socket. A daemon of another user
+    /// (here a real process that dropped to uid 65534) is refused by `SO_PEERCRED`.
+    #[test]
+    fn a_daemon_socket_served_by_another_user_is_refused() {
+        if sys::my_uid() != 0 {
+            println!("SKIPPED: needs root to start a server as another user (CI runs as root)");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let sock = d.path().join("daemon.sock");
+        let mut fds = [0; 2];
+        // SAFETY: a pipe into a two-element array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: the child binds a socket as another user, accepts, and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: plain system calls in the child; it never returns into the harness.
+            unsafe {
+                if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                    libc::_exit(2);
+                }
+                let Ok(l) = std::os::unix::net::UnixListener::bind(&sock) else {
+                    libc::_exit(3)
+                };
+                libc::write(fds[1], [1u8].as_ptr().cast(), 1);
+                let _c = l.accept();
+                libc::sleep(5);
+                libc::_exit(0);
+            }
+        }
+        let mut b = [0u8; 1];
+        // SAFETY: reads one byte from our pipe.
+        let n = unsafe { libc::read(fds[0], b.as_mut_ptr().cast(), 1) };
+        let r = connect_checked(&sock);
+        // SAFETY: ends and reaps our child.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        assert_eq!(n, 1, "the other user's server did not start");
+        let e = r.expect_err("a daemon of another user was accepted");
+        assert!(e.to_string().contains("uid 65534"), "{e}");
+        let alive = DaemonClient::new(&sock).alive_checked();
+        assert!(alive.is_err() || !alive.unwrap());
     }
 }

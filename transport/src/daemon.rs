@@ -379,7 +379,11 @@ fn bind_unix(path: &Path) -> std::io::Result<UnixListener> {
         std::fs::remove_file(path)?;
     }
     if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d)?;
+        if path == crate::client::default_socket() && std::env::var_os("RAMJET_SOCKET").is_none() {
+            crate::client::ensure_private_dir(d)?;
+        } else {
+            std::fs::create_dir_all(d)?;
+        }
     }
     let l = UnixListener::bind(path)?;
     // Loaders of the same user only: the socket hands out descriptors of cache files.
@@ -669,9 +673,20 @@ fn peer_entry<'a>(peers: &'a mut HashMap<String, PeerState>, peer: &str) -> &'a 
 }
 
 async fn serve_local(inner: Arc<Inner>, l: UnixListener) {
+    let me = sys::my_uid();
     loop {
         match l.accept().await {
             Ok((s, _)) => {
+                // The socket is mode 0600, and this checks it again: only this user (or root)
+                // may ask for descriptors of cache files.
+                match sys::peer_uid(s.as_raw_fd()) {
+                    Ok(uid) if uid == me || uid == 0 => {}
+                    other => {
+                        inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(peer_uid = ?other.ok(), "local connection from another user refused");
+                        continue;
+                    }
+                }
                 let inner = inner.clone();
                 tokio::spawn(async move {
                     if let Err(e) = local_conn(&inner, s).await {
@@ -925,7 +940,7 @@ async fn rdma_write(link: &ServerRdma, body: Body, n: u64, addr: u64, rkey: u32)
         return Err("get_rdma before rdma_connect".into());
     };
     let data = match body {
-        Body::File(f) => sys::map_file(&f, n).map_err(|e| format!("map the cached shard: {e}"))?,
+        Body::File(f) => sys::read_private(&f, n).map_err(|e| format!("read the cached shard: {e}"))?,
         Body::Memory(b) => b,
     };
     link.write(data, addr, rkey).await

@@ -85,12 +85,34 @@ pub fn recv_with_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io:
     Ok(n as usize)
 }
 
-/// An anonymous in-memory file holding `data` (for a shard the cache did not admit).
+/// The seals a shard memfd carries: its size and bytes can never change again.
+const SHARD_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+
+/// An anonymous in-memory file holding `data` (for a shard the cache did not admit), sealed
+/// against shrinking, growing and writing, so a receiver may map it safely.
 pub fn memfd_with(name: &str, data: &[u8]) -> io::Result<File> {
     let cname = std::ffi::CString::new(name.replace('\0', "_")).expect("no NUL");
     // SAFETY: memfd_create takes a valid C string and flags; it returns a new descriptor
     // that we own from here on.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor owned by nobody else.
+    let f = unsafe { File::from_raw_fd(fd) };
+    std::io::Write::write_all(&mut &f, data)?;
+    // SAFETY: fcntl on a descriptor we own; no memory is involved.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, SHARD_SEALS | libc::F_SEAL_SEAL) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(f)
+}
+
+/// Creates a memfd without seals (tests of the receiver's refusal).
+#[doc(hidden)]
+pub fn memfd_unsealed(data: &[u8]) -> io::Result<File> {
+    // SAFETY: as in `memfd_with`.
+    let fd = unsafe { libc::memfd_create(c"ramjet-unsealed".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -100,9 +122,75 @@ pub fn memfd_with(name: &str, data: &[u8]) -> io::Result<File> {
     Ok(f)
 }
 
-/// Maps a received shard file read-only (prefaulted) as `Bytes`; the mapping lives as long
-/// as any slice of it.
-pub fn map_file(f: &File, len: u64) -> io::Result<Bytes> {
+/// Whether `f` is a memfd (its `/proc` link reads `/memfd:NAME (deleted)`).
+fn is_memfd(f: &File) -> bool {
+    std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .is_ok_and(|p| p.to_string_lossy().starts_with("/memfd:"))
+}
+
+/// The seals of a memfd (`F_GET_SEALS`).
+fn seals(f: &File) -> io::Result<libc::c_int> {
+    // SAFETY: fcntl on a descriptor we hold; no memory is involved.
+    let s = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
+    if s < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(s)
+}
+
+/// The bytes of a shard file received from the daemon, `len` long, in a form no other process
+/// can change afterwards:
+/// - a memfd must carry the shrink, grow and write seals (else it is refused); it is mapped;
+/// - anything else (a cache file, which another process could truncate or rewrite) is copied
+///   into this process's memory: a truncation shows as a short read (an error), never as
+///   SIGBUS, and the copy that the caller verifies is the copy it uses.
+pub fn received_shard(f: &File, len: u64) -> io::Result<Bytes> {
+    if is_memfd(f) {
+        let s = seals(f)?;
+        if s & SHARD_SEALS != SHARD_SEALS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("received an unsealed memfd (seals {s:#x}); refused"),
+            ));
+        }
+        // SAFETY: the memfd is sealed against shrinking, growing and writing (checked above),
+        // so its pages stay valid and unchanged while mapped.
+        return unsafe { map_file(f, len) };
+    }
+    read_private(f, len)
+}
+
+/// Reads `len` bytes of `f` from offset 0 into a buffer of this process (a verified copy once
+/// the caller checks it). A file of another length is an error.
+pub fn read_private(f: &File, len: u64) -> io::Result<Bytes> {
+    use std::os::unix::fs::FileExt;
+    let actual = f.metadata()?.len();
+    if actual != len {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("received a file of {actual} bytes for a shard of {len}"),
+        ));
+    }
+    let n = usize::try_from(len).map_err(|_| io::Error::other("shard larger than memory"))?;
+    // SAFETY: read_exact_at fills all of [0, n) or fails, and then the buffer is dropped unread.
+    let mut buf = unsafe { ramjet_engine::cache::io::BufPool::global().take(n) };
+    f.read_exact_at(buf.as_mut_slice(), 0).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            io::Error::new(io::ErrorKind::UnexpectedEof, "the file was truncated while being read")
+        } else {
+            e
+        }
+    })?;
+    Ok(buf.into_bytes())
+}
+
+/// Maps a file read-only (prefaulted) as `Bytes`; the mapping lives as long as any slice of it.
+///
+/// # Safety
+/// Nothing may truncate or write the file while any slice of the mapping lives: a truncation
+/// raises SIGBUS on the next read of a lost page, and a write changes bytes already handed out.
+/// A memfd sealed with `F_SEAL_SHRINK | F_SEAL_WRITE` satisfies this.
+pub unsafe fn map_file(f: &File, len: u64) -> io::Result<Bytes> {
     let actual = f.metadata()?.len();
     if actual != len {
         return Err(io::Error::new(
@@ -113,11 +201,36 @@ pub fn map_file(f: &File, len: u64) -> io::Result<Bytes> {
     if len == 0 {
         return Ok(Bytes::new());
     }
-    // SAFETY: the file is an immutable cache entry (written once, renamed into place, never
-    // modified; eviction unlinks it, which keeps our mapping valid) or a memfd only we and
-    // the daemon hold and that the daemon never writes again.
+    // SAFETY: the caller guarantees the file stays unchanged while mapped.
     let m = unsafe { memmap2::MmapOptions::new().len(len as usize).populate().map(f)? };
     Ok(Bytes::from_owner(m))
+}
+
+/// Our user id.
+pub fn my_uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// The user id of the process at the other end of a connected Unix socket (`SO_PEERCRED`).
+pub fn peer_uid(sock: RawFd) -> io::Result<u32> {
+    // SAFETY: ucred is plain data; all-zero is a valid starting value.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which is that large.
+    let r = unsafe {
+        libc::getsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
 }
 
 /// One `sendfile` call from `file` at `*off` to the socket; advances `*off`.
@@ -133,6 +246,7 @@ pub fn sendfile_once(sock: RawFd, file: &File, off: &mut i64, count: usize) -> i
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt;
     use std::os::unix::net::UnixStream;
 
     #[test]
@@ -147,7 +261,44 @@ mod tests {
         assert_eq!(&buf[..n], frame);
         assert_eq!(fds.len(), 1);
         let got = File::from(fds.pop().unwrap());
-        assert_eq!(&map_file(&got, 11).unwrap()[..], b"shard bytes");
-        assert!(map_file(&got, 12).is_err());
+        assert_eq!(&received_shard(&got, 11).unwrap()[..], b"shard bytes");
+        assert!(received_shard(&got, 12).is_err());
+    }
+
+    /// Regression: memfds crossed the socket unsealed and were mapped shared, so the sender
+    /// could change or shrink a shard after the receiver verified it.
+    #[test]
+    fn received_memfds_are_sealed_and_unsealed_ones_refused() {
+        let sealed = memfd_with("t", b"abc").unwrap();
+        assert_eq!(seals(&sealed).unwrap() & SHARD_SEALS, SHARD_SEALS);
+        assert!(sealed.set_len(1).is_err(), "a sealed shard memfd could be shrunk");
+        let unsealed = memfd_unsealed(b"abc").unwrap();
+        let e = received_shard(&unsealed, 3).unwrap_err();
+        assert!(e.to_string().contains("unsealed memfd"), "{e}");
+    }
+
+    /// Regression: a cache file received from the daemon was mapped shared; truncating it in
+    /// another process killed the trainer with SIGBUS, and rewriting it changed bytes after
+    /// they were verified. Now the receiver holds its own copy.
+    #[test]
+    fn a_cache_file_truncated_or_rewritten_after_delivery_changes_nothing_delivered() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("shard.rjs");
+        let data: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&p, &data).unwrap();
+        let f = File::open(&p).unwrap();
+        let got = received_shard(&f, data.len() as u64).unwrap();
+        // Another process rewrites the file in place, then truncates it.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .write_all_at(&vec![0xEE; 1 << 20], 0)
+            .unwrap();
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(10).unwrap();
+        assert_eq!(&got[..], &data[..], "delivered bytes changed after verification");
+        // Read after the truncation: an error naming the size, not SIGBUS.
+        let e = received_shard(&f, data.len() as u64).unwrap_err();
+        assert!(e.to_string().contains("10 bytes"), "{e}");
     }
 }
