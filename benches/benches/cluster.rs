@@ -74,6 +74,7 @@ fn peer_throughput(rt: &tokio::runtime::Runtime, peer: &str, ds: &Dataset, passe
         api_key: None,
         peer_timeout: Duration::from_secs(10),
         reply_timeout: Duration::from_secs(30),
+        transfer_min_bytes_per_s: ramjet_transport::peer::TRANSFER_MIN_BYTES_PER_S_DEFAULT,
     });
     rt.block_on(async {
         let gets: Vec<ShardGet> = ds

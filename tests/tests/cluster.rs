@@ -334,6 +334,8 @@ enum Lie {
     Stall,
     /// Half the shard, then the connection closes (a peer killed mid-transfer).
     Vanish,
+    /// A byte every 100 ms: never idle long enough for the peer timeout.
+    Trickle,
 }
 
 /// A peer that speaks the protocol and then lies. Returns its name.
@@ -344,15 +346,16 @@ fn lying_peer(rt: &tokio::runtime::Runtime, lie: Lie) -> String {
         use tokio::io::AsyncWriteExt;
         while let Ok((mut s, _)) = l.accept().await {
             tokio::spawn(async move {
-                if wire::accept(&mut s, None).await.is_err() {
+                let Ok(session) = wire::accept(&mut s, None).await else {
                     return;
-                }
+                };
+                let mut s = wire::Channel { stream: s, session };
                 while let Ok(wire::Msg::Get {
                     manifest_url,
                     shard,
                     bytes,
                     ..
-                }) = wire::read_msg(&mut s).await
+                }) = s.recv().await
                 {
                     let ds = Dataset::open(&manifest_url).await.unwrap();
                     let mut data = ds.fetch_shard(shard as usize).await.unwrap().to_vec();
@@ -360,9 +363,10 @@ fn lying_peer(rt: &tokio::runtime::Runtime, lie: Lie) -> String {
                         bytes,
                         source: "cache_local".into(),
                     };
-                    if wire::write_msg(&mut s, &reply).await.is_err() {
+                    if s.send(&reply).await.is_err() {
                         return;
                     }
+                    let s = &mut s.stream;
                     match lie {
                         Lie::Corrupt => {
                             data[bytes as usize / 2] ^= 0x5a;
@@ -379,6 +383,14 @@ fn lying_peer(rt: &tokio::runtime::Runtime, lie: Lie) -> String {
                             let _ = s.write_all(&data[..data.len() / 2]).await;
                             return;
                         }
+                        Lie::Trickle => {
+                            for b in &data {
+                                if s.write_all(&[*b]).await.is_err() {
+                                    return;
+                                }
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                            }
+                        }
                     }
                 }
             });
@@ -392,7 +404,7 @@ fn lying_stalling_and_vanishing_peers_are_survived_with_correct_data() {
     let url = dataset();
     let want = reference(url);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    for lie in [Lie::Corrupt, Lie::Stall, Lie::Vanish] {
+    for lie in [Lie::Corrupt, Lie::Stall, Lie::Vanish, Lie::Trickle] {
         let dir = tempfile::tempdir().unwrap();
         let liar = lying_peer(&rt, lie);
         let me = names(1, 11).remove(0);
@@ -403,7 +415,12 @@ fn lying_stalling_and_vanishing_peers_are_survived_with_correct_data() {
             &me,
             &members,
             &origin,
-            &[("RAMJET_PEER_TIMEOUT_MS", "1000")],
+            // A trickle of 10 B/s is far under 1 MiB/s: the shard's transfer deadline is about
+            // 1.2 s, though no gap between bytes reaches the 1 s peer timeout.
+            &[
+                ("RAMJET_PEER_TIMEOUT_MS", "1000"),
+                ("RAMJET_PEER_MIN_BYTES_PER_S", "1048576"),
+            ],
         );
         let out = dir.path().join("out");
         let t0 = Instant::now();
@@ -418,6 +435,7 @@ fn lying_stalling_and_vanishing_peers_are_survived_with_correct_data() {
             Lie::Corrupt => assert!(u(&s["peer_corrupt"]) >= 1 && err.contains("corrupt"), "{s}"),
             Lie::Stall => assert!(err.contains("stalled"), "{s}"),
             Lie::Vanish => assert!(err.contains("closed"), "{s}"),
+            Lie::Trickle => assert!(err.contains("transfer deadline"), "{s}"),
         }
         // Nothing the liar sent reached the reader: every delivered shard verified.
         assert_eq!(u(&m["daemon_failures"]), 0, "{lie:?}: {m}");
@@ -503,4 +521,224 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
         .unwrap();
     assert_eq!(got.source, ReadSource::Origin);
     ds.check_shard(0, &got.bytes).unwrap();
+}
+
+/// Regression: the daemon kept every manifest it had loaded for its whole life, so after a
+/// dataset was re-packed under the same URL each request for the new shards was refused.
+#[test]
+fn a_daemon_serves_a_dataset_repacked_under_the_same_url() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = s3_prefix("repack");
+    let read_all = |client: std::sync::Arc<DaemonClient>| {
+        let mut cfg = StreamConfig::new(&url);
+        cfg.provider = Some(client);
+        let mut s = Stream::open(cfg).unwrap();
+        let mut n = 0;
+        while s.next_sample().unwrap().is_some() {
+            n += 1;
+        }
+        n
+    };
+    ramjet_ok(&[
+        "pack",
+        synth_dataset(20).to_str().unwrap(),
+        &url,
+        "--shard-size",
+        "160KiB",
+    ]);
+    let sock = dir.path().join("d.sock");
+    let host = ramjet_transport::ensure_daemon(&sock, CacheConfig::new(dir.path().join("cache"), 1 << 30)).unwrap();
+    assert_eq!(read_all(host.client.clone()), 20);
+    // Re-packed: other samples, other shards, the same URL.
+    std::thread::sleep(Duration::from_millis(1100));
+    ramjet_ok(&[
+        "pack",
+        synth_dataset(33).to_str().unwrap(),
+        &url,
+        "--shard-size",
+        "160KiB",
+    ]);
+    assert_eq!(
+        read_all(host.client.clone()),
+        33,
+        "the re-packed dataset was not served"
+    );
+}
+
+/// Regression: two daemons whose rings disagree (each thinks the other owns a shard) sent each
+/// other's requests back into their own flights and waited on each other until the
+/// singleflight timeout. A peer's request now joins only flights that go to the origin.
+#[test]
+fn rings_that_disagree_do_not_loop_a_request_between_two_peers() {
+    let url = dataset();
+    let want = reference(url);
+    let dir = tempfile::tempdir().unwrap();
+    let m = names(2, 21);
+    let origin = s3().endpoint.clone();
+    let env = [
+        ("RAMJET_SINGLEFLIGHT_TIMEOUT_MS", "60000"),
+        ("RAMJET_PEER_TIMEOUT_MS", "60000"),
+    ];
+    // A's ring holds only B, and B's only A.
+    let a = start_node(dir.path(), &m[0], &m[1..], &origin, &env);
+    let b = start_node(dir.path(), &m[1], &m[..1], &origin, &env);
+    let t0 = Instant::now();
+    let (oa, ob) = (dir.path().join("a"), dir.path().join("b"));
+    let (ra, rb) = (
+        reader(url, &a.sock, &oa, &origin, 0),
+        reader(url, &b.sock, &ob, &origin, 0),
+    );
+    finish(ra);
+    finish(rb);
+    let took = t0.elapsed();
+    assert_eq!(std::fs::read_to_string(&oa).unwrap(), want);
+    assert_eq!(std::fs::read_to_string(&ob).unwrap(), want);
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!(
+        u(&sa["singleflight_timeouts"]) + u(&sb["singleflight_timeouts"]),
+        0,
+        "{sa}\n{sb}"
+    );
+    assert!(
+        took < Duration::from_secs(45),
+        "the two daemons waited on each other: {took:?}"
+    );
+}
+
+/// Regression: the request that started a flight waited on it without a deadline, behind a
+/// peer that stalls (here for a minute); it now gives up after the singleflight timeout and
+/// reads the origin, while the flight goes on.
+#[test]
+fn the_request_that_starts_a_flight_has_a_deadline() {
+    let url = dataset();
+    let ids = shard_ids(url);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let liar = lying_peer(&rt, Lie::Stall);
+    let dir = tempfile::tempdir().unwrap();
+    let me = names(1, 25).remove(0);
+    let origin = s3().endpoint.clone();
+    // Every shard belongs to the liar; it stalls for longer than the peer timeout allows.
+    let a = start_node(
+        dir.path(),
+        &me,
+        std::slice::from_ref(&liar),
+        &origin,
+        &[
+            ("RAMJET_SINGLEFLIGHT_TIMEOUT_MS", "1500"),
+            ("RAMJET_PEER_TIMEOUT_MS", "60000"),
+        ],
+    );
+    let ds = block_on(Dataset::open(url)).unwrap();
+    let client = DaemonClient::new(&a.sock);
+    let t0 = Instant::now();
+    let got = client
+        .fetch(&ShardRequest {
+            manifest_url: ds.manifest_url(),
+            shard: 0,
+            id: ids[0],
+        })
+        .unwrap();
+    let took = t0.elapsed();
+    assert_eq!(got.source, ReadSource::Origin);
+    ds.check_shard(0, &got.bytes).unwrap();
+    assert!(took < Duration::from_secs(15), "the starting request waited {took:?}");
+    assert!(u(&a.stats()["singleflight_timeouts"]) >= 1);
+}
+
+fn http(addr: &str, request: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    r
+}
+
+/// Regression: `POST /freeze` on the HTTP port froze the ring for anyone who could reach it,
+/// unauthenticated; the HTTP endpoints were a hand-written parser. The port is read-only now.
+#[test]
+fn the_http_port_cannot_freeze_the_ring() {
+    let dir = tempfile::tempdir().unwrap();
+    let me = names(1, 27).remove(0);
+    let a = start_node(dir.path(), &me, std::slice::from_ref(&me), &s3().endpoint, &[]);
+    for path in ["/freeze", "/unfreeze"] {
+        let r = http(
+            &a.http,
+            &format!("POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"),
+        );
+        assert!(r.starts_with("HTTP/1.1 405"), "{path}: {r}");
+    }
+    assert_eq!(a.stats()["frozen"], serde_json::json!(false));
+    // Malformed requests get an HTTP error, not a crash; the daemon keeps serving.
+    let r = http(&a.http, "GARBAGE\r\n\r\n");
+    assert!(r.is_empty() || r.starts_with("HTTP/1.1 4"), "{r}");
+    assert!(http(&a.http, "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").ends_with("ok\n"));
+    // Over the Unix socket (this user only), freezing works.
+    DaemonClient::new(&a.sock).freeze().unwrap();
+    assert_eq!(a.stats()["frozen"], serde_json::json!(true));
+}
+
+/// Regression: a daemon without RAMJET_API_KEY listened on any address it was given, and held
+/// an unbounded number of datasets and connections.
+#[test]
+fn a_daemon_without_a_key_stays_on_loopback_and_bounds_datasets_and_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(ramjet_bin())
+        .args(["serve", "--socket", dir.path().join("x.sock").to_str().unwrap()])
+        .args([
+            "--cache-dir",
+            dir.path().join("c").to_str().unwrap(),
+            "--listen",
+            "0.0.0.0:0",
+        ])
+        .env_remove("RAMJET_API_KEY")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("without an API key"), "{}", text(&o));
+    // Two datasets, one held at a time; two connections at most.
+    let urls: Vec<String> = (0..2)
+        .map(|i| {
+            let u = s3_prefix(&format!("bounds{i}"));
+            ramjet_ok(&["pack", synth_dataset(4).to_str().unwrap(), &u]);
+            u
+        })
+        .collect();
+    let mut cfg = ramjet_transport::DaemonConfig::new(
+        dir.path().join("b.sock"),
+        CacheConfig::new(dir.path().join("cache"), 1 << 30),
+    );
+    cfg.datasets_open_max = 1;
+    cfg.connections_max = 2;
+    cfg.http = Some("127.0.0.1:0".parse().unwrap());
+    let d = ramjet_transport::Daemon::start(cfg).unwrap();
+    let client = DaemonClient::new(d.socket());
+    for u in &urls {
+        let ds = block_on(Dataset::open(u)).unwrap();
+        let id = shard_ids(u)[0];
+        client
+            .fetch(&ShardRequest {
+                manifest_url: ds.manifest_url(),
+                shard: 0,
+                id,
+            })
+            .unwrap();
+        assert_eq!(d.datasets_open(), 1);
+    }
+    // The client's pooled connection is one; hold a second open, and the third is closed.
+    let http_addr = d.http_addr().unwrap().to_string();
+    let _held = std::net::TcpStream::connect(&http_addr).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let r = http(
+        &http_addr,
+        "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    );
+    assert!(r.is_empty(), "a connection beyond connections_max was served: {r}");
+    drop(_held);
+    std::thread::sleep(Duration::from_millis(200));
+    let r = http(
+        &http_addr,
+        "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    );
+    assert!(r.ends_with("ok\n"), "{r}");
 }

@@ -26,7 +26,7 @@ use futures::future::{BoxFuture, FutureExt, Shared};
 use ramjet_engine::cache::{io as cache_io, Cache, CacheConfig, ShardId};
 use ramjet_engine::metrics::Metrics;
 use ramjet_engine::{Dataset, ReadSource};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
 use crate::peer::{LinkConfig, PeerTransport, ShardGet, TcpTransport};
@@ -60,8 +60,20 @@ pub struct DaemonConfig {
     pub peer_timeout: Duration,
     /// A failed peer is skipped for this long before it is tried again.
     pub peer_backoff: Duration,
-    /// Only datasets under these URL prefixes are served (empty: any).
+    /// Only datasets under these URL prefixes are served (empty: any). A prefix matches on
+    /// URL components (scheme, host, whole path segments), never as a bare string prefix.
     pub allow_prefixes: Vec<String>,
+    /// Listen for peers on a non-loopback address without an API key (`--insecure`).
+    pub insecure: bool,
+    /// Datasets (manifests) held open at once; the least recently used is dropped beyond it.
+    pub datasets_open_max: usize,
+    /// Connections served at once, local, peer and HTTP together; more are closed on accept.
+    pub connections_max: usize,
+    /// A held manifest is loaded again when older than this (`RAMJET_MANIFEST_REVALIDATE_MS`),
+    /// so a dataset re-packed under the same URL is served as it is now.
+    pub manifest_revalidate_after: Duration,
+    /// The slowest whole-shard transfer accepted from a peer (see [`LinkConfig`]).
+    pub transfer_min_bytes_per_s: u64,
     /// Virtual nodes per member.
     pub vnodes: usize,
     /// Origin range size and ranges in flight per shard.
@@ -91,6 +103,48 @@ pub enum TransportKind {
     },
 }
 
+/// Default of [`DaemonConfig::datasets_open_max`].
+pub const DATASETS_OPEN_MAX_DEFAULT: usize = 64;
+/// Default of [`DaemonConfig::connections_max`].
+pub const CONNECTIONS_MAX_DEFAULT: usize = 1024;
+
+/// Whether `url` lies under `prefix`, compared by URL components: the same scheme, host and
+/// port, and the prefix's path segments as the first whole segments of the URL's. So
+/// `s3://bucket/data` admits `s3://bucket/data/x/m.json`, and neither `s3://bucket/database/..`
+/// nor `s3://bucket-evil/data/..`. A URL with credentials, a query, a fragment, or an encoded
+/// dot or slash in its path matches nothing.
+pub fn url_under(url: &str, prefix: &str) -> bool {
+    let (Ok(u), Ok(p)) = (url::Url::parse(url), url::Url::parse(prefix)) else {
+        return false;
+    };
+    if u.scheme() != p.scheme()
+        || u.host_str() != p.host_str()
+        || u.port() != p.port()
+        || !u.username().is_empty()
+        || u.password().is_some()
+        || u.query().is_some()
+        || u.fragment().is_some()
+    {
+        return false;
+    }
+    let encoded = |s: &str| {
+        let l = s.to_ascii_lowercase();
+        l.contains("%2e") || l.contains("%2f") || l.contains("%5c")
+    };
+    if encoded(u.path()) {
+        return false;
+    }
+    let segs = |x: &url::Url| -> Vec<String> {
+        x.path()
+            .split('/')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    let (us, ps) = (segs(&u), segs(&p));
+    ps.len() <= us.len() && us[..ps.len()] == ps[..]
+}
+
 fn env_ms(name: &str, default: u64) -> Duration {
     Duration::from_millis(std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default))
 }
@@ -112,6 +166,14 @@ impl DaemonConfig {
             peer_timeout: env_ms("RAMJET_PEER_TIMEOUT_MS", 5_000),
             peer_backoff: Duration::from_secs(2),
             allow_prefixes: Vec::new(),
+            insecure: false,
+            datasets_open_max: DATASETS_OPEN_MAX_DEFAULT,
+            connections_max: CONNECTIONS_MAX_DEFAULT,
+            manifest_revalidate_after: env_ms("RAMJET_MANIFEST_REVALIDATE_MS", 30_000),
+            transfer_min_bytes_per_s: std::env::var("RAMJET_PEER_MIN_BYTES_PER_S")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(crate::peer::TRANSFER_MIN_BYTES_PER_S_DEFAULT),
             vnodes: VNODES_DEFAULT,
             range_bytes: 32 << 20,
             ranges_in_flight: 4,
@@ -167,8 +229,12 @@ struct Inner {
     metrics: Arc<Metrics>,
     stats: Stats,
     membership: RwLock<Membership>,
-    datasets: Mutex<HashMap<String, Arc<Dataset>>>,
-    flights: Mutex<HashMap<ShardId, Flight>>,
+    datasets: Mutex<HashMap<String, HeldDataset>>,
+    /// Flights by shard and whether they ask a peer: a peer's request joins only flights that
+    /// go to the origin, so two daemons whose rings disagree never wait on each other.
+    flights: Mutex<HashMap<(ShardId, bool), Flight>>,
+    /// One permit per connection served (`connections_max`).
+    conns: Arc<tokio::sync::Semaphore>,
     peers: Mutex<HashMap<String, PeerState>>,
     transport: Box<dyn PeerTransport>,
     /// The device this owner writes shards from, when it runs the RDMA transport.
@@ -176,6 +242,13 @@ struct Inner {
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
     started: Instant,
     stopping: AtomicBool,
+}
+
+/// A manifest the daemon holds open.
+struct HeldDataset {
+    ds: Arc<Dataset>,
+    loaded: Instant,
+    used: Instant,
 }
 
 /// A shard request after validation.
@@ -217,6 +290,16 @@ impl Daemon {
         if cfg.threads > 0 {
             b.worker_threads(cfg.threads);
         }
+        if let Some(a) = cfg.listen {
+            if !a.ip().is_loopback() && cfg.api_key.is_none() && !cfg.insecure {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "refusing to listen for peers on {a} without an API key: set RAMJET_API_KEY (or pass --insecure on a trusted network)"
+                    ),
+                ));
+            }
+        }
         let rt = b.enable_all().thread_name("ramjet-daemon").build()?;
         let metrics = Arc::new(Metrics::default());
         let cache =
@@ -237,6 +320,7 @@ impl Daemon {
             api_key: cfg.api_key.clone(),
             peer_timeout: cfg.peer_timeout,
             reply_timeout: cfg.singleflight_timeout,
+            transfer_min_bytes_per_s: cfg.transfer_min_bytes_per_s,
         };
         #[cfg(feature = "rdma")]
         let rdma = match &cfg.transport {
@@ -267,6 +351,7 @@ impl Daemon {
             stats: Stats::default(),
             datasets: Mutex::default(),
             flights: Mutex::default(),
+            conns: Arc::new(tokio::sync::Semaphore::new(cfg.connections_max.max(1))),
             peers: Mutex::default(),
             transport,
             #[cfg(feature = "rdma")]
@@ -322,6 +407,11 @@ impl Daemon {
     /// The `/stats` document.
     pub fn stats(&self) -> StatsDoc {
         self.inner.stats_doc()
+    }
+
+    /// Datasets (manifests) held open now (at most `datasets_open_max`).
+    pub fn datasets_open(&self) -> usize {
+        self.inner.datasets_open()
     }
 
     /// Holds the ring version.
@@ -393,6 +483,22 @@ fn bind_unix(path: &Path) -> std::io::Result<UnixListener> {
 }
 
 impl Inner {
+    /// A connection permit, or `None` (counted, logged) when `connections_max` are served.
+    fn conn_permit(&self, kind: &str) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        match self.conns.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => {
+                self.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    kind,
+                    limit = self.cfg.connections_max,
+                    "connection refused: connections_max reached"
+                );
+                None
+            }
+        }
+    }
+
     fn stats_doc(&self) -> StatsDoc {
         let m = self.membership.read().expect("membership lock");
         let mut d = StatsDoc {
@@ -445,31 +551,21 @@ impl Inner {
         if path.split('/').any(|seg| seg == ".." || seg == ".") || !manifest_url.ends_with(".json") {
             return bad("not a manifest path (path traversal or not .json)");
         }
-        if !self.cfg.allow_prefixes.is_empty()
-            && !self
-                .cfg
-                .allow_prefixes
-                .iter()
-                .any(|p| manifest_url.starts_with(p.as_str()))
-        {
+        if !self.cfg.allow_prefixes.is_empty() && !self.cfg.allow_prefixes.iter().any(|p| url_under(manifest_url, p)) {
             return bad("outside the allowed prefixes");
         }
-        let known = self.datasets.lock().expect("datasets lock").get(manifest_url).cloned();
-        let ds = match known {
-            Some(d) => d,
-            None => {
-                let d = tokio::time::timeout(Duration::from_secs(60), Dataset::open(manifest_url))
-                    .await
-                    .map_err(|_| format!("refused {manifest_url:?}: manifest did not load in 60 s"))?
-                    .map_err(|e| format!("refused {manifest_url:?}: {e}"))?;
-                let d = Arc::new(d);
-                self.datasets
-                    .lock()
-                    .expect("datasets lock")
-                    .insert(manifest_url.to_owned(), d.clone());
-                d
-            }
+        let (mut ds, mut fresh) = self.dataset(manifest_url, false).await?;
+        let matches = |ds: &Dataset| {
+            ds.manifest()
+                .shards
+                .get(shard as usize)
+                .is_some_and(|i| i.bytes == bytes && i.checksum_u64() == Some(checksum))
         };
+        if !fresh && !matches(&ds) {
+            // The requester may hold a newer manifest (re-packed under the same URL).
+            (ds, fresh) = self.dataset(manifest_url, true).await?;
+        }
+        let _ = fresh;
         let Some(info) = ds.manifest().shards.get(shard as usize) else {
             return bad("no such shard in the manifest");
         };
@@ -485,6 +581,50 @@ impl Inner {
             shard: shard as usize,
             id,
         })
+    }
+
+    /// The dataset of `url`: the one held, unless it is older than `manifest_revalidate_after`
+    /// or `reload` asks (and it is at least a second old); else loaded now. Also whether it
+    /// was loaded by this call.
+    async fn dataset(&self, url: &str, reload: bool) -> Result<(Arc<Dataset>, bool), String> {
+        let now = Instant::now();
+        {
+            let mut held = self.datasets.lock().expect("datasets lock");
+            if let Some(h) = held.get_mut(url) {
+                let age = now.duration_since(h.loaded);
+                let stale = age >= self.cfg.manifest_revalidate_after || (reload && age >= Duration::from_secs(1));
+                if !stale {
+                    h.used = now;
+                    return Ok((h.ds.clone(), false));
+                }
+            }
+        }
+        let d = tokio::time::timeout(Duration::from_secs(60), Dataset::open(url))
+            .await
+            .map_err(|_| format!("refused {url:?}: manifest did not load in 60 s"))?
+            .map_err(|e| format!("refused {url:?}: {e}"))?;
+        let d = Arc::new(d);
+        let mut held = self.datasets.lock().expect("datasets lock");
+        if !held.contains_key(url) && held.len() >= self.cfg.datasets_open_max.max(1) {
+            // Requests in flight keep their own reference to an evicted dataset.
+            if let Some(lru) = held.iter().min_by_key(|(_, h)| h.used).map(|(k, _)| k.clone()) {
+                held.remove(&lru);
+            }
+        }
+        held.insert(
+            url.to_owned(),
+            HeldDataset {
+                ds: d.clone(),
+                loaded: now,
+                used: now,
+            },
+        );
+        Ok((d, true))
+    }
+
+    /// Datasets held open now.
+    fn datasets_open(&self) -> usize {
+        self.datasets.lock().expect("datasets lock").len()
     }
 
     /// A shard for a local loader or a peer: the cache, else the flight for it.
@@ -511,31 +651,50 @@ impl Inner {
 
     /// Joins the flight for the shard, or starts it.
     async fn obtain(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+        // Whether a flight started here would ask a peer: only for a local request, when the
+        // owner is another daemon that is not backing off. A peer's request joins only flights
+        // that go to the origin, so a request never returns to a daemon it came from.
+        let asks_peer = allow_peer && {
+            let owner = self
+                .membership
+                .read()
+                .expect("membership lock")
+                .ring()
+                .owner(req.id)
+                .map(str::to_owned);
+            owner.is_some_and(|o| o != self.me && self.peer_usable(&o))
+        };
         let (flight, joined) = {
             let mut flights = self.flights.lock().expect("flights lock");
-            match flights.get(&req.id) {
+            let existing =
+                flights
+                    .get(&(req.id, false))
+                    .or_else(|| if allow_peer { flights.get(&(req.id, true)) } else { None });
+            match existing {
                 Some(f) => (f.clone(), true),
                 None => {
+                    let key = (req.id, asks_peer);
                     let (me, r) = (self.clone(), req.clone());
                     // The flight runs as its own task: it completes (and fills the cache) even if
                     // the request that started it goes away.
                     let task = tokio::spawn(async move {
-                        let out = me.fetch_and_store(&r, allow_peer).await;
-                        me.flights.lock().expect("flights lock").remove(&r.id);
+                        let out = me.fetch_and_store(&r, asks_peer).await;
+                        me.flights.lock().expect("flights lock").remove(&key);
                         out
                     });
                     let f = async move { task.await.unwrap_or_else(|e| Err(format!("fetch task failed: {e}"))) }
                         .boxed()
                         .shared();
-                    flights.insert(req.id, f.clone());
+                    flights.insert(key, f.clone());
                     (f, false)
                 }
             }
         };
-        if !joined {
-            return flight.await;
+        if joined {
+            self.stats.coalesced.fetch_add(1, Ordering::Relaxed);
         }
-        self.stats.coalesced.fetch_add(1, Ordering::Relaxed);
+        // The request that started the flight waits no longer than those that joined it: the
+        // flight goes on (and fills the cache), and this request reads the origin itself.
         match tokio::time::timeout(self.cfg.singleflight_timeout, flight).await {
             Ok(r) => r,
             Err(_) => {
@@ -687,8 +846,12 @@ async fn serve_local(inner: Arc<Inner>, l: UnixListener) {
                         continue;
                     }
                 }
+                let Some(permit) = inner.conn_permit("local") else {
+                    continue;
+                };
                 let inner = inner.clone();
                 tokio::spawn(async move {
+                    let _permit = permit;
                     if let Err(e) = local_conn(&inner, s).await {
                         if e.kind() != std::io::ErrorKind::UnexpectedEof {
                             tracing::debug!(error = %e, "local connection ended");
@@ -788,8 +951,12 @@ async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
     loop {
         match l.accept().await {
             Ok((s, from)) => {
+                let Some(permit) = inner.conn_permit("peer") else {
+                    continue;
+                };
                 let inner = inner.clone();
                 tokio::spawn(async move {
+                    let _permit = permit;
                     if let Err(e) = peer_conn(&inner, s, from).await {
                         tracing::debug!(%from, error = %e, "peer connection ended");
                     }
@@ -810,8 +977,8 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
         wire::accept(&mut s, inner.cfg.api_key.as_ref()),
     )
     .await;
-    match hs {
-        Ok(Ok(())) => {}
+    let session = match hs {
+        Ok(Ok(session)) => session,
         Ok(Err(HandshakeError::Refused(why))) => {
             inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%from, reason = %why, "peer refused");
@@ -825,10 +992,12 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
             inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-    }
+    };
+    // Every frame from here on is bound to this session.
+    let mut s = wire::Channel { stream: s, session };
     let mut rdma = ServerRdma::default();
     loop {
-        let msg = match tokio::time::timeout(Duration::from_secs(600), wire::read_msg(&mut s)).await {
+        let msg = match tokio::time::timeout(Duration::from_secs(600), s.recv()).await {
             Ok(m) => m?,
             Err(_) => return Ok(()),
         };
@@ -849,12 +1018,12 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
             } => (manifest_url, shard, checksum, bytes, Some((addr, rkey))),
             Msg::RdmaConnect(remote) => {
                 let reply = rdma_accept(inner, remote, &mut rdma).await;
-                wire::write_msg(&mut s, &reply).await?;
+                s.send(&reply).await?;
                 continue;
             }
             msg => {
                 let message = format!("unexpected message {msg:?}");
-                wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                s.send(&Msg::Fail { message }).await?;
                 return Ok(());
             }
         };
@@ -875,17 +1044,14 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
         };
         match r {
             Ok((body, src, n)) => {
-                wire::write_msg(
-                    &mut s,
-                    &Msg::Data {
-                        bytes: n,
-                        source: src.name().into(),
-                    },
-                )
+                s.send(&Msg::Data {
+                    bytes: n,
+                    source: src.name().into(),
+                })
                 .await?;
                 match body {
-                    Some(Body::File(f)) => send_file(&s, &f, n).await?,
-                    Some(Body::Memory(b)) => s.write_all(&b).await?,
+                    Some(Body::File(f)) => send_file(&s.stream, &f, n).await?,
+                    Some(Body::Memory(b)) => s.stream.write_all(&b).await?,
                     None => {}
                 }
                 inner.stats.peer_served.fetch_add(1, Ordering::Relaxed);
@@ -893,7 +1059,7 @@ async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> st
             }
             Err(message) => {
                 inner.stats.failures.fetch_add(1, Ordering::Relaxed);
-                wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                s.send(&Msg::Fail { message }).await?;
             }
         }
     }
@@ -999,59 +1165,91 @@ async fn watch_members(inner: Arc<Inner>, path: PathBuf) {
     }
 }
 
+/// Serves `/stats`, `/metrics` and `/health` with hyper (HTTP/1.1). Read-only: the ring is
+/// frozen and unfrozen over the Unix socket, which only this user can reach.
 async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
     loop {
-        let Ok((mut s, _)) = l.accept().await else {
+        let Ok((s, _)) = l.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let Some(permit) = inner.conn_permit("http") else {
             continue;
         };
         let inner = inner.clone();
         tokio::spawn(async move {
-            let mut buf = Vec::with_capacity(1024);
-            let mut chunk = [0u8; 1024];
-            while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = match tokio::time::timeout(Duration::from_secs(5), s.read(&mut chunk)).await {
-                    Ok(Ok(n)) if n > 0 => n,
-                    _ => return,
-                };
-                buf.extend_from_slice(&chunk[..n]);
-                if buf.len() > 8192 {
-                    return;
-                }
-            }
-            let head = String::from_utf8_lossy(&buf);
-            let mut parts = head.split_whitespace();
-            let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            let (status, ctype, body) = match (method, path) {
-                ("GET", "/stats") => (
-                    "200 OK",
-                    "application/json",
-                    serde_json::to_string_pretty(&inner.stats_doc()).expect("json"),
-                ),
-                ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", inner.stats_doc().prometheus()),
-                ("GET", "/health") => ("200 OK", "text/plain", "ok\n".into()),
-                ("POST", "/freeze") => {
-                    inner.membership.write().expect("membership lock").freeze();
-                    ("200 OK", "text/plain", "frozen\n".into())
-                }
-                ("POST", "/unfreeze") => {
-                    inner.membership.write().expect("membership lock").unfreeze();
-                    ("200 OK", "text/plain", "unfrozen\n".into())
-                }
-                _ => ("404 Not Found", "text/plain", "not found\n".into()),
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(resp.as_bytes()).await;
+            let _permit = permit;
+            let svc = hyper::service::service_fn(move |req| {
+                let r = http_route(&inner, &req);
+                async move { Ok::<_, std::convert::Infallible>(r) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(5))
+                .max_buf_size(16 << 10)
+                .serve_connection(TokioIo::new(s), svc);
+            // A client that holds a connection open is cut off after a minute.
+            let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;
         });
     }
 }
 
+fn http_route<B>(inner: &Inner, req: &hyper::Request<B>) -> hyper::Response<http_body_util::Full<Bytes>> {
+    use hyper::{Method, StatusCode};
+    let (status, ctype, body) = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/stats") => (
+            StatusCode::OK,
+            "application/json",
+            serde_json::to_string_pretty(&inner.stats_doc()).expect("json"),
+        ),
+        (&Method::GET, "/metrics") => (
+            StatusCode::OK,
+            "text/plain; version=0.0.4",
+            inner.stats_doc().prometheus(),
+        ),
+        (&Method::GET, "/health") => (StatusCode::OK, "text/plain", "ok\n".into()),
+        (_, "/freeze" | "/unfreeze") => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "the ring is frozen over the daemon's Unix socket (ramjet.init / DaemonClient::freeze), not over HTTP\n"
+                .into(),
+        ),
+        _ => (StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
+    };
+    hyper::Response::builder()
+        .status(status)
+        .header("content-type", ctype)
+        .body(http_body_util::Full::new(Bytes::from(body)))
+        .expect("valid response")
+}
+
 #[cfg(test)]
 mod tests {
-    use super::read_members;
+    use super::{read_members, url_under};
+
+    /// Regression: `--allow s3://bucket/data` was a bare string prefix, and admitted
+    /// `s3://bucket/database/..` and `s3://bucket/data-other/..`.
+    #[test]
+    fn allow_prefixes_match_url_components_not_string_prefixes() {
+        let p = "s3://bucket/data";
+        assert!(url_under("s3://bucket/data/x/manifest.json", p));
+        assert!(url_under("s3://bucket/data/manifest.json", "s3://bucket/data/"));
+        for bad in [
+            "s3://bucket/database/manifest.json",
+            "s3://bucket/data-other/manifest.json",
+            "s3://bucket-evil/data/manifest.json",
+            "gs://bucket/data/manifest.json",
+            "s3://user:pw@bucket/data/manifest.json",
+            "s3://bucket/data/%2e%2e/secret/manifest.json",
+            "s3://bucket/data/x/manifest.json?y=1",
+            "not a url",
+        ] {
+            assert!(!url_under(bad, p), "{bad} admitted under {p}");
+        }
+        assert!(url_under("http://h:9000/b/d/m.json", "http://h:9000/b"));
+        assert!(!url_under("http://h:9001/b/d/m.json", "http://h:9000/b"));
+    }
 
     #[test]
     fn member_files_take_hostlists_and_comments() {

@@ -21,7 +21,7 @@ use ramjet_engine::cache::io as cache_io;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
-use crate::wire::{self, ApiKey, Msg};
+use crate::wire::{self, ApiKey, Channel, Msg};
 
 /// One request for a whole shard, as the owner will validate it.
 #[derive(Debug, Clone)]
@@ -69,6 +69,21 @@ pub struct LinkConfig {
     pub peer_timeout: Duration,
     /// How long the owner may take before its first reply (it may be fetching from the origin).
     pub reply_timeout: Duration,
+    /// The slowest whole-shard transfer accepted once bytes flow: a shard of `n` bytes must
+    /// arrive within `peer_timeout + n / transfer_min_bytes_per_s`, so a peer that trickles a
+    /// byte now and then (never idle long enough for `peer_timeout`) is still cut off
+    /// (`RAMJET_PEER_MIN_BYTES_PER_S`).
+    pub transfer_min_bytes_per_s: u64,
+}
+
+/// Default of [`LinkConfig::transfer_min_bytes_per_s`]: 4 MiB/s, far below any working link.
+pub const TRANSFER_MIN_BYTES_PER_S_DEFAULT: u64 = 4 << 20;
+
+impl LinkConfig {
+    /// The deadline of a whole transfer of `bytes` bytes.
+    pub fn transfer_deadline(&self, bytes: u64) -> Duration {
+        self.peer_timeout + Duration::from_secs_f64(bytes as f64 / self.transfer_min_bytes_per_s.max(1) as f64)
+    }
 }
 
 /// Authenticated connections to peers, pooled per peer.
@@ -104,31 +119,31 @@ impl<C> Pool<C> {
 }
 
 /// Opens a TCP connection to `peer` and runs the mutual handshake.
-pub(crate) async fn connect(cfg: &LinkConfig, peer: &str) -> Result<TcpStream, String> {
+pub(crate) async fn connect(cfg: &LinkConfig, peer: &str) -> Result<Channel<TcpStream>, String> {
     let t = cfg.peer_timeout;
     let mut s = tokio::time::timeout(t, TcpStream::connect(peer))
         .await
         .map_err(|_| format!("peer {peer}: connect timed out"))?
         .map_err(|e| format!("peer {peer}: connect: {e}"))?;
     let _ = s.set_nodelay(true);
-    tokio::time::timeout(t, wire::connect(&mut s, cfg.api_key.as_ref()))
+    let session = tokio::time::timeout(t, wire::connect(&mut s, cfg.api_key.as_ref()))
         .await
         .map_err(|_| format!("peer {peer}: handshake timed out"))?
         .map_err(|e| format!("peer {peer}: handshake: {e}"))?;
-    Ok(s)
+    Ok(Channel { stream: s, session })
 }
 
 /// Sends `m` and waits for the owner's first reply, allowing it the reply timeout.
 pub(crate) async fn request(
     cfg: &LinkConfig,
-    s: &mut TcpStream,
+    s: &mut Channel<TcpStream>,
     peer: &str,
     get: &ShardGet,
     m: &Msg,
 ) -> Result<Msg, String> {
     let io = |e: std::io::Error| format!("peer {peer}: {}: {e}", get.what);
-    wire::write_msg(s, m).await.map_err(io)?;
-    tokio::time::timeout(cfg.reply_timeout + cfg.peer_timeout, wire::read_msg(s))
+    s.send(m).await.map_err(io)?;
+    tokio::time::timeout(cfg.reply_timeout + cfg.peer_timeout, s.recv())
         .await
         .map_err(|_| format!("peer {peer}: no reply for {} in time", get.what))?
         .map_err(io)
@@ -150,7 +165,7 @@ pub(crate) fn expect_data(reply: Msg, peer: &str, get: &ShardGet) -> Result<(), 
 /// The TCP transport.
 pub struct TcpTransport {
     cfg: LinkConfig,
-    pool: Pool<TcpStream>,
+    pool: Pool<Channel<TcpStream>>,
 }
 
 /// The receive chunk: large reads keep syscalls per shard few.
@@ -178,11 +193,26 @@ impl TcpTransport {
         let mut buf = unsafe { cache_io::BufPool::global().take(n) };
         let dst = buf.as_mut_slice();
         let mut off = 0;
+        let limit = self.cfg.transfer_deadline(get.bytes);
+        let deadline = tokio::time::Instant::now() + limit;
         while off < n {
             let end = (off + CHUNK).min(n);
-            let r = tokio::time::timeout(self.cfg.peer_timeout, s.read(&mut dst[off..end]))
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "peer {peer}: {} took longer than its transfer deadline of {:.1} s (byte {off} of {n}): too slow or trickling",
+                    get.what,
+                    limit.as_secs_f64()
+                ));
+            }
+            let r = tokio::time::timeout(self.cfg.peer_timeout.min(left), s.stream.read(&mut dst[off..end]))
                 .await
-                .map_err(|_| format!("peer {peer}: stalled at byte {off} of {}", get.what))?
+                .map_err(|_| {
+                    format!(
+                        "peer {peer}: stalled at byte {off} of {} (or its transfer deadline passed)",
+                        get.what
+                    )
+                })?
                 .map_err(|e| format!("peer {peer}: {}: {e}", get.what))?;
             if r == 0 {
                 return Err(format!(

@@ -257,7 +257,7 @@ impl Endpoint {
 
 /// An RDMA connection to a peer: the authenticated TCP control stream and the queue pair.
 struct Link {
-    ctl: TcpStream,
+    ctl: crate::wire::Channel<TcpStream>,
     /// Held for the link's lifetime: the owner writes into regions through this queue pair.
     _ep: Arc<Endpoint>,
 }
@@ -293,8 +293,8 @@ impl RdmaTransport {
         let ep = Arc::new(ep);
         let hello = Msg::RdmaConnect(ep.info());
         let io = |e: std::io::Error| format!("peer {peer}: RDMA connect: {e}");
-        crate::wire::write_msg(&mut ctl, &hello).await.map_err(io)?;
-        let reply = tokio::time::timeout(self.cfg.peer_timeout, crate::wire::read_msg(&mut ctl))
+        ctl.send(&hello).await.map_err(io)?;
+        let reply = tokio::time::timeout(self.cfg.peer_timeout, ctl.recv())
             .await
             .map_err(|_| format!("peer {peer}: RDMA connect: no reply in time"))?
             .map_err(io)?;

@@ -295,7 +295,12 @@ mod tests {
             .unwrap()
             .write_all_at(&vec![0xEE; 1 << 20], 0)
             .unwrap();
-        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(10).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(10)
+            .unwrap();
         assert_eq!(&got[..], &data[..], "delivered bytes changed after verification");
         // Read after the truncation: an error naming the size, not SIGBUS.
         let e = received_shard(&f, data.len() as u64).unwrap_err();

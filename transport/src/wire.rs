@@ -10,8 +10,11 @@ use ring::rand::{SecureRandom, SystemRandom};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Protocol version, sent in `Hello`.
-pub const VERSION: u32 = 1;
+/// Protocol version, sent in `Hello`. Version 2 binds every frame after the handshake to the
+/// session (a MAC over direction, sequence number and body).
+pub const VERSION: u32 = 2;
+/// Bytes of the MAC that ends every frame of a keyed session.
+pub const FRAME_TAG_BYTES: usize = 32;
 /// The largest control frame.
 pub const FRAME_MAX: usize = 64 << 10;
 /// The largest shard a peer may announce.
@@ -216,6 +219,16 @@ impl ApiKey {
         hex(ctx.sign().as_ref())
     }
 
+    /// The session key of one connection: HMAC(key, "ramjet-session" | server nonce | client
+    /// nonce). Fresh nonces make it unique to the connection.
+    fn session_key(&self, sn: &[u8], cn: &[u8]) -> hmac::Key {
+        let mut ctx = hmac::Context::with_key(&self.0);
+        ctx.update(b"ramjet-session");
+        ctx.update(sn);
+        ctx.update(cn);
+        hmac::Key::new(hmac::HMAC_SHA256, ctx.sign().as_ref())
+    }
+
     fn verify(&self, role: &str, a: &[u8], b: &[u8], mac_hex: &str) -> bool {
         let Some(mac) = unhex(mac_hex) else {
             return false;
@@ -261,7 +274,10 @@ pub enum HandshakeError {
 
 /// Server side of the handshake. The key never crosses the wire: each side proves it holds it
 /// by a MAC over both fresh nonces. Without a server key, every client is welcome.
-pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, key: Option<&ApiKey>) -> Result<(), HandshakeError> {
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    key: Option<&ApiKey>,
+) -> Result<Session, HandshakeError> {
     let sn = nonce();
     write_msg(
         s,
@@ -280,7 +296,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, key: Option<&A
     };
     let Some(key) = key else {
         write_msg(s, &Msg::Welcome { mac: String::new() }).await?;
-        return Ok(());
+        return Ok(Session::new(None, false));
     };
     if !key.verify("ramjet-client", &sn, &cn, &mac) {
         return Err(refuse(s, "wrong or missing API key (RAMJET_API_KEY)").await);
@@ -292,7 +308,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, key: Option<&A
         },
     )
     .await?;
-    Ok(())
+    Ok(Session::new(Some(key.session_key(&sn, &cn)), false))
 }
 
 async fn refuse<S: AsyncWrite + Unpin>(s: &mut S, reason: &str) -> HandshakeError {
@@ -301,7 +317,10 @@ async fn refuse<S: AsyncWrite + Unpin>(s: &mut S, reason: &str) -> HandshakeErro
 }
 
 /// Client side of the handshake; also checks that the server holds the same key.
-pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, key: Option<&ApiKey>) -> Result<(), HandshakeError> {
+pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    key: Option<&ApiKey>,
+) -> Result<Session, HandshakeError> {
     let Msg::Hello {
         version,
         nonce: sn_hex,
@@ -336,10 +355,121 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, key: Option<&
             Some(k) if !k.verify("ramjet-server", &cn, &sn, &mac) => Err(HandshakeError::Refused(
                 "the peer could not prove it holds the API key".into(),
             )),
-            _ => Ok(()),
+            Some(k) => Ok(Session::new(Some(k.session_key(&sn, &cn)), true)),
+            None => Ok(Session::new(None, true)),
         },
         Msg::Refused { reason } => Err(HandshakeError::Refused(reason)),
         m => Err(HandshakeError::Refused(format!("unexpected {m:?}"))),
+    }
+}
+
+/// The state of one authenticated connection after its handshake. With a key, every frame
+/// carries HMAC(session key, direction | sequence | body): a relay that forwarded the handshake
+/// cannot inject, replay, reorder or reflect frames. Without a key there is nothing to bind to,
+/// and frames go bare (a daemon without a key serves loopback only, unless `--insecure`).
+pub struct Session {
+    key: Option<hmac::Key>,
+    /// Frames sent and received so far: the sequence numbers of the next ones.
+    sent: u64,
+    received: u64,
+    /// Whether this side is the client (its frames are marked `c`, the server's `s`).
+    client: bool,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("keyed", &self.key.is_some())
+            .field("sent", &self.sent)
+            .field("received", &self.received)
+            .finish()
+    }
+}
+
+impl Session {
+    fn new(key: Option<hmac::Key>, client: bool) -> Session {
+        Session {
+            key,
+            sent: 0,
+            received: 0,
+            client,
+        }
+    }
+
+    fn tag(key: &hmac::Key, dir: u8, seq: u64, body: &[u8]) -> hmac::Tag {
+        let mut ctx = hmac::Context::with_key(key);
+        ctx.update(&[dir]);
+        ctx.update(&seq.to_le_bytes());
+        ctx.update(body);
+        ctx.sign()
+    }
+
+    /// Encodes `m` as this side's next frame.
+    pub fn seal(&mut self, m: &Msg) -> Vec<u8> {
+        let body = serde_json::to_vec(m).expect("messages serialise");
+        let Some(key) = &self.key else {
+            return encode(m);
+        };
+        let dir = if self.client { b'c' } else { b's' };
+        let tag = Self::tag(key, dir, self.sent, &body);
+        self.sent += 1;
+        let mut out = Vec::with_capacity(4 + body.len() + FRAME_TAG_BYTES);
+        out.extend_from_slice(&((body.len() + FRAME_TAG_BYTES) as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        out.extend_from_slice(tag.as_ref());
+        out
+    }
+
+    /// Checks and decodes the other side's next frame body (the bytes after the length).
+    pub fn open(&mut self, frame: &[u8]) -> std::io::Result<Msg> {
+        let Some(key) = &self.key else {
+            return decode(frame);
+        };
+        let bad = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, why.to_owned());
+        if frame.len() < FRAME_TAG_BYTES {
+            return Err(bad("frame too short for its session MAC"));
+        }
+        let (body, tag) = frame.split_at(frame.len() - FRAME_TAG_BYTES);
+        let dir = if self.client { b's' } else { b'c' };
+        let mut msg = Vec::with_capacity(9 + body.len());
+        msg.push(dir);
+        msg.extend_from_slice(&self.received.to_le_bytes());
+        msg.extend_from_slice(body);
+        if hmac::verify(key, &msg, tag).is_err() {
+            return Err(bad(
+                "frame MAC does not match this session (injected, replayed, reordered or reflected frame)",
+            ));
+        }
+        self.received += 1;
+        decode(body)
+    }
+}
+
+/// A stream and the session bound to it: what every peer connection is after its handshake.
+#[derive(Debug)]
+pub struct Channel<S> {
+    /// The stream, for the raw shard bytes that follow a `Data` frame.
+    pub stream: S,
+    /// The session its frames are bound to.
+    pub session: Session,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
+    /// Sends one frame.
+    pub async fn send(&mut self, m: &Msg) -> std::io::Result<()> {
+        let f = self.session.seal(m);
+        self.stream.write_all(&f).await
+    }
+
+    /// Receives one frame, checked against the session.
+    pub async fn recv(&mut self) -> std::io::Result<Msg> {
+        let mut len = [0u8; 4];
+        self.stream.read_exact(&mut len).await?;
+        let n = u32::from_le_bytes(len) as usize;
+        check_len(n)?;
+        let mut body = vec![0u8; n];
+        self.stream.read_exact(&mut body).await?;
+        self.session.open(&body)
     }
 }
 
@@ -350,7 +480,7 @@ mod tests {
     async fn pair(
         server: Option<&str>,
         client: Option<&str>,
-    ) -> (Result<(), HandshakeError>, Result<(), HandshakeError>) {
+    ) -> (Result<Session, HandshakeError>, Result<Session, HandshakeError>) {
         let (mut a, mut b) = tokio::io::duplex(1 << 16);
         let (sk, ck) = (server.map(ApiKey::new), client.map(ApiKey::new));
         // Each side owns its end: a side that gives up closes it, as a real peer would.
@@ -412,5 +542,40 @@ mod tests {
         assert!(parse_frame(&junk[..6]).unwrap().is_none());
         let ok = encode(&Msg::Freeze);
         assert_eq!(parse_frame(&ok).unwrap(), Some((Msg::Freeze, ok.len())));
+    }
+
+    /// Regression: after the handshake, frames were bare JSON, so a relay that forwarded the
+    /// handshake could take over the authenticated connection and speak for either side.
+    #[tokio::test]
+    async fn a_relay_cannot_inject_replay_or_reflect_frames_after_the_handshake() {
+        let (s, c) = pair(Some("k"), Some("k")).await;
+        let (mut server, mut client) = (s.unwrap(), c.unwrap());
+        let body = |f: &[u8]| f[4..].to_vec();
+        let get = Msg::Get {
+            manifest_url: "s3://b/m.json".into(),
+            shard: 1,
+            checksum: 2,
+            bytes: 3,
+        };
+        let f1 = client.seal(&get);
+        assert_eq!(server.open(&body(&f1)).unwrap(), get);
+        // Replayed: the same frame again.
+        assert!(server.open(&body(&f1)).is_err(), "a replayed frame was accepted");
+        // Injected: a frame the relay made, with a made-up MAC.
+        let mut forged = body(&encode(&Msg::Freeze));
+        forged.extend([0u8; FRAME_TAG_BYTES]);
+        assert!(server.open(&forged).is_err(), "an injected frame was accepted");
+        // Reflected: the server's own frame sent back to it.
+        let f2 = server.seal(&Msg::Ok);
+        let e = server.open(&body(&f2)).unwrap_err();
+        assert!(e.to_string().contains("frame MAC"), "{e}");
+        // The real next frame still passes.
+        let f3 = client.seal(&Msg::Freeze);
+        assert_eq!(server.open(&body(&f3)).unwrap(), Msg::Freeze);
+        // And the server's frames reach the client in order.
+        assert_eq!(client.open(&body(&f2)).unwrap(), Msg::Ok);
+        // A session of another connection (other nonces) rejects this one's frames.
+        let (s2, _) = pair(Some("k"), Some("k")).await;
+        assert!(s2.unwrap().open(&body(&client.seal(&Msg::Ok))).is_err());
     }
 }

@@ -139,9 +139,19 @@ struct ServeArgs {
     /// HTTP address for /stats and /metrics.
     #[arg(long)]
     http: Option<std::net::SocketAddr>,
-    /// Serve only datasets under these URL prefixes (comma-separated).
+    /// Serve only datasets under these URL prefixes (comma-separated), matched on URL
+    /// components: `s3://bucket/data` admits `s3://bucket/data/...`, not `s3://bucket/database`.
     #[arg(long, value_delimiter = ',')]
     allow: Vec<String>,
+    /// Listen for peers on a non-loopback address without RAMJET_API_KEY (trusted networks only).
+    #[arg(long)]
+    insecure: bool,
+    /// Datasets (manifests) held open at once.
+    #[arg(long, default_value_t = ramjet_transport::daemon::DATASETS_OPEN_MAX_DEFAULT)]
+    datasets_open_max: usize,
+    /// Connections served at once (local, peer and HTTP together).
+    #[arg(long, default_value_t = ramjet_transport::daemon::CONNECTIONS_MAX_DEFAULT)]
+    connections_max: usize,
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -411,6 +421,9 @@ fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
     cfg.http = a.http;
     cfg.peers_file = a.peers_file;
     cfg.allow_prefixes = a.allow;
+    cfg.insecure = a.insecure;
+    cfg.datasets_open_max = a.datasets_open_max;
+    cfg.connections_max = a.connections_max;
     cfg.threads = a.threads;
     if a.transport == "rdma" {
         cfg.transport = ramjet_transport::TransportKind::Rdma {
