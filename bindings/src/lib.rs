@@ -58,6 +58,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Corrupt { .. } | Error::Truncated { .. } | Error::SchemaMismatch { .. } => CorruptError::new_err(msg),
         Error::Origin { .. } | Error::Io { .. } => OriginError::new_err(msg),
         Error::Auth { .. } => AuthError::new_err(msg),
+        Error::Internal { .. } => RamjetError::new_err(msg),
         _ => InvalidInputError::new_err(msg),
     }
 }

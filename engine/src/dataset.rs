@@ -183,6 +183,16 @@ impl Dataset {
                 ),
             ));
         }
+        if view.samples() != info.samples {
+            return Err(Error::corrupt(
+                crate::Location::object(&url),
+                format!(
+                    "the shard holds {} samples; the manifest says {}",
+                    view.samples(),
+                    info.samples
+                ),
+            ));
+        }
         if view.schema() != &self.manifest.schema {
             return Err(Error::SchemaMismatch {
                 object: url.clone(),

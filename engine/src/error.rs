@@ -148,6 +148,14 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// One of ramjet's own threads failed (a bug): the work it carried is lost, and said so.
+    #[error("internal error in {thread}: {reason}")]
+    Internal {
+        /// The thread, by name.
+        thread: String,
+        /// What it reported (the panic message).
+        reason: String,
+    },
 }
 
 impl Error {
@@ -172,6 +180,19 @@ impl Error {
         Error::InvalidInput {
             what: what.into(),
             reason: reason.into(),
+        }
+    }
+
+    /// An [`Error::Internal`] from a caught panic's payload.
+    pub fn from_panic(thread: &str, payload: &(dyn std::any::Any + Send)) -> Self {
+        let reason = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panicked".into());
+        Error::Internal {
+            thread: thread.to_owned(),
+            reason: format!("panicked: {reason}"),
         }
     }
 

@@ -12,7 +12,7 @@
 //! after it.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,6 +62,10 @@ pub struct LoaderConfig {
     pub on_corrupt: OnCorrupt,
     /// Where batch buffers come from.
     pub pool: Option<HostPool>,
+    /// Tests only: the reader thread panics after this many samples (a seam for the test that
+    /// a panic there surfaces as an error instead of a short epoch).
+    #[doc(hidden)]
+    pub panic_reader_after_samples: Option<u64>,
 }
 
 impl LoaderConfig {
@@ -78,6 +82,7 @@ impl LoaderConfig {
             prefetch_batches: 4,
             on_corrupt: OnCorrupt::Error,
             pool: None,
+            panic_reader_after_samples: None,
         }
     }
 }
@@ -263,7 +268,21 @@ impl Loader {
             let (ctx, stop, done_tx) = (ctx.clone(), stop.clone(), done_tx.clone());
             std::thread::Builder::new()
                 .name("ramjet-reader".into())
-                .spawn(move || read_loop(stream, &ctx, &stop, job_tx, done_tx))
+                .spawn(move || {
+                    // The next batch's sequence number, kept outside the loop, so that a panic
+                    // is reported in its place: the batches before it are delivered, then the
+                    // error, never a silently short epoch.
+                    let next = AtomicU64::new(0);
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        read_loop(stream, &ctx, &stop, &next, job_tx, done_tx.clone())
+                    }));
+                    if let Err(p) = r {
+                        let _ = done_tx.send((
+                            next.load(Ordering::SeqCst),
+                            Err(Error::from_panic("ramjet-reader", &*p)),
+                        ));
+                    }
+                })
                 .map_err(|e| Error::io("reader thread", e))?;
         }
         for i in 0..threads {
@@ -343,15 +362,27 @@ impl Loader {
 }
 
 /// Pulls samples, cuts them into per-epoch batches and hands them to the decode threads.
-fn read_loop(mut stream: Stream, ctx: &Ctx, stop: &AtomicBool, jobs: Sender<Job>, done: Sender<Done>) {
+fn read_loop(
+    mut stream: Stream,
+    ctx: &Ctx,
+    stop: &AtomicBool,
+    next: &AtomicU64,
+    jobs: Sender<Job>,
+    done: Sender<Done>,
+) {
     let bs = ctx.cfg.batch_size;
     let mut seq = 0u64;
+    let mut read = 0u64;
     let mut cur: Vec<Sample> = Vec::with_capacity(bs);
     let mut urls: Vec<String> = Vec::with_capacity(bs);
     loop {
         if stop.load(Ordering::Relaxed) {
             return;
         }
+        if ctx.cfg.panic_reader_after_samples == Some(read) {
+            panic!("injected reader panic after {read} samples");
+        }
+        read += 1;
         let s = match stream.next_sample() {
             Ok(Some(s)) => s,
             Ok(None) => return,
@@ -386,6 +417,7 @@ fn read_loop(mut stream: Stream, ctx: &Ctx, stop: &AtomicBool, jobs: Sender<Job>
             end_of_epoch,
         };
         seq += 1;
+        next.store(seq, Ordering::SeqCst);
         if jobs.send(job).is_err() {
             return;
         }
@@ -399,7 +431,12 @@ fn decode_loop(ctx: &Ctx, stop: &AtomicBool, jobs: Receiver<Job>, done: Sender<D
             return;
         }
         let seq = job.seq;
-        let r = assemble(ctx, job, &mut scratch);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assemble(ctx, job, &mut scratch)))
+            .unwrap_or_else(|p| {
+                // The scratch buffers may be half-written: start afresh.
+                scratch = Scratch::default();
+                Err(Error::from_panic("ramjet-decode", &*p))
+            });
         if done.send((seq, r)).is_err() {
             return;
         }

@@ -222,9 +222,18 @@ pub fn epoch_key(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> u64 {
     xxh3_64(s.as_bytes())
 }
 
+/// The most positions one epoch's order may hold: the order is built in memory, 16 bytes a
+/// position (`Stream::open` refuses a larger epoch with an error, never an allocation failure).
+pub const ORDER_POSITIONS_MAX: u64 = 1 << 32;
+
+/// Positions of one epoch over `streams` before tail handling, or `None` when the sum overflows.
+pub fn epoch_positions(streams: &[StreamShape]) -> Option<u64> {
+    (0..streams.len()).try_fold(0u64, |acc, s| acc.checked_add(stream_take(streams, s)))
+}
+
 /// Samples stream `s` contributes to an epoch under its weight.
 pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
-    let size = |st: &StreamShape| st.shard_samples.iter().sum::<u64>();
+    let size = |st: &StreamShape| st.shard_samples.iter().fold(0u64, |a, &n| a.saturating_add(n));
     match streams[s].weight {
         Weight::Natural => size(&streams[s]),
         Weight::Count(n) => n,
@@ -234,7 +243,7 @@ pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
             for st in streams {
                 if let Weight::Proportion(q) = st.weight {
                     psum += q.max(0.0);
-                    total += size(st);
+                    total = total.saturating_add(size(st));
                 }
             }
             if psum <= 0.0 {
@@ -251,7 +260,7 @@ pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
 pub fn epoch_units(streams: &[StreamShape], key: u64) -> Vec<Unit> {
     let mut units = Vec::new();
     for (s, st) in streams.iter().enumerate() {
-        let size: u64 = st.shard_samples.iter().sum();
+        let size: u64 = st.shard_samples.iter().fold(0u64, |a, &n| a.saturating_add(n));
         let want = stream_take(streams, s);
         if size == 0 || want == 0 {
             continue;
@@ -406,6 +415,29 @@ pub struct EpochProgress {
 }
 
 impl EpochProgress {
+    /// Checks the progress against an order of `len` positions: `consumed <= len`, and `ahead`
+    /// strictly increasing inside `[consumed, len)`. Saved state can be edited or damaged: a
+    /// bad one must be refused, not silently end an epoch short.
+    pub fn validate(&self, len: u64) -> std::result::Result<(), String> {
+        if self.consumed > len {
+            return Err(format!(
+                "consumed {} exceeds the epoch's {len} positions",
+                self.consumed
+            ));
+        }
+        let mut prev: Option<u64> = None;
+        for &a in &self.ahead {
+            if a < self.consumed || a >= len || prev.is_some_and(|p| a <= p) {
+                return Err(format!(
+                    "position {a} in `ahead` is out of order or outside [{}, {len})",
+                    self.consumed
+                ));
+            }
+            prev = Some(a);
+        }
+        Ok(())
+    }
+
     /// Positions not yet delivered, in order, for an order of `len` positions.
     pub fn remaining(&self, len: u64) -> impl Iterator<Item = u64> + '_ {
         let mut ahead = self.ahead.iter().peekable();

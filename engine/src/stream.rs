@@ -116,12 +116,28 @@ pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
             weight: sc.weight,
         });
     }
-    let n: u64 = (0..shapes.len()).map(|s| crate::order::stream_take(&shapes, s)).sum();
+    let n = checked_epoch_positions(&shapes)?;
     let consumers = cfg.topology.consumers() as u64;
     let len = effective_len(n, consumers, cfg.order.tail);
     let c = cfg.topology.consumer() as u64;
     let mine = if len > c { (len - c).div_ceil(consumers) } else { 0 };
     Ok((len, mine))
+}
+
+/// An epoch's positions over `shapes`, refused (not allocated) above
+/// [`crate::order::ORDER_POSITIONS_MAX`] or when the counts overflow.
+fn checked_epoch_positions(shapes: &[StreamShape]) -> Result<u64> {
+    match crate::order::epoch_positions(shapes) {
+        Some(n) if n <= crate::order::ORDER_POSITIONS_MAX => Ok(n),
+        Some(n) => Err(Error::invalid(
+            "sources",
+            format!(
+                "an epoch of {n} samples exceeds the in-memory order's limit of {}",
+                crate::order::ORDER_POSITIONS_MAX
+            ),
+        )),
+        None => Err(Error::invalid("sources", "the sources' sample counts overflow 64 bits")),
+    }
 }
 
 /// A saved position to resume from.
@@ -162,12 +178,47 @@ impl StreamState {
             .first()
             .ok_or_else(|| Error::invalid("stream states", "none given"))?;
         let c = first.consumers;
+        if c == 0 {
+            return Err(Error::invalid("stream states", "consumers is 0"));
+        }
+        first
+            .base
+            .validate(first.len)
+            .map_err(|r| Error::invalid("stream states", r))?;
         let mut delivered = vec![0u64; c];
+        let mut seen = vec![false; c];
         for s in states {
-            if s.consumers != c || s.base != first.base || s.versions != first.versions || s.order != first.order {
+            if s.consumers != c
+                || s.base != first.base
+                || s.versions != first.versions
+                || s.order != first.order
+                || s.len != first.len
+            {
                 return Err(Error::invalid(
                     "stream states",
                     "they come from different jobs, epochs or deals",
+                ));
+            }
+            if s.consumer >= c {
+                return Err(Error::invalid(
+                    "stream states",
+                    format!("consumer {} of a job of {c} consumers", s.consumer),
+                ));
+            }
+            if std::mem::replace(&mut seen[s.consumer], true) {
+                return Err(Error::invalid(
+                    "stream states",
+                    format!("consumer {} appears twice", s.consumer),
+                ));
+            }
+            let dealt = s.base.positions_for(s.len, s.consumer, c).len() as u64;
+            if s.delivered > dealt {
+                return Err(Error::invalid(
+                    "stream states",
+                    format!(
+                        "consumer {} delivered {} of the {dealt} positions dealt to it",
+                        s.consumer, s.delivered
+                    ),
                 ));
             }
             delivered[s.consumer] = s.delivered;
@@ -398,6 +449,11 @@ impl Stream {
                         "it was saved for a different order (seed, shuffle or partitions)",
                     ));
                 }
+                let n = checked_epoch_positions(&shapes)?;
+                let len = effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail);
+                r.progress
+                    .validate(len)
+                    .map_err(|why| Error::invalid("resume state", why))?;
                 r.progress.clone()
             }
             None => EpochProgress {
@@ -405,6 +461,7 @@ impl Stream {
                 ..EpochProgress::default()
             },
         };
+        checked_epoch_positions(&shapes)?;
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
         let largest = sources
             .iter()
@@ -796,7 +853,8 @@ async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Result<Bytes> {
     let e = IndexEntry::parse(&eb);
     let data_offset = src.ds.data_offset(id.shard as usize);
     let end = e.offset.checked_add(e.len);
-    if e.offset < data_offset || end.is_none_or(|x| x > info.bytes - crate::format::FOOTER_LEN) {
+    // Saturating: a manifest may claim a shard smaller than its footer.
+    if e.offset < data_offset || end.is_none_or(|x| x > info.bytes.saturating_sub(crate::format::FOOTER_LEN)) {
         return Err(Error::corrupt(
             at,
             format!("index entry points at [{}, +{}) outside the records", e.offset, e.len),
@@ -1022,5 +1080,59 @@ mod tests {
         assert_eq!(bytes.len(), 10);
         assert_eq!(bytes.as_ptr() as usize % cache_io::IO_ALIGN, 0);
         let _ = crate::format::ReadAt::size(&bytes[..]);
+    }
+
+    fn state(consumer: usize, consumers: usize, delivered: u64) -> StreamState {
+        StreamState {
+            versions: vec!["v".into()],
+            order: OrderSpec::default(),
+            consumer,
+            consumers,
+            base: EpochProgress::default(),
+            len: 10,
+            delivered,
+        }
+    }
+
+    /// Regression: resume state with a consumer index out of range, a consumer listed twice, or
+    /// more delivered than dealt panicked (index out of bounds) or resumed wrongly; each is now
+    /// an `InvalidInput` error naming the problem.
+    #[test]
+    fn tampered_resume_states_are_invalid_input_not_panics() {
+        let ok = StreamState::job_progress(&[state(0, 2, 3), state(1, 2, 2)]).unwrap();
+        assert_eq!(ok.progress.consumed, 5);
+        let cases: Vec<(Vec<StreamState>, &str)> = vec![
+            (vec![state(0, 2, 1), state(5, 2, 1)], "consumer 5"),
+            (vec![state(1, 2, 1), state(1, 2, 1)], "appears twice"),
+            (vec![state(0, 2, 9), state(1, 2, 1)], "delivered 9"),
+            (vec![state(0, 0, 0)], "consumers is 0"),
+            (
+                vec![StreamState {
+                    base: EpochProgress {
+                        epoch: 0,
+                        consumed: 11,
+                        ahead: vec![],
+                    },
+                    ..state(0, 1, 0)
+                }],
+                "exceeds",
+            ),
+            (
+                vec![StreamState {
+                    base: EpochProgress {
+                        epoch: 0,
+                        consumed: 2,
+                        ahead: vec![7, 4],
+                    },
+                    ..state(0, 1, 0)
+                }],
+                "out of order",
+            ),
+        ];
+        for (states, needle) in cases {
+            let e = StreamState::job_progress(&states).unwrap_err();
+            assert!(matches!(e, Error::InvalidInput { .. }), "{e}");
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
     }
 }

@@ -129,16 +129,35 @@ impl Manifest {
                 m.version
             )));
         }
-        let samples: u64 = m.shards.iter().map(|s| s.samples).sum();
-        let total: u64 = m.shards.iter().map(|s| s.bytes).sum();
+        // Checked: the counts are untrusted input, and a sum that wraps would pass the check.
+        let samples = m.shards.iter().try_fold(0u64, |a, s| a.checked_add(s.samples));
+        let total = m.shards.iter().try_fold(0u64, |a, s| a.checked_add(s.bytes));
+        let (Some(samples), Some(total)) = (samples, total) else {
+            return Err(bad("its shards' sample or byte counts overflow 64 bits".into()));
+        };
         if samples != m.samples || total != m.bytes {
             return Err(bad(format!(
                 "totals ({} samples, {} bytes) do not match its shards ({samples}, {total})",
                 m.samples, m.bytes
             )));
         }
+        if m.shards.len() as u64 > u32::MAX as u64 {
+            return Err(bad(format!(
+                "{} shards exceeds the limit of {}",
+                m.shards.len(),
+                u32::MAX
+            )));
+        }
         let mut keys = std::collections::HashSet::new();
         for s in &m.shards {
+            if s.samples > crate::format::SHARD_SAMPLES_MAX {
+                return Err(bad(format!(
+                    "shard {:?} claims {} samples, over the shard limit of {}",
+                    s.key,
+                    s.samples,
+                    crate::format::SHARD_SAMPLES_MAX
+                )));
+            }
             validate_key(&s.key).map_err(|r| bad(format!("shard key {:?}: {r}", s.key)))?;
             if !keys.insert(s.key.as_str()) {
                 return Err(bad(format!("shard key {:?} listed twice", s.key)));

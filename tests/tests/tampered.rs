@@ -1,0 +1,144 @@
+//! Tampered or inconsistent input on real packed files: a manifest whose counts disagree with
+//! its shards, a manifest claiming a shard smaller than its footer, counts that overflow, and a
+//! panic in the loader's reader thread. Each is an error naming what is wrong, never a panic
+//! or a silently short epoch.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ramjet_engine::format::Manifest;
+use ramjet_engine::loader::{Loader, LoaderConfig, Next};
+use ramjet_engine::{Error, Stream, StreamConfig};
+use ramjet_tests::{ramjet_ok, synth_dataset};
+
+const N: usize = 24;
+
+fn packed(tmp: &Path) -> PathBuf {
+    let dst = tmp.join("packed");
+    ramjet_ok(&[
+        "pack",
+        synth_dataset(N).to_str().unwrap(),
+        dst.to_str().unwrap(),
+        "--shard-size",
+        "400KiB",
+    ]);
+    dst
+}
+
+/// Rewrites the manifest with `edit` applied and its version recomputed, as a tamperer who knows
+/// the format would (the version is a content hash, not a signature).
+fn tamper(dir: &Path, edit: impl FnOnce(&mut Manifest)) {
+    let p = dir.join("manifest.json");
+    let mut m = Manifest::parse(&fs::read(&p).unwrap(), "manifest.json").unwrap();
+    edit(&mut m);
+    m.version = m.compute_version();
+    fs::write(&p, m.to_bytes()).unwrap();
+}
+
+/// Reads the whole stream: the samples delivered, then the error that ended it (if any).
+fn drain(dir: &Path) -> (usize, Option<Error>) {
+    let mut s = match Stream::open(StreamConfig::new(dir.to_str().unwrap())) {
+        Ok(s) => s,
+        Err(e) => return (0, Some(e)),
+    };
+    let mut n = 0;
+    loop {
+        match s.next_sample() {
+            Ok(Some(_)) => n += 1,
+            Ok(None) => return (n, None),
+            Err(e) => return (n, Some(e)),
+        }
+    }
+}
+
+/// Regression: the manifest's per-shard sample counts were trusted and never compared with the
+/// shard headers, so moving a sample from one shard's count to another's went unnoticed.
+#[test]
+fn a_manifest_whose_sample_counts_disagree_with_the_shard_headers_is_corrupt() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = packed(d.path());
+    let (n, e) = drain(&dir);
+    assert_eq!((n, e.is_none()), (N, true), "the untouched set must stream whole");
+    let m = Manifest::parse(&fs::read(dir.join("manifest.json")).unwrap(), "m").unwrap();
+    assert!(m.shards.len() >= 2, "the test needs two shards");
+    let key = m.shards[0].key.clone();
+    tamper(&dir, |m| {
+        m.shards[0].samples -= 1;
+        m.shards[1].samples += 1;
+    });
+    let (n, e) = drain(&dir);
+    let e = e.unwrap_or_else(|| panic!("a tampered manifest streamed {n} samples and ended cleanly"));
+    assert!(e.is_data_error(), "not a data error: {e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&key) || msg.contains("shards/"),
+        "the error names no shard: {msg}"
+    );
+    assert!(n < N, "{n} samples delivered from a tampered manifest");
+}
+
+/// Regression: a manifest claiming a shard smaller than its own footer made the ranged read of
+/// the first samples compute `bytes - 16` and overflow.
+#[test]
+fn a_manifest_shard_smaller_than_its_footer_is_an_error_not_an_overflow() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = packed(d.path());
+    tamper(&dir, |m| {
+        m.bytes = m.bytes - m.shards[0].bytes + 5;
+        m.shards[0].bytes = 5;
+    });
+    let (_, e) = drain(&dir);
+    let e = e.expect("a shard of 5 bytes must fail");
+    assert!(e.is_data_error(), "{e}");
+}
+
+/// Regression: sums of untrusted counts were unchecked: counts whose sum wraps to the stated
+/// total passed, and per-shard counts beyond a shard's limit were truncated to 32 bits.
+#[test]
+fn a_manifest_whose_counts_overflow_or_exceed_the_shard_limit_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = packed(d.path());
+    let p = dir.join("manifest.json");
+    let good = Manifest::parse(&fs::read(&p).unwrap(), "m").unwrap();
+    let mut m = good.clone();
+    m.shards[0].samples = u64::MAX;
+    m.samples = good.samples.wrapping_add(u64::MAX - good.shards[0].samples);
+    m.version = m.compute_version();
+    let e = Manifest::parse(&m.to_bytes(), "m").unwrap_err().to_string();
+    assert!(e.contains("overflow"), "{e}");
+    let mut m = good.clone();
+    m.shards[0].samples += 1 << 33;
+    m.samples += 1 << 33;
+    m.version = m.compute_version();
+    let e = Manifest::parse(&m.to_bytes(), "m").unwrap_err().to_string();
+    assert!(e.contains("over the shard limit"), "{e}");
+}
+
+/// Regression: a panic in the loader's reader thread ended the epoch silently short: the
+/// consumer saw the end of the stream, not an error.
+#[test]
+fn a_panic_in_the_loader_reader_thread_is_an_error_not_a_short_epoch() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = packed(d.path());
+    let mut cfg = LoaderConfig::new(StreamConfig::new(dir.to_str().unwrap()));
+    cfg.batch_size = 4;
+    cfg.threads = 2;
+    cfg.panic_reader_after_samples = Some(10);
+    let mut l = Loader::start(cfg).unwrap();
+    let mut batches = 0;
+    let err = loop {
+        match l.next_batch(Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}")) {
+            Next::Batch(_) => batches += 1,
+            Next::Pending => panic!("no batch within 30 s"),
+            Next::End => panic!("the epoch ended after {batches} batches without an error"),
+        }
+        if batches == 2 {
+            break l.next_batch(Duration::from_secs(30));
+        }
+    };
+    let e = err.expect_err("the batch after the panic must be an error");
+    assert!(matches!(e, Error::Internal { .. }), "{e}");
+    assert!(e.to_string().contains("ramjet-reader"), "{e}");
+    assert!(matches!(l.next_batch(Duration::from_secs(1)), Ok(Next::End)));
+}
