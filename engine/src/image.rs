@@ -17,8 +17,18 @@ use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer
 
 use crate::decode::{probe, ImageFormat, ImageInfo};
 
-/// Largest image ramjet decodes, in pixels (a guard against decompression bombs).
-pub const MAX_PIXELS: u64 = 1 << 28;
+/// Decompression-bomb limit on declared pixels: an image whose header claims more is refused
+/// before anything is allocated. 2^26 is 8192 x 8192, above any training image in practice.
+pub const DECODE_PIXELS_MAX: u64 = 1 << 26;
+
+/// Decompression-bomb limit on the memory one decode may take (output plus the decoder's own
+/// buffers, estimated from the declared size before decoding): 384 MiB, which binds before the
+/// pixel limit for progressive JPEGs above about 45 MP and RGBA PNGs above about 57 MP.
+pub const DECODE_BYTES_MAX: u64 = 384 << 20;
+
+/// Bytes a JPEG decode of `pixels` pixels may take: RGB output (3 B/px) plus, for progressive
+/// files, 16-bit DCT coefficients of three components (6 B/px).
+const JPEG_BYTES_PER_PIXEL: u64 = 9;
 
 /// How a training or evaluation image becomes the output rectangle.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -255,12 +265,7 @@ pub struct Rgb {
 /// that cover [top, bottom) (JPEG only). The result's size tells what was produced.
 pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, String> {
     let info = probe(bytes)?;
-    if info.width as u64 * info.height as u64 > MAX_PIXELS {
-        return Err(format!(
-            "image is {}x{}, above the {MAX_PIXELS}-pixel limit",
-            info.width, info.height
-        ));
-    }
+    check_declared(info.width, info.height, JPEG_BYTES_PER_PIXEL)?;
     // The decoders are third-party code fed untrusted bytes: a panic in them is a decode
     // error of this sample, not a crash of the process.
     std::panic::catch_unwind(AssertUnwindSafe(|| match info.format {
@@ -270,11 +275,29 @@ pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<
     .unwrap_or_else(|_| Err("the decoder failed on malformed data".into()))
 }
 
+/// Refuses a declared size above the pixel or memory limit, before any allocation.
+fn check_declared(width: u32, height: u32, bytes_per_pixel: u64) -> Result<(), String> {
+    let px = width as u64 * height as u64;
+    if px > DECODE_PIXELS_MAX {
+        return Err(format!(
+            "image declares {width}x{height} pixels, above the {DECODE_PIXELS_MAX}-pixel decode limit (decompression bomb?)"
+        ));
+    }
+    if px * bytes_per_pixel > DECODE_BYTES_MAX {
+        return Err(format!(
+            "image declares {width}x{height} pixels, whose decode would take over the {DECODE_BYTES_MAX}-byte memory limit"
+        ));
+    }
+    Ok(())
+}
+
 fn decode_jpeg(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, String> {
     use libjpeg_turbo_rs::{decode::pipeline::Decoder, PixelFormat, ScalingFactor};
     let mut d = Decoder::new(bytes).map_err(|e| format!("malformed JPEG: {e}"))?;
     d.set_output_format(PixelFormat::Rgb);
-    d.set_max_pixels(MAX_PIXELS as usize);
+    d.set_max_pixels(DECODE_PIXELS_MAX as usize);
+    // The decoder's own header may disagree with what `probe` read: check it again.
+    check_declared(d.header().width as u32, d.header().height as u32, JPEG_BYTES_PER_PIXEL)?;
     if denom > 1 {
         d.set_scale(ScalingFactor::new(1, denom));
     }
@@ -314,9 +337,20 @@ fn decode_jpeg(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb
 }
 
 fn decode_png(bytes: &[u8]) -> Result<Rgb, String> {
-    let mut dec = png::Decoder::new(std::io::Cursor::new(bytes));
+    let limits = png::Limits {
+        bytes: DECODE_BYTES_MAX as usize,
+    };
+    let mut dec = png::Decoder::new_with_limits(std::io::Cursor::new(bytes), limits);
     dec.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
     let mut r = dec.read_info().map_err(|e| format!("malformed PNG: {e}"))?;
+    let (w, h) = (r.info().width, r.info().height);
+    let need = r.output_buffer_size() as u64 + w as u64 * h as u64 * 3;
+    check_declared(w, h, 0)?;
+    if need > DECODE_BYTES_MAX {
+        return Err(format!(
+            "PNG declares {w}x{h} pixels, whose decode would take {need} bytes, over the {DECODE_BYTES_MAX}-byte memory limit"
+        ));
+    }
     let mut buf = vec![0u8; r.output_buffer_size()];
     let f = r.next_frame(&mut buf).map_err(|e| format!("malformed PNG: {e}"))?;
     let (w, h) = (f.width, f.height);
@@ -570,5 +604,58 @@ mod tests {
         let _ = process(&j, &spec, &mut SampleRng::new(0, 0, 0, 0), Slot::U8(&mut out), &mut s);
         let t = &j[..j.len() / 2];
         assert!(decode_rgb(t, 1, None).is_err());
+    }
+
+    fn crc32(data: &[u8]) -> u32 {
+        let mut c = !0u32;
+        for &b in data {
+            c ^= b as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+            }
+        }
+        !c
+    }
+
+    /// A PNG of only a header (IHDR declaring `w` x `h`, colour type `color`) and IEND.
+    fn png_header_only(w: u32, h: u32, color: u8) -> Vec<u8> {
+        let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+        let mut chunk = |kind: &[u8], body: &[u8]| {
+            out.extend((body.len() as u32).to_be_bytes());
+            let mut c = kind.to_vec();
+            c.extend(body);
+            out.extend(&c);
+            out.extend(crc32(&c).to_be_bytes());
+        };
+        let mut ihdr = w.to_be_bytes().to_vec();
+        ihdr.extend(h.to_be_bytes());
+        ihdr.extend([8, color, 0, 0, 0]);
+        chunk(b"IHDR", &ihdr);
+        chunk(b"IEND", b"");
+        out
+    }
+
+    /// Regression: decode trusted the declared size up to 2^28 pixels (805 MB of RGB per image,
+    /// per decode thread), and PNG allocated its whole buffer from the header before reading a
+    /// byte of data. Bombs are now refused from the header, before allocating.
+    #[test]
+    fn decompression_bombs_are_refused_before_allocating() {
+        // Pixels: a PNG declaring 60000 x 60000.
+        let e = decode_rgb(&png_header_only(60_000, 60_000, 2), 1, None).unwrap_err();
+        assert!(e.contains("pixel decode limit"), "{e}");
+        // Memory: 8000 x 8000 RGBA is under the pixel limit, but its decode is not.
+        let e = decode_rgb(&png_header_only(8_000, 8_000, 6), 1, None).unwrap_err();
+        assert!(e.contains("memory limit"), "{e}");
+        // A JPEG whose start-of-frame is patched to declare 65535 x 65535.
+        let mut j = jpeg(16, 16);
+        let sof = j
+            .windows(2)
+            .position(|w| w[0] == 0xFF && (0xC0..=0xC2).contains(&w[1]))
+            .expect("a start-of-frame marker");
+        j[sof + 5..sof + 9].copy_from_slice(&[0xFF, 0xFF, 0xFF, 0xFF]);
+        let e = decode_rgb(&j, 1, None).unwrap_err();
+        assert!(e.contains("pixel decode limit"), "{e}");
+        // An ordinary image still decodes.
+        assert_eq!(decode_rgb(&jpeg(64, 48), 1, None).unwrap().width, 64);
     }
 }

@@ -41,3 +41,24 @@ pub fn manifest(data: &[u8]) {
         let _ = m.locate(m.samples.saturating_sub(1));
     }
 }
+
+/// Feeds `data` to the wire protocol's frame parsers: a bare frame, and a frame body checked
+/// against a keyed session (as a peer connection's every frame after the handshake is).
+pub fn wire(data: &[u8]) {
+    use ramjet_transport::wire;
+    let _ = wire::parse_frame(data);
+    let _ = wire::read_msg_blocking(&mut &data[..]);
+    let mut s = wire::Session::keyed_for_fuzzing("fuzz", false);
+    let _ = s.open(data);
+    if data.len() > 4 {
+        let _ = s.open(&data[4..]);
+    }
+}
+
+/// Feeds `data` to the image probe and decoders: full size, DCT-scaled, and row-limited.
+pub fn image(data: &[u8]) {
+    use ramjet_engine::image::decode_rgb;
+    let _ = ramjet_engine::decode::probe(data);
+    let _ = decode_rgb(data, 1, None);
+    let _ = decode_rgb(data, 2, Some((0, 8)));
+}

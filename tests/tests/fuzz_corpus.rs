@@ -31,3 +31,15 @@ fn manifest_corpus_replays() {
     let n = replay("manifest", ramjet_tests::fuzzing::manifest);
     assert!(n >= 3, "manifest corpus has only {n} files");
 }
+
+#[test]
+fn wire_corpus_replays() {
+    let n = replay("wire", ramjet_tests::fuzzing::wire);
+    assert!(n >= 5, "wire corpus has only {n} files");
+}
+
+#[test]
+fn image_corpus_replays() {
+    let n = replay("image", ramjet_tests::fuzzing::image);
+    assert!(n >= 5, "image corpus has only {n} files");
+}

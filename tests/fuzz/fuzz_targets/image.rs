@@ -1,0 +1,3 @@
+//! Fuzzes the image parsers. Run: `RUSTC_BOOTSTRAP=1 cargo fuzz run image` in tests/fuzz.
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ramjet_tests::fuzzing::image(data));
