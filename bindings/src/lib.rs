@@ -63,25 +63,54 @@ fn to_py(e: Error) -> PyErr {
     }
 }
 
-/// Runs async engine work to completion with the GIL released.
-fn block_on<T: Send, F: std::future::Future<Output = T>>(
+/// How often a waiting call lets Python raise pending signals.
+const SIGNAL_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The one way a call into the engine waits: `f` runs on its own thread, and this thread waits
+/// with the GIL released, waking every 50 ms to let Python raise pending signals (Ctrl-C
+/// becomes `KeyboardInterrupt` at once). An interrupted `f` finishes in the background and its
+/// result is dropped.
+pub(crate) fn interruptible<T: Send + 'static>(py: Python<'_>, f: impl FnOnce() -> T + Send + 'static) -> PyResult<T> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name("ramjet-call".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| to_py(Error::io("thread", e)))?;
+    loop {
+        match py.detach(|| rx.recv_timeout(SIGNAL_POLL)) {
+            Ok(v) => return Ok(v),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                return Err(RamjetError::new_err(
+                    "ramjet call: its thread ended without a result (it panicked)",
+                ))
+            }
+        }
+    }
+}
+
+/// Runs async engine work to completion through [`interruptible`].
+fn block_on<T: Send + 'static, F: std::future::Future<Output = T> + 'static>(
     py: Python<'_>,
-    make: impl FnOnce() -> F + Send,
+    make: impl FnOnce() -> F + Send + 'static,
 ) -> PyResult<T> {
-    py.detach(|| {
+    interruptible(py, move || {
         let f = make();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| OriginError::new_err(format!("cannot start the I/O runtime: {e}")))?;
         Ok(rt.block_on(f))
-    })
+    })?
 }
 
 /// Reads a dataset's manifest and returns its summary as a dict.
 #[pyfunction]
 fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
-    let ds = block_on(py, || Dataset::open(url))?.map_err(to_py)?;
+    let u = url.to_owned();
+    let ds = block_on(py, move || async move { Dataset::open(&u).await })?.map_err(to_py)?;
     let m = ds.manifest();
     let d = PyDict::new(py);
     d.set_item("url", ds.manifest_url())?;
@@ -99,8 +128,9 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
 #[pyfunction]
 #[pyo3(signature = (url, parallel = 4))]
 fn verify<'py>(py: Python<'py>, url: &str, parallel: usize) -> PyResult<Bound<'py, PyDict>> {
-    let report = block_on(py, || async move {
-        let ds = Dataset::open(url).await?;
+    let u = url.to_owned();
+    let report = block_on(py, move || async move {
+        let ds = Dataset::open(&u).await?;
         Ok::<_, Error>(ds.verify(parallel, no_progress).await)
     })?
     .map_err(to_py)?;

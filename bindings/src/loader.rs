@@ -17,7 +17,7 @@ use ramjet_engine::stream::{ResumePoint, SourceConfig, StreamConfig, StreamState
 use ramjet_engine::{Error, Stream};
 
 use crate::dlpack::{DType, Storage, Tensor};
-use crate::{to_py, InvalidInputError};
+use crate::{interruptible, to_py, InvalidInputError};
 
 const POLL: Duration = Duration::from_millis(50);
 
@@ -224,36 +224,10 @@ pub fn init(py: Python<'_>, cache_dir: String, cache_limit: u64, socket: Option<
     }
     let cache = CacheConfig::new(&cache_dir, cache_limit);
     let p = path.clone();
-    let h = py
-        .detach(move || ramjet_transport::ensure_daemon(&p, cache))
-        .map_err(to_py)?;
+    let h = interruptible(py, move || ramjet_transport::ensure_daemon(&p, cache))?.map_err(to_py)?;
     let embedded = h.embedded.is_some();
     *held = Some(h);
     Ok((path.display().to_string(), embedded))
-}
-
-/// Runs `f` on its own thread and waits for it with the GIL released, waking every 50 ms to
-/// let Python raise pending signals (Ctrl-C). An interrupted `f` finishes in the background.
-fn interruptible<T: Send + 'static>(py: Python<'_>, f: impl FnOnce() -> T + Send + 'static) -> PyResult<T> {
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    std::thread::Builder::new()
-        .name("ramjet-call".into())
-        .spawn(move || {
-            let _ = tx.send(f());
-        })
-        .map_err(|e| to_py(Error::io("thread", e)))?;
-    loop {
-        match py.detach(|| rx.recv_timeout(POLL)) {
-            Ok(v) => return Ok(v),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => py.check_signals()?,
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                return Err(to_py(Error::invalid(
-                    "ramjet call",
-                    "its thread ended without a result",
-                )))
-            }
-        }
-    }
 }
 
 /// A running batch pipeline (one consumer of the job).
@@ -388,7 +362,7 @@ pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64)> {
 /// Random access to samples by index, decoded with the evaluation transform.
 #[pyclass(module = "ramjet._ramjet")]
 pub struct Reader {
-    state: Mutex<(Stream, Scratch)>,
+    state: Arc<Mutex<(Stream, Scratch)>>,
     spec: Option<ImageSpec>,
     image_column: String,
     seed: u64,
@@ -406,7 +380,7 @@ impl Reader {
         sc.first_epoch = 0;
         let stream = interruptible(py, move || Stream::open(sc))?.map_err(to_py)?;
         Ok(Self {
-            state: Mutex::new((stream, Scratch::default())),
+            state: Arc::new(Mutex::new((stream, Scratch::default()))),
             spec: cfg.image.as_ref().map(|i| i.spec()),
             image_column: cfg.image_column,
             seed: cfg.order.seed,
@@ -415,8 +389,14 @@ impl Reader {
 
     /// Sample `index` of source `stream` as a dict (image as a `(3, H, W)` tensor).
     fn get<'py>(&self, py: Python<'py>, stream: usize, index: u64) -> PyResult<Bound<'py, PyDict>> {
-        let r = py.detach(|| {
-            let mut g = self.state.lock().expect("not poisoned");
+        let (state, spec, image_column, seed) = (
+            self.state.clone(),
+            self.spec.clone(),
+            self.image_column.clone(),
+            self.seed,
+        );
+        let r = interruptible(py, move || {
+            let mut g = state.lock().expect("not poisoned");
             let (st, scratch) = &mut *g;
             let s = st.get(stream, index)?;
             let url = st.shard_url(s.id.stream, s.id.shard);
@@ -425,9 +405,9 @@ impl Reader {
             let mut out = Vec::with_capacity(vals.len());
             for (c, v) in schema.columns.iter().zip(vals) {
                 use ramjet_engine::format::ValueRef as V;
-                let item = match (v, &self.spec) {
-                    (V::Bytes(b), Some(spec)) if c.name == self.image_column => {
-                        let mut rng = SampleRng::new(self.seed, 0, stream as u32, index);
+                let item = match (v, &spec) {
+                    (V::Bytes(b), Some(spec)) if c.name == image_column => {
+                        let mut rng = SampleRng::new(seed, 0, stream as u32, index);
                         let shape = vec![3, spec.height as i64, spec.width as i64];
                         let res = match spec.out {
                             OutType::U8 => {
@@ -456,7 +436,7 @@ impl Reader {
                 out.push((c.name.clone(), item));
             }
             Ok::<_, Error>(out)
-        });
+        })?;
         let d = PyDict::new(py);
         for (k, v) in r.map_err(to_py)? {
             match v {

@@ -1,0 +1,156 @@
+"""Hardening of the Python package on real files and processes: Ctrl-C interrupts every
+blocking call (dataset index, inspect, verify, init), and a cache shared by a process and its
+forked DataLoader workers under ramjet.init() never deadlocks."""
+
+import _thread
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import ramjet
+
+RAMJET = os.environ.get("RAMJET_BIN") or str(Path(__file__).resolve().parents[2] / "target/debug/ramjet")
+BUCKET = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
+
+
+def run(*args):
+    out = subprocess.run([RAMJET, *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hard")
+    run("synth", str(root / "synth"), "--samples", "24")
+    run("pack", str(root / "synth"), str(root / "packed"), "--shard-size", "400KiB")
+    return root / "packed"
+
+
+def blocked_copy(packed, tmp_path, what):
+    """A copy of the packed set whose manifest or first shard is a FIFO: reading it blocks."""
+    d = tmp_path / f"blocked-{what}"
+    shutil.copytree(packed, d)
+    if what == "manifest":
+        target = d / "manifest.json"
+    else:
+        target = sorted((d / "shards").iterdir())[0]
+    target.unlink()
+    os.mkfifo(target)
+    return d, target
+
+
+def unblock(fifo):
+    """Lets a reader blocked opening `fifo` go (it then reads end of file)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def assert_interrupts(call):
+    """`call` blocks; a Ctrl-C (SIGINT to the main thread) after 1 s must end it at once."""
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        timer.cancel()
+    took = time.monotonic() - t0
+    assert took < 8, f"Ctrl-C took {took:.1f} s to interrupt"
+
+
+def test_ctrl_c_interrupts_inspect(packed, tmp_path):
+    d, fifo = blocked_copy(packed, tmp_path, "manifest")
+    try:
+        assert_interrupts(lambda: ramjet.inspect(str(d)))
+    finally:
+        unblock(fifo)
+
+
+def test_ctrl_c_interrupts_verify(packed, tmp_path):
+    d, fifo = blocked_copy(packed, tmp_path, "shard")
+    try:
+        assert_interrupts(lambda: ramjet.verify(str(d)))
+    finally:
+        unblock(fifo)
+
+
+def test_ctrl_c_interrupts_dataset_index(packed, tmp_path):
+    d, fifo = blocked_copy(packed, tmp_path, "shard")
+    ds = ramjet.StreamingDataset(str(d), batch_size=4, image_size=32, shuffle=False)
+    try:
+        assert_interrupts(lambda: ds[0])
+    finally:
+        unblock(fifo)
+
+
+def test_ctrl_c_interrupts_init(tmp_path):
+    # Another process holds the cache's admission lock: the embedded daemon cannot open it.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    holder = open(cache / "lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        assert_interrupts(lambda: ramjet.init(str(cache), socket=str(tmp_path / "d.sock")))
+    finally:
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        holder.close()
+
+
+FORKED = textwrap.dedent(
+    """
+    import json, sys, threading, torch, ramjet
+    urls, cache, sock = sys.argv[1:4], sys.argv[4], sys.argv[5]
+    ramjet.init(cache, socket=sock)
+    count = lambda url: sum(len(b["_index"]) for b in ramjet.StreamingDataset(url, batch_size=4, image_size=32, shuffle=False))
+    # The parent's daemon fetches A (taking the cache's fetch and admission locks over and over)
+    # while persistent DataLoader workers are forked, reading B.
+    got = {}
+    t = threading.Thread(target=lambda: got.__setitem__("a", count(urls[0])))
+    t.start()
+    dl = torch.utils.data.DataLoader(
+        ramjet.StreamingDataset(urls[1], batch_size=4, image_size=32, shuffle=False),
+        batch_size=None, num_workers=2, persistent_workers=True,
+    )
+    got["b"] = sum(len(b["_index"]) for b in dl)
+    t.join()
+    # The workers are still alive: the parent's daemon must still take every lock (C is cold).
+    got["c"] = count(urls[2])
+    got["b2"] = sum(len(b["_index"]) for b in dl)
+    print(json.dumps(got))
+    """
+)
+
+
+def test_a_cache_shared_with_forked_workers_under_init_never_deadlocks(tmp_path):
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    run("synth", str(tmp_path / "synth"), "--samples", "48")
+    urls = []
+    for name in "abc":
+        u = f"s3://{BUCKET}/pytest-hard/{name}-{uuid.uuid4().hex[:8]}"
+        run("pack", str(tmp_path / "synth"), u, "--shard-size", "200KiB")
+        urls.append(u)
+    p = subprocess.run(
+        [sys.executable, "-c", FORKED, *urls, str(tmp_path / "cache"), str(tmp_path / "d.sock")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"a": 48, "b": 48, "c": 48, "b2": 48}, got
