@@ -154,3 +154,24 @@ def test_a_cache_shared_with_forked_workers_under_init_never_deadlocks(tmp_path)
     assert p.returncode == 0, p.stderr[-4000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got == {"a": 48, "b": 48, "c": 48, "b2": 48}, got
+
+
+def test_tampered_resume_state_raises_invalid_input_not_a_panic(packed):
+    """Regression: resume state with a bad consumer index, duplicate consumers or
+    consumed > len panicked in Rust (index out of bounds) or ended the epoch short."""
+    ds = ramjet.StreamingDataset(str(packed), batch_size=4, image_size=32, shuffle=False)
+    next(iter(ds))
+    st = ds.state_dict()
+    r = json.loads(st["resume"])
+    r["progress"]["consumed"] = 10**9
+    bad = ramjet.StreamingDataset(str(packed), batch_size=4, image_size=32, shuffle=False)
+    bad.load_state_dict({**st, "resume": json.dumps(r)})
+    with pytest.raises(ramjet.InvalidInputError, match="exceeds"):
+        next(iter(bad))
+    one = json.loads(ds._state)
+    for edit, needle in [({"consumer": 7}, "consumer 7"), ({"delivered": 10**6}, "delivered")]:
+        with pytest.raises(ramjet.InvalidInputError, match=needle):
+            ramjet._ramjet.job_progress([json.dumps({**one, **edit})])
+    two = {**one, "consumers": 2}
+    with pytest.raises(ramjet.InvalidInputError, match="twice"):
+        ramjet._ramjet.job_progress([json.dumps(two), json.dumps(two)])
