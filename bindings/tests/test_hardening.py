@@ -73,27 +73,25 @@ def assert_interrupts(call):
     assert took < 8, f"Ctrl-C took {took:.1f} s to interrupt"
 
 
-def test_ctrl_c_interrupts_inspect(packed, tmp_path):
-    d, fifo = blocked_copy(packed, tmp_path, "manifest")
+@pytest.mark.parametrize(
+    "call, blocked",
+    [
+        ("inspect", "manifest"),
+        ("verify", "shard"),
+        ("index", "shard"),
+    ],
+)
+def test_ctrl_c_interrupts_a_call_blocked_on_its_data(packed, tmp_path, call, blocked):
+    """Regression: inspect, verify and ds[i] waited with the GIL released but never let Python
+    deliver signals: Ctrl-C did nothing until the data arrived."""
+    d, fifo = blocked_copy(packed, tmp_path, blocked)
+    calls = {
+        "inspect": lambda: ramjet.inspect(str(d)),
+        "verify": lambda: ramjet.verify(str(d)),
+        "index": lambda: ramjet.StreamingDataset(str(d), batch_size=4, image_size=32, shuffle=False)[0],
+    }
     try:
-        assert_interrupts(lambda: ramjet.inspect(str(d)))
-    finally:
-        unblock(fifo)
-
-
-def test_ctrl_c_interrupts_verify(packed, tmp_path):
-    d, fifo = blocked_copy(packed, tmp_path, "shard")
-    try:
-        assert_interrupts(lambda: ramjet.verify(str(d)))
-    finally:
-        unblock(fifo)
-
-
-def test_ctrl_c_interrupts_dataset_index(packed, tmp_path):
-    d, fifo = blocked_copy(packed, tmp_path, "shard")
-    ds = ramjet.StreamingDataset(str(d), batch_size=4, image_size=32, shuffle=False)
-    try:
-        assert_interrupts(lambda: ds[0])
+        assert_interrupts(calls[call])
     finally:
         unblock(fifo)
 
