@@ -554,7 +554,7 @@ impl Inner {
         if !self.cfg.allow_prefixes.is_empty() && !self.cfg.allow_prefixes.iter().any(|p| url_under(manifest_url, p)) {
             return bad("outside the allowed prefixes");
         }
-        let (mut ds, mut fresh) = self.dataset(manifest_url, false).await?;
+        let (mut ds, fresh) = self.dataset(manifest_url, false).await?;
         let matches = |ds: &Dataset| {
             ds.manifest()
                 .shards
@@ -563,9 +563,8 @@ impl Inner {
         };
         if !fresh && !matches(&ds) {
             // The requester may hold a newer manifest (re-packed under the same URL).
-            (ds, fresh) = self.dataset(manifest_url, true).await?;
+            ds = self.dataset(manifest_url, true).await?.0;
         }
-        let _ = fresh;
         let Some(info) = ds.manifest().shards.get(shard as usize) else {
             return bad("no such shard in the manifest");
         };

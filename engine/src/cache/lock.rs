@@ -98,11 +98,6 @@ fn with<T>(f: impl FnOnce(&mut Vec<RawFd>) -> T) -> T {
     out
 }
 
-/// Descriptors of lock files currently registered (for tests).
-pub fn registered() -> usize {
-    with(|fds| fds.len())
-}
-
 /// An `flock` on a file, released on drop; never inherited by a forked child.
 pub struct FileLock {
     // `None` only while dropping.
