@@ -285,6 +285,10 @@ fn the_cache_budget_holds_and_a_stable_subset_stays_resident() {
     let mut c = config(url, Topology::default(), Some(cache.path()));
     c.cache = Some(CacheConfig::new(cache.path(), limit));
     c.epochs = Some(4);
+    // Hits and misses are counted where shards are fetched, ahead of the consumer: keep the
+    // prefetcher about one shard ahead so that counts land in the epoch they belong to (with the
+    // default 512 MiB a slow consumer saw every epoch's fetches counted in the first).
+    c.prefetch_bytes_max = 1 << 10;
     let mut hits_per_epoch = Vec::new();
     let mut s = Stream::open(c).unwrap();
     let mut last = (0, 0);
