@@ -121,6 +121,9 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("shards", m.shards.len())?;
     d.set_item("samples", m.samples)?;
     d.set_item("bytes", m.bytes)?;
+    let meta = serde_json::to_string(&m.meta).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
+    d.set_item("meta_json", meta)?;
+    d.set_item("columns_sidecars", m.shards.iter().all(|s| s.columns.is_some()))?;
     Ok(d)
 }
 
@@ -146,6 +149,50 @@ fn verify<'py>(py: Python<'py>, url: &str, parallel: usize) -> PyResult<Bound<'p
 
 fn no_progress(_bytes: u64) {}
 
+/// Columns `names` of every sample of the dataset at `url`, as a dict of lists in sample
+/// order. They come from the shards' columns sidecars (labels without the images) when the
+/// dataset has them, else from the whole shards. `bytes` columns are refused.
+#[pyfunction]
+#[pyo3(signature = (url, names, parallel = 8))]
+fn columns<'py>(py: Python<'py>, url: &str, names: Vec<String>, parallel: usize) -> PyResult<Bound<'py, PyDict>> {
+    use ramjet_engine::format::Value;
+    let (u, n) = (url.to_owned(), names.clone());
+    let cols = block_on(py, move || async move {
+        let ds = Dataset::open(&u).await?;
+        ds.columns(&n, parallel).await
+    })?
+    .map_err(to_py)?;
+    let d = PyDict::new(py);
+    for (name, col) in names.iter().zip(cols) {
+        let l = pyo3::types::PyList::empty(py);
+        for v in col {
+            match v {
+                Value::Int64(x) => l.append(x)?,
+                Value::Float64(x) => l.append(x)?,
+                Value::Str(t) | Value::Json(t) => l.append(t)?,
+                Value::Bytes(b) => l.append(pyo3::types::PyBytes::new(py, &b))?,
+            }
+        }
+        d.set_item(name, l)?;
+    }
+    Ok(d)
+}
+
+/// Holds the cluster ring of the daemon at `socket` at its current version (counted: each
+/// freeze needs its unfreeze), so a training run sees one ring from start to end.
+#[pyfunction]
+fn freeze(py: Python<'_>, socket: &str) -> PyResult<()> {
+    let c = ramjet_transport::DaemonClient::new(socket);
+    interruptible(py, move || c.freeze())?.map_err(to_py)
+}
+
+/// Releases one [`freeze`].
+#[pyfunction]
+fn unfreeze(py: Python<'_>, socket: &str) -> PyResult<()> {
+    let c = ramjet_transport::DaemonClient::new(socket);
+    interruptible(py, move || c.unfreeze())?.map_err(to_py)
+}
+
 /// The native module behind `ramjet`.
 #[pymodule]
 fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -159,6 +206,9 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidInputError", py.get_type::<InvalidInputError>())?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
+    m.add_function(wrap_pyfunction!(columns, m)?)?;
+    m.add_function(wrap_pyfunction!(freeze, m)?)?;
+    m.add_function(wrap_pyfunction!(unfreeze, m)?)?;
     m.add_class::<dlpack::Tensor>()?;
     m.add_class::<loader::Loader>()?;
     m.add_class::<loader::Reader>()?;

@@ -129,6 +129,12 @@ struct ConfigJson {
     first_epoch: u64,
     #[serde(default)]
     resume: Option<ResumePoint>,
+    /// This consumer's own saved state (a worker restored by a `StatefulDataLoader`).
+    #[serde(default)]
+    resume_consumer: Option<StreamState>,
+    /// Random access: bytes of whole shards held in memory.
+    #[serde(default)]
+    resident_bytes_max: Option<u64>,
     batch_size: usize,
     #[serde(default)]
     drop_last: bool,
@@ -177,6 +183,10 @@ impl ConfigJson {
         sc.epochs = self.epochs;
         sc.first_epoch = self.first_epoch;
         sc.resume = self.resume.clone();
+        sc.resume_consumer = self.resume_consumer.clone();
+        if let Some(b) = self.resident_bytes_max {
+            sc.resident_bytes_max = b;
+        }
         sc.provider = self
             .daemon
             .as_ref()
@@ -266,17 +276,21 @@ impl Loader {
     /// Counters of the stream and the decoders.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let snap = self.inner.lock().expect("not poisoned").metrics().snapshot();
-        let v = serde_json::to_value(&snap).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
-        let d = PyDict::new(py);
-        if let serde_json::Value::Object(m) = v {
-            for (k, v) in m {
-                if let Some(f) = v.as_f64() {
-                    d.set_item(k, f)?;
-                }
+        snapshot_dict(py, &snap)
+    }
+}
+
+fn snapshot_dict<'py>(py: Python<'py>, snap: &impl serde::Serialize) -> PyResult<Bound<'py, PyDict>> {
+    let v = serde_json::to_value(snap).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
+    let d = PyDict::new(py);
+    if let serde_json::Value::Object(m) = v {
+        for (k, v) in m {
+            if let Some(f) = v.as_f64() {
+                d.set_item(k, f)?;
             }
         }
-        Ok(d)
     }
+    Ok(d)
 }
 
 fn tensor(py: Python<'_>, storage: Storage, shape: Vec<i64>, dtype: DType) -> PyResult<Py<Tensor>> {
@@ -377,6 +391,7 @@ impl Reader {
         let mut sc = cfg.stream();
         sc.epochs = Some(0);
         sc.resume = None;
+        sc.resume_consumer = None;
         sc.first_epoch = 0;
         let stream = interruptible(py, move || Stream::open(sc))?.map_err(to_py)?;
         Ok(Self {
@@ -385,6 +400,43 @@ impl Reader {
             image_column: cfg.image_column,
             seed: cfg.order.seed,
         })
+    }
+
+    /// Column `column` of sample `index` of source `stream`, as bytes (a `bytes` column, e.g.
+    /// the encoded image, undecoded): the read a map-style dataset makes per sample. A sample
+    /// held in memory or in the disk cache is read in place with the GIL released; one that
+    /// needs the network is read interruptibly.
+    fn get_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        stream: usize,
+        index: u64,
+        column: &str,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (state, column) = (self.state.clone(), column.to_owned());
+        let r = interruptible(py, move || {
+            let g = state.lock().expect("not poisoned");
+            let s = g.0.get(stream, index)?;
+            let schema = g.0.schema(stream);
+            let k = schema.index_of(&column).ok_or_else(|| {
+                Error::invalid(
+                    format!("column {column:?}"),
+                    format!("the dataset's columns are {}", schema.describe()),
+                )
+            })?;
+            let vals = s.values()?;
+            match vals.get(k) {
+                Some(ramjet_engine::format::ValueRef::Bytes(b)) => Ok(b.to_vec()),
+                _ => Err(Error::invalid(format!("column {column:?}"), "not a bytes column")),
+            }
+        })?;
+        Ok(PyBytes::new(py, &r.map_err(to_py)?))
+    }
+
+    /// Counters of the random-access reads (ranged samples, resident samples, origin bytes).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let snap = self.state.lock().expect("not poisoned").0.metrics();
+        snapshot_dict(py, &snap)
     }
 
     /// Sample `index` of source `stream` as a dict (image as a `(3, H, W)` tensor).

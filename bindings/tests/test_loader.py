@@ -394,3 +394,119 @@ def test_init_starts_an_embedded_daemon_that_every_dataset_and_worker_shares(cla
     assert warm["daemon_cache_local"] >= shards and warm["daemon_origin"] == 0, warm
     assert warm["daemon_failures"] == 0 and warm["origin_bytes"] == 0, warm
     assert sorted(os.listdir(tmp_path / "cache" / "shards")), "the daemon filled its cache"
+
+
+def _stateful(ds, workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop_after", [1, 5, 12])
+def test_stateful_dataloader_resumes_exactly_mid_epoch(classes, workers, stop_after):
+    """torchdata's StatefulDataLoader: a state taken after `stop_after` batches, restored into
+    a new loader (new worker processes), yields exactly the batches the first run went on to
+    yield, pixels included, then the next epoch as usual."""
+    url, _ = classes
+    make = lambda: dataset(url, seed=21, batch_size=4)  # noqa: E731
+    dl = _stateful(make(), workers)
+    it = iter(dl)
+    head = [next(it) for _ in range(stop_after)]
+    state = dl.state_dict()
+    rest = list(it)
+    full = head + rest
+    assert sorted(indices(full)) == list(range(N))
+
+    dl2 = _stateful(make(), workers)
+    dl2.load_state_dict(json.loads(json.dumps(state, default=str)) if workers == 0 else state)
+    resumed = list(dl2)
+    assert indices(resumed) == indices(rest)
+    for a, b in zip(resumed, rest):
+        assert torch.equal(a["image"], b["image"]), "augmentations replay identically"
+
+
+def test_stateful_dataloader_worker_state_is_a_string_at_hand(classes):
+    """Taking a worker's state runs every step: it must not gather, parse or call into the
+    engine. It is the string the last batch came with."""
+    url, _ = classes
+    ds = dataset(url, seed=4, batch_size=4)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dl = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    it = iter(dl)
+    next(it)
+    next(it)
+    st = dl.state_dict()
+    ws = st["_snapshot"]["_worker_snapshots"]
+    states = [w["dataset_state"] for w in ws.values()]
+    assert len(states) == 2
+    assert all(isinstance(s["consumer"], str) for s in states), states
+    consumers = sorted(json.loads(s["consumer"])["consumer"] for s in states)
+    assert consumers == [0, 1]
+
+
+def test_stateful_resume_with_other_workers_is_refused_by_name(classes):
+    url, _ = classes
+    dl = _stateful(dataset(url, seed=2, batch_size=4), 2)
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    state = dl.state_dict()
+    del it
+    ws = next(iter(state["_snapshot"]["_worker_snapshots"].values()))["dataset_state"]
+    ds = dataset(url, seed=2, batch_size=4)
+    ds.load_state_dict(ws)  # a worker's state in a process that is the whole job
+    with pytest.raises(ramjet.InvalidInputError, match="consumer 0 of 2"):
+        next(iter(ds))
+
+
+def test_columns_come_from_sidecars_without_reading_images(synth):
+    url = s3_url("cols")
+    run("pack", str(synth), url, "--shard-size", "1MiB")
+    info = ramjet._ramjet.inspect(url)
+    assert info["columns_sidecars"] and info["shards"] > 1
+    cols = ramjet._ramjet.columns(url, ["path", "width", "height", "boxes"])
+    assert len(cols["path"]) == N
+    for i in (0, 7, N - 1):
+        p = cols["path"][i]
+        assert p == f"images/{i:06d}.jpg"
+        label = (synth / "labels" / f"{i:06d}.txt").read_text().split()
+        boxes = json.loads(cols["boxes"][i])
+        assert [round(x, 6) for x in boxes[0][1:]] == [float(x) for x in label[1:5]]
+    assert set(cols["width"]) == {640} and set(cols["height"]) == {480}
+    with pytest.raises(ramjet.InvalidInputError, match="bytes column"):
+        ramjet._ramjet.columns(url, ["image"])
+
+
+def test_random_access_loads_each_shard_once_then_reads_locally(synth):
+    """Reader.get_bytes: the first sample of a shard is two ranged GETs, its whole shard then
+    loads in the background, and the shard's other samples come from memory."""
+    url = s3_url("random")
+    run("pack", str(synth), url, "--shard-size", "1MiB")
+    cfg = json.loads(ramjet.StreamingDataset(url, image_size=None)._config())
+    r = ramjet._ramjet.Reader(json.dumps(cfg))
+    truth = {i: (synth / "images" / f"{i:06d}.jpg").read_bytes() for i in range(N)}
+    import time
+
+    assert r.get_bytes(0, 3, "image") == truth[3]
+    deadline = time.monotonic() + 30
+    got = {}
+    while time.monotonic() < deadline and len(got) < N:
+        for i in range(N):
+            got[i] = r.get_bytes(0, i, "image")
+        time.sleep(0.05)
+    assert got == truth
+    before = r.metrics()
+    for i in range(N):
+        assert r.get_bytes(0, i, "image") == truth[i]
+    after = r.metrics()
+    assert after["resident_samples"] - before["resident_samples"] == N
+    assert after["ranged_samples"] == before["ranged_samples"]
+    shards = ramjet._ramjet.inspect(url)["shards"]
+    assert before["ranged_samples"] < N and after["origin_bytes"] < 2 * ramjet._ramjet.inspect(url)["bytes"], (
+        shards,
+        after,
+    )
+    with pytest.raises(ramjet.InvalidInputError, match="not a bytes column"):
+        r.get_bytes(0, 1, "path")

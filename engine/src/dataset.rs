@@ -4,7 +4,7 @@ use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
 
 use crate::error::{Error, Result};
-use crate::format::{verify_shard_bytes, Manifest, ShardExpect, ShardView, MANIFEST_BYTES_MAX};
+use crate::format::{verify_shard_bytes, ColumnType, Manifest, ShardExpect, ShardView, Value, MANIFEST_BYTES_MAX};
 use crate::metrics::Metrics;
 use crate::store::{DatasetUrl, Store};
 
@@ -203,6 +203,129 @@ impl Dataset {
         Ok(())
     }
 
+    /// Columns `names` of every sample of shard `i`, one vector per name, in sample order.
+    /// They come from the shard's columns sidecar when it has one (labels and sizes without
+    /// the images: a few KB instead of the shard), else from the whole shard. Both are
+    /// verified: size, structure, checksum against the manifest, and every record's checksum.
+    /// A `bytes` column is refused: it is what the sidecar leaves out.
+    pub async fn shard_columns(&self, i: usize, names: &[String]) -> Result<Vec<Vec<Value>>> {
+        let info = &self.manifest.shards[i];
+        let mut pick = Vec::with_capacity(names.len());
+        for n in names {
+            match self.manifest.schema.columns.iter().find(|c| &c.name == n) {
+                None => {
+                    return Err(Error::invalid(
+                        format!("column {n:?}"),
+                        format!("the dataset's columns are {}", self.manifest.schema.describe()),
+                    ))
+                }
+                Some(c) if c.ty == ColumnType::Bytes => {
+                    return Err(Error::invalid(
+                        format!("column {n:?}"),
+                        "a bytes column is read per sample, not as a table",
+                    ))
+                }
+                Some(_) => pick.push(n.as_str()),
+            }
+        }
+        let (bytes, url) = match &info.columns {
+            Some(c) => {
+                let url = self.store.url(&c.key);
+                let bytes = self.store.get(&c.key).await?;
+                (bytes, url)
+            }
+            None => (self.fetch_shard(i).await?, self.store.url(&info.key)),
+        };
+        let view = ShardView::parse(&bytes, &url)?;
+        if let Some(c) = &info.columns {
+            let sum = view.check_checksum()?;
+            let expect = c.checksum_u64().expect("validated by Manifest::parse");
+            if sum != expect || bytes.len() as u64 != c.bytes {
+                return Err(Error::corrupt(
+                    crate::Location::object(&url),
+                    format!(
+                        "columns sidecar is {} bytes with checksum {sum:016x}; the manifest says {} bytes with {expect:016x}",
+                        bytes.len(),
+                        c.bytes
+                    ),
+                ));
+            }
+            let want = self.manifest.schema.without_bytes();
+            if view.samples() != info.samples || Some(view.schema()) != want.as_ref() {
+                return Err(Error::corrupt(
+                    crate::Location::object(&url),
+                    format!(
+                        "columns sidecar holds {} samples of [{}]; the manifest's shard has {} samples of [{}]",
+                        view.samples(),
+                        view.schema().describe(),
+                        info.samples,
+                        want.map(|w| w.describe()).unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+        let idx: Vec<usize> = pick
+            .iter()
+            .map(|n| view.schema().index_of(n).expect("checked against the schema"))
+            .collect();
+        let mut out: Vec<Vec<Value>> = vec![Vec::with_capacity(info.samples as usize); idx.len()];
+        for j in 0..view.samples() {
+            let vals = view.sample(j)?;
+            for (o, &k) in out.iter_mut().zip(&idx) {
+                o.push(vals[k].to_owned_value());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks shard `i`'s columns sidecar on its own (see [`Dataset::shard_columns`]) and
+    /// against the shard's own `bytes` (already read): the same values, sample by sample.
+    async fn verify_sidecar(&self, i: usize, shard: &[u8], url: &str) -> Option<String> {
+        let names: Vec<String> = self
+            .manifest
+            .schema
+            .without_bytes()?
+            .columns
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        let side = match self.shard_columns(i, &names).await {
+            Ok(s) => s,
+            Err(e) => return Some(e.to_string()),
+        };
+        let view = ShardView::parse(shard, url).ok()?;
+        let idx: Vec<usize> = names.iter().filter_map(|n| view.schema().index_of(n)).collect();
+        for j in 0..view.samples() {
+            let vals = view.sample(j).ok()?;
+            for (col, &k) in side.iter().zip(&idx) {
+                if col.get(j as usize) != Some(&vals[k].to_owned_value()) {
+                    return Some(format!(
+                        "columns sidecar disagrees with the shard at sample {j}, column {:?}",
+                        view.schema().columns[k].name
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// [`Dataset::shard_columns`] over every shard, `parallel` at once, concatenated in sample
+    /// order.
+    pub async fn columns(&self, names: &[String], parallel: usize) -> Result<Vec<Vec<Value>>> {
+        let parts: Vec<Vec<Vec<Value>>> = stream::iter(0..self.manifest.shards.len())
+            .map(|i| self.shard_columns(i, names))
+            .buffered(parallel.max(1))
+            .try_collect()
+            .await?;
+        let mut out: Vec<Vec<Value>> = vec![Vec::with_capacity(self.manifest.samples as usize); names.len()];
+        for part in parts {
+            for (o, p) in out.iter_mut().zip(part) {
+                o.extend(p);
+            }
+        }
+        Ok(out)
+    }
+
     /// Byte offset of the first record in every shard of this dataset: the header, the index
     /// and the schema (which every shard shares with the manifest) come first.
     pub fn data_offset(&self, shard: usize) -> u64 {
@@ -251,7 +374,17 @@ impl Dataset {
                     })
                     .await
                     .expect("verify task panicked");
-                    let probs = found.into_iter().map(|p| problem(p.sample, p.message)).collect();
+                    let mut probs: Vec<ShardProblem> =
+                        found.into_iter().map(|p| problem(p.sample, p.message)).collect();
+                    if let Some(c) = &info.columns {
+                        let side_url = self.store.url(&c.key);
+                        if let Some(p) = self.verify_sidecar(i, &bytes, &url).await {
+                            probs.push(ShardProblem {
+                                url: side_url,
+                                ..problem(None, p)
+                            });
+                        }
+                    }
                     (i, probs, n)
                 }
             })

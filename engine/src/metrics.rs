@@ -27,6 +27,8 @@ pub struct Metrics {
     pub cache_corrupt: AtomicU64,
     /// Samples fetched individually with ranged GETs (fast first batch, random access).
     pub ranged_samples: AtomicU64,
+    /// Samples read by random access from a whole shard held in memory.
+    pub resident_samples: AtomicU64,
     /// Samples delivered to the consumer.
     pub samples: AtomicU64,
     /// Sample bytes delivered.
@@ -63,6 +65,7 @@ impl Default for Metrics {
             cache_evictions: AtomicU64::new(0),
             cache_corrupt: AtomicU64::new(0),
             ranged_samples: AtomicU64::new(0),
+            resident_samples: AtomicU64::new(0),
             samples: AtomicU64::new(0),
             sample_bytes: AtomicU64::new(0),
             wait_ns: AtomicU64::new(0),
@@ -102,6 +105,8 @@ pub struct MetricsSnapshot {
     pub cache_corrupt: u64,
     /// Samples fetched with ranged GETs.
     pub ranged_samples: u64,
+    /// Samples read by random access from a whole shard held in memory.
+    pub resident_samples: u64,
     /// Samples delivered.
     pub samples: u64,
     /// Sample bytes delivered.
@@ -163,6 +168,7 @@ impl Metrics {
             cache_evictions: g(&self.cache_evictions),
             cache_corrupt: g(&self.cache_corrupt),
             ranged_samples: g(&self.ranged_samples),
+            resident_samples: g(&self.resident_samples),
             samples: g(&self.samples),
             sample_bytes: g(&self.sample_bytes),
             wait_s: g(&self.wait_ns) as f64 / 1e9,

@@ -70,11 +70,21 @@ pub struct StreamConfig {
     pub epochs: Option<u64>,
     /// Where to start: the job's progress in some epoch (see [`StreamState::job_progress`]).
     pub resume: Option<ResumePoint>,
+    /// Where to start this consumer alone: its own saved [`StreamState`]. It continues its deal
+    /// where it stopped, which is exact when every consumer of the job restores the state it
+    /// saved at the same moment (a torchdata `StatefulDataLoader` does so for its workers).
+    /// The topology must be the one the state was saved under. Overrides `resume`.
+    pub resume_consumer: Option<StreamState>,
     /// Without `resume`: the epoch to start at (from its beginning).
     pub first_epoch: u64,
     /// The host's cache daemon (or another supplier of whole shards). When set, whole shards
     /// come from it; if it fails, the stream falls back to `cache` and the origin.
     pub provider: Option<Arc<dyn ShardProvider>>,
+    /// Random access ([`Stream::get`]): bytes of whole shards kept in this process's memory.
+    /// A sample of a shard not held here nor in the disk cache is read with two ranged GETs
+    /// while its whole shard loads in the background (through `provider`, `cache` and the
+    /// origin), so the next samples of that shard are local.
+    pub resident_bytes_max: u64,
 }
 
 impl StreamConfig {
@@ -98,8 +108,10 @@ impl StreamConfig {
             first_ranged_samples_max: 64,
             epochs: Some(1),
             resume: None,
+            resume_consumer: None,
             first_epoch: 0,
             provider: None,
+            resident_bytes_max: 1 << 30,
         }
     }
 }
@@ -245,6 +257,50 @@ impl StreamState {
     }
 }
 
+/// Checks a consumer's own saved state against the stream that resumes from it.
+fn check_consumer_state(
+    c: &StreamState,
+    versions: &[String],
+    order: &OrderSpec,
+    topo: Topology,
+    len: u64,
+) -> Result<()> {
+    let bad = |why: String| Err(Error::invalid("resume state (one consumer's)", why));
+    if c.versions != versions {
+        return bad(format!(
+            "it was saved for manifest versions {:?}, the sources are now {versions:?}",
+            c.versions
+        ));
+    }
+    if c.order != *order {
+        return bad("it was saved for a different order (seed, shuffle or partitions)".into());
+    }
+    if c.consumer != topo.consumer() || c.consumers != topo.consumers() {
+        return bad(format!(
+            "it was saved by consumer {} of {}, and this is consumer {} of {}: restore with the \
+             same ranks and workers, or resume from the job's state (state_dict gathered over ranks)",
+            c.consumer,
+            c.consumers,
+            topo.consumer(),
+            topo.consumers()
+        ));
+    }
+    if c.len != len {
+        return bad(format!("its epoch has {} positions, this one {len}", c.len));
+    }
+    c.base
+        .validate(len)
+        .map_err(|r| Error::invalid("resume state (one consumer's)", r))?;
+    let dealt = c.base.positions_for(len, c.consumer, c.consumers).len() as u64;
+    if c.delivered > dealt {
+        return bad(format!(
+            "it delivered {} of the {dealt} positions dealt to it",
+            c.delivered
+        ));
+    }
+    Ok(())
+}
+
 /// One delivered sample.
 #[derive(Debug, Clone)]
 pub struct Sample {
@@ -305,6 +361,9 @@ struct EpochPlan {
     len: u64,
     base: EpochProgress,
     positions: Vec<u64>,
+    /// Positions of the deal already delivered before a consumer resume (the cursor starts
+    /// here).
+    skip: usize,
 }
 
 type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
@@ -318,10 +377,37 @@ enum Msg {
     },
 }
 
+#[derive(Clone)]
 struct Live {
     bytes: Bytes,
     header: crate::format::Header,
     uses_left: u64,
+}
+
+/// Whole shards held in memory for random access ([`Stream::get`]).
+#[derive(Default)]
+struct Resident {
+    shards: HashMap<(u32, u32), Live>,
+    /// In the order they arrived: the oldest is dropped first.
+    arrived: std::collections::VecDeque<(u32, u32)>,
+    bytes: u64,
+    loading: std::collections::HashSet<(u32, u32)>,
+}
+
+impl Resident {
+    fn insert(&mut self, key: (u32, u32), live: Live, max: u64) {
+        let n = live.bytes.len() as u64;
+        while self.bytes + n > max {
+            let Some(old) = self.arrived.pop_front() else { break };
+            if let Some(l) = self.shards.remove(&old) {
+                self.bytes -= l.bytes.len() as u64;
+            }
+        }
+        if self.shards.insert(key, live).is_none() {
+            self.arrived.push_back(key);
+            self.bytes += n;
+        }
+    }
 }
 
 /// The sample stream of one consumer. Iterate with [`Stream::next_sample`] (or as an
@@ -350,6 +436,9 @@ pub struct Stream {
     /// random access): a sample then costs its two reads, not three more to open the shard.
     /// An open descriptor stays readable even if the cache evicts the file meanwhile.
     readers: std::cell::RefCell<HashMap<(u32, u32), CachedReader>>,
+    /// Whole shards for random access, and the slots of their background loads.
+    resident: Arc<std::sync::Mutex<Resident>>,
+    loads: Arc<tokio::sync::Semaphore>,
 }
 
 /// Opens the prefetcher's first-batch gate (see [`Stream::defer_first_gate`]).
@@ -431,8 +520,16 @@ impl Stream {
                 weight: sc.weight,
             })
             .collect();
-        let start = match &cfg.resume {
-            Some(r) => {
+        let (start, skip) = match (&cfg.resume_consumer, &cfg.resume) {
+            (Some(c), _) => {
+                let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
+                let n = checked_epoch_positions(&shapes)?;
+                let topo = cfg.topology;
+                let len = effective_len(n, topo.consumers() as u64, cfg.order.tail);
+                check_consumer_state(c, &versions, &cfg.order, topo, len)?;
+                (c.base.clone(), c.delivered as usize)
+            }
+            (None, Some(r)) => {
                 let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
                 if r.versions != versions {
                     return Err(Error::invalid(
@@ -454,12 +551,15 @@ impl Stream {
                 r.progress
                     .validate(len)
                     .map_err(|why| Error::invalid("resume state", why))?;
-                r.progress.clone()
+                (r.progress.clone(), 0)
             }
-            None => EpochProgress {
-                epoch: cfg.first_epoch,
-                ..EpochProgress::default()
-            },
+            (None, None) => (
+                EpochProgress {
+                    epoch: cfg.first_epoch,
+                    ..EpochProgress::default()
+                },
+                0,
+            ),
         };
         checked_epoch_positions(&shapes)?;
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
@@ -507,7 +607,7 @@ impl Stream {
         } else {
             (None, None)
         };
-        let prefetch = rt.spawn(prefetcher(shared.clone(), start, tx, per_sample, gate));
+        let prefetch = rt.spawn(prefetcher(shared.clone(), start, skip, tx, per_sample, gate));
         Ok(Stream {
             rt,
             shared,
@@ -525,6 +625,8 @@ impl Stream {
             per_sample,
             prefetch,
             readers: Default::default(),
+            resident: Default::default(),
+            loads: Arc::new(tokio::sync::Semaphore::new(cfg.shards_in_flight_max.max(1))),
         })
     }
 
@@ -623,8 +725,8 @@ impl Stream {
                 break;
             }
             if let Some(p) = self.plans.pop_front() {
+                self.cursor = p.skip;
                 self.plan = Some(p);
-                self.cursor = 0;
                 continue;
             }
             if !self.recv()? {
@@ -745,8 +847,12 @@ impl Stream {
         Ok(())
     }
 
-    /// One sample, by its index in stream `stream`'s dataset: from the disk cache when the
-    /// shard is there (two reads), else with two ranged GETs.
+    /// One sample, by its index in stream `stream`'s dataset (random access, as a map-style
+    /// dataset needs): from a whole shard held in memory, else from the disk cache (two reads),
+    /// else with two ranged GETs while the whole shard loads in the background (through the
+    /// host daemon, the disk cache or the origin, verified), so each shard crosses the network
+    /// once and the following samples of it are local. At most `resident_bytes_max` of shards
+    /// are held; the oldest go first.
     pub fn get(&self, stream: usize, global_index: u64) -> Result<Sample> {
         let src = self
             .shared
@@ -769,9 +875,65 @@ impl Stream {
             position: 0,
             id,
             global_index,
-            record: self.read_one(id)?,
+            record: self.read_random(id)?,
             schema: src.schema.clone(),
         })
+    }
+
+    /// [`Stream::get`]'s read of one record.
+    fn read_random(&self, id: SampleRef) -> Result<Bytes> {
+        let key = (id.stream, id.shard);
+        let held = self.resident.lock().expect("not poisoned").shards.get(&key).cloned();
+        if let Some(live) = held {
+            Metrics::add(&self.shared.metrics.resident_samples, 1);
+            return slice_record(&live, id, &self.shared);
+        }
+        if let Some(rec) = self.read_cached(id) {
+            return Ok(rec);
+        }
+        self.load_in_background(key);
+        self.rt.block_on(fetch_sample_ranged(&self.shared, id))
+    }
+
+    /// Starts loading a whole shard into [`Resident`], unless it is there, loading, or larger
+    /// than the budget. At most `shards_in_flight_max` load at once.
+    fn load_in_background(&self, key: (u32, u32)) {
+        let max = self.shared.cfg.resident_bytes_max;
+        let size = self.shared.sources[key.0 as usize].ids[key.1 as usize].bytes;
+        if size > max {
+            return;
+        }
+        {
+            let mut r = self.resident.lock().expect("not poisoned");
+            if r.shards.contains_key(&key) || !r.loading.insert(key) {
+                return;
+            }
+        }
+        let (shared, resident, slots) = (self.shared.clone(), self.resident.clone(), self.loads.clone());
+        self.rt.spawn(async move {
+            let _slot = slots.acquire_owned().await.expect("semaphore open");
+            let got = fetch_shard(shared.clone(), key.0 as usize, key.1 as usize).await;
+            let src = &shared.sources[key.0 as usize];
+            let url = src.ds.store().url(&src.ds.manifest().shards[key.1 as usize].key);
+            let live = got.and_then(|bytes| {
+                let head = bytes
+                    .get(..64)
+                    .ok_or_else(|| Error::corrupt(Location::object(&url), "shorter than its header"))?;
+                let header = crate::format::Header::parse(head, &url)?;
+                Ok(Live {
+                    bytes,
+                    header,
+                    uses_left: 0,
+                })
+            });
+            let mut r = resident.lock().expect("not poisoned");
+            r.loading.remove(&key);
+            match live {
+                Ok(live) => r.insert(key, live, max),
+                // The samples of this shard go on being read one by one; a later read retries.
+                Err(e) => tracing::warn!(shard = %url, error = %e, "loading a whole shard for random access failed"),
+            }
+        });
     }
 
     /// One sample on its own: two reads from the disk cache when its shard is cached, else two
@@ -975,7 +1137,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .expect("blocking cache task panicked")
 }
 
-fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress) -> EpochPlan {
+fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress, skip: usize) -> EpochPlan {
     let order = global_order(&shared.shapes, &shared.cfg.order, epoch);
     let topo = shared.cfg.topology;
     let len = effective_len(order.len() as u64, topo.consumers() as u64, shared.cfg.order.tail);
@@ -988,6 +1150,7 @@ fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress) -> EpochPlan {
         epoch,
         order,
         len,
+        skip: skip.min(positions.len()),
         base,
         positions,
     }
@@ -996,6 +1159,7 @@ fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress) -> EpochPlan {
 async fn prefetcher(
     shared: Arc<Shared>,
     start: EpochProgress,
+    mut skip: usize,
     tx: mpsc::Sender<Msg>,
     per_sample: bool,
     mut gate: Option<tokio::sync::watch::Receiver<bool>>,
@@ -1006,11 +1170,11 @@ async fn prefetcher(
         if shared.cfg.epochs.is_some_and(|n| epoch >= n) {
             return;
         }
-        let plan = Arc::new(plan_epoch(&shared, epoch, base));
+        let plan = Arc::new(plan_epoch(&shared, epoch, base, std::mem::take(&mut skip)));
         // Shards in order of first use, with their use counts.
         let mut first_use: Vec<(u32, u32)> = Vec::new();
         let mut uses: HashMap<(u32, u32), u64> = HashMap::new();
-        for &p in &plan.positions {
+        for &p in &plan.positions[plan.skip..] {
             let r = at_position(&plan.order, p);
             let n = uses.entry((r.stream, r.shard)).or_insert(0);
             if *n == 0 {

@@ -19,7 +19,9 @@ use rayon::prelude::*;
 use serde_json::{Map, Value as Json};
 
 use ramjet_engine::decode::probe;
-use ramjet_engine::format::{shard_key, ColumnType, Manifest, Schema, ShardBuilder, ShardInfo, Value, MANIFEST_NAME};
+use ramjet_engine::format::{
+    columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, Value, MANIFEST_NAME,
+};
 use ramjet_engine::{Error, Result, Store};
 
 /// Input layouts `pack` understands.
@@ -169,6 +171,8 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
         .enumerate()
         .map(|(idx, range)| {
             let mut b = ShardBuilder::new(schema.clone());
+            let side_schema = schema.without_bytes();
+            let mut side = side_schema.clone().map(ShardBuilder::new);
             let est: u64 = items[range.clone()].iter().map(|i| i.size).sum();
             b.reserve(est as usize);
             let mut skipped = Vec::new();
@@ -178,6 +182,14 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
                     Ok((vals, n)) => {
                         read += n;
                         b.push(&vals, &it.rel)?;
+                        if let Some(side) = side.as_mut() {
+                            let small: Vec<Value> = vals
+                                .iter()
+                                .filter(|v| v.column_type() != ColumnType::Bytes)
+                                .cloned()
+                                .collect();
+                            side.push(&small, &it.rel)?;
+                        }
                     }
                     Err(e) if opts.skip_bad => skipped.push((it.rel.clone(), reason_of(&e))),
                     Err(e) => return Err(e),
@@ -189,11 +201,26 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
             }
             let shard = b.finish();
             let key = shard_key(idx, shard.checksum);
+            // The sidecar goes up first: a shard listed with a sidecar always has it.
+            let columns = match side {
+                Some(side) => {
+                    let built = side.finish();
+                    let c = ColumnsInfo {
+                        key: columns_key(idx, built.checksum),
+                        bytes: built.bytes.len() as u64,
+                        checksum: format!("{:016x}", built.checksum),
+                    };
+                    rt.block_on(store.put(&c.key, Bytes::from(built.bytes)))?;
+                    Some(c)
+                }
+                None => None,
+            };
             let info = ShardInfo {
                 key: key.clone(),
                 bytes: shard.bytes.len() as u64,
                 samples: shard.samples,
                 checksum: format!("{:016x}", shard.checksum),
+                columns,
             };
             rt.block_on(store.put(&key, Bytes::from(shard.bytes)))?;
             Ok((Some(info), skipped, read))

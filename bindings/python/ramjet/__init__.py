@@ -282,6 +282,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         }
         self._epoch = 0
         self._resume: Optional[str] = None  # a ResumePoint (JSON) to start from
+        self._resume_consumer: Optional[str] = None  # this consumer's own StreamState to continue
+        self._pending: Any = None  # a batch of the next epoch, read while finishing this one
         self._state: Optional[str] = None  # this consumer's StreamState after its last batch
         self._loader: Any = None
         self._loader_key: Any = None
@@ -339,19 +341,30 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         key = (self._epoch, json.dumps(topo, sort_keys=True))
         if self._loader is None or self._loader_key != key:
             self._loader = None
+            self._pending = None
             extra: Dict[str, Any] = {"epochs": None, "first_epoch": self._epoch}
             if self._resume is not None:
                 extra["resume"] = json.loads(self._resume)
+            if self._resume_consumer is not None:
+                extra["resume_consumer"] = json.loads(self._resume_consumer)
             self._loader = _ramjet.Loader(self._config(**extra))
             self._loader_key = key
         loader = self._loader
+        epoch = self._epoch
         while True:
-            got = loader.next_batch()
+            got, self._pending = (self._pending, None) if self._pending is not None else (loader.next_batch(), None)
             if got is None:
                 return
             cols, meta = got
+            if meta["epoch"] != epoch:
+                # A consumer resumed with nothing left of its epoch: its first batch belongs
+                # to the next one, which the next iteration yields.
+                self._pending = got
+                self._epoch = meta["epoch"]
+                self._loader_key = (self._epoch, key[1])
+                return
             self._state = meta["state"]
-            self._resume = None
+            self._resume = self._resume_consumer = None
             if meta["end_of_epoch"]:
                 # The loader goes on into the next epoch; a later iteration continues there.
                 self._epoch = meta["epoch"] + 1
@@ -364,9 +377,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration reads (from its start)."""
-        if epoch != self._epoch or self._resume is not None:
+        if epoch != self._epoch or self._resume is not None or self._resume_consumer is not None:
             self._epoch = int(epoch)
-            self._resume = None
+            self._resume = self._resume_consumer = None
             self._state = None
 
     @property
@@ -382,7 +395,19 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         Under torch.distributed every rank must call it at the same step (it gathers the
         ranks' states); the result is the same on every rank. Restoring it continues with
         exactly the samples not yet seen, also with another world size.
+
+        Inside a DataLoader worker (torchdata's ``StatefulDataLoader`` calls it there after
+        every batch) it returns this worker's own position instead: a string already at
+        hand, so taking it costs nothing. The loader restores each worker from its own, which
+        continues exactly when the topology (ranks and workers) is the same.
         """
+        if torch is not None and torch.utils.data.get_worker_info() is not None:
+            return {
+                "version": 1,
+                "epoch": self._epoch,
+                "consumer": self._state if self._state is not None else self._resume_consumer,
+                "resume": self._resume,
+            }
         if self._state is None:
             return {"version": 1, "epoch": self._epoch, "resume": self._resume}
         states = [self._state]
@@ -407,7 +432,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             raise InvalidInputError(f"unknown state_dict version {state.get('version')!r}")
         self._epoch = int(state["epoch"])
         self._resume = state.get("resume")
+        self._resume_consumer = state.get("consumer")
+        if self._resume_consumer is not None:
+            self._epoch = int(json.loads(self._resume_consumer)["base"]["epoch"])
         self._state = None
+        self._pending = None
         self._loader = None
         self._loader_key = None
 
@@ -452,5 +481,5 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     def __getstate__(self) -> Dict[str, Any]:
         s = self.__dict__.copy()
-        s["_loader"] = s["_reader"] = None
+        s["_loader"] = s["_reader"] = s["_pending"] = None
         return s

@@ -31,6 +31,32 @@ pub struct ShardInfo {
     pub samples: u64,
     /// Whole-shard xxh3-64, 16 lowercase hex digits.
     pub checksum: String,
+    /// The shard's columns sidecar: the same samples with every column except the `bytes`
+    /// ones, so labels and sizes are read without the images. Absent in datasets packed
+    /// before it existed, and when the schema has no `bytes` column or nothing else.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub columns: Option<ColumnsInfo>,
+}
+
+/// A shard's columns sidecar (see [`ShardInfo::columns`]): itself a shard file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ColumnsInfo {
+    /// Object key relative to the dataset prefix.
+    pub key: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Whole-file xxh3-64, 16 lowercase hex digits.
+    pub checksum: String,
+}
+
+impl ColumnsInfo {
+    /// The checksum as a number.
+    pub fn checksum_u64(&self) -> Option<u64> {
+        if self.checksum.len() != 16 {
+            return None;
+        }
+        u64::from_str_radix(&self.checksum, 16).ok()
+    }
 }
 
 impl ShardInfo {
@@ -168,6 +194,23 @@ impl Manifest {
                     s.key, s.checksum
                 )));
             }
+            if let Some(c) = &s.columns {
+                validate_key(&c.key).map_err(|r| bad(format!("columns key {:?}: {r}", c.key)))?;
+                if !keys.insert(c.key.as_str()) {
+                    return Err(bad(format!("key {:?} listed twice", c.key)));
+                }
+                if c.checksum_u64().is_none() {
+                    return Err(bad(format!(
+                        "columns {:?} checksum {:?} is not 16 hex digits",
+                        c.key, c.checksum
+                    )));
+                }
+            }
+        }
+        if m.shards.iter().any(|s| s.columns.is_some()) && m.schema.without_bytes().is_none() {
+            return Err(bad(
+                "it lists columns sidecars, but its schema has nothing to put in them".into(),
+            ));
         }
         Ok(m)
     }

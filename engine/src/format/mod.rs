@@ -6,7 +6,8 @@ mod schema;
 mod shard;
 
 pub use manifest::{
-    validate_key, Manifest, ShardInfo, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION,
+    validate_key, ColumnsInfo, Manifest, ShardInfo, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME,
+    MANIFEST_VERSION,
 };
 pub use schema::{decode_record, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef, COLUMNS_MAX};
 pub use shard::{
@@ -20,4 +21,9 @@ pub use shard::{
 /// manifest version still lists.
 pub fn shard_key(index: usize, checksum: u64) -> String {
     format!("shards/{index:06}-{checksum:016x}.rjs")
+}
+
+/// Key of shard number `index`'s columns sidecar, whose own checksum is `checksum`.
+pub fn columns_key(index: usize, checksum: u64) -> String {
+    format!("columns/{index:06}-{checksum:016x}.rjs")
 }

@@ -70,6 +70,21 @@ impl Schema {
         Ok(schema)
     }
 
+    /// The schema of a columns sidecar: every column except the `bytes` ones, in order.
+    /// `None` when there is no `bytes` column (the shard itself is as small) or nothing else.
+    pub fn without_bytes(&self) -> Option<Schema> {
+        let columns: Vec<Column> = self
+            .columns
+            .iter()
+            .filter(|c| c.ty != ColumnType::Bytes)
+            .cloned()
+            .collect();
+        if columns.is_empty() || columns.len() == self.columns.len() {
+            return None;
+        }
+        Some(Schema { columns })
+    }
+
     /// Checks names are non-empty, unique and bounded.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.columns.is_empty() {

@@ -1,0 +1,132 @@
+"""Real Ultralytics YOLO training streamed through ramjet, offline: the S3 server and the
+trainer run inside a network namespace that has nothing but loopback, so a single attempt to
+reach the network (weights, fonts, hub, pip checks) fails the run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/debug/ramjet")
+PORT = "8733"  # the namespace's own loopback: no clash with the host's S3 server
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".npy", ".cache"}
+
+TRAIN = textwrap.dedent(
+    """
+    import json, socket, sys
+    from ramjet.integrations.ultralytics import StepTimer, offline_environment, streaming_train
+    offline_environment()
+    # The namespace has no route out: prove it before training.
+    try:
+        socket.create_connection(("1.1.1.1", 443), timeout=2)
+        sys.exit("the network is reachable from the test namespace")
+    except OSError:
+        pass
+    from ultralytics import YOLO
+    url, project = sys.argv[1], sys.argv[2]
+    model = YOLO("yolov8n.yaml")
+    timer = StepTimer().attach(model)
+    streaming_train(model, data=url, epochs=3, batch=8, workers=0, imgsz=96, device="cpu", plots=False,
+                    project=project, name="run", exist_ok=True, seed=0, deterministic=True, close_mosaic=0,
+                    # A few steps from scratch: no warm-up and no mosaic, so the loss falls in 36 steps.
+                    mosaic=0.0, warmup_epochs=0, optimizer="AdamW", lr0=0.002)
+    t = model.trainer
+    ds = t.validator.dataloader.dataset
+    reads = ds._engine().metrics()
+    print("RESULT " + json.dumps({
+        "losses": [s["loss"] for s in timer.steps],
+        "epochs": timer.epochs,
+        "last": str(t.last),
+        "save_dir": str(t.save_dir),
+        "metrics": {k: float(v) for k, v in t.metrics.items()},
+        "val_class": type(ds).__name__,
+        "val_images": len(ds),
+        "val_seen": int(t.validator.seen),
+        "val_reads": reads.get("ranged_samples", 0) + reads.get("resident_samples", 0),
+    }))
+    """
+)
+
+
+def _sh(*cmd, env=None, ns=None, cwd=None, timeout=600):
+    full = (["ip", "netns", "exec", ns] if ns else []) + [str(c) for c in cmd]
+    out = subprocess.run(full, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{full} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    return out.stdout
+
+
+@pytest.fixture
+def netns():
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.fail("this test runs the trainer in a network namespace: it needs root and iproute2 (ip)")
+    name = f"ramjet-yolo-{os.getpid()}"
+    _sh("ip", "netns", "add", name)
+    try:
+        _sh("ip", "link", "set", "lo", "up", ns=name)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_streaming_train_offline_from_s3_in_a_network_namespace(netns, tmp_path):
+    import ultralytics  # noqa: F401
+
+    env = dict(
+        os.environ,
+        RAMJET_S3_NETNS=netns,
+        RAMJET_S3_PORT=PORT,
+        RAMJET_STATE=str(tmp_path / "state"),
+        RAMJET_VENV=sys.prefix,
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{PORT}",
+        HOME=str(tmp_path / "home"),
+        RAMJET_CACHE_DIR=str(tmp_path / "ramjet-cache"),
+        YOLO_CONFIG_DIR=str(tmp_path / "yolo-config"),
+        RAMJET_SOCKET=str(tmp_path / "daemon.sock"),
+    )
+    env.pop("RAMJET_S3_HOST", None)
+    (tmp_path / "home").mkdir()
+    _sh("bash", ROOT / "tools/s3-server.sh", "start", env=env)
+    try:
+        src = tmp_path / "src"
+        _sh(RAMJET, "synth", src / "train", "--samples", "96", env=env)
+        _sh(RAMJET, "synth", src / "val", "--samples", "16", "--seed", "5", env=env)
+        bucket = env.get("RAMJET_S3_BUCKET", "ramjet")
+        url = f"s3://{bucket}/yolo"
+        for split in ("train", "val"):
+            _sh(RAMJET, "pack", src / split, f"{url}/{split}", "--shard-size", "1MiB", env=env, ns=netns)
+        shutil.rmtree(src)  # from here on the dataset exists only in S3
+        work = tmp_path / "work"
+        work.mkdir()
+        out = _sh(sys.executable, "-c", TRAIN, url, tmp_path / "runs", env=env, ns=netns, cwd=work, timeout=900)
+    finally:
+        subprocess.run(["bash", str(ROOT / "tools/s3-server.sh"), "stop"], env=env, check=False)
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert line, out[-3000:]
+    r = json.loads(line[-1][len("RESULT ") :])
+
+    losses = r["losses"]
+    assert len(losses) == 3 * 12 and all(map(lambda x: x == x and abs(x) < 1e6, losses)), losses
+    first, last = sum(losses[:12]) / 12, sum(losses[-12:]) / 12
+    assert last < first, f"the loss did not fall: first epoch {first:.3f}, last epoch {last:.3f}"
+    assert Path(r["last"]).is_file(), "last.pt was not written"
+    assert r["val_class"] == "RamjetYOLODataset" and r["val_images"] == 16
+    assert r["val_seen"] == 16, "validation did not see every streamed val image"
+    assert r["val_reads"] >= 16, "validation images were not read through ramjet"
+    assert set(r["metrics"]) >= {"metrics/mAP50(B)", "metrics/mAP50-95(B)"}
+
+    # No file of the dataset on local disk outside the ramjet cache (and the S3 server's store).
+    allowed = (tmp_path / "ramjet-cache", tmp_path / "state")
+    strays = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file()
+        and not any(a in p.parents for a in allowed)
+        and (p.suffix.lower() in IMAGE_SUFFIXES or p.parent.name == "labels")
+    ]
+    assert not strays, strays
