@@ -51,6 +51,10 @@ target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
 "$py" examples/train_cnn.py --remote "$url" --steps 200
 "$RAMJET_VENV/bin/torchrun" --nproc_per_node 2 examples/ddp_torchrun.py --remote "$url" 2>&1 | grep -v "^W.*torch/distributed"
 
+step "examples: Ultralytics YOLO streamed from S3 (train + val, offline), and the YOLO P2/P3 bench in quick mode"
+RAMJET_BIN=target/debug/ramjet "$py" examples/yolo_streaming.py --epochs 1 --imgsz 96 --workers 1
+RAMJET_BIN=target/debug/ramjet "$py" tools/bench/yolo_bench.py --quick --out "$ci/bench-yolo" | tail -12
+
 step "loader benchmark (quick mode: checks it runs; figures come from the full run)"
 mkdir -p "$ci/bench/a"
 cp "$ci"/synth/images/*.jpg "$ci/bench/a/"

@@ -406,31 +406,30 @@ impl Reader {
     /// the encoded image, undecoded): the read a map-style dataset makes per sample. A sample
     /// held in memory or in the disk cache is read in place with the GIL released; one that
     /// needs the network is read interruptibly.
-    fn get_bytes<'py>(
-        &self,
-        py: Python<'py>,
-        stream: usize,
-        index: u64,
-        column: &str,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let (state, column) = (self.state.clone(), column.to_owned());
-        let r = interruptible(py, move || {
-            let g = state.lock().expect("not poisoned");
-            let s = g.0.get(stream, index)?;
-            let schema = g.0.schema(stream);
-            let k = schema.index_of(&column).ok_or_else(|| {
-                Error::invalid(
-                    format!("column {column:?}"),
-                    format!("the dataset's columns are {}", schema.describe()),
-                )
-            })?;
-            let vals = s.values()?;
-            match vals.get(k) {
-                Some(ramjet_engine::format::ValueRef::Bytes(b)) => Ok(b.to_vec()),
-                _ => Err(Error::invalid(format!("column {column:?}"), "not a bytes column")),
+    fn get_bytes<'py>(&self, py: Python<'py>, stream: usize, index: u64, column: &str) -> PyResult<Bound<'py, PyBytes>> {
+        // Local first, inline (no thread): a resident or cached sample is a memory read.
+        let local = {
+            let state = self.state.clone();
+            py.detach(move || state.lock().expect("not poisoned").0.get_local(stream, index))
+        };
+        let sample = match local.map_err(to_py)? {
+            Some(s) => s,
+            None => {
+                let state = self.state.clone();
+                interruptible(py, move || state.lock().expect("not poisoned").0.get(stream, index))?.map_err(to_py)?
             }
+        };
+        let schema = self.state.lock().expect("not poisoned").0.schema(stream);
+        let k = schema.index_of(column).ok_or_else(|| {
+            to_py(Error::invalid(
+                format!("column {column:?}"),
+                format!("the dataset's columns are {}", schema.describe()),
+            ))
         })?;
-        Ok(PyBytes::new(py, &r.map_err(to_py)?))
+        match sample.values().map_err(to_py)?.get(k) {
+            Some(ramjet_engine::format::ValueRef::Bytes(b)) => Ok(PyBytes::new(py, b)),
+            _ => Err(to_py(Error::invalid(format!("column {column:?}"), "not a bytes column"))),
+        }
     }
 
     /// Counters of the random-access reads (ranged samples, resident samples, origin bytes).

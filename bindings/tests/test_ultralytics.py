@@ -130,3 +130,165 @@ def test_streaming_train_offline_from_s3_in_a_network_namespace(netns, tmp_path)
         and (p.suffix.lower() in IMAGE_SUFFIXES or p.parent.name == "labels")
     ]
     assert not strays, strays
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def host_daemon(tmp_path):
+    """A real `ramjet serve` on this host, with its /stats page."""
+    import time
+    import urllib.request
+
+    sock = tmp_path / "run" / "daemon.sock"
+    sock.parent.mkdir(mode=0o700)
+    port = _free_port()
+    p = subprocess.Popen(
+        [RAMJET, "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "cache"), "--http", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+    def stats():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=5) as r:
+            return json.loads(r.read())
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if sock.exists():
+                stats()
+                break
+        except OSError:
+            pass
+        assert p.poll() is None, p.stderr.read().decode()
+        assert time.monotonic() < deadline, "ramjet serve did not come up"
+        time.sleep(0.1)
+    try:
+        yield str(sock), stats
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="module")
+def small_yolo(tmp_path_factory):
+    """48 train + 16 val images packed on the host's local S3 server."""
+    import uuid
+
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    src = tmp_path_factory.mktemp("yolo-src")
+    url = f"s3://{os.environ.get('RAMJET_S3_BUCKET', 'ramjet')}/pytest-yolo/{uuid.uuid4().hex[:8]}"
+    for split, n, seed in (("train", 48, 0), ("val", 16, 3)):
+        _sh(RAMJET, "synth", src / split, "--samples", n, "--seed", seed)
+        _sh(RAMJET, "pack", src / split, f"{url}/{split}", "--shard-size", "1MiB")
+    shutil.rmtree(src)
+    return url
+
+
+def _train(url, tmp_path, model=None, **kw):
+    from ramjet.integrations.ultralytics import offline_environment, streaming_train
+
+    offline_environment(str(tmp_path / "yolo-config"))
+    from ultralytics import YOLO
+
+    m = model or YOLO("yolov8n.yaml")
+    args = dict(epochs=1, batch=8, workers=0, imgsz=64, device="cpu", plots=False, val=False,
+                project=str(tmp_path / "runs"), name="run", exist_ok=True, seed=0)
+    args.update(kw)
+    streaming_train(m, data=url, **args)
+    return m
+
+
+def test_the_ring_is_frozen_for_the_run_and_unfrozen_after_it_and_after_an_error(
+    small_yolo, host_daemon, tmp_path, monkeypatch
+):
+    sock, stats = host_daemon
+    monkeypatch.setenv("RAMJET_SOCKET", sock)
+    from ultralytics import YOLO
+
+    seen = []
+    m = YOLO("yolov8n.yaml")
+    m.add_callback("on_train_batch_end", lambda tr: seen.append(stats()["frozen"]))
+    _train(small_yolo, tmp_path, model=m)
+    assert seen and all(seen), seen
+    assert stats()["frozen"] is False
+    # The shards went through this daemon (its node cache), not around it.
+    assert sum(stats()["reads"].values()) > 0, stats()
+
+    def boom(trainer):
+        raise RuntimeError("boom in step")
+
+    m = YOLO("yolov8n.yaml")
+    m.add_callback("on_train_batch_end", boom)
+    with pytest.raises(RuntimeError, match="boom in step"):
+        _train(small_yolo, tmp_path, model=m)
+    assert stats()["frozen"] is False, "an error left the ring frozen"
+
+
+def test_the_dataset_pickles_without_its_engine_handle_and_reopens(small_yolo, tmp_path):
+    import pickle
+
+    m = _train(small_yolo, tmp_path, daemon=False)
+    ds = m.trainer.train_loader.dataset
+    assert type(ds).__name__ == "RamjetYOLODataset"
+    first = ds.read_bytes(0)
+    assert ds._reader is not None
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy._reader is None
+    assert copy.read_bytes(0) == first and copy._reader is not None
+    img, hw0, hw = copy.load_image(3)
+    assert hw0 == (480, 640) and max(hw) == 64 and img.shape[2] == 3
+    # Labels came from the columns sidecars: boxes and sizes for every image, no files.
+    assert len(ds.labels) == 48 and all(lb["shape"] == (480, 640) for lb in ds.labels)
+    assert all(lb["im_file"].startswith(small_yolo + "/train/images/") for lb in ds.labels)
+
+
+def test_same_seed_trains_exactly_as_stock_ultralytics_on_exported_files(tmp_path):
+    """P3 against P2 step by step: the same seed gives the same batches, augmentations and
+    losses whether stock Ultralytics reads exported files or ramjet streams the shards."""
+    import uuid
+
+    from ramjet.integrations.ultralytics import StepTimer, offline_environment, streaming_train
+
+    offline_environment(str(tmp_path / "yolo-config"))
+    from ultralytics import YOLO
+
+    src = tmp_path / "files"
+    _sh(RAMJET, "synth", src / "train", "--samples", 40)
+    _sh(RAMJET, "synth", src / "val", "--samples", 8, "--seed", 9)
+    url = f"s3://{os.environ.get('RAMJET_S3_BUCKET', 'ramjet')}/pytest-yolo-parity/{uuid.uuid4().hex[:8]}"
+    for split in ("train", "val"):
+        _sh(RAMJET, "pack", src / split, f"{url}/{split}", "--shard-size", "1MiB")
+    names = ["crate", "ball", "sign", "pole", "barrel", "panel", "cone", "car"]
+    (src / "data.yaml").write_text(f"path: {src}\ntrain: train/images\nval: val/images\nnames: {names}\n")
+
+    class Enough(Exception):
+        pass
+
+    def run(train):
+        m = YOLO("yolov8n.yaml")
+        t = StepTimer().attach(m)
+
+        def stop(tr):
+            if len(t.steps) >= 4:
+                raise Enough()
+
+        m.add_callback("on_train_batch_end", stop)
+        args = dict(epochs=1, batch=8, workers=0, imgsz=96, device="cpu", seed=0, deterministic=True, amp=False,
+                    plots=False, val=False, project=str(tmp_path / "runs"), name="r", exist_ok=True)
+        with pytest.raises(Enough):
+            train(m, args)
+        return [s["loss"] for s in t.steps]
+
+    stock = run(lambda m, a: m.train(data=str(src / "data.yaml"), **a))
+    streamed = run(lambda m, a: streaming_train(m, data=url, daemon=False, **a))
+    assert len(stock) == len(streamed) == 4
+    assert stock == pytest.approx(streamed, rel=1e-5, abs=1e-6), (stock, streamed)

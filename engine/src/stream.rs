@@ -854,6 +854,45 @@ impl Stream {
     /// once and the following samples of it are local. At most `resident_bytes_max` of shards
     /// are held; the oldest go first.
     pub fn get(&self, stream: usize, global_index: u64) -> Result<Sample> {
+        let (id, src) = self.locate(stream, global_index)?;
+        Ok(Sample {
+            epoch: 0,
+            position: 0,
+            id,
+            global_index,
+            record: self.read_random(id)?,
+            schema: src.schema.clone(),
+        })
+    }
+
+    /// [`Stream::get`] when the sample is local (a shard held in memory or in the disk cache):
+    /// `Ok(None)` when reading it would need the network. It never waits on I/O beyond a
+    /// local read, so a caller may run it inline.
+    pub fn get_local(&self, stream: usize, global_index: u64) -> Result<Option<Sample>> {
+        let (id, src) = self.locate(stream, global_index)?;
+        let key = (id.stream, id.shard);
+        let held = self.resident.lock().expect("not poisoned").shards.get(&key).cloned();
+        let record = match held {
+            Some(live) => {
+                Metrics::add(&self.shared.metrics.resident_samples, 1);
+                slice_record(&live, id, &self.shared)?
+            }
+            None => match self.read_cached(id) {
+                Some(rec) => rec,
+                None => return Ok(None),
+            },
+        };
+        Ok(Some(Sample {
+            epoch: 0,
+            position: 0,
+            id,
+            global_index,
+            record,
+            schema: src.schema.clone(),
+        }))
+    }
+
+    fn locate(&self, stream: usize, global_index: u64) -> Result<(SampleRef, &Source)> {
         let src = self
             .shared
             .sources
@@ -870,14 +909,7 @@ impl Stream {
             shard: shard as u32,
             index: index as u32,
         };
-        Ok(Sample {
-            epoch: 0,
-            position: 0,
-            id,
-            global_index,
-            record: self.read_random(id)?,
-            schema: src.schema.clone(),
-        })
+        Ok((id, src))
     }
 
     /// [`Stream::get`]'s read of one record.

@@ -389,3 +389,87 @@ fn pack_jsonl_infers_types_and_names_bad_lines() {
     );
     assert_eq!(manifest(&t.path().join("skip")).samples, 2);
 }
+
+/// Columns `names` of the packed dataset at `dir`, through the engine's sidecar reader.
+fn columns_of(dir: &Path, names: &[&str]) -> ramjet_engine::Result<Vec<Vec<Value>>> {
+    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    ramjet_tests::block_on(async {
+        let ds = ramjet_engine::Dataset::open(dir.to_str().unwrap()).await?;
+        ds.columns(&names, 4).await
+    })
+}
+
+#[test]
+fn pack_writes_columns_sidecars_that_match_the_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(tmp.path());
+    assert!(m.shards.len() > 1);
+    for s in &m.shards {
+        let c = s.columns.as_ref().expect("every YOLO shard has a sidecar");
+        let path = dst.join(&c.key);
+        let r = ShardReader::open(fs::File::open(&path).unwrap(), &c.key).unwrap();
+        assert_eq!(r.samples(), s.samples);
+        let names: Vec<&str> = r.schema().columns.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["path", "width", "height", "boxes"]);
+        // A sidecar is a few percent of its shard.
+        assert!(c.bytes * 20 < s.bytes, "sidecar {} bytes for a {}-byte shard", c.bytes, s.bytes);
+    }
+    let cols = columns_of(&dst, &["path", "boxes"]).unwrap();
+    assert_eq!(cols[0].len(), N);
+    for i in [0usize, 17, N - 1] {
+        assert_eq!(cols[0][i], Value::Str(format!("images/{i:06}.jpg")));
+        let want = fs::read_to_string(synth_dataset(N).join(format!("labels/{i:06}.txt"))).unwrap();
+        let Value::Json(boxes) = &cols[1][i] else { panic!("boxes is json") };
+        let parsed: Vec<Vec<f64>> = serde_json::from_str(boxes).unwrap();
+        assert_eq!(parsed.len(), want.lines().count());
+    }
+    let out = ramjet_ok(&["verify", dst.to_str().unwrap()]);
+    assert!(out.contains("OK"), "{out}");
+}
+
+#[test]
+fn a_flipped_sidecar_byte_is_named_by_reader_and_verify() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(tmp.path());
+    let c = m.shards[1].columns.clone().unwrap();
+    flip_byte(&dst.join(&c.key), c.bytes / 2);
+    let e = columns_of(&dst, &["boxes"]).unwrap_err().to_string();
+    assert!(e.contains(&c.key), "{e}");
+    let out = verify_fails_naming(&dst, &[&c.key]);
+    assert!(out.contains("checksum"), "{out}");
+}
+
+#[test]
+fn a_missing_sidecar_fails_loudly_and_old_manifests_read_whole_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dst, m) = packed(tmp.path());
+    let c = m.shards[0].columns.clone().unwrap();
+    fs::remove_file(dst.join(&c.key)).unwrap();
+    let e = columns_of(&dst, &["path"]).unwrap_err().to_string();
+    assert!(e.contains(&c.key), "{e}");
+    // A manifest without sidecars (as written before they existed) reads the shards instead.
+    let mut old = m.clone();
+    for s in &mut old.shards {
+        s.columns = None;
+    }
+    let old = Manifest::new(old.source.clone(), old.schema.clone(), old.meta.clone(), old.shards.clone());
+    fs::write(dst.join("manifest.json"), old.to_bytes()).unwrap();
+    let cols = columns_of(&dst, &["path", "width"]).unwrap();
+    assert_eq!(cols[0].len(), N);
+    assert!(cols[1].iter().all(|w| *w == Value::Int64(640)));
+    // Images are never a table column.
+    let e = columns_of(&dst, &["image"]).unwrap_err().to_string();
+    assert!(e.contains("bytes column"), "{e}");
+}
+
+#[test]
+fn a_manifest_listing_a_sidecar_key_twice_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_dst, m) = packed(tmp.path());
+    let mut bad = m.clone();
+    let k = bad.shards[0].columns.clone().unwrap();
+    bad.shards[1].columns = Some(k);
+    let bad = Manifest::new(bad.source.clone(), bad.schema.clone(), bad.meta.clone(), bad.shards.clone());
+    let e = Manifest::parse(&bad.to_bytes(), "m").unwrap_err().to_string();
+    assert!(e.contains("listed twice"), "{e}");
+}

@@ -612,3 +612,43 @@ fn the_origin_stopping_mid_epoch_fails_clearly_or_resumes_when_it_returns() {
         t0.elapsed()
     );
 }
+
+/// A consumer (one DataLoader worker of a `StatefulDataLoader`) resumes from its own saved
+/// state alone, without the other consumers': it yields exactly the rest of its share.
+#[test]
+fn a_consumer_resumes_exactly_from_its_own_state() {
+    let url = dataset();
+    let tmp = tempfile::tempdir().unwrap();
+    let topo = |worker| Topology {
+        worker,
+        workers: 2,
+        ..Default::default()
+    };
+    for w in 0..2 {
+        let full: Vec<(u64, SampleRef)> = Stream::open(config(url, topo(w), Some(tmp.path())))
+            .unwrap()
+            .map(|s| s.map(|s| (s.position, s.id)).unwrap())
+            .collect();
+        assert!(full.len() >= N / 2 - 1);
+        for k in [1, 5, full.len() - 1, full.len()] {
+            let mut s = Stream::open(config(url, topo(w), Some(tmp.path()))).unwrap();
+            for _ in 0..k {
+                s.next_sample().unwrap().unwrap();
+            }
+            let state: StreamState = serde_json::from_str(&serde_json::to_string(&s.state().unwrap()).unwrap()).unwrap();
+            drop(s);
+            let mut c = config(url, topo(w), Some(tmp.path()));
+            c.resume_consumer = Some(state.clone());
+            let rest: Vec<(u64, SampleRef)> = Stream::open(c)
+                .unwrap()
+                .map(|s| s.map(|s| (s.position, s.id)).unwrap())
+                .collect();
+            assert_eq!(rest, full[k..], "worker {w} after {k} samples");
+            // Another topology is refused, naming both.
+            let mut c = config(url, topo(1 - w), Some(tmp.path()));
+            c.resume_consumer = Some(state);
+            let e = Stream::open(c).err().expect("refused").to_string();
+            assert!(e.contains(&format!("consumer {w} of 2")), "{e}");
+        }
+    }
+}

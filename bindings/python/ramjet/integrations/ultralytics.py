@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -194,9 +195,13 @@ class RamjetYOLODataset(YOLODataset):
         n = len(self._table["path"])
         keep = list(range(n))
         f = self.fraction
-        count = f if isinstance(f, int) and not isinstance(f, bool) else round(n * float(f))
+        count = f if isinstance(f, int) and not isinstance(f, bool) else max(1, round(n * float(f)))
         if count < n:
-            keep = keep[: max(count, 1)]
+            keep = keep[:count]
+        # Stock Ultralytics samples 5 files here for a read-speed check (random.sample). The
+        # same draw keeps Python's generator in step with it, so a seed gives the very same
+        # augmentations as training stock Ultralytics on exported files.
+        random.sample(keep, min(5, len(keep)))
         self._index = keep
         return [f"{self.url}/{self._table['path'][g]}" for g in keep]
 
@@ -386,6 +391,17 @@ class RamjetDetectionTrainer(DetectionTrainer):
     are the trainer's own (Ultralytics' DistributedSampler splits the indices), so DDP, with
     Ultralytics' own re-launch, needs nothing else.
     """
+
+    def __init__(self, cfg: Any = None, overrides: Optional[Dict[str, Any]] = None, _callbacks: Any = None) -> None:
+        from ultralytics.utils import DEFAULT_CFG
+
+        super().__init__(cfg if cfg is not None else DEFAULT_CFG, overrides, _callbacks)
+        # Stock Ultralytics loads in the main process on CPU (workers=0): a CPU step is long
+        # and the loading cores are the training cores. Loading through ramjet in worker
+        # processes overlaps it with the step instead; workers given explicitly are kept.
+        asked = (overrides or {}).get("workers")
+        if self.device.type == "cpu" and asked:
+            self.args.workers = int(asked)
 
     def get_dataset(self) -> Dict[str, Any]:
         data = resolve_data(self.args.data)
