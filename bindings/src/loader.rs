@@ -406,7 +406,13 @@ impl Reader {
     /// the encoded image, undecoded): the read a map-style dataset makes per sample. A sample
     /// held in memory or in the disk cache is read in place with the GIL released; one that
     /// needs the network is read interruptibly.
-    fn get_bytes<'py>(&self, py: Python<'py>, stream: usize, index: u64, column: &str) -> PyResult<Bound<'py, PyBytes>> {
+    fn get_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        stream: usize,
+        index: u64,
+        column: &str,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         // Local first, inline (no thread): a resident or cached sample is a memory read.
         let local = {
             let state = self.state.clone();
@@ -428,7 +434,10 @@ impl Reader {
         })?;
         match sample.values().map_err(to_py)?.get(k) {
             Some(ramjet_engine::format::ValueRef::Bytes(b)) => Ok(PyBytes::new(py, b)),
-            _ => Err(to_py(Error::invalid(format!("column {column:?}"), "not a bytes column"))),
+            _ => Err(to_py(Error::invalid(
+                format!("column {column:?}"),
+                "not a bytes column",
+            ))),
         }
     }
 

@@ -292,3 +292,24 @@ def test_same_seed_trains_exactly_as_stock_ultralytics_on_exported_files(tmp_pat
     streamed = run(lambda m, a: streaming_train(m, data=url, daemon=False, **a))
     assert len(stock) == len(streamed) == 4
     assert stock == pytest.approx(streamed, rel=1e-5, abs=1e-6), (stock, streamed)
+
+
+def test_ultralytics_ddp_relaunch_file_rebuilds_the_ramjet_trainer(small_yolo, tmp_path):
+    """Ultralytics' DDP re-launch pickles the trainer (class, args, model, callbacks) and runs
+    a generated script in new processes. That script, run here as one CPU process (no GPUs on
+    this machine), must rebuild RamjetDetectionTrainer by import and train from the URL."""
+    from ramjet.integrations.ultralytics import RamjetDetectionTrainer, offline_environment
+
+    offline_environment(str(tmp_path / "yolo-config"))
+    from ultralytics.utils.dist import generate_ddp_file
+
+    t = RamjetDetectionTrainer(overrides=dict(
+        model="yolov8n.yaml", data=small_yolo, epochs=1, batch=8, workers=0, imgsz=64, device="cpu", plots=False,
+        val=False, amp=False, project=str(tmp_path / "runs"), name="ddp", exist_ok=True))
+    t.model = t.get_model(cfg="yolov8n.yaml", verbose=False)
+    script = generate_ddp_file(t)
+    env = dict(os.environ, YOLO_OFFLINE="1", YOLO_CONFIG_DIR=str(tmp_path / "yolo-config"))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    _sh(sys.executable, script, env=env, cwd=tmp_path)
+    assert (tmp_path / "runs" / "ddp" / "weights" / "last.pt").is_file()

@@ -412,14 +412,21 @@ fn pack_writes_columns_sidecars_that_match_the_shards() {
         let names: Vec<&str> = r.schema().columns.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["path", "width", "height", "boxes"]);
         // A sidecar is a few percent of its shard.
-        assert!(c.bytes * 20 < s.bytes, "sidecar {} bytes for a {}-byte shard", c.bytes, s.bytes);
+        assert!(
+            c.bytes * 20 < s.bytes,
+            "sidecar {} bytes for a {}-byte shard",
+            c.bytes,
+            s.bytes
+        );
     }
     let cols = columns_of(&dst, &["path", "boxes"]).unwrap();
     assert_eq!(cols[0].len(), N);
     for i in [0usize, 17, N - 1] {
         assert_eq!(cols[0][i], Value::Str(format!("images/{i:06}.jpg")));
         let want = fs::read_to_string(synth_dataset(N).join(format!("labels/{i:06}.txt"))).unwrap();
-        let Value::Json(boxes) = &cols[1][i] else { panic!("boxes is json") };
+        let Value::Json(boxes) = &cols[1][i] else {
+            panic!("boxes is json")
+        };
         let parsed: Vec<Vec<f64>> = serde_json::from_str(boxes).unwrap();
         assert_eq!(parsed.len(), want.lines().count());
     }
@@ -452,7 +459,12 @@ fn a_missing_sidecar_fails_loudly_and_old_manifests_read_whole_shards() {
     for s in &mut old.shards {
         s.columns = None;
     }
-    let old = Manifest::new(old.source.clone(), old.schema.clone(), old.meta.clone(), old.shards.clone());
+    let old = Manifest::new(
+        old.source.clone(),
+        old.schema.clone(),
+        old.meta.clone(),
+        old.shards.clone(),
+    );
     fs::write(dst.join("manifest.json"), old.to_bytes()).unwrap();
     let cols = columns_of(&dst, &["path", "width"]).unwrap();
     assert_eq!(cols[0].len(), N);
@@ -469,7 +481,12 @@ fn a_manifest_listing_a_sidecar_key_twice_is_refused() {
     let mut bad = m.clone();
     let k = bad.shards[0].columns.clone().unwrap();
     bad.shards[1].columns = Some(k);
-    let bad = Manifest::new(bad.source.clone(), bad.schema.clone(), bad.meta.clone(), bad.shards.clone());
+    let bad = Manifest::new(
+        bad.source.clone(),
+        bad.schema.clone(),
+        bad.meta.clone(),
+        bad.shards.clone(),
+    );
     let e = Manifest::parse(&bad.to_bytes(), "m").unwrap_err().to_string();
     assert!(e.contains("listed twice"), "{e}");
 }

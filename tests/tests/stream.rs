@@ -635,7 +635,8 @@ fn a_consumer_resumes_exactly_from_its_own_state() {
             for _ in 0..k {
                 s.next_sample().unwrap().unwrap();
             }
-            let state: StreamState = serde_json::from_str(&serde_json::to_string(&s.state().unwrap()).unwrap()).unwrap();
+            let state: StreamState =
+                serde_json::from_str(&serde_json::to_string(&s.state().unwrap()).unwrap()).unwrap();
             drop(s);
             let mut c = config(url, topo(w), Some(tmp.path()));
             c.resume_consumer = Some(state.clone());

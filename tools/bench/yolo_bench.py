@@ -148,6 +148,9 @@ def child(a):
         except FirstStepDone:
             pass
     ds = getattr(getattr(model, "trainer", None), "train_loader", None)
+    it = getattr(ds, "iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()  # join the workers, so their CPU time is in RUSAGE_CHILDREN
     # This process and its DataLoader workers (reaped by now), so P2 (no workers on CPU) and
     # P3 (workers) are counted alike.
     ru, rc = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
