@@ -313,3 +313,21 @@ def test_ultralytics_ddp_relaunch_file_rebuilds_the_ramjet_trainer(small_yolo, t
         env.pop(k, None)
     _sh(sys.executable, script, env=env, cwd=tmp_path)
     assert (tmp_path / "runs" / "ddp" / "weights" / "last.pt").is_file()
+
+
+def test_data_resolves_from_a_url_with_splits_a_single_url_or_a_yaml_of_urls(small_yolo, tmp_path):
+    from ramjet import InvalidInputError
+    from ramjet.integrations.ultralytics import resolve_data
+
+    d = resolve_data(small_yolo)
+    assert (d["train"], d["val"]) == (small_yolo + "/train", small_yolo + "/val")
+    assert d["nc"] == 8 and d["names"][0] == "crate" and d["channels"] == 3
+    one = resolve_data(small_yolo + "/train")  # no splits below it: the dataset serves both
+    assert one["train"] == one["val"] == small_yolo + "/train"
+    y = tmp_path / "data.yaml"
+    y.write_text(f"train: {small_yolo}/train\nval: {small_yolo}/val\nnames: [a, b, c, d, e, f, g, h]\n")
+    d = resolve_data(str(y))
+    assert d["names"][7] == "h" and d["val"] == small_yolo + "/val"
+    y.write_text(f"train: {small_yolo}/train\nval: images/val\n")
+    with pytest.raises(InvalidInputError, match="val is 'images/val', not a ramjet dataset URL"):
+        resolve_data(str(y))
