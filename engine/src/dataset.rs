@@ -8,6 +8,21 @@ use crate::format::{verify_shard_bytes, ColumnType, Manifest, ShardExpect, Shard
 use crate::metrics::Metrics;
 use crate::store::{DatasetUrl, Store};
 
+/// Checks a shard file (a shard or a columns sidecar) against its manifest entry: whole-file
+/// checksum (footer and manifest) and size.
+fn check_listed(view: &ShardView<'_>, len: usize, what: &str, bytes: u64, expect: u64, url: &str) -> Result<()> {
+    let sum = view.check_checksum()?;
+    if sum != expect || len as u64 != bytes {
+        return Err(Error::corrupt(
+            crate::Location::object(url),
+            format!(
+                "{what} is {len} bytes with checksum {sum:016x}; the manifest says {bytes} bytes with {expect:016x}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// An opened dataset: a store prefix plus its parsed, validated manifest.
 #[derive(Debug, Clone)]
 pub struct Dataset {
@@ -171,18 +186,8 @@ impl Dataset {
             });
         }
         let view = ShardView::parse(bytes, &url)?;
-        let sum = view.check_checksum()?;
         let expect = info.checksum_u64().expect("validated by Manifest::parse");
-        if sum != expect || bytes.len() as u64 != info.bytes {
-            return Err(Error::corrupt(
-                crate::Location::object(&url),
-                format!(
-                    "shard is {} bytes with checksum {sum:016x}; the manifest says {} bytes with {expect:016x}",
-                    bytes.len(),
-                    info.bytes
-                ),
-            ));
-        }
+        check_listed(&view, bytes.len(), "shard", info.bytes, expect, &url)?;
         if view.samples() != info.samples {
             return Err(Error::corrupt(
                 crate::Location::object(&url),
@@ -238,18 +243,8 @@ impl Dataset {
         };
         let view = ShardView::parse(&bytes, &url)?;
         if let Some(c) = &info.columns {
-            let sum = view.check_checksum()?;
             let expect = c.checksum_u64().expect("validated by Manifest::parse");
-            if sum != expect || bytes.len() as u64 != c.bytes {
-                return Err(Error::corrupt(
-                    crate::Location::object(&url),
-                    format!(
-                        "columns sidecar is {} bytes with checksum {sum:016x}; the manifest says {} bytes with {expect:016x}",
-                        bytes.len(),
-                        c.bytes
-                    ),
-                ));
-            }
+            check_listed(&view, bytes.len(), "columns sidecar", c.bytes, expect, &url)?;
             let want = self.manifest.schema.without_bytes();
             if view.samples() != info.samples || Some(view.schema()) != want.as_ref() {
                 return Err(Error::corrupt(

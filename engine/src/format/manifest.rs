@@ -49,23 +49,25 @@ pub struct ColumnsInfo {
     pub checksum: String,
 }
 
+/// A checksum written as 16 hex digits, as a number.
+fn hex16(s: &str) -> Option<u64> {
+    if s.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(s, 16).ok()
+}
+
 impl ColumnsInfo {
     /// The checksum as a number.
     pub fn checksum_u64(&self) -> Option<u64> {
-        if self.checksum.len() != 16 {
-            return None;
-        }
-        u64::from_str_radix(&self.checksum, 16).ok()
+        hex16(&self.checksum)
     }
 }
 
 impl ShardInfo {
     /// The checksum as a number.
     pub fn checksum_u64(&self) -> Option<u64> {
-        if self.checksum.len() != 16 {
-            return None;
-        }
-        u64::from_str_radix(&self.checksum, 16).ok()
+        hex16(&self.checksum)
     }
 }
 
