@@ -257,6 +257,29 @@ impl StreamState {
     }
 }
 
+/// Refuses a saved state taken on other data (manifest versions) or under another order.
+fn check_saved_for(
+    what: &str,
+    saved_versions: &[String],
+    saved_order: &OrderSpec,
+    versions: &[String],
+    order: &OrderSpec,
+) -> Result<()> {
+    if saved_versions != versions {
+        return Err(Error::invalid(
+            what,
+            format!("it was saved for manifest versions {saved_versions:?}, the sources are now {versions:?}"),
+        ));
+    }
+    if saved_order != order {
+        return Err(Error::invalid(
+            what,
+            "it was saved for a different order (seed, shuffle or partitions)",
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a consumer's own saved state against the stream that resumes from it.
 fn check_consumer_state(
     c: &StreamState,
@@ -265,16 +288,9 @@ fn check_consumer_state(
     topo: Topology,
     len: u64,
 ) -> Result<()> {
-    let bad = |why: String| Err(Error::invalid("resume state (one consumer's)", why));
-    if c.versions != versions {
-        return bad(format!(
-            "it was saved for manifest versions {:?}, the sources are now {versions:?}",
-            c.versions
-        ));
-    }
-    if c.order != *order {
-        return bad("it was saved for a different order (seed, shuffle or partitions)".into());
-    }
+    let what = "resume state (one consumer's)";
+    let bad = |why: String| Err(Error::invalid(what, why));
+    check_saved_for(what, &c.versions, &c.order, versions, order)?;
     if c.consumer != topo.consumer() || c.consumers != topo.consumers() {
         return bad(format!(
             "it was saved by consumer {} of {}, and this is consumer {} of {}: restore with the \
@@ -288,9 +304,7 @@ fn check_consumer_state(
     if c.len != len {
         return bad(format!("its epoch has {} positions, this one {len}", c.len));
     }
-    c.base
-        .validate(len)
-        .map_err(|r| Error::invalid("resume state (one consumer's)", r))?;
+    c.base.validate(len).map_err(|r| Error::invalid(what, r))?;
     let dealt = c.base.positions_for(len, c.consumer, c.consumers).len() as u64;
     if c.delivered > dealt {
         return bad(format!(
@@ -531,21 +545,7 @@ impl Stream {
             }
             (None, Some(r)) => {
                 let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
-                if r.versions != versions {
-                    return Err(Error::invalid(
-                        "resume state",
-                        format!(
-                            "it was saved for manifest versions {:?}, the sources are now {versions:?}",
-                            r.versions
-                        ),
-                    ));
-                }
-                if r.order != cfg.order {
-                    return Err(Error::invalid(
-                        "resume state",
-                        "it was saved for a different order (seed, shuffle or partitions)",
-                    ));
-                }
+                check_saved_for("resume state", &r.versions, &r.order, &versions, &cfg.order)?;
                 let n = checked_epoch_positions(&shapes)?;
                 let len = effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail);
                 r.progress
@@ -870,17 +870,8 @@ impl Stream {
     /// local read, so a caller may run it inline.
     pub fn get_local(&self, stream: usize, global_index: u64) -> Result<Option<Sample>> {
         let (id, src) = self.locate(stream, global_index)?;
-        let key = (id.stream, id.shard);
-        let held = self.resident.lock().expect("not poisoned").shards.get(&key).cloned();
-        let record = match held {
-            Some(live) => {
-                Metrics::add(&self.shared.metrics.resident_samples, 1);
-                slice_record(&live, id, &self.shared)?
-            }
-            None => match self.read_cached(id) {
-                Some(rec) => rec,
-                None => return Ok(None),
-            },
+        let Some(record) = self.read_local(id)? else {
+            return Ok(None);
         };
         Ok(Some(Sample {
             epoch: 0,
@@ -914,17 +905,28 @@ impl Stream {
 
     /// [`Stream::get`]'s read of one record.
     fn read_random(&self, id: SampleRef) -> Result<Bytes> {
-        let key = (id.stream, id.shard);
-        let held = self.resident.lock().expect("not poisoned").shards.get(&key).cloned();
-        if let Some(live) = held {
-            Metrics::add(&self.shared.metrics.resident_samples, 1);
-            return slice_record(&live, id, &self.shared);
-        }
-        if let Some(rec) = self.read_cached(id) {
+        if let Some(rec) = self.read_local(id)? {
             return Ok(rec);
         }
-        self.load_in_background(key);
+        self.load_in_background((id.stream, id.shard));
         self.rt.block_on(fetch_sample_ranged(&self.shared, id))
+    }
+
+    /// `id`'s record from a whole shard held in memory, else from the disk cache; `None` when
+    /// neither has it.
+    fn read_local(&self, id: SampleRef) -> Result<Option<Bytes>> {
+        let held = self
+            .resident
+            .lock()
+            .expect("not poisoned")
+            .shards
+            .get(&(id.stream, id.shard))
+            .cloned();
+        if let Some(live) = held {
+            Metrics::add(&self.shared.metrics.resident_samples, 1);
+            return slice_record(&live, id, &self.shared).map(Some);
+        }
+        Ok(self.read_cached(id))
     }
 
     /// Starts loading a whole shard into [`Resident`], unless it is there, loading, or larger
