@@ -98,11 +98,7 @@ fn block_on<T: Send + 'static, F: std::future::Future<Output = T> + 'static>(
 ) -> PyResult<T> {
     interruptible(py, move || {
         let f = make();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| OriginError::new_err(format!("cannot start the I/O runtime: {e}")))?;
-        Ok(rt.block_on(f))
+        ramjet_engine::rt::block_on(f).map_err(to_py)
     })?
 }
 

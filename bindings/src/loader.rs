@@ -364,11 +364,7 @@ pub fn job_progress(states: Vec<String>) -> PyResult<String> {
 pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64)> {
     let sc = parse(config)?.stream();
     interruptible(py, move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
-        match rt {
-            Ok(rt) => rt.block_on(ramjet_engine::stream::epoch_lengths(&sc)),
-            Err(e) => Err(Error::io("tokio runtime", e)),
-        }
+        ramjet_engine::rt::block_on(ramjet_engine::stream::epoch_lengths(&sc)).and_then(|r| r)
     })?
     .map_err(to_py)
 }

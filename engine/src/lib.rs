@@ -17,6 +17,7 @@ pub mod loader;
 pub mod metrics;
 pub mod order;
 pub mod provider;
+pub mod rt;
 pub mod store;
 pub mod stream;
 

@@ -1,10 +1,17 @@
-//! Batches: a [`Stream`] read by one thread, decoded and augmented by a pool of threads, and
-//! assembled in [`HostBuf`]s, in the stream's order.
+//! Batches: a [`Stream`] read by one task on the process runtime, decoded and augmented on the
+//! process's decode pool ([`crate::rt::decode_pool`], shared by every loader), and assembled
+//! in [`HostBuf`]s, in the stream's order.
 //!
 //! ```text
-//!  reader thread ── jobs (bounded) ──▶ decode threads ── batches ──▶ reorder ──▶ next_batch()
-//!  (owns Stream)      one per batch      (N, no locks)                 (by seq)
+//!  reader task ─ job per batch ─▶ decode pool ── batches ──▶ reorder ──▶ next_batch()
+//!  (owns Stream,  (at most `threads`  (shared,                (by seq)   (frees the batch's
+//!   runtime)       decoding)           cores threads)                      `ahead` permit)
 //! ```
+//!
+//! Two bounds: at most `threads` of this loader's batches decode at once (its share of the
+//! pool), and at most `prefetch_batches + threads` are cut and not yet handed out (the
+//! `ahead` permits, each freed when `next_batch` hands its batch out), so memory is bounded
+//! whatever the consumer's pace.
 //!
 //! A batch never spans two epochs: the last batch of an epoch may be short (or dropped with
 //! `drop_last`) and carries `end_of_epoch`. Each batch carries the stream's state after its
@@ -54,7 +61,7 @@ pub struct LoaderConfig {
     /// A JSON column of YOLO boxes (`[[class, cx, cy, w, h], ...]`) yielded as a flat
     /// `(M, 5)` float32 array plus per-sample offsets.
     pub boxes_column: Option<String>,
-    /// Decode threads.
+    /// This loader's batches decoding at once on the process's decode pool.
     pub threads: usize,
     /// Batches prepared ahead of the consumer.
     pub prefetch_batches: usize,
@@ -62,7 +69,7 @@ pub struct LoaderConfig {
     pub on_corrupt: OnCorrupt,
     /// Where batch buffers come from.
     pub pool: Option<HostPool>,
-    /// Tests only: the reader thread panics after this many samples (a seam for the test that
+    /// Tests only: the reader task panics after this many samples (a seam for the test that
     /// a panic there surfaces as an error instead of a short epoch).
     #[doc(hidden)]
     pub panic_reader_after_samples: Option<u64>,
@@ -174,7 +181,8 @@ struct Job {
     end_of_epoch: bool,
 }
 
-type Done = (u64, Result<Batch>);
+/// A finished batch, with the permit that counts it as ahead of the consumer.
+type Done = (u64, Result<Batch>, Option<tokio::sync::OwnedSemaphorePermit>);
 
 /// Everything the decode threads share (read-only).
 struct Ctx {
@@ -185,13 +193,14 @@ struct Ctx {
     metrics: Arc<Metrics>,
 }
 
-/// A running batch pipeline. Dropping it stops the threads.
+/// A running batch pipeline. Dropping it stops its reader task.
 pub struct Loader {
     done: Receiver<Done>,
-    reorder: BTreeMap<u64, Result<Batch>>,
+    reorder: BTreeMap<u64, (Result<Batch>, Option<tokio::sync::OwnedSemaphorePermit>)>,
     next: u64,
     finished: bool,
     stop: Arc<AtomicBool>,
+    reader: tokio::task::JoinHandle<()>,
     metrics: Arc<Metrics>,
     schema: Arc<Schema>,
     /// Opened on the first batch handed out: whole-shard fetches start then (or after half a
@@ -212,9 +221,11 @@ pub enum Next {
 
 impl Drop for Loader {
     fn drop(&mut self) {
-        // Threads notice at their next send or sample; nothing here waits for them, so a
-        // consumer is never held up by a fetch in flight.
+        // The reader task stops at its next await (its stream's cache copies go on in the
+        // background); decode jobs queued on the pool see `stop` and return. Nothing here
+        // waits, so a consumer is never held up by a fetch in flight.
         self.stop.store(true, Ordering::Relaxed);
+        self.reader.abort();
     }
 }
 
@@ -249,14 +260,14 @@ impl Loader {
         let metrics = stream.metrics_handle();
         let stop = Arc::new(AtomicBool::new(false));
         let threads = cfg.threads.max(1);
-        let (job_tx, job_rx) = bounded::<Job>(cfg.prefetch_batches.max(1));
-        let (done_tx, done_rx) = bounded::<Done>(cfg.prefetch_batches.max(1) + threads);
-        let pool = cfg.pool.clone().unwrap_or_else(|| {
-            HostPool::new(
-                Box::new(crate::hostbuf::AlignedAlloc),
-                cfg.prefetch_batches + threads + 4,
-            )
-        });
+        let ahead = cfg.prefetch_batches.max(1) + threads;
+        // Every batch cut holds an `ahead` permit until handed out, so at most `ahead` sit in
+        // this channel: it never blocks a decode job.
+        let (done_tx, done_rx) = bounded::<Done>(ahead);
+        let pool = cfg
+            .pool
+            .clone()
+            .unwrap_or_else(|| HostPool::new(Box::new(crate::hostbuf::AlignedAlloc), ahead + 4));
         let ctx = Arc::new(Ctx {
             seed: cfg.stream.order.seed,
             cfg,
@@ -264,40 +275,42 @@ impl Loader {
             pool,
             metrics: metrics.clone(),
         });
-        {
+        let decode = crate::rt::decode_pool()?;
+        let rt = crate::rt::handle()?;
+        // Dropped on a runtime thread (when the reader task ends or is aborted), the stream
+        // must not block that thread waiting for its cache copies; they finish regardless.
+        stream.wait_inserts_on_drop(false);
+        let reader = {
             let (ctx, stop, done_tx) = (ctx.clone(), stop.clone(), done_tx.clone());
-            std::thread::Builder::new()
-                .name("ramjet-reader".into())
-                .spawn(move || {
-                    // The next batch's sequence number, kept outside the loop, so that a panic
-                    // is reported in its place: the batches before it are delivered, then the
-                    // error, never a silently short epoch.
-                    let next = AtomicU64::new(0);
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        read_loop(stream, &ctx, &stop, &next, job_tx, done_tx.clone())
-                    }));
-                    if let Err(p) = r {
-                        let _ = done_tx.send((
-                            next.load(Ordering::SeqCst),
-                            Err(Error::from_panic("ramjet-reader", &*p)),
-                        ));
-                    }
-                })
-                .map_err(|e| Error::io("reader thread", e))?;
-        }
-        for i in 0..threads {
-            let (ctx, stop, job_rx, done_tx) = (ctx.clone(), stop.clone(), job_rx.clone(), done_tx.clone());
-            std::thread::Builder::new()
-                .name(format!("ramjet-decode-{i}"))
-                .spawn(move || decode_loop(&ctx, &stop, job_rx, done_tx))
-                .map_err(|e| Error::io("decode thread", e))?;
-        }
+            let permits = Permits {
+                ahead: Arc::new(tokio::sync::Semaphore::new(ahead)),
+                decoding: Arc::new(tokio::sync::Semaphore::new(threads)),
+            };
+            rt.spawn(async move {
+                use futures::FutureExt;
+                // The next batch's sequence number, kept outside the loop, so that a panic
+                // is reported in its place: the batches before it are delivered, then the
+                // error, never a silently short epoch.
+                let next = Arc::new(AtomicU64::new(0));
+                let r = std::panic::AssertUnwindSafe(read_loop(stream, &ctx, &stop, &next, permits, decode, &done_tx))
+                    .catch_unwind()
+                    .await;
+                if let Err(p) = r {
+                    let _ = done_tx.send((
+                        next.load(Ordering::SeqCst),
+                        Err(Error::from_panic("ramjet-reader", &*p)),
+                        None,
+                    ));
+                }
+            })
+        };
         Ok(Loader {
             done: done_rx,
             reorder: BTreeMap::new(),
             next: 0,
             finished: false,
             stop,
+            reader,
             metrics,
             schema,
             first_gate,
@@ -316,8 +329,10 @@ impl Loader {
     fn next_inner(&mut self, timeout: Duration) -> Result<Next> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
-            if let Some(r) = self.reorder.remove(&self.next) {
+            if let Some((r, permit)) = self.reorder.remove(&self.next) {
                 self.next += 1;
+                // Handed out: the reader may cut one more.
+                drop(permit);
                 return match r {
                     Ok(b) => {
                         if let Some(g) = self.first_gate.take() {
@@ -339,8 +354,8 @@ impl Loader {
             }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.done.recv_timeout(left) {
-                Ok((seq, r)) => {
-                    self.reorder.insert(seq, r);
+                Ok((seq, r, permit)) => {
+                    self.reorder.insert(seq, (r, permit));
                 }
                 Err(RecvTimeoutError::Timeout) => return Ok(Next::Pending),
                 Err(RecvTimeoutError::Disconnected) => {
@@ -361,14 +376,21 @@ impl Loader {
     }
 }
 
-/// Pulls samples, cuts them into per-epoch batches and hands them to the decode threads.
-fn read_loop(
+/// The reader's two bounds (see the module docs).
+struct Permits {
+    ahead: Arc<tokio::sync::Semaphore>,
+    decoding: Arc<tokio::sync::Semaphore>,
+}
+
+/// Pulls samples, cuts them into per-epoch batches and hands them to the decode pool.
+async fn read_loop(
     mut stream: Stream,
-    ctx: &Ctx,
-    stop: &AtomicBool,
+    ctx: &Arc<Ctx>,
+    stop: &Arc<AtomicBool>,
     next: &AtomicU64,
-    jobs: Sender<Job>,
-    done: Sender<Done>,
+    permits: Permits,
+    pool: &'static crate::rt::Pool,
+    done: &Sender<Done>,
 ) {
     let bs = ctx.cfg.batch_size;
     let mut seq = 0u64;
@@ -383,11 +405,11 @@ fn read_loop(
             panic!("injected reader panic after {read} samples");
         }
         read += 1;
-        let s = match stream.next_sample() {
+        let s = match stream.next_sample_async().await {
             Ok(Some(s)) => s,
             Ok(None) => return,
             Err(e) => {
-                let _ = done.send((seq, Err(e)));
+                let _ = done.send((seq, Err(e), None));
                 return;
             }
         };
@@ -418,29 +440,41 @@ fn read_loop(
         };
         seq += 1;
         next.store(seq, Ordering::SeqCst);
-        if jobs.send(job).is_err() {
+        // The semaphores are never closed.
+        let Ok(ahead) = permits.ahead.clone().acquire_owned().await else {
             return;
-        }
+        };
+        let Ok(decoding) = permits.decoding.clone().acquire_owned().await else {
+            return;
+        };
+        let (ctx, stop, done) = (ctx.clone(), stop.clone(), done.clone());
+        pool.spawn(move || {
+            let _decoding = decoding;
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let _ = done.send((job.seq, decode_job(&ctx, job), Some(ahead)));
+        });
     }
 }
 
-fn decode_loop(ctx: &Ctx, stop: &AtomicBool, jobs: Receiver<Job>, done: Sender<Done>) {
-    let mut scratch = Scratch::default();
-    while let Ok(job) = jobs.recv() {
-        if stop.load(Ordering::Relaxed) {
-            return;
-        }
-        let seq = job.seq;
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assemble(ctx, job, &mut scratch)))
-            .unwrap_or_else(|p| {
+thread_local! {
+    /// Each decode-pool thread's resize scratch, reused across jobs and loaders.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// Decodes one job on a pool thread; a panic comes back as the batch's error.
+fn decode_job(ctx: &Ctx, job: Job) -> Result<Batch> {
+    SCRATCH.with(|cell| {
+        let mut scratch = cell.borrow_mut();
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assemble(ctx, job, &mut scratch))).unwrap_or_else(
+            |p| {
                 // The scratch buffers may be half-written: start afresh.
-                scratch = Scratch::default();
+                *scratch = Scratch::default();
                 Err(Error::from_panic("ramjet-decode", &*p))
-            });
-        if done.send((seq, r)).is_err() {
-            return;
-        }
-    }
+            },
+        )
+    })
 }
 
 fn corrupt(url: &str, sample: u64, reason: impl Into<String>) -> Error {

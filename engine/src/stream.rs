@@ -349,8 +349,6 @@ struct Source {
     schema: Arc<Schema>,
 }
 
-/// Cache copies being written to disk at once.
-const INSERTS_IN_FLIGHT_MAX: usize = 2;
 /// Unit of the pending-insert budget (a semaphore permit per MiB).
 const INSERT_PERMIT_BYTES: u64 = 1 << 20;
 
@@ -360,7 +358,7 @@ struct Shared {
     inserts: Arc<tokio::sync::Semaphore>,
     insert_permits: u32,
     /// Writes the cache copies, at low priority.
-    filler: Option<crate::cache::Filler>,
+    filler: Option<&'static crate::cache::Filler>,
     sources: Vec<Source>,
     cache: Option<Cache>,
     metrics: Arc<Metrics>,
@@ -427,7 +425,11 @@ impl Resident {
 /// The sample stream of one consumer. Iterate with [`Stream::next_sample`] (or as an
 /// `Iterator`) from an ordinary thread; the I/O runs on the stream's own runtime.
 pub struct Stream {
-    rt: tokio::runtime::Runtime,
+    /// The process's network runtime (shared by every stream).
+    rt: tokio::runtime::Handle,
+    /// Whether dropping the stream waits for its cache copies (not when it is dropped on a
+    /// runtime thread, as the loader's reader task does).
+    wait_inserts_on_drop: bool,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<Msg>,
     plans: std::collections::VecDeque<Arc<EpochPlan>>,
@@ -480,6 +482,9 @@ const FIRST_GATE_MAX: std::time::Duration = std::time::Duration::from_millis(500
 impl Drop for Stream {
     fn drop(&mut self) {
         self.prefetch.abort();
+        if !self.wait_inserts_on_drop {
+            return;
+        }
         // Let cache copies already handed to the background finish, so a shard this stream
         // fetched is in the cache for the next one (bounded: a stuck disk does not hang us).
         let inserts = self.shared.inserts.clone();
@@ -496,11 +501,7 @@ impl Drop for Stream {
 impl Stream {
     /// Opens every source's manifest, checks the resume point, and starts prefetching.
     pub fn open(cfg: StreamConfig) -> Result<Stream> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .map_err(|e| Error::io("tokio runtime", e))?;
+        let rt = crate::rt::handle()?;
         let metrics = Arc::new(Metrics::default());
         let cache = match &cfg.cache {
             Some(c) => Some(Cache::open(c.clone(), cache_io::detect(), metrics.clone())?),
@@ -574,10 +575,7 @@ impl Stream {
             inserts: Arc::new(tokio::sync::Semaphore::new(insert_permits as usize)),
             insert_permits,
             filler: match &cache {
-                Some(_) => Some(
-                    crate::cache::Filler::new(INSERTS_IN_FLIGHT_MAX)
-                        .map_err(|e| Error::io("cache filler thread", e))?,
-                ),
+                Some(_) => Some(crate::cache::Filler::process()?),
                 None => None,
             },
             sources,
@@ -610,6 +608,7 @@ impl Stream {
         let prefetch = rt.spawn(prefetcher(shared.clone(), start, skip, tx, per_sample, gate));
         Ok(Stream {
             rt,
+            wait_inserts_on_drop: true,
             shared,
             rx,
             plans: Default::default(),
@@ -628,6 +627,13 @@ impl Stream {
             resident: Default::default(),
             loads: Arc::new(tokio::sync::Semaphore::new(cfg.shards_in_flight_max.max(1))),
         })
+    }
+
+    /// Whether dropping the stream waits (up to a minute) for the cache copies it handed to the
+    /// background, so the next stream finds them (the default). An owner that drops it on a
+    /// runtime thread turns this off: the copies then finish on their own.
+    pub fn wait_inserts_on_drop(&mut self, wait: bool) {
+        self.wait_inserts_on_drop = wait;
     }
 
     /// Number of sources.
@@ -680,9 +686,9 @@ impl Stream {
         self.plan.as_ref().map(|p| p.positions.len())
     }
 
-    fn recv(&mut self) -> Result<bool> {
+    async fn recv(&mut self) -> Result<bool> {
         let t = Instant::now();
-        let msg = self.rx.blocking_recv();
+        let msg = self.rx.recv().await;
         Metrics::add(&self.shared.metrics.wait_ns, t.elapsed().as_nanos() as u64);
         match msg {
             None => Ok(false),
@@ -717,8 +723,15 @@ impl Stream {
         Ok(())
     }
 
-    /// The next sample, `Ok(None)` after the last epoch.
+    /// The next sample, `Ok(None)` after the last epoch. Call it from a thread that is not one
+    /// of the runtime's (an async caller uses [`Stream::next_sample_async`]).
     pub fn next_sample(&mut self) -> Result<Option<Sample>> {
+        let rt = self.rt.clone();
+        rt.block_on(self.next_sample_async())
+    }
+
+    /// [`Stream::next_sample`] for an async caller on the process runtime.
+    pub async fn next_sample_async(&mut self) -> Result<Option<Sample>> {
         loop {
             let exhausted = self.plan.as_ref().is_none_or(|p| self.cursor >= p.positions.len());
             if !exhausted {
@@ -729,7 +742,7 @@ impl Stream {
                 self.plan = Some(p);
                 continue;
             }
-            if !self.recv()? {
+            if !self.recv().await? {
                 return Ok(None);
             }
         }
@@ -738,7 +751,7 @@ impl Stream {
         let id = at_position(&plan.order, position);
         let key = (plan.epoch, id.stream, id.shard);
         let record = if self.per_sample {
-            self.read_one(id)?
+            self.read_one(id).await?
         } else if let Some(r) = self.ranged_ready.remove(&(plan.epoch, position)) {
             r?
         } else {
@@ -752,14 +765,14 @@ impl Stream {
                 }
             }
             if !self.live.contains_key(&key) && self.ranged_left > 0 {
-                self.read_ranged_ahead(&plan)?;
+                self.read_ranged_ahead(&plan).await?;
                 self.open_gate();
                 self.ranged_ready
                     .remove(&(plan.epoch, position))
                     .expect("the lookahead starts at the cursor")?
             } else {
                 while !self.live.contains_key(&key) {
-                    if !self.recv()? {
+                    if !self.recv().await? {
                         return Err(Error::invalid("stream", "the prefetcher stopped early"));
                     }
                 }
@@ -812,7 +825,7 @@ impl Stream {
     /// Reads the samples at the cursor and after it whose shards have not arrived, up to
     /// [`RANGED_AHEAD_MAX`] and the ranged budget, all at once (two ranged GETs each, or two
     /// reads of a cached shard), into `ranged_ready`. Each counts as a use of its shard.
-    fn read_ranged_ahead(&mut self, plan: &EpochPlan) -> Result<()> {
+    async fn read_ranged_ahead(&mut self, plan: &EpochPlan) -> Result<()> {
         let mut ids = Vec::new();
         for &position in plan.positions[self.cursor..].iter() {
             if ids.len() >= RANGED_AHEAD_MAX.min(self.ranged_left) {
@@ -838,9 +851,7 @@ impl Stream {
             }
         }
         let shared = &self.shared;
-        let got = self.rt.block_on(futures::future::join_all(
-            remote.iter().map(|&(_, id)| fetch_sample_ranged(shared, id)),
-        ));
+        let got = futures::future::join_all(remote.iter().map(|&(_, id)| fetch_sample_ranged(shared, id))).await;
         for ((position, _), r) in remote.into_iter().zip(got) {
             self.ranged_ready.insert((plan.epoch, position), r);
         }
@@ -972,10 +983,10 @@ impl Stream {
 
     /// One sample on its own: two reads from the disk cache when its shard is cached, else two
     /// ranged GETs.
-    fn read_one(&self, id: SampleRef) -> Result<Bytes> {
+    async fn read_one(&mut self, id: SampleRef) -> Result<Bytes> {
         match self.read_cached(id) {
             Some(rec) => Ok(rec),
-            None => self.rt.block_on(fetch_sample_ranged(&self.shared, id)),
+            None => fetch_sample_ranged(&self.shared, id).await,
         }
     }
 
@@ -1083,6 +1094,9 @@ async fn fetch_shard_provider(
     shard: usize,
 ) -> Option<Bytes> {
     let (sh, p) = (shared.clone(), p.clone());
+    let Ok(_call) = PROVIDER_CALLS.acquire().await else {
+        return None;
+    };
     let r = tokio::task::spawn_blocking(move || {
         let src = &sh.sources[stream];
         let req = ShardRequest {
@@ -1098,7 +1112,7 @@ async fn fetch_shard_provider(
         Ok(got)
     })
     .await
-    .expect("provider task panicked");
+    .unwrap_or_else(|e| Err(join_error("host-daemon call", e)));
     match r {
         Ok(got) => {
             let m = &shared.metrics;
@@ -1131,8 +1145,7 @@ async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result
     if let Some(b) = blocking(move || c.get(id)).await? {
         return Ok(b);
     }
-    let c = cache.clone();
-    let lock = blocking(move || c.fetch_lock(id)).await?;
+    let lock = fetch_lock(&cache, id).await?;
     let c = cache.clone();
     if let Some(b) = blocking(move || c.get(id)).await? {
         return Ok(b);
@@ -1165,10 +1178,42 @@ async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result
     Ok(bytes)
 }
 
+/// The shard's host-wide download lock, polled: the holder (this process or another) may be
+/// minutes into a download, and a blocking-pool thread asleep in `flock` meanwhile would be
+/// one fewer for the work that frees it (the pool is shared by the whole process).
+async fn fetch_lock(cache: &Cache, id: ShardId) -> Result<crate::cache::FetchGuard> {
+    let mut pause = std::time::Duration::from_millis(2);
+    loop {
+        let c = cache.clone();
+        if let Some(g) = blocking(move || c.try_fetch_lock(id)).await? {
+            return Ok(g);
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_millis(50));
+    }
+}
+
+/// Host-daemon calls in flight in this process: each holds a blocking-pool thread while the
+/// daemon works, and an embedded daemon needs threads of the same pool to answer, so they may
+/// take at most half of it.
+static PROVIDER_CALLS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(crate::rt::BLOCKING_THREADS_MAX / 2);
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f)
         .await
-        .expect("blocking cache task panicked")
+        .unwrap_or_else(|e| Err(join_error("cache task", e)))
+}
+
+/// A blocking task that panicked, or never ran (the runtime stopped under it), as an error.
+fn join_error(what: &str, e: tokio::task::JoinError) -> Error {
+    if e.is_panic() {
+        Error::from_panic(what, &*e.into_panic())
+    } else {
+        Error::Internal {
+            thread: what.to_string(),
+            reason: "cancelled before it ran".into(),
+        }
+    }
 }
 
 fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress, skip: usize) -> EpochPlan {
@@ -1332,5 +1377,15 @@ mod tests {
             assert!(matches!(e, Error::InvalidInput { .. }), "{e}");
             assert!(e.to_string().contains(needle), "{needle}: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod send_check {
+    fn is_send<T: Send>(_: &T) {}
+
+    #[allow(dead_code)]
+    fn next_sample_async_is_send(s: &mut super::Stream) {
+        is_send(&s.next_sample_async());
     }
 }

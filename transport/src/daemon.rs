@@ -80,7 +80,8 @@ pub struct DaemonConfig {
     pub range_bytes: u64,
     /// Ranged GETs in flight per shard.
     pub ranges_in_flight: usize,
-    /// Runtime worker threads (0: one per core).
+    /// Network runtime workers, when the daemon is the first in its process to use the shared
+    /// runtime (0: the runtime's default, see `ramjet_engine::rt`).
     pub threads: usize,
     /// How shard bytes move between peers.
     pub transport: TransportKind,
@@ -242,6 +243,30 @@ struct Inner {
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
     started: Instant,
     stopping: AtomicBool,
+    /// Set when the daemon stops: every task it started ends at its next await (they run on
+    /// the process's shared runtime, which outlives the daemon).
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+impl Inner {
+    /// Resolves once the daemon is stopping.
+    fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.stop.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+
+    /// Runs `f` on the runtime until it ends or the daemon stops.
+    fn spawn(&self, f: impl std::future::Future<Output = ()> + Send + 'static) {
+        let stopped = self.stopped();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stopped => {}
+                _ = f => {}
+            }
+        });
+    }
 }
 
 /// A manifest the daemon holds open.
@@ -278,17 +303,18 @@ enum Body {
 /// A running daemon. Dropping it stops it.
 pub struct Daemon {
     inner: Arc<Inner>,
-    rt: Option<tokio::runtime::Runtime>,
+    /// The process's shared runtime (the daemon's tasks end on stop; the runtime lives on).
+    rt: tokio::runtime::Handle,
     peer_addr: Option<SocketAddr>,
     http_addr: Option<SocketAddr>,
 }
 
 impl Daemon {
-    /// Opens the cache, binds the socket(s) and starts serving on a runtime of its own.
+    /// Opens the cache, binds the socket(s) and starts serving on the process's runtime
+    /// (`cfg.threads` sizes it when the daemon is the first to use it).
     pub fn start(cfg: DaemonConfig) -> std::io::Result<Daemon> {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
         if cfg.threads > 0 {
-            b.worker_threads(cfg.threads);
+            ramjet_engine::rt::prefer_net_threads(cfg.threads);
         }
         if let Some(a) = cfg.listen {
             if !a.ip().is_loopback() && cfg.api_key.is_none() && !cfg.insecure {
@@ -300,7 +326,7 @@ impl Daemon {
                 ));
             }
         }
-        let rt = b.enable_all().thread_name("ramjet-daemon").build()?;
+        let rt = ramjet_engine::rt::handle().map_err(std::io::Error::other)?;
         let metrics = Arc::new(Metrics::default());
         let cache =
             Cache::open(cfg.cache.clone(), cache_io::detect(), metrics.clone()).map_err(std::io::Error::other)?;
@@ -358,32 +384,33 @@ impl Daemon {
             rdma,
             started: Instant::now(),
             stopping: AtomicBool::new(false),
+            stop: tokio::sync::watch::channel(false).0,
             cfg,
         });
         let _g = rt.enter();
         let local = bind_unix(&inner.cfg.socket)?;
-        rt.spawn(serve_local(inner.clone(), local));
+        inner.spawn(serve_local(inner.clone(), local));
         let mut peer_addr = None;
         if let Some(a) = inner.cfg.listen {
             let l = std::net::TcpListener::bind(a)?;
             l.set_nonblocking(true)?;
             peer_addr = Some(l.local_addr()?);
-            rt.spawn(serve_peers(inner.clone(), TcpListener::from_std(l)?));
+            inner.spawn(serve_peers(inner.clone(), TcpListener::from_std(l)?));
         }
         let mut http_addr = None;
         if let Some(a) = inner.cfg.http {
             let l = std::net::TcpListener::bind(a)?;
             l.set_nonblocking(true)?;
             http_addr = Some(l.local_addr()?);
-            rt.spawn(serve_http(inner.clone(), TcpListener::from_std(l)?));
+            inner.spawn(serve_http(inner.clone(), TcpListener::from_std(l)?));
         }
         if let Some(f) = inner.cfg.peers_file.clone() {
-            rt.spawn(watch_members(inner.clone(), f));
+            inner.spawn(watch_members(inner.clone(), f));
         }
         tracing::info!(socket = %inner.cfg.socket.display(), peers = ?peer_addr, http = ?http_addr, node = %inner.me, "ramjet daemon serving");
         Ok(Daemon {
             inner,
-            rt: Some(rt),
+            rt,
             peer_addr,
             http_addr,
         })
@@ -430,9 +457,8 @@ impl Daemon {
     }
 
     /// Serves until SIGINT or SIGTERM.
-    pub fn run_until_signal(mut self) {
-        let rt = self.rt.take().expect("running");
-        rt.block_on(async {
+    pub fn run_until_signal(self) {
+        self.rt.block_on(async {
             let mut term =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
             tokio::select! {
@@ -441,19 +467,15 @@ impl Daemon {
             }
         });
         tracing::info!("ramjet daemon stopping");
-        self.inner.stopping.store(true, Ordering::Relaxed);
-        let _ = std::fs::remove_file(&self.inner.cfg.socket);
-        rt.shutdown_timeout(Duration::from_secs(5));
+        // Drop stops the tasks and removes the socket.
     }
 }
 
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.inner.stopping.store(true, Ordering::Relaxed);
-        if let Some(rt) = self.rt.take() {
-            let _ = std::fs::remove_file(&self.inner.cfg.socket);
-            rt.shutdown_timeout(Duration::from_secs(2));
-        }
+        let _ = std::fs::remove_file(&self.inner.cfg.socket);
+        self.inner.stop.send_replace(true);
     }
 }
 
@@ -676,8 +698,12 @@ impl Inner {
                     let (me, r) = (self.clone(), req.clone());
                     // The flight runs as its own task: it completes (and fills the cache) even if
                     // the request that started it goes away.
+                    let stopped = me.stopped();
                     let task = tokio::spawn(async move {
-                        let out = me.fetch_and_store(&r, asks_peer).await;
+                        let out = tokio::select! {
+                            out = me.fetch_and_store(&r, asks_peer) => out,
+                            _ = stopped => Err("the daemon is stopping".to_string()),
+                        };
                         me.flights.lock().expect("flights lock").remove(&key);
                         out
                     });
@@ -848,8 +874,9 @@ async fn serve_local(inner: Arc<Inner>, l: UnixListener) {
                 let Some(permit) = inner.conn_permit("local") else {
                     continue;
                 };
-                let inner = inner.clone();
-                tokio::spawn(async move {
+                let inner2 = inner.clone();
+                inner.spawn(async move {
+                    let inner = inner2;
                     let _permit = permit;
                     if let Err(e) = local_conn(&inner, s).await {
                         if e.kind() != std::io::ErrorKind::UnexpectedEof {
@@ -953,8 +980,9 @@ async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
                 let Some(permit) = inner.conn_permit("peer") else {
                     continue;
                 };
-                let inner = inner.clone();
-                tokio::spawn(async move {
+                let inner2 = inner.clone();
+                inner.spawn(async move {
+                    let inner = inner2;
                     let _permit = permit;
                     if let Err(e) = peer_conn(&inner, s, from).await {
                         tracing::debug!(%from, error = %e, "peer connection ended");
@@ -1176,8 +1204,9 @@ async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
         let Some(permit) = inner.conn_permit("http") else {
             continue;
         };
-        let inner = inner.clone();
-        tokio::spawn(async move {
+        let inner2 = inner.clone();
+        inner.spawn(async move {
+            let inner = inner2;
             let _permit = permit;
             let svc = hyper::service::service_fn(move |req| {
                 let r = http_route(&inner, &req);

@@ -179,7 +179,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         dct_scaling: let JPEG decode at a reduced scale when the crop is much larger than
             the output.
         image_column / boxes_column: column names.
-        num_threads: decode threads (default: one per core, divided among DataLoader workers).
+        num_threads: this dataset's batches decoding at once on the process's shared decode pool
+            (default: one per core, divided among DataLoader workers).
         prefetch_batches: batches prepared ahead.
         on_corrupt: ``"error"`` (default: raise :class:`CorruptError` naming dataset, shard and
             sample) or ``"skip"`` (leave the sample out and count it).

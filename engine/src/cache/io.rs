@@ -1,8 +1,11 @@
 //! Disk I/O of the node-local cache: one trait, three implementations.
 //!
-//! - [`UringIo`]: io_uring, one ring per thread (thread-per-core: no lock is shared between
-//!   rings), with a pool of registered (fixed) buffers that every read and write goes through,
-//!   several operations in flight, and `O_DIRECT` where the filesystem allows it.
+//! - [`UringIo`]: io_uring on the process's I/O core: N threads (`RAMJET_IO_THREADS`, default
+//!   the cores), each owning one ring with registered (fixed) buffers; a request is routed to a
+//!   ring by its file (so by shard) through that thread's own queue, with no lock shared
+//!   between rings. A ring runs one file at a time with up to [`IO_CHUNKS_IN_FLIGHT`] chunks in
+//!   flight and reaps every completion that is ready at each wake; several files go to several
+//!   rings at once. `O_DIRECT` where the filesystem allows it.
 //! - [`PreadIo`]: plain `pread`/`pwrite`, the fallback where io_uring is unavailable.
 //! - [`FaultyIo`]: wraps another and flips bytes or fails writes, for tests.
 //!
@@ -15,7 +18,6 @@
 //! they were verified (`docs/cache.md`, "Trust model").
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::cell::RefCell;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -335,6 +337,11 @@ impl Ring {
 
     fn with_faults(faults: RingFaults) -> io::Result<Ring> {
         let ring = io_uring::IoUring::new(IO_CHUNKS_IN_FLIGHT as u32 * 2)?;
+        // Buffered file I/O the kernel cannot finish inline goes to its io-wq workers (kernel
+        // threads named `iou-wrk-*` in this process): at most one per operation in flight, so
+        // the process's thread count stays bounded. Older kernels refuse; their default applies.
+        let mut workers = [IO_CHUNKS_IN_FLIGHT as u32, 1];
+        let _ = ring.submitter().register_iowq_max_workers(&mut workers);
         let mut bufs: Vec<AlignedBuf> = (0..IO_CHUNKS_IN_FLIGHT)
             .map(|_| AlignedBuf::zeroed(IO_CHUNK_BYTES))
             .collect();
@@ -567,39 +574,134 @@ impl Ring {
     }
 }
 
-thread_local! {
-    static RING: RefCell<Option<Ring>> = const { RefCell::new(None) };
+/// A job for an I/O core thread: it runs on that thread's ring slot.
+type RingJob = ScopedRingJob<'static>;
+
+/// A job that may borrow its caller's stack (see [`with_ring_on`]).
+type ScopedRingJob<'a> = Box<dyn FnOnce(&mut Option<Ring>) + Send + 'a>;
+
+/// The process's I/O core: `RAMJET_IO_THREADS` threads (default: the cores), named
+/// `ramjet-io-N`, each owning one ring and its registered buffers. A request goes to the ring
+/// its key (the cache file) hashes to, through that thread's own queue, so no lock is shared
+/// between rings and one file's chunks are always on one ring.
+struct IoCore {
+    queues: Vec<std::sync::mpsc::Sender<RingJob>>,
 }
 
-/// Runs `f` on this thread's ring (created on first use). A ring left stuck is leaked, never
-/// dropped, and the next call creates a fresh one.
-fn with_ring<T>(f: impl FnOnce(&mut Ring) -> io::Result<T>) -> io::Result<T> {
-    RING.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(Ring::new()?);
+static CORE: crate::rt::PerProcess<IoCore> = crate::rt::PerProcess::new();
+
+/// Threads of the I/O core.
+pub fn io_threads() -> usize {
+    std::env::var("RAMJET_IO_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(crate::rt::cores)
+}
+
+impl IoCore {
+    fn new(threads: usize) -> crate::Result<IoCore> {
+        let mut queues = Vec::with_capacity(threads);
+        for i in 0..threads {
+            let (tx, rx) = std::sync::mpsc::channel::<RingJob>();
+            std::thread::Builder::new()
+                .name(format!("ramjet-io-{i}"))
+                .spawn(move || {
+                    let mut slot: Option<Ring> = None;
+                    while let Ok(job) = rx.recv() {
+                        job(&mut slot);
+                    }
+                })
+                .map_err(|e| crate::Error::io("I/O core thread", e))?;
+            queues.push(tx);
         }
-        let ring = slot.as_mut().expect("ring just created");
-        let r = f(ring);
-        if ring.stuck {
-            std::mem::forget(slot.take());
-        }
-        r
-    })
+        Ok(IoCore { queues })
+    }
+}
+
+/// Lets a closure that borrows the caller's stack cross to an I/O thread.
+struct OnRing<F>(F);
+// SAFETY: the closure runs on the I/O thread while the thread that made it is blocked in
+// `with_ring` waiting for it, so nothing it captures is ever used by two threads at once; the
+// closures given to `with_ring` capture raw pointers into buffers the caller keeps alive, and
+// no thread-affine value (such as a lock guard).
+unsafe impl<F> Send for OnRing<F> {}
+
+/// Runs `f` on the ring of the I/O core thread that `key` routes to (the ring is made on first
+/// use; a ring left stuck is leaked, never dropped, and the next request there makes a fresh
+/// one). The caller waits for `f`, which may borrow its stack.
+fn with_ring<T: Send>(key: u64, f: impl FnOnce(&mut Ring) -> io::Result<T>) -> io::Result<T> {
+    let core = CORE.get(|| IoCore::new(io_threads())).map_err(io::Error::other)?;
+    with_ring_on(core, key, f)
+}
+
+/// [`with_ring`] on a given core (the process's, or a test's own).
+fn with_ring_on<T: Send>(core: &IoCore, key: u64, f: impl FnOnce(&mut Ring) -> io::Result<T>) -> io::Result<T> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<std::thread::Result<io::Result<T>>>(1);
+    let f = OnRing(f);
+    let job = move |slot: &mut Option<Ring>| {
+        let f = f;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if slot.is_none() {
+                *slot = Some(Ring::new()?);
+            }
+            let ring = slot.as_mut().expect("ring just created");
+            let r = (f.0)(ring);
+            if ring.stuck {
+                std::mem::forget(slot.take());
+            }
+            r
+        }));
+        let _ = tx.send(r);
+    };
+    let job: ScopedRingJob<'_> = Box::new(job);
+    // SAFETY: only the lifetime is erased. This function does not return before the job has
+    // run to its end and sent its result (a panic inside is caught and sent too), or was
+    // dropped without running (the receive below then fails); either way nothing it borrows
+    // is used after this function returns.
+    let job: RingJob = unsafe { std::mem::transmute::<ScopedRingJob<'_>, RingJob>(job) };
+    let q = &core.queues[(key % core.queues.len() as u64) as usize];
+    if q.send(job).is_err() {
+        return Err(io::Error::other("the I/O core thread has ended"));
+    }
+    match rx.recv() {
+        Ok(Ok(r)) => r,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => Err(io::Error::other("the I/O core thread has ended")),
+    }
+}
+
+/// The route of a cache file: a hash of its path (which names the shard).
+fn route(path: &Path) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(path.as_os_str().as_encoded_bytes())
 }
 
 /// io_uring with registered buffers; `direct` opens files with `O_DIRECT` when the
 /// filesystem accepts it (falling back to buffered I/O per file when it does not).
-#[derive(Debug)]
 pub struct UringIo {
     direct: bool,
+    /// A core of its own (tests of faulted rings); `None`: the process's.
+    core: Option<IoCore>,
+}
+
+impl std::fmt::Debug for UringIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringIo").field("direct", &self.direct).finish()
+    }
 }
 
 impl UringIo {
     /// An io_uring implementation, or the error that says why io_uring is unusable here.
     pub fn new(direct: bool) -> io::Result<UringIo> {
-        with_ring(|_| Ok(()))?;
-        Ok(UringIo { direct })
+        with_ring(0, |_| Ok(()))?;
+        Ok(UringIo { direct, core: None })
+    }
+
+    fn on_ring<T: Send>(&self, path: &Path, f: impl FnOnce(&mut Ring) -> io::Result<T>) -> io::Result<T> {
+        match &self.core {
+            Some(c) => with_ring_on(c, route(path), f),
+            None => with_ring(route(path), f),
+        }
     }
 
     fn open(&self, path: &Path, write: bool) -> io::Result<(File, bool)> {
@@ -651,7 +753,7 @@ impl CacheIo for UringIo {
         let (dst, _, cap) = out.raw();
         let mut hasher = ChunkHasher::new(len, hash_skip_tail);
         let mut leak_out = false;
-        let r = with_ring(|ring| {
+        let r = self.on_ring(path, |ring| {
             // SAFETY: `out` outlives the registration: the slot is cleared below, before this
             // closure returns, and no operation is in flight after `run` returns (or the ring is
             // stuck, and then `out` is leaked).
@@ -711,7 +813,7 @@ impl CacheIo for UringIo {
         let (f, direct) = self.open(path, true)?;
         let chunks = data.len().div_ceil(IO_CHUNK_BYTES);
         let fd = io_uring::types::Fd(f.as_raw_fd());
-        with_ring(|ring| {
+        self.on_ring(path, |ring| {
             // Buffered writes go straight from `data`, registered in the destination slot:
             // a copy into the bounce buffers first would read every byte once more. O_DIRECT
             // needs aligned lengths (the last chunk is padded), so it keeps the bounce buffers,
@@ -913,11 +1015,19 @@ mod tests {
     /// Replaces this thread's ring with one carrying `faults`; `None` (with the reason printed)
     /// where io_uring is unavailable and not expected.
     fn ring_with(faults: RingFaults) -> Option<UringIo> {
-        match Ring::with_faults(faults) {
-            Ok(r) => {
-                RING.with(|c| *c.borrow_mut() = Some(r));
-                Some(UringIo { direct: false })
-            }
+        let core = IoCore::new(1).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        core.queues[0]
+            .send(Box::new(move |slot: &mut Option<Ring>| {
+                let r = Ring::with_faults(faults).map(|r| *slot = Some(r));
+                tx.send(r).unwrap();
+            }))
+            .unwrap();
+        match rx.recv().unwrap() {
+            Ok(()) => Some(UringIo {
+                direct: false,
+                core: Some(core),
+            }),
             Err(e) if uring_expected() => panic!("io_uring expected (RAMJET_EXPECT_IO_URING=1) but unavailable: {e}"),
             Err(e) => {
                 println!("SKIPPED io_uring ring test: unavailable here: {e}");
@@ -926,8 +1036,13 @@ mod tests {
         }
     }
 
-    fn ring_in_flight() -> usize {
-        RING.with(|c| c.borrow().as_ref().map_or(0, |r| r.in_flight))
+    /// Reads a field of the test core's ring.
+    fn ring_field<T: Send>(io: &UringIo, f: impl FnOnce(&Ring) -> T) -> T {
+        with_ring_on(io.core.as_ref().unwrap(), 0, |r| Ok(f(r))).unwrap()
+    }
+
+    fn ring_in_flight(io: &UringIo) -> usize {
+        ring_field(io, |r| r.in_flight)
     }
 
     fn data_file(d: &Path, name: &str, len: usize) -> (std::path::PathBuf, Vec<u8>) {
@@ -950,13 +1065,7 @@ mod tests {
         let (p, data) = data_file(d.path(), "f", 5 * IO_CHUNK_BYTES + 3);
         let (got, _) = io.read_file(&p, 0).unwrap();
         assert_eq!(&got[..], &data[..]);
-        RING.with(|c| {
-            assert_eq!(
-                c.borrow().as_ref().unwrap().faults.eintr_waits,
-                0,
-                "faults not exercised"
-            )
-        });
+        assert_eq!(ring_field(&io, |r| r.faults.eintr_waits), 0, "faults not exercised");
     }
 
     /// Regression: a failed `submit_and_wait` returned with reads in flight; the buffer went
@@ -976,7 +1085,7 @@ mod tests {
             .read_file(&p, 0)
             .expect_err("the injected wait failure must fail the read");
         assert_eq!(e.raw_os_error(), Some(libc::EBUSY));
-        assert_eq!(ring_in_flight(), 0, "returned with operations in flight");
+        assert_eq!(ring_in_flight(&io), 0, "returned with operations in flight");
         // The same ring serves the next read correctly: no stale completion is mistaken for it.
         let (q, data) = data_file(d.path(), "b", 3 * IO_CHUNK_BYTES + 11);
         let (got, h) = io.read_file(&q, 5).unwrap();
@@ -999,7 +1108,7 @@ mod tests {
         assert_eq!(&got[..], &data[..]);
         io.write_file(&d.path().join("w"), &data).unwrap();
         assert_eq!(std::fs::read(d.path().join("w")).unwrap(), data);
-        assert_eq!(ring_in_flight(), 0);
+        assert_eq!(ring_in_flight(&io), 0);
     }
 
     /// Regression: buffer registration refused (ENOMEM under RLIMIT_MEMLOCK for non-root users)
@@ -1012,7 +1121,7 @@ mod tests {
         }) else {
             return;
         };
-        RING.with(|c| assert!(!c.borrow().as_ref().unwrap().registered));
+        assert!(!ring_field(&io, |r| r.registered));
         suite(&io);
     }
 }

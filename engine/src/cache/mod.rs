@@ -161,6 +161,15 @@ impl Cache {
             .ok_or_else(|| Error::io(p.display(), std::io::Error::other("lock not granted")))
     }
 
+    /// [`Cache::fetch_lock`] without waiting: `None` while another holder has it (an async
+    /// caller polls, so a runtime thread never sleeps in `flock`).
+    pub fn try_fetch_lock(&self, id: ShardId) -> Result<Option<FetchGuard>> {
+        let p = self.cfg.dir.join("fetch").join(format!("{}.lock", id.file_name()));
+        Ok(FileLock::acquire(&p, true, false, true)
+            .map_err(|e| Error::io(p.display(), e))?
+            .map(FetchGuard))
+    }
+
     fn remove_dead_temps(&self) -> Result<()> {
         let d = self.cfg.dir.join("tmp");
         for e in fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?.flatten() {
@@ -374,7 +383,17 @@ pub struct Filler {
 /// One background cache write.
 pub type FillJob = Box<dyn FnOnce() + Send>;
 
+/// Writer threads of the process's filler.
+pub const FILL_THREADS: usize = 2;
+
+static FILLER: crate::rt::PerProcess<Filler> = crate::rt::PerProcess::new();
+
 impl Filler {
+    /// The process's filler ([`FILL_THREADS`] threads), shared by every stream.
+    pub fn process() -> Result<&'static Filler> {
+        FILLER.get(|| Filler::new(FILL_THREADS).map_err(|e| Error::io("cache filler thread", e)))
+    }
+
     /// A filler with `threads` writer threads.
     pub fn new(threads: usize) -> std::io::Result<Filler> {
         let (tx, rx) = std::sync::mpsc::channel::<FillJob>();

@@ -152,7 +152,8 @@ struct ServeArgs {
     /// Connections served at once (local, peer and HTTP together).
     #[arg(long, default_value_t = ramjet_transport::daemon::CONNECTIONS_MAX_DEFAULT)]
     connections_max: usize,
-    /// Worker threads (default: one per core).
+    /// Network runtime worker threads (default: one per core; an embedded daemon shares its
+    /// process's runtime instead, see `RAMJET_NET_THREADS`).
     #[arg(long, default_value_t = 0)]
     threads: usize,
     /// How shard bytes move between peers: `tcp`, or `rdma` (RDMA WRITE; needs a build with
@@ -424,7 +425,11 @@ fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
     cfg.insecure = a.insecure;
     cfg.datasets_open_max = a.datasets_open_max;
     cfg.connections_max = a.connections_max;
-    cfg.threads = a.threads;
+    cfg.threads = if a.threads > 0 {
+        a.threads
+    } else {
+        ramjet_engine::rt::cores()
+    };
     if a.transport == "rdma" {
         cfg.transport = ramjet_transport::TransportKind::Rdma {
             device: a.rdma_device,
