@@ -62,4 +62,7 @@ target/debug/ramjet pack "$ci/bench" "$url-bench" >/dev/null
 RAMJET_BIN=target/debug/ramjet "$py" benches/python/bench_loader.py --images "$ci/bench" --remote "$url-bench" --n 400 --rounds 1 --rss-epochs 3 --large 16 \
   --local "$ci/bench-cache" | tail -4
 
+step "two datasets alive in one process (quick mode: checks it runs; figures come from the full run)"
+RAMJET_BIN=target/debug/ramjet "$py" benches/python/two_datasets.py --quick --out "$ci/two_datasets.json" | tail -2
+
 step "all tests passed"

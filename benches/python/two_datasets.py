@@ -13,7 +13,7 @@ The cache is warm (a first pass fills it), so the work is cache reads, verificat
 decode. Reported: per round, CPU seconds (user + system, this process and its threads) per
 1,000 images and wall seconds per 1,000 images; the two/one ratio; medians over rounds.
 
-    tools/bench/two_datasets.py [--rounds 5] [--samples 1000] [--epochs 2] [--quick]
+    benches/python/two_datasets.py [--rounds 5] [--samples 1000] [--epochs 2] [--quick]
 """
 
 import argparse
