@@ -66,10 +66,28 @@ fn to_py(e: Error) -> PyErr {
 /// How often a waiting call lets Python raise pending signals.
 const SIGNAL_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// The one way a call into the engine waits: `f` runs on its own thread, and this thread waits
-/// with the GIL released, waking every 50 ms to let Python raise pending signals (Ctrl-C
-/// becomes `KeyboardInterrupt` at once). An interrupted `f` finishes in the background and its
-/// result is dropped.
+/// The one way the bindings wait for the engine: `poll(slice)` runs with the GIL released and
+/// waits at most `slice` (50 ms), returning `Some` when done; between slices Python raises any
+/// pending signal, so Ctrl-C becomes `KeyboardInterrupt` at once. Every blocking call goes
+/// through it, directly (the loader's `next_batch`) or through [`interruptible`].
+pub(crate) fn wait_polling<T>(
+    py: Python<'_>,
+    mut poll: impl FnMut(std::time::Duration) -> PyResult<Option<T>> + Send,
+) -> PyResult<T>
+where
+    T: Send,
+{
+    loop {
+        if let Some(v) = py.detach(|| poll(SIGNAL_POLL))? {
+            return Ok(v);
+        }
+        py.check_signals()?;
+    }
+}
+
+/// A call that cannot poll (opening a dataset, a blocking read): `f` runs on a short-lived
+/// `ramjet-call` thread and this thread waits through [`wait_polling`]. An interrupted `f`
+/// finishes in the background and its result is dropped.
 pub(crate) fn interruptible<T: Send + 'static>(py: Python<'_>, f: impl FnOnce() -> T + Send + 'static) -> PyResult<T> {
     let (tx, rx) = crossbeam_channel::bounded(1);
     std::thread::Builder::new()
@@ -78,17 +96,13 @@ pub(crate) fn interruptible<T: Send + 'static>(py: Python<'_>, f: impl FnOnce() 
             let _ = tx.send(f());
         })
         .map_err(|e| to_py(Error::io("thread", e)))?;
-    loop {
-        match py.detach(|| rx.recv_timeout(SIGNAL_POLL)) {
-            Ok(v) => return Ok(v),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => py.check_signals()?,
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                return Err(RamjetError::new_err(
-                    "ramjet call: its thread ended without a result (it panicked)",
-                ))
-            }
-        }
-    }
+    wait_polling(py, |slice| match rx.recv_timeout(slice) {
+        Ok(v) => Ok(Some(v)),
+        Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(None),
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(RamjetError::new_err(
+            "ramjet call: its thread ended without a result (it panicked)",
+        )),
+    })
 }
 
 /// Runs async engine work to completion through [`interruptible`].
@@ -211,5 +225,6 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loader::job_progress, m)?)?;
     m.add_function(wrap_pyfunction!(loader::epoch_lengths, m)?)?;
     m.add_function(wrap_pyfunction!(loader::init, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::loader_defaults, m)?)?;
     Ok(())
 }

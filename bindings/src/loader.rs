@@ -3,163 +3,29 @@
 //! wakes every 50 ms to let Python deliver signals, so Ctrl-C interrupts a blocking call.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use serde::Deserialize;
 
 use ramjet_engine::cache::CacheConfig;
-use ramjet_engine::image::{Augment, ImageSpec, OutType, SampleRng, Scratch, Slot};
-use ramjet_engine::loader::{Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next, OnCorrupt};
-use ramjet_engine::order::{OrderSpec, Topology, Weight};
-use ramjet_engine::stream::{ResumePoint, SourceConfig, StreamConfig, StreamState};
+use ramjet_engine::image::{ImageSpec, OutType, SampleRng, Scratch, Slot};
+use ramjet_engine::loader::{Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
+use ramjet_engine::stream::{StreamConfig, StreamState};
 use ramjet_engine::{Error, Stream};
 
 use crate::dlpack::{DType, Storage, Tensor};
-use crate::{interruptible, to_py, InvalidInputError};
+use crate::{interruptible, to_py, wait_polling, InvalidInputError};
 
-const POLL: Duration = Duration::from_millis(50);
-
-#[derive(Deserialize)]
-struct SourceJson {
-    url: String,
-    #[serde(default = "natural")]
-    weight: Weight,
-}
-
-fn natural() -> Weight {
-    Weight::Natural
-}
-
-#[derive(Deserialize)]
-struct CacheJson {
-    dir: String,
-    limit_bytes: u64,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum AugmentJson {
-    Train,
-    Eval,
-    Resize,
-}
-
-#[derive(Deserialize)]
-struct ImageJson {
-    width: u32,
-    height: u32,
-    augment: AugmentJson,
-    #[serde(default = "default_scale")]
-    scale: (f32, f32),
-    #[serde(default = "default_ratio")]
-    ratio: (f32, f32),
-    #[serde(default = "half")]
-    flip: f32,
-    #[serde(default = "default_crop_fraction")]
-    crop_fraction: f32,
-    #[serde(default)]
-    float: bool,
-    #[serde(default = "default_mean")]
-    mean: [f32; 3],
-    #[serde(default = "default_std")]
-    std: [f32; 3],
-    #[serde(default = "yes")]
-    dct_scaling: bool,
-}
-
-fn default_scale() -> (f32, f32) {
-    (0.08, 1.0)
-}
-fn default_ratio() -> (f32, f32) {
-    (0.75, 4.0 / 3.0)
-}
-fn half() -> f32 {
-    0.5
-}
-fn default_crop_fraction() -> f32 {
-    0.875
-}
-fn default_mean() -> [f32; 3] {
-    [0.485, 0.456, 0.406]
-}
-fn default_std() -> [f32; 3] {
-    [0.229, 0.224, 0.225]
-}
-fn yes() -> bool {
-    true
-}
-
-impl ImageJson {
-    fn spec(&self) -> ImageSpec {
-        ImageSpec {
-            width: self.width,
-            height: self.height,
-            augment: match self.augment {
-                AugmentJson::Train => Augment::RandomResizedCrop {
-                    scale: self.scale,
-                    ratio: self.ratio,
-                    flip: self.flip,
-                },
-                AugmentJson::Eval => Augment::CenterCrop {
-                    crop_fraction: self.crop_fraction,
-                },
-                AugmentJson::Resize => Augment::Resize,
-            },
-            out: if self.float { OutType::F32 } else { OutType::U8 },
-            mean: self.mean,
-            std: self.std,
-            dct_scaling: self.dct_scaling,
-        }
-    }
-}
-
-/// Everything `StreamingDataset` passes down.
+/// What `StreamingDataset` passes down: the engine's [`LoaderConfig`] (its options and their
+/// defaults are defined there, once), plus the host daemon's socket.
 #[derive(Deserialize)]
 struct ConfigJson {
-    sources: Vec<SourceJson>,
-    order: OrderSpec,
-    topology: Topology,
-    #[serde(default)]
-    cache: Option<CacheJson>,
-    #[serde(default)]
-    epochs: Option<u64>,
-    #[serde(default)]
-    first_epoch: u64,
-    #[serde(default)]
-    resume: Option<ResumePoint>,
-    /// This consumer's own saved state (a worker restored by a `StatefulDataLoader`).
-    #[serde(default)]
-    resume_consumer: Option<StreamState>,
-    /// Random access: bytes of whole shards held in memory.
-    #[serde(default)]
-    resident_bytes_max: Option<u64>,
-    batch_size: usize,
-    #[serde(default)]
-    drop_last: bool,
-    #[serde(default)]
-    image: Option<ImageJson>,
-    #[serde(default = "image_column")]
-    image_column: String,
-    #[serde(default)]
-    boxes_column: Option<String>,
-    #[serde(default)]
-    threads: Option<usize>,
-    #[serde(default = "four")]
-    prefetch_batches: usize,
-    #[serde(default)]
-    skip_corrupt: bool,
+    #[serde(flatten)]
+    loader: LoaderConfig,
     /// The host daemon's socket: whole shards come through it.
     #[serde(default)]
     daemon: Option<String>,
-}
-
-fn image_column() -> String {
-    "image".into()
-}
-fn four() -> usize {
-    4
 }
 
 fn parse(config: &str) -> PyResult<ConfigJson> {
@@ -168,25 +34,7 @@ fn parse(config: &str) -> PyResult<ConfigJson> {
 
 impl ConfigJson {
     fn stream(&self) -> StreamConfig {
-        let mut sc = StreamConfig::new(String::new());
-        sc.sources = self
-            .sources
-            .iter()
-            .map(|s| SourceConfig {
-                url: s.url.clone(),
-                weight: s.weight,
-            })
-            .collect();
-        sc.order = self.order;
-        sc.topology = self.topology;
-        sc.cache = self.cache.as_ref().map(|c| CacheConfig::new(&c.dir, c.limit_bytes));
-        sc.epochs = self.epochs;
-        sc.first_epoch = self.first_epoch;
-        sc.resume = self.resume.clone();
-        sc.resume_consumer = self.resume_consumer.clone();
-        if let Some(b) = self.resident_bytes_max {
-            sc.resident_bytes_max = b;
-        }
+        let mut sc = self.loader.stream.clone();
         sc.provider = self
             .daemon
             .as_ref()
@@ -195,23 +43,29 @@ impl ConfigJson {
     }
 
     fn loader(&self) -> LoaderConfig {
-        let mut lc = LoaderConfig::new(self.stream());
-        lc.batch_size = self.batch_size;
-        lc.drop_last = self.drop_last;
-        lc.image = self.image.as_ref().map(|i| i.spec());
-        lc.image_column = self.image_column.clone();
-        lc.boxes_column = self.boxes_column.clone();
-        if let Some(t) = self.threads {
-            lc.threads = t.max(1);
+        LoaderConfig {
+            stream: self.stream(),
+            ..self.loader.clone()
         }
-        lc.prefetch_batches = self.prefetch_batches.max(1);
-        lc.on_corrupt = if self.skip_corrupt {
-            OnCorrupt::Skip
-        } else {
-            OnCorrupt::Error
-        };
-        lc
     }
+}
+
+/// The engine's loader defaults, as JSON (the Python package's test checks its own signature
+/// against them).
+#[pyfunction]
+pub fn loader_defaults() -> PyResult<String> {
+    let d = LoaderConfig::default();
+    let v = serde_json::json!({
+        "batch_size": d.batch_size,
+        "drop_last": d.drop_last,
+        "image_column": d.image_column,
+        "boxes_column": d.boxes_column,
+        "prefetch_batches": d.prefetch_batches,
+        "on_corrupt": d.on_corrupt,
+        "image": ramjet_engine::image::ImageConfig::default(),
+        "order": d.stream.order,
+    });
+    serde_json::to_string(&v).map_err(|e| InvalidInputError::new_err(e.to_string()))
 }
 
 /// This process's embedded daemon, kept for the life of the process.
@@ -260,16 +114,16 @@ impl Loader {
 
     /// The next batch as `(columns, meta)`, or `None` after the last epoch.
     fn next_batch<'py>(&self, py: Python<'py>) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
-        loop {
-            let r = py.detach(|| {
-                let mut l = self.inner.lock().expect("not poisoned");
-                l.next_batch(POLL)
-            });
-            match r.map_err(to_py)? {
-                Next::Batch(b) => return batch_to_py(py, *b).map(Some),
-                Next::End => return Ok(None),
-                Next::Pending => py.check_signals()?,
+        let next = wait_polling(py, |slice| {
+            let mut l = self.inner.lock().expect("not poisoned");
+            match l.next_batch(slice).map_err(to_py)? {
+                Next::Pending => Ok(None),
+                other => Ok(Some(other)),
             }
+        })?;
+        match next {
+            Next::Batch(b) => batch_to_py(py, *b).map(Some),
+            _ => Ok(None),
         }
     }
 
@@ -392,9 +246,9 @@ impl Reader {
         let stream = interruptible(py, move || Stream::open(sc))?.map_err(to_py)?;
         Ok(Self {
             state: Arc::new(Mutex::new((stream, Scratch::default()))),
-            spec: cfg.image.as_ref().map(|i| i.spec()),
-            image_column: cfg.image_column,
-            seed: cfg.order.seed,
+            spec: cfg.loader.image.clone(),
+            image_column: cfg.loader.image_column.clone(),
+            seed: cfg.loader.stream.order.seed,
         })
     }
 

@@ -510,3 +510,32 @@ def test_random_access_loads_each_shard_once_then_reads_locally(synth):
     )
     with pytest.raises(ramjet.InvalidInputError, match="not a bytes column"):
         r.get_bytes(0, 1, "path")
+
+
+def test_the_python_defaults_are_the_engines():
+    """The loader's options and defaults are defined once, in the engine's LoaderConfig: the
+    signature of StreamingDataset must say the same (regression: boxes_column disagreed)."""
+    import inspect
+
+    d = json.loads(ramjet._ramjet.loader_defaults())
+    sig = {k: p.default for k, p in inspect.signature(ramjet.StreamingDataset.__init__).parameters.items()}
+    for key in ("batch_size", "drop_last", "image_column", "boxes_column", "prefetch_batches", "on_corrupt"):
+        assert sig[key] == d[key], (key, sig[key], d[key])
+    img = d["image"]
+    assert sig["image_size"] == img["width"] == img["height"]
+    assert sig["augment"] == img["augment"]
+    assert tuple(sig["scale"]) == pytest.approx(tuple(img["scale"]))
+    assert tuple(sig["ratio"]) == pytest.approx(tuple(img["ratio"]))
+    for key in ("flip", "crop_fraction", "dct_scaling"):
+        assert sig[key] == pytest.approx(img[key]), key
+    assert list(sig["mean"]) == pytest.approx(img["mean"])
+    assert list(sig["std"]) == pytest.approx(img["std"])
+    assert sig["normalize"] == img["float"]
+    assert sig["seed"] == d["order"]["seed"]
+    assert sig["partitions"] == d["order"]["partitions"]
+    assert d["order"]["shuffle"] == {
+        "kind": sig["shuffle_algo"],
+        "window_shards": sig["shuffle_window"],
+        "block_samples": sig["shuffle_block"],
+    }
+    assert d["order"]["tail"] == sig["tail"]

@@ -158,6 +158,75 @@ pub enum Error {
     },
 }
 
+impl Clone for Error {
+    /// A copy for every waiter of a shared fetch. An `Io` error's OS error is kept (its code,
+    /// or its kind and message).
+    fn clone(&self) -> Self {
+        use Error::*;
+        match self {
+            NotFound { key } => NotFound { key: key.clone() },
+            Corrupt { at, reason } => Corrupt {
+                at: at.clone(),
+                reason: reason.clone(),
+            },
+            Truncated {
+                object,
+                expected,
+                actual,
+            } => Truncated {
+                object: object.clone(),
+                expected: *expected,
+                actual: *actual,
+            },
+            SchemaMismatch {
+                object,
+                expected,
+                found,
+            } => SchemaMismatch {
+                object: object.clone(),
+                expected: expected.clone(),
+                found: found.clone(),
+            },
+            Manifest { object, reason } => Manifest {
+                object: object.clone(),
+                reason: reason.clone(),
+            },
+            Origin {
+                object,
+                attempts,
+                reason,
+            } => Origin {
+                object: object.clone(),
+                attempts: *attempts,
+                reason: reason.clone(),
+            },
+            Auth { object, reason } => Auth {
+                object: object.clone(),
+                reason: reason.clone(),
+            },
+            Io { path, source } => Io {
+                path: path.clone(),
+                source: match source.raw_os_error() {
+                    Some(code) => std::io::Error::from_raw_os_error(code),
+                    None => std::io::Error::new(source.kind(), source.to_string()),
+                },
+            },
+            InvalidInput { what, reason } => InvalidInput {
+                what: what.clone(),
+                reason: reason.clone(),
+            },
+            InvalidUrl { url, reason } => InvalidUrl {
+                url: url.clone(),
+                reason: reason.clone(),
+            },
+            Internal { thread, reason } => Internal {
+                thread: thread.clone(),
+                reason: reason.clone(),
+            },
+        }
+    }
+}
+
 impl Error {
     /// Shorthand for a [`Error::Corrupt`].
     pub fn corrupt(at: Location, reason: impl Into<String>) -> Self {

@@ -62,8 +62,9 @@ pub enum OutType {
     F32,
 }
 
-/// What a decoded image becomes.
-#[derive(Debug, Clone, PartialEq)]
+/// What a decoded image becomes. Deserialized from [`ImageConfig`]'s flat form.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(from = "ImageConfig")]
 pub struct ImageSpec {
     /// Output width.
     pub width: u32,
@@ -84,27 +85,44 @@ pub struct ImageSpec {
 impl ImageSpec {
     /// Training defaults: RandomResizedCrop(size) + horizontal flip, uint8 output.
     pub fn train(size: u32) -> Self {
-        Self {
+        ImageConfig {
             width: size,
             height: size,
-            augment: Augment::RandomResizedCrop {
-                scale: (0.08, 1.0),
-                ratio: (3.0 / 4.0, 4.0 / 3.0),
-                flip: 0.5,
-            },
-            out: OutType::U8,
-            mean: [0.485, 0.456, 0.406],
-            std: [0.229, 0.224, 0.225],
-            dct_scaling: true,
+            ..ImageConfig::default()
         }
+        .into()
     }
 
     /// Evaluation defaults: resize to size/0.875 and center-crop size, uint8 output.
     pub fn eval(size: u32) -> Self {
-        Self {
-            augment: Augment::CenterCrop { crop_fraction: 0.875 },
-            ..Self::train(size)
+        ImageConfig {
+            width: size,
+            height: size,
+            augment: AugmentName::Eval,
+            ..ImageConfig::default()
         }
+        .into()
+    }
+
+    /// The flat form of this spec (what a configuration file or the Python package writes).
+    pub fn config(&self) -> ImageConfig {
+        let mut c = ImageConfig {
+            width: self.width,
+            height: self.height,
+            float: self.out == OutType::F32,
+            mean: self.mean,
+            std: self.std,
+            dct_scaling: self.dct_scaling,
+            ..ImageConfig::default()
+        };
+        match self.augment {
+            Augment::RandomResizedCrop { scale, ratio, flip } => {
+                (c.augment, c.scale, c.ratio, c.flip) = (AugmentName::Train, scale, ratio, flip)
+            }
+            Augment::CenterCrop { crop_fraction } => (c.augment, c.crop_fraction) = (AugmentName::Eval, crop_fraction),
+            Augment::Resize => c.augment = AugmentName::Resize,
+        }
+        c
     }
 
     /// Elements per image (3 x height x width).
@@ -115,6 +133,90 @@ impl ImageSpec {
     /// Bytes per image.
     pub fn bytes(&self) -> usize {
         self.elems() * if self.out == OutType::U8 { 1 } else { 4 }
+    }
+}
+
+/// The augmentation, by name, in [`ImageConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AugmentName {
+    /// [`Augment::RandomResizedCrop`] with `scale`, `ratio`, `flip`.
+    #[default]
+    Train,
+    /// [`Augment::CenterCrop`] with `crop_fraction`.
+    Eval,
+    /// [`Augment::Resize`].
+    Resize,
+}
+
+/// An [`ImageSpec`] in flat form, with every default in one place (the Python package's
+/// `StreamingDataset` defaults are checked against these by a test).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct ImageConfig {
+    /// Output width.
+    pub width: u32,
+    /// Output height.
+    pub height: u32,
+    /// `train`, `eval` or `resize`.
+    pub augment: AugmentName,
+    /// Train: area fraction range of the crop.
+    pub scale: (f32, f32),
+    /// Train: aspect-ratio range of the crop.
+    pub ratio: (f32, f32),
+    /// Train: probability of a horizontal flip.
+    pub flip: f32,
+    /// Eval: fraction of the resized image the center crop keeps.
+    pub crop_fraction: f32,
+    /// float32 output, normalised with `mean` and `std` (else uint8).
+    pub float: bool,
+    /// Per-channel mean for float output.
+    pub mean: [f32; 3],
+    /// Per-channel standard deviation for float output.
+    pub std: [f32; 3],
+    /// Decode JPEG at a reduced DCT scale when the crop is much larger than the output.
+    pub dct_scaling: bool,
+}
+
+impl Default for ImageConfig {
+    fn default() -> Self {
+        ImageConfig {
+            width: 224,
+            height: 224,
+            augment: AugmentName::Train,
+            scale: (0.08, 1.0),
+            ratio: (3.0 / 4.0, 4.0 / 3.0),
+            flip: 0.5,
+            crop_fraction: 0.875,
+            float: false,
+            mean: [0.485, 0.456, 0.406],
+            std: [0.229, 0.224, 0.225],
+            dct_scaling: true,
+        }
+    }
+}
+
+impl From<ImageConfig> for ImageSpec {
+    fn from(c: ImageConfig) -> ImageSpec {
+        ImageSpec {
+            width: c.width,
+            height: c.height,
+            augment: match c.augment {
+                AugmentName::Train => Augment::RandomResizedCrop {
+                    scale: c.scale,
+                    ratio: c.ratio,
+                    flip: c.flip,
+                },
+                AugmentName::Eval => Augment::CenterCrop {
+                    crop_fraction: c.crop_fraction,
+                },
+                AugmentName::Resize => Augment::Resize,
+            },
+            out: if c.float { OutType::F32 } else { OutType::U8 },
+            mean: c.mean,
+            std: c.std,
+            dct_scaling: c.dct_scaling,
+        }
     }
 }
 

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod order;
 pub mod provider;
 pub mod rt;
+pub mod singleflight;
 pub mod store;
 pub mod stream;
 

@@ -36,7 +36,8 @@ use crate::stream::{FirstGate, Sample, Stream, StreamConfig, StreamState};
 pub use crate::hostbuf::HostBuf;
 
 /// What to do with a sample whose image does not decode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OnCorrupt {
     /// Fail the batch with an error naming dataset, shard and sample.
     #[default]
@@ -45,10 +46,14 @@ pub enum OnCorrupt {
     Skip,
 }
 
-/// Settings of a [`Loader`].
-#[derive(Debug, Clone)]
+/// Settings of a [`Loader`]: the one definition of the loader's options and their defaults
+/// ([`LoaderConfig::default`]). The Python package sends them as JSON with the stream's keys
+/// at the top level; any key may be left out.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default)]
 pub struct LoaderConfig {
     /// The sample stream (sources, order, topology, cache, resume point).
+    #[serde(flatten)]
     pub stream: StreamConfig,
     /// Samples per batch.
     pub batch_size: usize,
@@ -68,15 +73,24 @@ pub struct LoaderConfig {
     /// Images that fail to decode.
     pub on_corrupt: OnCorrupt,
     /// Where batch buffers come from.
+    #[serde(skip)]
     pub pool: Option<HostPool>,
     /// Tests only: the reader task panics after this many samples (a seam for the test that
     /// a panic there surfaces as an error instead of a short epoch).
     #[doc(hidden)]
+    #[serde(skip)]
     pub panic_reader_after_samples: Option<u64>,
 }
 
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        Self::new(StreamConfig::default())
+    }
+}
+
 impl LoaderConfig {
-    /// Defaults over `stream`: batches of 32, images as bytes, one decode thread per core.
+    /// Defaults over `stream`: batches of 32, images as bytes, one core's worth of batches
+    /// decoding at once per core.
     pub fn new(stream: StreamConfig) -> Self {
         Self {
             stream,

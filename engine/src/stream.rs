@@ -34,18 +34,26 @@ use crate::order::{
     Weight,
 };
 use crate::provider::{ShardProvider, ShardRequest};
+use crate::singleflight::Flights;
 
 /// One input dataset and its mixing weight.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Deserialize)]
 pub struct SourceConfig {
     /// Dataset URL (prefix or manifest).
     pub url: String,
     /// Mixing weight.
+    #[serde(default = "natural")]
     pub weight: Weight,
 }
 
-/// Settings of a [`Stream`].
-#[derive(Debug, Clone)]
+fn natural() -> Weight {
+    Weight::Natural
+}
+
+/// Settings of a [`Stream`]. Every default is in [`StreamConfig::default`]; deserialized
+/// (JSON from the Python package, as part of a [`crate::LoaderConfig`]) any key may be left out.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default)]
 pub struct StreamConfig {
     /// Input datasets.
     pub sources: Vec<SourceConfig>,
@@ -79,6 +87,7 @@ pub struct StreamConfig {
     pub first_epoch: u64,
     /// The host's cache daemon (or another supplier of whole shards). When set, whole shards
     /// come from it; if it fails, the stream falls back to `cache` and the origin.
+    #[serde(skip)]
     pub provider: Option<Arc<dyn ShardProvider>>,
     /// Random access ([`Stream::get`]): bytes of whole shards kept in this process's memory.
     /// A sample of a shard not held here nor in the disk cache is read with two ranged GETs
@@ -95,6 +104,16 @@ impl StreamConfig {
                 url: url.into(),
                 weight: Weight::Natural,
             }],
+            ..Self::default()
+        }
+    }
+}
+
+impl Default for StreamConfig {
+    /// Defaults, with no source yet.
+    fn default() -> Self {
+        Self {
+            sources: Vec::new(),
             order: OrderSpec::default(),
             topology: Topology::default(),
             cache: None,
@@ -450,7 +469,7 @@ pub struct Stream {
     prefetch: tokio::task::JoinHandle<()>,
     /// Open readers of cached shard files, for samples read one by one (global shuffle,
     /// random access): a sample then costs its two reads, not three more to open the shard.
-    /// An open descriptor stays readable even if the cache evicts the file meanwhile.
+    /// Each is a `CachedShard`, pinned against eviction while held here.
     readers: std::cell::RefCell<HashMap<(u32, u32), CachedReader>>,
     /// Whole shards for random access, and the slots of their background loads.
     resident: Arc<std::sync::Mutex<Resident>>,
@@ -468,7 +487,7 @@ impl FirstGate {
 }
 
 /// An open reader of a cached shard file.
-type CachedReader = Arc<ShardReader<std::fs::File>>;
+type CachedReader = Arc<(crate::cache::CachedShard, ShardReader<std::fs::File>)>;
 
 /// Open shard readers kept by one stream.
 const OPEN_READERS_MAX: usize = 64;
@@ -995,7 +1014,7 @@ impl Stream {
     /// reads the sample from the origin).
     fn read_cached(&self, id: SampleRef) -> Option<Bytes> {
         let r = self.cached_reader(id)?;
-        match r.read_record(id.index as u64) {
+        match r.1.read_record(id.index as u64) {
             Ok(rec) => {
                 Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
                 Some(Bytes::from(rec))
@@ -1015,9 +1034,10 @@ impl Stream {
         }
         let cache = self.shared.cache.as_ref()?;
         let sid = self.shared.sources[id.stream as usize].ids[id.shard as usize];
-        let path = cache.path_of(sid);
-        let f = std::fs::File::open(&path).ok()?;
-        let r = Arc::new(ShardReader::open(f, &path.display().to_string()).ok()?);
+        // Pinned against eviction while this stream holds it (at most `OPEN_READERS_MAX`).
+        let shard = cache.shard(sid).ok()??;
+        let reader = shard.records().ok()?;
+        let r = Arc::new((shard, reader));
         let mut readers = self.readers.borrow_mut();
         if readers.len() >= OPEN_READERS_MAX {
             readers.clear();
@@ -1128,9 +1148,36 @@ async fn fetch_shard_provider(
     }
 }
 
-/// A whole shard: the disk cache, else (holding the host-wide download lock for it) the
-/// origin, then stored in the cache.
+/// Whole-shard fetches in flight in this process, by shard (`crate::singleflight`), remade in
+/// a forked child.
+static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<Flights<ShardId, Result<Bytes>>>> = crate::rt::PerProcess::new();
+
+/// A whole shard, fetched once in this process however many streams want it at once: the
+/// first starts the flight ([`fetch_shard_once`]), the others join it.
 async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
+    let flights = SHARD_FLIGHTS.get(|| Ok(Arc::default()))?;
+    let id = shared.sources[stream].ids[shard];
+    let sh = shared.clone();
+    let (flight, joined) = flights.join_or_start(
+        &[id],
+        id,
+        move || fetch_shard_once(sh, stream, shard),
+        |why| {
+            Err(Error::Internal {
+                thread: "shard fetch".into(),
+                reason: why,
+            })
+        },
+    );
+    if joined {
+        Metrics::add(&shared.metrics.shards_coalesced, 1);
+    }
+    flight.await
+}
+
+/// A whole shard: the host daemon, else the disk cache, else (holding the host-wide download
+/// lock for it) the origin, then stored in the cache.
+async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
     if let Some(p) = &shared.cfg.provider {
         if let Some(b) = fetch_shard_provider(&shared, p, stream, shard).await {
             return Ok(b);

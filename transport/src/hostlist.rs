@@ -1,8 +1,10 @@
 //! Slurm hostlist expressions: `node[01-04,07],gpu7,rack[1-2]-n[1-3]`.
 
+use crate::error::Error;
+
 /// Expands a hostlist into host names, in order. Zero-padded ranges keep their width
 /// (`n[08-10]` → `n08 n09 n10`). Errors name the offending part.
-pub fn expand(list: &str) -> Result<Vec<String>, String> {
+pub fn expand(list: &str) -> Result<Vec<String>, Error> {
     let mut out = Vec::new();
     for item in split_top(list)? {
         let item = item.trim();
@@ -23,11 +25,14 @@ pub fn expand(list: &str) -> Result<Vec<String>, String> {
                     let close = rest[open..]
                         .find(']')
                         .map(|c| open + c)
-                        .ok_or_else(|| format!("hostlist {item:?}: '[' without ']'"))?;
+                        .ok_or_else(|| Error::Invalid(format!("hostlist {item:?}: '[' without ']'")))?;
                     let prefix = &rest[..open];
-                    let alts = ranges(&rest[open + 1..close]).map_err(|e| format!("hostlist {item:?}: {e}"))?;
+                    let alts = ranges(&rest[open + 1..close])
+                        .map_err(|e| Error::Invalid(format!("hostlist {item:?}: {e}")))?;
                     if names.len().saturating_mul(alts.len()) > HOSTS_MAX {
-                        return Err(format!("hostlist {item:?} expands to more than {HOSTS_MAX} hosts"));
+                        return Err(Error::Invalid(format!(
+                            "hostlist {item:?} expands to more than {HOSTS_MAX} hosts"
+                        )));
                     }
                     names = names
                         .iter()
@@ -46,7 +51,7 @@ pub fn expand(list: &str) -> Result<Vec<String>, String> {
 const HOSTS_MAX: usize = 65_536;
 
 /// Splits at commas outside brackets.
-pub fn split_top(s: &str) -> Result<Vec<&str>, String> {
+pub fn split_top(s: &str) -> Result<Vec<&str>, Error> {
     let (mut depth, mut start, mut out) = (0i32, 0, Vec::new());
     for (i, c) in s.char_indices() {
         match c {
@@ -59,23 +64,23 @@ pub fn split_top(s: &str) -> Result<Vec<&str>, String> {
             _ => {}
         }
         if !(0..=1).contains(&depth) {
-            return Err(format!("hostlist {s:?}: unbalanced or nested brackets"));
+            return Err(Error::Invalid(format!("hostlist {s:?}: unbalanced or nested brackets")));
         }
     }
     if depth != 0 {
-        return Err(format!("hostlist {s:?}: '[' without ']'"));
+        return Err(Error::Invalid(format!("hostlist {s:?}: '[' without ']'")));
     }
     out.push(&s[start..]);
     Ok(out)
 }
 
 /// `01-04,07` → `01 02 03 04 07`.
-fn ranges(body: &str) -> Result<Vec<String>, String> {
+fn ranges(body: &str) -> Result<Vec<String>, Error> {
     let mut out = Vec::new();
     for part in body.split(',') {
         let part = part.trim();
         let (a, b) = part.split_once('-').unwrap_or((part, part));
-        let bad = || format!("bad range {part:?}");
+        let bad = || Error::Invalid(format!("bad range {part:?}"));
         if a.is_empty() || !a.bytes().all(|c| c.is_ascii_digit()) || !b.bytes().all(|c| c.is_ascii_digit()) {
             return Err(bad());
         }

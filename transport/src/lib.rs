@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod daemon;
+pub mod error;
 pub mod hostlist;
 pub mod peer;
 #[cfg(feature = "rdma")]
@@ -17,6 +18,7 @@ pub mod wire;
 
 pub use client::{default_socket, ensure_daemon, DaemonClient, HostDaemon};
 pub use daemon::{read_members, Daemon, DaemonConfig, TransportKind};
+pub use error::Error;
 pub use peer::{PeerTransport, ShardGet, TcpTransport};
 pub use ring::{Membership, Ring};
 pub use stats::StatsDoc;

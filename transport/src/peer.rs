@@ -21,6 +21,7 @@ use ramjet_engine::cache::io as cache_io;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
+use crate::error::Error;
 use crate::wire::{self, ApiKey, Channel, Msg};
 
 /// One request for a whole shard, as the owner will validate it.
@@ -55,7 +56,7 @@ pub trait PeerTransport: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     /// Fetches the whole shard from `peer` (`host:port` of its daemon). The bytes are not yet
     /// verified; errors name the peer and the shard.
-    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, String>>;
+    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, Error>>;
     /// Drops pooled connections to `peer` (it failed).
     fn forget(&self, peer: &str);
 }
@@ -119,17 +120,17 @@ impl<C> Pool<C> {
 }
 
 /// Opens a TCP connection to `peer` and runs the mutual handshake.
-pub(crate) async fn connect(cfg: &LinkConfig, peer: &str) -> Result<Channel<TcpStream>, String> {
+pub(crate) async fn connect(cfg: &LinkConfig, peer: &str) -> Result<Channel<TcpStream>, Error> {
     let t = cfg.peer_timeout;
     let mut s = tokio::time::timeout(t, TcpStream::connect(peer))
         .await
-        .map_err(|_| format!("peer {peer}: connect timed out"))?
-        .map_err(|e| format!("peer {peer}: connect: {e}"))?;
+        .map_err(|_| Error::peer(peer, "connect timed out"))?
+        .map_err(|e| Error::peer(peer, format!("connect: {e}")))?;
     let _ = s.set_nodelay(true);
     let session = tokio::time::timeout(t, wire::connect(&mut s, cfg.api_key.as_ref()))
         .await
-        .map_err(|_| format!("peer {peer}: handshake timed out"))?
-        .map_err(|e| format!("peer {peer}: handshake: {e}"))?;
+        .map_err(|_| Error::peer(peer, "handshake timed out"))?
+        .map_err(|e| Error::peer(peer, format!("handshake: {e}")))?;
     Ok(Channel { stream: s, session })
 }
 
@@ -140,25 +141,25 @@ pub(crate) async fn request(
     peer: &str,
     get: &ShardGet,
     m: &Msg,
-) -> Result<Msg, String> {
-    let io = |e: std::io::Error| format!("peer {peer}: {}: {e}", get.what);
+) -> Result<Msg, Error> {
+    let io = |e: std::io::Error| Error::peer(peer, format!("{}: {e}", get.what));
     s.send(m).await.map_err(io)?;
     tokio::time::timeout(cfg.reply_timeout + cfg.peer_timeout, s.recv())
         .await
-        .map_err(|_| format!("peer {peer}: no reply for {} in time", get.what))?
+        .map_err(|_| Error::peer(peer, format!("no reply for {} in time", get.what)))?
         .map_err(io)
 }
 
 /// Checks a `Data` reply against the request.
-pub(crate) fn expect_data(reply: Msg, peer: &str, get: &ShardGet) -> Result<(), String> {
+pub(crate) fn expect_data(reply: Msg, peer: &str, get: &ShardGet) -> Result<(), Error> {
     match reply {
         Msg::Data { bytes, .. } if bytes == get.bytes => Ok(()),
-        Msg::Data { bytes, .. } => Err(format!(
-            "peer {peer}: announced {bytes} bytes for {} of {} bytes",
-            get.what, get.bytes
+        Msg::Data { bytes, .. } => Err(Error::peer(
+            peer,
+            format!("announced {bytes} bytes for {} of {} bytes", get.what, get.bytes),
         )),
-        Msg::Fail { message } => Err(format!("peer {peer}: {message}")),
-        m => Err(format!("peer {peer}: unexpected reply {m:?}")),
+        Msg::Fail { message } => Err(Error::peer(peer, message)),
+        m => Err(Error::peer(peer, format!("unexpected reply {m:?}"))),
     }
 }
 
@@ -180,7 +181,7 @@ impl TcpTransport {
         }
     }
 
-    async fn fetch_inner(&self, peer: &str, get: &ShardGet) -> Result<Bytes, String> {
+    async fn fetch_inner(&self, peer: &str, get: &ShardGet) -> Result<Bytes, Error> {
         let mut s = match self.pool.take(peer) {
             Some(s) => s,
             None => connect(&self.cfg, peer).await?,
@@ -199,25 +200,27 @@ impl TcpTransport {
             let end = (off + CHUNK).min(n);
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
-                return Err(format!(
-                    "peer {peer}: {} took longer than its transfer deadline of {:.1} s (byte {off} of {n}): too slow or trickling",
+                return Err(Error::peer(peer, format!("{} took longer than its transfer deadline of {:.1} s (byte {off} of {n}): too slow or trickling",
                     get.what,
                     limit.as_secs_f64()
-                ));
+                )));
             }
             let r = tokio::time::timeout(self.cfg.peer_timeout.min(left), s.stream.read(&mut dst[off..end]))
                 .await
                 .map_err(|_| {
-                    format!(
-                        "peer {peer}: stalled at byte {off} of {} (or its transfer deadline passed)",
-                        get.what
+                    Error::peer(
+                        peer,
+                        format!(
+                            "stalled at byte {off} of {} (or its transfer deadline passed)",
+                            get.what
+                        ),
                     )
                 })?
-                .map_err(|e| format!("peer {peer}: {}: {e}", get.what))?;
+                .map_err(|e| Error::peer(peer, format!("{}: {e}", get.what)))?;
             if r == 0 {
-                return Err(format!(
-                    "peer {peer}: connection closed at byte {off} of {n} of {}",
-                    get.what
+                return Err(Error::peer(
+                    peer,
+                    format!("connection closed at byte {off} of {n} of {}", get.what),
                 ));
             }
             off += r;
@@ -232,7 +235,7 @@ impl PeerTransport for TcpTransport {
         "tcp"
     }
 
-    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, String>> {
+    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, Error>> {
         Box::pin(self.fetch_inner(peer, get))
     }
 

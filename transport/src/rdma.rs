@@ -29,6 +29,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+
+use crate::error::Error;
 use futures::future::BoxFuture;
 use ramjet_engine::cache::io as cache_io;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
@@ -72,30 +74,30 @@ impl std::fmt::Debug for RdmaDevice {
 impl RdmaDevice {
     /// Opens `name` (or the first device) on port 1 with GID index `gid_index` (RoCE v2 is
     /// usually 1 or 3; InfiniBand 0).
-    pub fn open(name: Option<&str>, gid_index: u8) -> Result<Arc<RdmaDevice>, String> {
-        let list =
-            DeviceList::new().map_err(|e| format!("RDMA: cannot list devices (is rdma-core installed?): {e}"))?;
+    pub fn open(name: Option<&str>, gid_index: u8) -> Result<Arc<RdmaDevice>, Error> {
+        let list = DeviceList::new()
+            .map_err(|e| Error::Rdma(format!("RDMA: cannot list devices (is rdma-core installed?): {e}")))?;
         let dev = match name {
             Some(n) => list
                 .iter()
                 .find(|d| d.name() == n)
-                .ok_or_else(|| format!("RDMA: no device named {n}"))?,
+                .ok_or_else(|| Error::Rdma(format!("RDMA: no device named {n}")))?,
             None => list
                 .iter()
                 .next()
-                .ok_or_else(|| "RDMA: no RDMA device on this host".to_string())?,
+                .ok_or_else(|| Error::Rdma("RDMA: no RDMA device on this host".to_string()))?,
         };
         let name = dev.name();
-        let ctx = dev.open().map_err(|e| format!("RDMA: open {name}: {e}"))?;
+        let ctx = dev.open().map_err(|e| Error::Rdma(format!("RDMA: open {name}: {e}")))?;
         let port = ctx
             .query_port(PORT)
-            .map_err(|e| format!("RDMA: {name} port {PORT}: {e}"))?;
+            .map_err(|e| Error::Rdma(format!("RDMA: {name} port {PORT}: {e}")))?;
         let gid = ctx
             .query_gid(PORT, gid_index.into())
-            .map_err(|e| format!("RDMA: {name} GID index {gid_index}: {e}"))?;
+            .map_err(|e| Error::Rdma(format!("RDMA: {name} GID index {gid_index}: {e}")))?;
         let pd = ctx
             .alloc_pd()
-            .map_err(|e| format!("RDMA: {name}: protection domain: {e}"))?;
+            .map_err(|e| Error::Rdma(format!("RDMA: {name}: protection domain: {e}")))?;
         Ok(Arc::new(RdmaDevice {
             name,
             pd,
@@ -111,10 +113,10 @@ impl RdmaDevice {
     ///
     /// # Safety
     /// The memory must stay mapped, and not be freed, until the returned region is dropped.
-    unsafe fn register(&self, ptr: *const u8, len: usize, access: AccessFlags) -> Result<Arc<MemoryRegion>, String> {
+    unsafe fn register(&self, ptr: *const u8, len: usize, access: AccessFlags) -> Result<Arc<MemoryRegion>, Error> {
         // SAFETY: the caller keeps the memory alive for the region's lifetime.
         unsafe { self.pd.reg_mr(ptr as usize, len, access) }
-            .map_err(|e| format!("RDMA: {}: register {len} bytes: {e}", self.name))
+            .map_err(|e| Error::Rdma(format!("RDMA: {}: register {len} bytes: {e}", self.name)))
     }
 }
 
@@ -128,13 +130,13 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// A queue pair in the INIT state, allowing remote writes into this side's regions.
-    pub fn new(dev: &Arc<RdmaDevice>) -> Result<Endpoint, String> {
+    pub fn new(dev: &Arc<RdmaDevice>) -> Result<Endpoint, Error> {
         let cq = dev
             .ctx
             .create_cq_builder()
             .setup_cqe(64)
             .build()
-            .map_err(|e| format!("RDMA: {}: completion queue: {e}", dev.name))?;
+            .map_err(|e| Error::Rdma(format!("RDMA: {}: completion queue: {e}", dev.name)))?;
         let mut qp = dev
             .pd
             .create_qp_builder()
@@ -143,14 +145,14 @@ impl Endpoint {
             .setup_max_send_wr(32)
             .setup_max_recv_wr(1)
             .build()
-            .map_err(|e| format!("RDMA: {}: queue pair: {e}", dev.name))?;
+            .map_err(|e| Error::Rdma(format!("RDMA: {}: queue pair: {e}", dev.name)))?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(PORT)
             .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
         qp.modify(&attr)
-            .map_err(|e| format!("RDMA: {}: queue pair to INIT: {e}", dev.name))?;
+            .map_err(|e| Error::Rdma(format!("RDMA: {}: queue pair to INIT: {e}", dev.name)))?;
         // Any 24-bit start works as long as each side tells the other; vary it per queue pair.
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -176,11 +178,11 @@ impl Endpoint {
     }
 
     /// Connects to the peer's queue pair: INIT → RTR → RTS.
-    pub fn connect(&self, remote: &QpInfo) -> Result<(), String> {
+    pub fn connect(&self, remote: &QpInfo) -> Result<(), Error> {
         let gid: Ipv6Addr = remote
             .gid
             .parse()
-            .map_err(|_| format!("RDMA: the peer sent a malformed GID {:?}", remote.gid))?;
+            .map_err(|_| Error::Rdma(format!("RDMA: the peer sent a malformed GID {:?}", remote.gid)))?;
         let name = &self.dev.name;
         let mut qp = self.qp.lock().expect("qp lock");
         let mut attr = QueuePairAttribute::new();
@@ -199,7 +201,7 @@ impl Endpoint {
             .setup_grh_hop_limit(64);
         attr.setup_address_vector(&ah);
         qp.modify(&attr)
-            .map_err(|e| format!("RDMA: {name}: queue pair to RTR: {e}"))?;
+            .map_err(|e| Error::Rdma(format!("RDMA: {name}: queue pair to RTR: {e}")))?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
@@ -208,12 +210,12 @@ impl Endpoint {
             .setup_rnr_retry(7)
             .setup_max_read_atomic(0);
         qp.modify(&attr)
-            .map_err(|e| format!("RDMA: {name}: queue pair to RTS: {e}"))
+            .map_err(|e| Error::Rdma(format!("RDMA: {name}: queue pair to RTS: {e}")))
     }
 
     /// Writes `src` to the peer's region at `remote_addr` (key `rkey`) and waits until every
     /// write completed, or `limit` passed. Blocking: call it off the async runtime.
-    pub fn write_all(&self, src: &[u8], remote_addr: u64, rkey: u32, limit: Duration) -> Result<(), String> {
+    pub fn write_all(&self, src: &[u8], remote_addr: u64, rkey: u32, limit: Duration) -> Result<(), Error> {
         let name = &self.dev.name;
         // SAFETY: `src` outlives the region: the region is dropped at the end of this call,
         // after every write that reads it has completed (or the queue pair failed).
@@ -227,7 +229,9 @@ impl Endpoint {
                 .setup_write(rkey, remote_addr + (i * WRITE_MAX) as u64);
             // SAFETY: the chunk lies inside `mr`, which outlives the write (see above).
             unsafe { wr.setup_sge(mr.lkey(), chunk.as_ptr() as u64, chunk.len() as u32) };
-            guard.post().map_err(|e| format!("RDMA: {name}: post write: {e}"))?;
+            guard
+                .post()
+                .map_err(|e| Error::Rdma(format!("RDMA: {name}: post write: {e}")))?;
             posted += 1;
         }
         let deadline = Instant::now() + limit;
@@ -236,17 +240,17 @@ impl Endpoint {
             if let Ok(poller) = self.cq.start_poll() {
                 for wc in poller {
                     if wc.status() != WorkCompletionStatus::Success as u32 {
-                        return Err(format!(
+                        return Err(Error::Rdma(format!(
                             "RDMA: {name}: write failed: {:?} (vendor error {})",
                             WorkCompletionStatus::from(wc.status()),
                             wc.vendor_err()
-                        ));
+                        )));
                     }
                     done += 1;
                 }
             }
             if Instant::now() > deadline {
-                return Err(format!("RDMA: {name}: write not completed in {limit:?}"));
+                return Err(Error::Rdma(format!("RDMA: {name}: write not completed in {limit:?}")));
             }
             std::hint::spin_loop();
         }
@@ -284,7 +288,7 @@ impl RdmaTransport {
     }
 
     /// A new link, or `None` when the owner has no RDMA (it said so).
-    async fn open_link(&self, peer: &str) -> Result<Option<Link>, String> {
+    async fn open_link(&self, peer: &str) -> Result<Option<Link>, Error> {
         let mut ctl = peer::connect(&self.cfg, peer).await?;
         let dev = self.dev.clone();
         let ep = tokio::task::spawn_blocking(move || Endpoint::new(&dev))
@@ -292,11 +296,11 @@ impl RdmaTransport {
             .expect("rdma task")?;
         let ep = Arc::new(ep);
         let hello = Msg::RdmaConnect(ep.info());
-        let io = |e: std::io::Error| format!("peer {peer}: RDMA connect: {e}");
+        let io = |e: std::io::Error| Error::peer(peer, format!("RDMA connect: {e}"));
         ctl.send(&hello).await.map_err(io)?;
         let reply = tokio::time::timeout(self.cfg.peer_timeout, ctl.recv())
             .await
-            .map_err(|_| format!("peer {peer}: RDMA connect: no reply in time"))?
+            .map_err(|_| Error::peer(peer, format!("RDMA connect: no reply in time")))?
             .map_err(io)?;
         match reply {
             Msg::RdmaConnect(remote) => {
@@ -304,18 +308,18 @@ impl RdmaTransport {
                 tokio::task::spawn_blocking(move || e2.connect(&remote))
                     .await
                     .expect("rdma task")
-                    .map_err(|e| format!("peer {peer}: {e}"))?;
+                    .map_err(|e| Error::peer(peer, format!("{e}")))?;
                 Ok(Some(Link { ctl, _ep: ep }))
             }
             Msg::Fail { message } => {
                 tracing::info!(peer, reason = %message, "peer has no RDMA; using TCP with it");
                 Ok(None)
             }
-            m => Err(format!("peer {peer}: RDMA connect: unexpected reply {m:?}")),
+            m => Err(Error::peer(peer, format!("RDMA connect: unexpected reply {m:?}"))),
         }
     }
 
-    async fn fetch_inner(&self, peer: &str, get: &ShardGet) -> Result<Bytes, String> {
+    async fn fetch_inner(&self, peer: &str, get: &ShardGet) -> Result<Bytes, Error> {
         if self.no_rdma.lock().expect("no_rdma lock").contains(peer) {
             return self.tcp.fetch(peer, get).await;
         }
@@ -340,7 +344,7 @@ impl RdmaTransport {
             self.dev
                 .register(dst.as_ptr(), n, AccessFlags::LocalWrite | AccessFlags::RemoteWrite)
         }
-        .map_err(|e| format!("peer {peer}: {}: {e}", get.what))?;
+        .map_err(|e| Error::peer(peer, format!("{}: {e}", get.what)))?;
         let m = Msg::GetRdma {
             manifest_url: get.manifest_url.clone(),
             shard: get.shard,
@@ -362,7 +366,7 @@ impl PeerTransport for RdmaTransport {
         "rdma"
     }
 
-    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, String>> {
+    fn fetch<'a>(&'a self, peer: &'a str, get: &'a ShardGet) -> BoxFuture<'a, Result<Bytes, Error>> {
         Box::pin(self.fetch_inner(peer, get))
     }
 
@@ -381,11 +385,7 @@ pub struct ServerLink {
 
 impl ServerLink {
     /// Answers a requester's `rdma_connect`: a connected queue pair and this side's address.
-    pub async fn accept(
-        dev: &Arc<RdmaDevice>,
-        remote: QpInfo,
-        limit: Duration,
-    ) -> Result<(ServerLink, QpInfo), String> {
+    pub async fn accept(dev: &Arc<RdmaDevice>, remote: QpInfo, limit: Duration) -> Result<(ServerLink, QpInfo), Error> {
         let dev = dev.clone();
         tokio::task::spawn_blocking(move || {
             let ep = Endpoint::new(&dev)?;
@@ -404,7 +404,7 @@ impl ServerLink {
     }
 
     /// Writes `data` into the requester's region.
-    pub async fn write(&self, data: Bytes, addr: u64, rkey: u32) -> Result<(), String> {
+    pub async fn write(&self, data: Bytes, addr: u64, rkey: u32) -> Result<(), Error> {
         let (ep, limit) = (self.ep.clone(), self.limit);
         tokio::task::spawn_blocking(move || ep.write_all(&data, addr, rkey, limit))
             .await
@@ -423,8 +423,8 @@ mod tests {
         }
         let e = RdmaDevice::open(None, 0).unwrap_err();
         eprintln!("{e}");
-        assert!(e.starts_with("RDMA: "), "{e}");
+        assert!(matches!(&e, Error::Rdma(m) if m.starts_with("RDMA: ")), "{e}");
         let e = RdmaDevice::open(Some("mlx5_9"), 0).unwrap_err();
-        assert!(e.contains("RDMA"), "{e}");
+        assert!(e.to_string().contains("RDMA"), "{e}");
     }
 }

@@ -279,7 +279,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             "image_column": image_column,
             "boxes_column": boxes_column,
             "prefetch_batches": int(prefetch_batches),
-            "skip_corrupt": on_corrupt == "skip",
+            "on_corrupt": on_corrupt,
         }
         self._epoch = 0
         self._resume: Optional[str] = None  # a ResumePoint (JSON) to start from

@@ -48,14 +48,19 @@ use io::CacheIo;
 use lock::FileLock;
 
 /// Cache settings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Deserialize)]
 pub struct CacheConfig {
     /// The cache directory.
     pub dir: PathBuf,
     /// Byte budget of `shards/` plus `tmp/`.
     pub limit_bytes: u64,
     /// A shard unused this long is evicted in plain LRU order.
+    #[serde(default = "stale_after_secs")]
     pub stale_after_secs: u64,
+}
+
+fn stale_after_secs() -> u64 {
+    600
 }
 
 impl CacheConfig {
@@ -64,7 +69,7 @@ impl CacheConfig {
         Self {
             dir: dir.into(),
             limit_bytes,
-            stale_after_secs: 600,
+            stale_after_secs: stale_after_secs(),
         }
     }
 }
@@ -184,59 +189,44 @@ impl Cache {
         Ok(())
     }
 
-    /// Reads a cached shard, verifying it whole. `Ok(None)` on a miss (the caller counts
-    /// misses); a corrupt or truncated file is deleted, counted, and reported as a miss, never
-    /// returned.
-    pub fn get(&self, id: ShardId) -> Result<Option<Bytes>> {
+    /// The one way to hold a cached shard: open, of the right size, marked used, and pinned
+    /// against eviction (a shared lock on its file; eviction takes an exclusive one) until the
+    /// handle is dropped. `Ok(None)` on a miss; a file of the wrong size is deleted, counted
+    /// and reported as a miss. Every read through the handle is verified (see
+    /// [`CachedShard`]).
+    pub fn shard(&self, id: ShardId) -> Result<Option<CachedShard>> {
         let path = self.path_of(id);
-        // Pin against eviction while reading (a shared lock; eviction takes an exclusive one).
         let pin = match FileLock::acquire(&path, false, true, false) {
             Ok(Some(p)) => p,
             Ok(None) => return Ok(None),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io(path.display(), e)),
         };
-        let (bytes, hash) = match self.io.read_file(&path, FOOTER_LEN as usize) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io(path.display(), e)),
-        };
-        // The I/O layer hashed the bytes as they arrived (same function as shard_checksum).
-        let sound = bytes.len() as u64 == id.bytes && hash == Some(id.checksum);
-        if !sound {
-            tracing::warn!(path = %path.display(), "cached shard failed its checksum: deleted, will re-fetch");
-            Metrics::add(&self.metrics.cache_corrupt, 1);
-            let _ = fs::remove_file(&path);
-            return Ok(None);
-        }
-        let _ = pin.file().set_modified(SystemTime::now());
-        Metrics::add(&self.metrics.cache_hits, 1);
-        Metrics::add(&self.metrics.cache_bytes, bytes.len() as u64);
-        Ok(Some(bytes))
-    }
-
-    /// Opens a cached shard for another process to read (the host daemon passes the
-    /// descriptor over its socket), marking it used. Not verified here: the reader verifies
-    /// and reports a bad copy with [`Cache::remove`]. An open descriptor stays readable if the
-    /// file is evicted meanwhile. `Ok(None)` on a miss or a file of the wrong size.
-    pub fn open_file(&self, id: ShardId) -> Result<Option<File>> {
-        let path = self.path_of(id);
-        let f = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io(path.display(), e)),
-        };
-        let len = f.metadata().map_err(|e| Error::io(path.display(), e))?.len();
+        let len = pin.file().metadata().map_err(|e| Error::io(path.display(), e))?.len();
         if len != id.bytes {
             tracing::warn!(path = %path.display(), "cached shard has the wrong size: deleted, will re-fetch");
             Metrics::add(&self.metrics.cache_corrupt, 1);
             let _ = fs::remove_file(&path);
             return Ok(None);
         }
-        let _ = f.set_modified(SystemTime::now());
-        Metrics::add(&self.metrics.cache_hits, 1);
-        Metrics::add(&self.metrics.cache_bytes, len);
-        Ok(Some(f))
+        let _ = pin.file().set_modified(SystemTime::now());
+        Ok(Some(CachedShard {
+            pin,
+            path,
+            id,
+            io: self.io.clone(),
+            metrics: self.metrics.clone(),
+        }))
+    }
+
+    /// A cached shard's bytes, verified whole ([`Cache::shard`] then [`CachedShard::bytes`]).
+    /// `Ok(None)` on a miss; a corrupt or truncated copy is deleted, counted, and reported as
+    /// a miss, never returned.
+    pub fn get(&self, id: ShardId) -> Result<Option<Bytes>> {
+        match self.shard(id)? {
+            Some(s) => s.bytes(),
+            None => Ok(None),
+        }
     }
 
     /// Deletes a cached shard a reader found corrupt, so it is fetched again.
@@ -364,6 +354,65 @@ impl Cache {
             }
         }
         Ok(true)
+    }
+}
+
+/// A cached shard held open and pinned against eviction (see [`Cache::shard`]). Its bytes
+/// are verified on every path out: [`CachedShard::bytes`] hashes the whole file as it reads;
+/// [`CachedShard::records`] checks each record against its own checksum; a process that
+/// receives [`CachedShard::file`] (the host daemon's fd passing) verifies the whole shard
+/// and reports a bad copy with [`Cache::remove`].
+pub struct CachedShard {
+    pin: FileLock,
+    path: PathBuf,
+    id: ShardId,
+    io: Arc<dyn CacheIo>,
+    metrics: Arc<Metrics>,
+}
+
+impl CachedShard {
+    /// The shard's identity.
+    pub fn id(&self) -> ShardId {
+        self.id
+    }
+
+    /// The open file (pinned while this handle lives).
+    pub fn file(&self) -> &File {
+        self.pin.file()
+    }
+
+    /// The open file, to hand whole to a reader that verifies it (the host daemon passing the
+    /// descriptor to a loader, or sending the file to a peer): counted as a hit.
+    pub fn hand_out(&self) -> &File {
+        Metrics::add(&self.metrics.cache_hits, 1);
+        Metrics::add(&self.metrics.cache_bytes, self.id.bytes);
+        self.pin.file()
+    }
+
+    /// The whole shard, hashed as it is read (through the I/O core). `Ok(None)` when it fails
+    /// its checksum or was truncated: the copy is then deleted and counted as corrupt.
+    pub fn bytes(&self) -> Result<Option<Bytes>> {
+        let (bytes, hash) = match self.io.read_file(&self.path, FOOTER_LEN as usize) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(self.path.display(), e)),
+        };
+        if bytes.len() as u64 != self.id.bytes || hash != Some(self.id.checksum) {
+            tracing::warn!(path = %self.path.display(), "cached shard failed its checksum: deleted, will re-fetch");
+            Metrics::add(&self.metrics.cache_corrupt, 1);
+            let _ = fs::remove_file(&self.path);
+            return Ok(None);
+        }
+        Metrics::add(&self.metrics.cache_hits, 1);
+        Metrics::add(&self.metrics.cache_bytes, bytes.len() as u64);
+        Ok(Some(bytes))
+    }
+
+    /// A reader of single records, each checked against its own checksum (random access and
+    /// global shuffle read two ranges of the file per sample, not the whole shard).
+    pub fn records(&self) -> Result<crate::format::ShardReader<File>> {
+        let f = self.file().try_clone().map_err(|e| Error::io(self.path.display(), e))?;
+        crate::format::ShardReader::open(f, &self.path.display().to_string())
     }
 }
 

@@ -1,0 +1,208 @@
+//! The shard chain of the daemon: the cache, else one flight per shard (the owner peer, when
+//! this daemon is not the owner and the request is local, else the origin), verified, then
+//! cached; and the health of the peers asked.
+
+use super::*;
+
+impl Inner {
+    /// A shard for a local loader or a peer: the cache, else the flight for it.
+    pub(super) async fn serve(self: &Arc<Self>, req: &Req, from_peer: bool) -> Result<(Body, ReadSource, u64), Error> {
+        let (c, id) = (self.cache.clone(), req.id);
+        let hit = tokio::task::spawn_blocking(move || c.shard(id))
+            .await
+            .map_err(|e| Error::Engine(format!("cache task: {e}")))??;
+        if let Some(f) = hit {
+            return Ok((Body::File(f), ReadSource::CacheLocal, id.bytes));
+        }
+        let (bytes, src) = self.obtain(req, !from_peer).await?;
+        let c = self.cache.clone();
+        let f = tokio::task::spawn_blocking(move || c.shard(id))
+            .await
+            .map_err(|e| Error::Engine(format!("cache task: {e}")))?;
+        let body = match f {
+            Ok(Some(f)) => Body::File(f),
+            _ => Body::Memory(bytes),
+        };
+        Ok((body, src, id.bytes))
+    }
+
+    /// Joins the flight for the shard, or starts it.
+    pub(super) async fn obtain(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+        // Whether a flight started here would ask a peer: only for a local request, when the
+        // owner is another daemon that is not backing off. A peer's request joins only flights
+        // that go to the origin, so a request never returns to a daemon it came from.
+        let asks_peer = allow_peer && {
+            let owner = self
+                .membership
+                .read()
+                .expect("membership lock")
+                .ring()
+                .owner(req.id)
+                .map(str::to_owned);
+            owner.is_some_and(|o| o != self.me && self.peer_usable(&o))
+        };
+        // The flight runs as its own task (`ramjet_engine::singleflight`): it completes (and
+        // fills the cache) even if the request that started it goes away.
+        let join: &[(ShardId, bool)] = if allow_peer {
+            &[(req.id, false), (req.id, true)]
+        } else {
+            &[(req.id, false)]
+        };
+        let (me, r) = (self.clone(), req.clone());
+        let (flight, joined) = self.flights.join_or_start(
+            join,
+            (req.id, asks_peer),
+            move || {
+                let stopped = me.stopped();
+                async move {
+                    tokio::select! {
+                        out = me.fetch_and_store(&r, asks_peer) => out,
+                        _ = stopped => Err(Error::Stopping),
+                    }
+                }
+            },
+            |why| Err(Error::Engine(format!("fetch task failed: {why}"))),
+        );
+        if joined {
+            self.stats.coalesced.fetch_add(1, Ordering::Relaxed);
+        }
+        // The request that started the flight waits no longer than those that joined it: the
+        // flight goes on (and fills the cache), and this request reads the origin itself.
+        match tokio::time::timeout(self.cfg.singleflight_timeout, flight).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.stats.singleflight_timeouts.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(shard = %req.describe(), "gave up waiting on the fetch in flight; reading the origin");
+                self.origin(req).await.map(|b| (b, ReadSource::Origin))
+            }
+        }
+    }
+
+    pub(super) async fn origin(&self, req: &Req) -> Result<Bytes, Error> {
+        req.ds
+            .fetch_shard_parallel(
+                req.shard,
+                self.cfg.range_bytes,
+                self.cfg.ranges_in_flight,
+                &self.metrics,
+            )
+            .await
+            .map_err(Error::from)
+    }
+
+    /// The flight: the owner peer (for local requests), else the origin; verified; cached.
+    pub(super) async fn fetch_and_store(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+        // A flight that finished between this request's cache lookup and its start has left
+        // the shard in the cache: read it there rather than fetch it again.
+        let (c, id) = (self.cache.clone(), req.id);
+        if let Ok(Some(b)) = tokio::task::spawn_blocking(move || c.get(id))
+            .await
+            .expect("cache task")
+        {
+            return Ok((b, ReadSource::CacheLocal));
+        }
+        let owner = {
+            let m = self.membership.read().expect("membership lock");
+            m.ring().owner(req.id).map(str::to_owned)
+        };
+        let mut got = None;
+        if let Some(owner) = owner
+            .clone()
+            .filter(|o| allow_peer && *o != self.me && self.peer_usable(o))
+        {
+            match self.fetch_from_peer(&owner, req).await {
+                Ok(b) => {
+                    let (ds, shard, b2) = (req.ds.clone(), req.shard, b.clone());
+                    let check = tokio::task::spawn_blocking(move || ds.check_shard(shard, &b2))
+                        .await
+                        .expect("check task");
+                    match check {
+                        Ok(()) => {
+                            self.peer_ok(&owner);
+                            got = Some((b, ReadSource::CachePeer));
+                        }
+                        Err(e) => {
+                            self.stats.peer_corrupt.fetch_add(1, Ordering::Relaxed);
+                            self.peer_failed(
+                                &owner,
+                                Error::peer(&owner, format!("sent a corrupt {}: {e}", req.describe())),
+                            );
+                        }
+                    }
+                }
+                Err(e) => self.peer_failed(&owner, e),
+            }
+        }
+        let (bytes, src) = match got {
+            Some(g) => g,
+            None => (self.origin(req).await?, ReadSource::Origin),
+        };
+        // Each node caches the shards it owns, so the cluster's caches add up instead of
+        // all holding the same hot set; the others are served from memory.
+        if owner.as_deref().is_some_and(|o| o != self.me) {
+            return Ok((bytes, src));
+        }
+        let (c, id, b) = (self.cache.clone(), req.id, bytes.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = c.insert(id, &b) {
+                tracing::warn!(error = %e, "cache insert failed; serving from memory");
+            }
+        })
+        .await
+        .expect("insert task");
+        Ok((bytes, src))
+    }
+
+    pub(super) fn peer_usable(&self, peer: &str) -> bool {
+        let peers = self.peers.lock().expect("peers lock");
+        peers
+            .get(peer)
+            .and_then(|p| p.down_until)
+            .is_none_or(|t| Instant::now() >= t)
+    }
+
+    pub(super) fn peer_ok(&self, peer: &str) {
+        let mut peers = self.peers.lock().expect("peers lock");
+        let p = peer_entry(&mut peers, peer);
+        p.health.healthy = true;
+        p.health.fetched += 1;
+        p.down_until = None;
+    }
+
+    pub(super) fn peer_failed(&self, peer: &str, why: Error) {
+        tracing::warn!(peer, error = %why, "peer fetch failed; reading the origin");
+        let mut peers = self.peers.lock().expect("peers lock");
+        let p = peer_entry(&mut peers, peer);
+        p.health.healthy = false;
+        p.health.failures += 1;
+        p.health.last_error = Some(why.to_string());
+        p.down_until = Some(Instant::now() + self.cfg.peer_backoff);
+        drop(peers);
+        self.transport.forget(peer);
+    }
+
+    pub(super) async fn fetch_from_peer(&self, peer: &str, req: &Req) -> Result<Bytes, Error> {
+        let get = ShardGet {
+            manifest_url: req.ds.manifest_url().to_owned(),
+            shard: req.shard as u32,
+            checksum: req.id.checksum,
+            bytes: req.id.bytes,
+            what: req.describe(),
+        };
+        self.transport.fetch(peer, &get).await
+    }
+}
+
+pub(super) fn new_peer() -> PeerState {
+    PeerState {
+        health: PeerHealth {
+            healthy: true,
+            ..Default::default()
+        },
+        down_until: None,
+    }
+}
+
+pub(super) fn peer_entry<'a>(peers: &'a mut HashMap<String, PeerState>, peer: &str) -> &'a mut PeerState {
+    peers.entry(peer.to_owned()).or_insert_with(new_peer)
+}

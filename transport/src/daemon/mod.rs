@@ -1,0 +1,424 @@
+//! `ramjet serve`: the host cache daemon.
+//!
+//! ```text
+//!  loader ──unix socket──► local request ─┐                      ┌─► cache hit: pass the file's fd
+//!  peer   ──tcp (hmac)──► peer request  ──┴─► validate ─► cache ─┤
+//!                                                                └─► miss: singleflight(shard)
+//!                                             owner is a peer (and the request is local): ask it,
+//!                                             verify; else, or when that fails: origin. Then cache.
+//! ```
+//!
+//! One flight per shard per daemon: concurrent requests for a shard (local loaders and peers
+//! alike) wait on it. Peer requests never go on to another peer, so a shard is fetched from
+//! the origin once per cluster, at its owner, while membership agrees. See `docs/cluster.md`.
+//!
+//! Split by concept: `config` (settings, member lists, URL prefixes), `validate` (a request
+//! checked against the allowed prefixes and its manifest), `fetch` (the shard chain: cache,
+//! owner peer, origin, with one flight per shard), `local` (loaders on the Unix socket, fd
+//! passing), `peers` (peer connections over TCP or RDMA), `http` (`/stats`, `/metrics`,
+//! `/health`); this file holds the running daemon and its shared state.
+
+mod config;
+mod fetch;
+mod http;
+mod local;
+mod peers;
+mod validate;
+
+pub use config::{
+    read_members, url_under, DaemonConfig, TransportKind, CONNECTIONS_MAX_DEFAULT, DATASETS_OPEN_MAX_DEFAULT,
+};
+use http::serve_http;
+use local::serve_local;
+use peers::serve_peers;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ramjet_engine::cache::{io as cache_io, Cache, CacheConfig, ShardId};
+use ramjet_engine::metrics::Metrics;
+use ramjet_engine::singleflight::Flights;
+use ramjet_engine::{Dataset, ReadSource};
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+use crate::error::Error;
+use crate::peer::{LinkConfig, PeerTransport, ShardGet, TcpTransport};
+use crate::ring::{Membership, VNODES_DEFAULT};
+use crate::stats::{PeerHealth, Stats, StatsDoc};
+use crate::sys;
+use crate::wire::{self, ApiKey, HandshakeError, Msg, SHARD_MAX, URL_MAX};
+
+type FlightOut = Result<(Bytes, ReadSource), Error>;
+
+struct PeerState {
+    health: PeerHealth,
+    down_until: Option<Instant>,
+}
+
+struct Inner {
+    cfg: DaemonConfig,
+    me: String,
+    cache: Cache,
+    metrics: Arc<Metrics>,
+    stats: Stats,
+    membership: RwLock<Membership>,
+    datasets: Mutex<HashMap<String, HeldDataset>>,
+    /// Flights by shard and whether they ask a peer: a peer's request joins only flights that
+    /// go to the origin, so two daemons whose rings disagree never wait on each other.
+    flights: Arc<Flights<(ShardId, bool), FlightOut>>,
+    /// One permit per connection served (`connections_max`).
+    conns: Arc<tokio::sync::Semaphore>,
+    peers: Mutex<HashMap<String, PeerState>>,
+    transport: Box<dyn PeerTransport>,
+    /// The device this owner writes shards from, when it runs the RDMA transport.
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<crate::rdma::RdmaDevice>>,
+    started: Instant,
+    stopping: AtomicBool,
+    /// Set when the daemon stops: every task it started ends at its next await (they run on
+    /// the process's shared runtime, which outlives the daemon).
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+impl Inner {
+    /// Resolves once the daemon is stopping.
+    fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.stop.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+
+    /// Runs `f` on the runtime until it ends or the daemon stops.
+    fn spawn(&self, f: impl std::future::Future<Output = ()> + Send + 'static) {
+        let stopped = self.stopped();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stopped => {}
+                _ = f => {}
+            }
+        });
+    }
+}
+
+/// A manifest the daemon holds open.
+struct HeldDataset {
+    ds: Arc<Dataset>,
+    loaded: Instant,
+    used: Instant,
+}
+
+/// A shard request after validation.
+#[derive(Clone)]
+struct Req {
+    ds: Arc<Dataset>,
+    shard: usize,
+    id: ShardId,
+}
+
+impl Req {
+    fn describe(&self) -> String {
+        format!(
+            "shard {} ({})",
+            self.shard,
+            self.ds.store().url(&self.ds.manifest().shards[self.shard].key)
+        )
+    }
+}
+
+/// What is sent back: the cache file, or the bytes (a shard the cache did not admit).
+enum Body {
+    /// The cached copy, pinned against eviction until it is sent.
+    File(ramjet_engine::cache::CachedShard),
+    Memory(Bytes),
+}
+
+/// A running daemon. Dropping it stops it.
+pub struct Daemon {
+    inner: Arc<Inner>,
+    /// The process's shared runtime (the daemon's tasks end on stop; the runtime lives on).
+    rt: tokio::runtime::Handle,
+    peer_addr: Option<SocketAddr>,
+    http_addr: Option<SocketAddr>,
+}
+
+impl Daemon {
+    /// Opens the cache, binds the socket(s) and starts serving on the process's runtime
+    /// (`cfg.threads` sizes it when the daemon is the first to use it).
+    pub fn start(cfg: DaemonConfig) -> std::io::Result<Daemon> {
+        if cfg.threads > 0 {
+            ramjet_engine::rt::prefer_net_threads(cfg.threads);
+        }
+        if let Some(a) = cfg.listen {
+            if !a.ip().is_loopback() && cfg.api_key.is_none() && !cfg.insecure {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "refusing to listen for peers on {a} without an API key: set RAMJET_API_KEY (or pass --insecure on a trusted network)"
+                    ),
+                ));
+            }
+        }
+        let rt = ramjet_engine::rt::handle().map_err(std::io::Error::other)?;
+        let metrics = Arc::new(Metrics::default());
+        let cache =
+            Cache::open(cfg.cache.clone(), cache_io::detect(), metrics.clone()).map_err(std::io::Error::other)?;
+        let me = cfg.me();
+        let mut members = cfg.peers.clone();
+        if let Some(f) = &cfg.peers_file {
+            let text = std::fs::read_to_string(f)?;
+            members = read_members(&text).map_err(std::io::Error::other)?;
+        }
+        if members.is_empty() {
+            members.push(me.clone());
+        }
+        if !members.contains(&me) {
+            tracing::warn!(me = %me, ?members, "this daemon is not in the member list: it owns no shards");
+        }
+        let link = LinkConfig {
+            api_key: cfg.api_key.clone(),
+            peer_timeout: cfg.peer_timeout,
+            reply_timeout: cfg.singleflight_timeout,
+            transfer_min_bytes_per_s: cfg.transfer_min_bytes_per_s,
+        };
+        #[cfg(feature = "rdma")]
+        let rdma = match &cfg.transport {
+            TransportKind::Tcp => None,
+            TransportKind::Rdma { device, gid_index } => {
+                Some(crate::rdma::RdmaDevice::open(device.as_deref(), *gid_index).map_err(std::io::Error::other)?)
+            }
+        };
+        let transport: Box<dyn PeerTransport> = match &cfg.transport {
+            TransportKind::Tcp => Box::new(TcpTransport::new(link)),
+            #[cfg(feature = "rdma")]
+            TransportKind::Rdma { .. } => Box::new(crate::rdma::RdmaTransport::new(
+                link,
+                rdma.clone().expect("opened above"),
+            )),
+            #[cfg(not(feature = "rdma"))]
+            TransportKind::Rdma { .. } => {
+                return Err(std::io::Error::other(
+                    "RDMA transport requested, but this build has no RDMA (cargo feature `rdma`)",
+                ))
+            }
+        };
+        let inner = Arc::new(Inner {
+            membership: RwLock::new(Membership::new(members, cfg.vnodes)),
+            me,
+            cache,
+            metrics,
+            stats: Stats::default(),
+            datasets: Mutex::default(),
+            flights: Arc::default(),
+            conns: Arc::new(tokio::sync::Semaphore::new(cfg.connections_max.max(1))),
+            peers: Mutex::default(),
+            transport,
+            #[cfg(feature = "rdma")]
+            rdma,
+            started: Instant::now(),
+            stopping: AtomicBool::new(false),
+            stop: tokio::sync::watch::channel(false).0,
+            cfg,
+        });
+        let _g = rt.enter();
+        let local = bind_unix(&inner.cfg.socket)?;
+        inner.spawn(serve_local(inner.clone(), local));
+        let mut peer_addr = None;
+        if let Some(a) = inner.cfg.listen {
+            let l = std::net::TcpListener::bind(a)?;
+            l.set_nonblocking(true)?;
+            peer_addr = Some(l.local_addr()?);
+            inner.spawn(serve_peers(inner.clone(), TcpListener::from_std(l)?));
+        }
+        let mut http_addr = None;
+        if let Some(a) = inner.cfg.http {
+            let l = std::net::TcpListener::bind(a)?;
+            l.set_nonblocking(true)?;
+            http_addr = Some(l.local_addr()?);
+            inner.spawn(serve_http(inner.clone(), TcpListener::from_std(l)?));
+        }
+        if let Some(f) = inner.cfg.peers_file.clone() {
+            inner.spawn(watch_members(inner.clone(), f));
+        }
+        tracing::info!(socket = %inner.cfg.socket.display(), peers = ?peer_addr, http = ?http_addr, node = %inner.me, "ramjet daemon serving");
+        Ok(Daemon {
+            inner,
+            rt,
+            peer_addr,
+            http_addr,
+        })
+    }
+
+    /// The bound peer address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr
+    }
+
+    /// The bound HTTP address.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// The Unix socket path.
+    pub fn socket(&self) -> &Path {
+        &self.inner.cfg.socket
+    }
+
+    /// The `/stats` document.
+    pub fn stats(&self) -> StatsDoc {
+        self.inner.stats_doc()
+    }
+
+    /// Datasets (manifests) held open now (at most `datasets_open_max`).
+    pub fn datasets_open(&self) -> usize {
+        self.inner.datasets_open()
+    }
+
+    /// Holds the ring version.
+    pub fn freeze(&self) {
+        self.inner.membership.write().expect("membership lock").freeze();
+    }
+
+    /// Releases one freeze.
+    pub fn unfreeze(&self) {
+        self.inner.membership.write().expect("membership lock").unfreeze();
+    }
+
+    /// Proposes a member set (applied unless frozen).
+    pub fn set_members(&self, members: Vec<String>) {
+        self.inner.membership.write().expect("membership lock").propose(members);
+    }
+
+    /// Serves until SIGINT or SIGTERM.
+    pub fn run_until_signal(self) {
+        self.rt.block_on(async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        });
+        tracing::info!("ramjet daemon stopping");
+        // Drop stops the tasks and removes the socket.
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.inner.stopping.store(true, Ordering::Relaxed);
+        let _ = std::fs::remove_file(&self.inner.cfg.socket);
+        self.inner.stop.send_replace(true);
+    }
+}
+
+fn bind_unix(path: &Path) -> std::io::Result<UnixListener> {
+    if path.exists() {
+        // A live daemon answers; a dead one left its socket file behind.
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("a daemon already serves {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    if let Some(d) = path.parent() {
+        if path == crate::client::default_socket() && std::env::var_os("RAMJET_SOCKET").is_none() {
+            crate::client::ensure_private_dir(d)?;
+        } else {
+            std::fs::create_dir_all(d)?;
+        }
+    }
+    let l = UnixListener::bind(path)?;
+    // Loaders of the same user only: the socket hands out descriptors of cache files.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
+}
+
+impl Inner {
+    /// A connection permit, or `None` (counted, logged) when `connections_max` are served.
+    fn conn_permit(&self, kind: &str) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        match self.conns.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => {
+                self.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    kind,
+                    limit = self.cfg.connections_max,
+                    "connection refused: connections_max reached"
+                );
+                None
+            }
+        }
+    }
+
+    fn stats_doc(&self) -> StatsDoc {
+        let m = self.membership.read().expect("membership lock");
+        let mut d = StatsDoc {
+            node: self.me.clone(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            ring_version: m.ring().version(),
+            members: m.ring().members().to_vec(),
+            frozen: m.frozen(),
+            pending_members: m.pending().map(|p| p.to_vec()),
+            cache_limit_bytes: self.cfg.cache.limit_bytes,
+            ..Default::default()
+        };
+        drop(m);
+        d.fill(&self.stats);
+        let s = self.metrics.snapshot();
+        d.origin_requests = s.origin_requests;
+        d.origin_bytes = s.origin_bytes;
+        if let Ok(rd) = std::fs::read_dir(self.cfg.cache.dir.join("shards")) {
+            for e in rd.flatten() {
+                d.cache_shards += 1;
+                d.cache_bytes += e.metadata().map(|m| m.len()).unwrap_or(0);
+            }
+        }
+        let peers = self.peers.lock().expect("peers lock");
+        for member in &d.members {
+            if *member != self.me {
+                let h = peers.get(member).map(|p| p.health.clone()).unwrap_or(PeerHealth {
+                    healthy: true,
+                    ..Default::default()
+                });
+                d.peers.insert(member.clone(), h);
+            }
+        }
+        d
+    }
+}
+
+async fn watch_members(inner: Arc<Inner>, path: PathBuf) {
+    let mut last = String::new();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let Ok(text) = tokio::fs::read_to_string(&path).await else {
+            continue;
+        };
+        if text == last {
+            continue;
+        }
+        match read_members(&text) {
+            Ok(m) if !m.is_empty() => {
+                let changed = inner.membership.write().expect("membership lock").propose(m);
+                if changed {
+                    tracing::info!(file = %path.display(), "ring membership changed");
+                }
+                last = text;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(file = %path.display(), error = %e, "member file not applied"),
+        }
+    }
+}

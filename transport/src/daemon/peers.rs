@@ -1,0 +1,204 @@
+//! Peer connections: the authenticated handshake, shard requests, and the bytes sent over TCP
+//! (sendfile) or written over RDMA.
+
+use super::*;
+
+pub(super) async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
+    loop {
+        match l.accept().await {
+            Ok((s, from)) => {
+                let Some(permit) = inner.conn_permit("peer") else {
+                    continue;
+                };
+                let inner2 = inner.clone();
+                inner.spawn(async move {
+                    let inner = inner2;
+                    let _permit = permit;
+                    if let Err(e) = peer_conn(&inner, s, from).await {
+                        tracing::debug!(%from, error = %e, "peer connection ended");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept on the peer port failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+pub(super) async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> std::io::Result<()> {
+    let _ = s.set_nodelay(true);
+    let hs = tokio::time::timeout(
+        Duration::from_secs(10),
+        wire::accept(&mut s, inner.cfg.api_key.as_ref()),
+    )
+    .await;
+    let session = match hs {
+        Ok(Ok(session)) => session,
+        Ok(Err(HandshakeError::Refused(why))) => {
+            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%from, reason = %why, "peer refused");
+            return Ok(());
+        }
+        Ok(Err(HandshakeError::Io(e))) => {
+            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        Err(_) => {
+            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+    };
+    // Every frame from here on is bound to this session.
+    let mut s = wire::Channel { stream: s, session };
+    let mut rdma = ServerRdma::default();
+    loop {
+        let msg = match tokio::time::timeout(Duration::from_secs(600), s.recv()).await {
+            Ok(m) => m?,
+            Err(_) => return Ok(()),
+        };
+        let (manifest_url, shard, checksum, bytes, target) = match msg {
+            Msg::Get {
+                manifest_url,
+                shard,
+                checksum,
+                bytes,
+            } => (manifest_url, shard, checksum, bytes, None),
+            Msg::GetRdma {
+                manifest_url,
+                shard,
+                checksum,
+                bytes,
+                addr,
+                rkey,
+            } => (manifest_url, shard, checksum, bytes, Some((addr, rkey))),
+            Msg::RdmaConnect(remote) => {
+                let reply = rdma_accept(inner, remote, &mut rdma).await;
+                s.send(&reply).await?;
+                continue;
+            }
+            msg => {
+                let message = format!("unexpected message {msg:?}");
+                s.send(&Msg::Fail { message }).await?;
+                return Ok(());
+            }
+        };
+        let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
+            Ok(req) => inner.serve(&req, true).await,
+            Err(e) => {
+                inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        };
+        let r = match (r, target) {
+            // RDMA: the bytes go first, then the `data` frame tells the requester they landed.
+            (Ok((body, src, n)), Some((addr, rkey))) => {
+                rdma_write(&rdma, body, n, addr, rkey).await.map(|()| (None, src, n))
+            }
+            (Ok((body, src, n)), None) => Ok((Some(body), src, n)),
+            (Err(e), _) => Err(e),
+        };
+        match r {
+            Ok((body, src, n)) => {
+                s.send(&Msg::Data {
+                    bytes: n,
+                    source: src.name().into(),
+                })
+                .await?;
+                match body {
+                    Some(Body::File(f)) => send_file(&s.stream, f.hand_out(), n).await?,
+                    Some(Body::Memory(b)) => s.stream.write_all(&b).await?,
+                    None => {}
+                }
+                inner.stats.peer_served.fetch_add(1, Ordering::Relaxed);
+                inner.stats.peer_served_bytes.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => {
+                let message = e.to_string();
+                inner.stats.failures.fetch_add(1, Ordering::Relaxed);
+                s.send(&Msg::Fail { message }).await?;
+            }
+        }
+    }
+}
+
+/// The owner's RDMA link on one peer connection, once the requester asked for one.
+#[cfg(feature = "rdma")]
+pub(super) type ServerRdma = Option<crate::rdma::ServerLink>;
+/// Without the `rdma` feature there is never a link.
+#[cfg(not(feature = "rdma"))]
+#[derive(Default)]
+pub(super) struct ServerRdma {
+    _none: (),
+}
+
+/// Answers `rdma_connect`: this side's queue pair, or `fail` when this daemon has no RDMA.
+#[cfg(feature = "rdma")]
+pub(super) async fn rdma_accept(inner: &Inner, remote: wire::QpInfo, link: &mut ServerRdma) -> Msg {
+    let Some(dev) = &inner.rdma else {
+        return Msg::Fail {
+            message: format!("{} does not run the RDMA transport", inner.me),
+        };
+    };
+    match crate::rdma::ServerLink::accept(dev, remote, inner.cfg.peer_timeout).await {
+        Ok((l, info)) => {
+            *link = Some(l);
+            Msg::RdmaConnect(info)
+        }
+        Err(e) => Msg::Fail { message: e.to_string() },
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+pub(super) async fn rdma_accept(inner: &Inner, _remote: wire::QpInfo, _link: &mut ServerRdma) -> Msg {
+    Msg::Fail {
+        message: format!("{} was built without RDMA (cargo feature `rdma`)", inner.me),
+    }
+}
+
+/// Writes a shard into the requester's region.
+#[cfg(feature = "rdma")]
+pub(super) async fn rdma_write(link: &ServerRdma, body: Body, n: u64, addr: u64, rkey: u32) -> Result<(), Error> {
+    let Some(link) = link else {
+        return Err(Error::Rdma("get_rdma before rdma_connect".into()));
+    };
+    let data = match body {
+        Body::File(f) => {
+            sys::read_private(f.hand_out(), n).map_err(|e| Error::Engine(format!("read the cached shard: {e}")))?
+        }
+        Body::Memory(b) => b,
+    };
+    link.write(data, addr, rkey).await
+}
+
+#[cfg(not(feature = "rdma"))]
+pub(super) async fn rdma_write(_link: &ServerRdma, _body: Body, _n: u64, _addr: u64, _rkey: u32) -> Result<(), Error> {
+    Err(Error::Rdma(
+        "this daemon was built without RDMA (cargo feature `rdma`)".into(),
+    ))
+}
+
+/// Sends a file with `sendfile`: the bytes go from the page cache to the socket without
+/// passing through this process.
+pub(super) async fn send_file(s: &TcpStream, f: &File, len: u64) -> std::io::Result<()> {
+    let mut off: i64 = 0;
+    while (off as u64) < len {
+        s.writable().await?;
+        let left = (len - off as u64).min(1 << 30) as usize;
+        match s.try_io(Interest::WRITABLE, || {
+            sys::sendfile_once(s.as_raw_fd(), f, &mut off, left)
+        }) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "file ended early",
+                ))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

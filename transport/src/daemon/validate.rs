@@ -1,0 +1,107 @@
+//! A request checked before anything is fetched: a well-formed URL under an allowed prefix,
+//! a manifest that opens (held, revalidated by age), a shard whose identity matches.
+
+use super::*;
+
+impl Inner {
+    /// Validates a request: a well-formed URL under an allowed prefix, a manifest that opens,
+    /// a shard in it whose identity matches.
+    pub(super) async fn resolve(
+        &self,
+        manifest_url: &str,
+        shard: u32,
+        checksum: u64,
+        bytes: u64,
+    ) -> Result<Req, Error> {
+        let bad = |why: &str| Err(Error::Refused(format!("refused {manifest_url:?} shard {shard}: {why}")));
+        if manifest_url.len() > URL_MAX || manifest_url.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return bad("malformed URL");
+        }
+        let Some((scheme, path)) = manifest_url.split_once("://") else {
+            return bad("not a URL");
+        };
+        if !["s3", "gs", "az", "azure", "abfs", "file", "http", "https"].contains(&scheme) {
+            return bad("unsupported scheme");
+        }
+        if path.split('/').any(|seg| seg == ".." || seg == ".") || !manifest_url.ends_with(".json") {
+            return bad("not a manifest path (path traversal or not .json)");
+        }
+        if !self.cfg.allow_prefixes.is_empty() && !self.cfg.allow_prefixes.iter().any(|p| url_under(manifest_url, p)) {
+            return bad("outside the allowed prefixes");
+        }
+        let (mut ds, fresh) = self.dataset(manifest_url, false).await?;
+        let matches = |ds: &Dataset| {
+            ds.manifest()
+                .shards
+                .get(shard as usize)
+                .is_some_and(|i| i.bytes == bytes && i.checksum_u64() == Some(checksum))
+        };
+        if !fresh && !matches(&ds) {
+            // The requester may hold a newer manifest (re-packed under the same URL).
+            ds = self.dataset(manifest_url, true).await?.0;
+        }
+        let Some(info) = ds.manifest().shards.get(shard as usize) else {
+            return bad("no such shard in the manifest");
+        };
+        let id = ShardId {
+            checksum: info.checksum_u64().ok_or_else(|| {
+                Error::Refused(format!(
+                    "refused {manifest_url:?} shard {shard}: manifest checksum unreadable"
+                ))
+            })?,
+            bytes: info.bytes,
+        };
+        if id.checksum != checksum || id.bytes != bytes || bytes > SHARD_MAX {
+            return bad("checksum or size does not match the manifest");
+        }
+        Ok(Req {
+            ds,
+            shard: shard as usize,
+            id,
+        })
+    }
+
+    /// The dataset of `url`: the one held, unless it is older than `manifest_revalidate_after`
+    /// or `reload` asks (and it is at least a second old); else loaded now. Also whether it
+    /// was loaded by this call.
+    pub(super) async fn dataset(&self, url: &str, reload: bool) -> Result<(Arc<Dataset>, bool), Error> {
+        let now = Instant::now();
+        {
+            let mut held = self.datasets.lock().expect("datasets lock");
+            if let Some(h) = held.get_mut(url) {
+                let age = now.duration_since(h.loaded);
+                let stale = age >= self.cfg.manifest_revalidate_after || (reload && age >= Duration::from_secs(1));
+                if !stale {
+                    h.used = now;
+                    return Ok((h.ds.clone(), false));
+                }
+            }
+        }
+        let d = tokio::time::timeout(Duration::from_secs(60), Dataset::open(url))
+            .await
+            .map_err(|_| Error::Refused(format!("refused {url:?}: manifest did not load in 60 s")))?
+            .map_err(|e| Error::Refused(format!("refused {url:?}: {e}")))?;
+        let d = Arc::new(d);
+        let mut held = self.datasets.lock().expect("datasets lock");
+        if !held.contains_key(url) && held.len() >= self.cfg.datasets_open_max.max(1) {
+            // Requests in flight keep their own reference to an evicted dataset.
+            if let Some(lru) = held.iter().min_by_key(|(_, h)| h.used).map(|(k, _)| k.clone()) {
+                held.remove(&lru);
+            }
+        }
+        held.insert(
+            url.to_owned(),
+            HeldDataset {
+                ds: d.clone(),
+                loaded: now,
+                used: now,
+            },
+        );
+        Ok((d, true))
+    }
+
+    /// Datasets held open now.
+    pub(super) fn datasets_open(&self) -> usize {
+        self.datasets.lock().expect("datasets lock").len()
+    }
+}
