@@ -1,0 +1,176 @@
+//! One sample read on its own (random access, and global shuffle): from a whole shard held
+//! in memory, the disk cache (a pinned `CachedShard`, two reads), or two ranged GETs while the
+//! whole shard loads in the background.
+
+use super::*;
+
+impl Stream {
+    /// One sample, by its index in stream `stream`'s dataset (random access, as a map-style
+    /// dataset needs): from a whole shard held in memory, else from the disk cache (two reads),
+    /// else with two ranged GETs while the whole shard loads in the background (through the
+    /// host daemon, the disk cache or the origin, verified), so each shard crosses the network
+    /// once and the following samples of it are local. At most `resident_bytes_max` of shards
+    /// are held; the oldest go first.
+    pub fn get(&self, stream: usize, global_index: u64) -> Result<Sample> {
+        let (id, src) = self.locate(stream, global_index)?;
+        Ok(Sample {
+            epoch: 0,
+            position: 0,
+            id,
+            global_index,
+            record: self.read_random(id)?,
+            schema: src.schema.clone(),
+        })
+    }
+
+    /// [`Stream::get`] when the sample is local (a shard held in memory or in the disk cache):
+    /// `Ok(None)` when reading it would need the network. It never waits on I/O beyond a
+    /// local read, so a caller may run it inline.
+    pub fn get_local(&self, stream: usize, global_index: u64) -> Result<Option<Sample>> {
+        let (id, src) = self.locate(stream, global_index)?;
+        let Some(record) = self.read_local(id)? else {
+            return Ok(None);
+        };
+        Ok(Some(Sample {
+            epoch: 0,
+            position: 0,
+            id,
+            global_index,
+            record,
+            schema: src.schema.clone(),
+        }))
+    }
+
+    pub(super) fn locate(&self, stream: usize, global_index: u64) -> Result<(SampleRef, &Source)> {
+        let src = self
+            .shared
+            .sources
+            .get(stream)
+            .ok_or_else(|| Error::invalid(format!("stream {stream}"), "no such stream"))?;
+        let (shard, index) = src.ds.manifest().locate(global_index).ok_or_else(|| {
+            Error::invalid(
+                format!("{} sample {global_index}", src.ds.manifest_url()),
+                format!("the dataset has {} samples", src.ds.manifest().samples),
+            )
+        })?;
+        let id = SampleRef {
+            stream: stream as u32,
+            shard: shard as u32,
+            index: index as u32,
+        };
+        Ok((id, src))
+    }
+
+    /// [`Stream::get`]'s read of one record.
+    pub(super) fn read_random(&self, id: SampleRef) -> Result<Bytes> {
+        if let Some(rec) = self.read_local(id)? {
+            return Ok(rec);
+        }
+        self.load_in_background((id.stream, id.shard));
+        self.rt.block_on(fetch_sample_ranged(&self.shared, id))
+    }
+
+    /// `id`'s record from a whole shard held in memory, else from the disk cache; `None` when
+    /// neither has it.
+    pub(super) fn read_local(&self, id: SampleRef) -> Result<Option<Bytes>> {
+        let held = self
+            .resident
+            .lock()
+            .expect("not poisoned")
+            .shards
+            .get(&(id.stream, id.shard))
+            .cloned();
+        if let Some(live) = held {
+            Metrics::add(&self.shared.metrics.resident_samples, 1);
+            return slice_record(&live, id, &self.shared).map(Some);
+        }
+        Ok(self.read_cached(id))
+    }
+
+    /// Starts loading a whole shard into [`Resident`], unless it is there, loading, or larger
+    /// than the budget. At most `shards_in_flight_max` load at once.
+    pub(super) fn load_in_background(&self, key: (u32, u32)) {
+        let max = self.shared.cfg.resident_bytes_max;
+        let size = self.shared.sources[key.0 as usize].ids[key.1 as usize].bytes;
+        if size > max {
+            return;
+        }
+        {
+            let mut r = self.resident.lock().expect("not poisoned");
+            if r.shards.contains_key(&key) || !r.loading.insert(key) {
+                return;
+            }
+        }
+        let (shared, resident, slots) = (self.shared.clone(), self.resident.clone(), self.loads.clone());
+        self.rt.spawn(async move {
+            let _slot = slots.acquire_owned().await.expect("semaphore open");
+            let got = fetch_shard(shared.clone(), key.0 as usize, key.1 as usize).await;
+            let src = &shared.sources[key.0 as usize];
+            let url = src.ds.store().url(&src.ds.manifest().shards[key.1 as usize].key);
+            let live = got.and_then(|bytes| {
+                let head = bytes
+                    .get(..64)
+                    .ok_or_else(|| Error::corrupt(Location::object(&url), "shorter than its header"))?;
+                let header = crate::format::Header::parse(head, &url)?;
+                Ok(Live {
+                    bytes,
+                    header,
+                    uses_left: 0,
+                })
+            });
+            let mut r = resident.lock().expect("not poisoned");
+            r.loading.remove(&key);
+            match live {
+                Ok(live) => r.insert(key, live, max),
+                // The samples of this shard go on being read one by one; a later read retries.
+                Err(e) => tracing::warn!(shard = %url, error = %e, "loading a whole shard for random access failed"),
+            }
+        });
+    }
+
+    /// One sample on its own: two reads from the disk cache when its shard is cached, else two
+    /// ranged GETs.
+    pub(super) async fn read_one(&mut self, id: SampleRef) -> Result<Bytes> {
+        match self.read_cached(id) {
+            Some(rec) => Ok(rec),
+            None => fetch_sample_ranged(&self.shared, id).await,
+        }
+    }
+
+    /// `id`'s record from the cached copy of its shard (two reads), or `None` when the shard is
+    /// not cached or the record there is damaged (its reader is then forgotten, and the caller
+    /// reads the sample from the origin).
+    pub(super) fn read_cached(&self, id: SampleRef) -> Option<Bytes> {
+        let r = self.cached_reader(id)?;
+        match r.1.read_record(id.index as u64) {
+            Ok(rec) => {
+                Metrics::add(&self.shared.metrics.cache_bytes, rec.len() as u64);
+                Some(Bytes::from(rec))
+            }
+            Err(_) => {
+                self.readers.borrow_mut().remove(&(id.stream, id.shard));
+                None
+            }
+        }
+    }
+
+    /// An open reader of the cached copy of `id`'s shard, if the cache has one.
+    pub(super) fn cached_reader(&self, id: SampleRef) -> Option<CachedReader> {
+        let key = (id.stream, id.shard);
+        if let Some(r) = self.readers.borrow().get(&key) {
+            return Some(r.clone());
+        }
+        let cache = self.shared.cache.as_ref()?;
+        let sid = self.shared.sources[id.stream as usize].ids[id.shard as usize];
+        // Pinned against eviction while this stream holds it (at most `OPEN_READERS_MAX`).
+        let shard = cache.shard(sid).ok()??;
+        let reader = shard.records().ok()?;
+        let r = Arc::new((shard, reader));
+        let mut readers = self.readers.borrow_mut();
+        if readers.len() >= OPEN_READERS_MAX {
+            readers.clear();
+        }
+        readers.insert(key, r.clone());
+        Some(r)
+    }
+}
