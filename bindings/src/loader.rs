@@ -9,8 +9,8 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use serde::Deserialize;
 
 use ramjet_engine::cache::CacheConfig;
-use ramjet_engine::image::{ImageSpec, OutType, SampleRng, Scratch, Slot};
-use ramjet_engine::loader::{Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
+use ramjet_engine::image::{OutType, Scratch};
+use ramjet_engine::loader::{Assembler, Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
 use ramjet_engine::stream::{StreamConfig, StreamState};
 use ramjet_engine::{Error, Stream};
 
@@ -227,9 +227,9 @@ pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64)> {
 #[pyclass(module = "ramjet._ramjet")]
 pub struct Reader {
     state: Arc<Mutex<(Stream, Scratch)>>,
-    spec: Option<ImageSpec>,
-    image_column: String,
-    seed: u64,
+    /// The loader's batch assembly, for one sample at a time (one per source: each has its
+    /// own schema).
+    assemblers: Arc<Vec<Assembler>>,
 }
 
 #[pymethods]
@@ -244,11 +244,17 @@ impl Reader {
         sc.resume_consumer = None;
         sc.first_epoch = 0;
         let stream = interruptible(py, move || Stream::open(sc))?.map_err(to_py)?;
+        // The loader's assembly with the evaluation settings given, the boxes column left as
+        // its JSON text (one sample has no batch offsets), and a corrupt image an error.
+        let mut lc = cfg.loader.clone();
+        lc.boxes_column = None;
+        lc.on_corrupt = ramjet_engine::loader::OnCorrupt::Error;
+        let assemblers = (0..stream.sources())
+            .map(|i| Assembler::new(lc.clone(), stream.schema(i), stream.metrics_handle(), 4))
+            .collect();
         Ok(Self {
             state: Arc::new(Mutex::new((stream, Scratch::default()))),
-            spec: cfg.loader.image.clone(),
-            image_column: cfg.loader.image_column.clone(),
-            seed: cfg.loader.stream.order.seed,
+            assemblers: Arc::new(assemblers),
         })
     }
 
@@ -299,76 +305,41 @@ impl Reader {
 
     /// Sample `index` of source `stream` as a dict (image as a `(3, H, W)` tensor).
     fn get<'py>(&self, py: Python<'py>, stream: usize, index: u64) -> PyResult<Bound<'py, PyDict>> {
-        let (state, spec, image_column, seed) = (
-            self.state.clone(),
-            self.spec.clone(),
-            self.image_column.clone(),
-            self.seed,
-        );
-        let r = interruptible(py, move || {
+        let (state, assemblers) = (self.state.clone(), self.assemblers.clone());
+        let batch = interruptible(py, move || {
             let mut g = state.lock().expect("not poisoned");
             let (st, scratch) = &mut *g;
             let s = st.get(stream, index)?;
             let url = st.shard_url(s.id.stream, s.id.shard);
-            let vals = s.values()?;
-            let schema = st.schema(stream);
-            let mut out = Vec::with_capacity(vals.len());
-            for (c, v) in schema.columns.iter().zip(vals) {
-                use ramjet_engine::format::ValueRef as V;
-                let item = match (v, &spec) {
-                    (V::Bytes(b), Some(spec)) if c.name == image_column => {
-                        let mut rng = SampleRng::new(seed, 0, stream as u32, index);
-                        let shape = vec![3, spec.height as i64, spec.width as i64];
-                        let res = match spec.out {
-                            OutType::U8 => {
-                                let mut v = vec![0u8; spec.elems()];
-                                ramjet_engine::image::process(b, spec, &mut rng, Slot::U8(&mut v), scratch)
-                                    .map(|_| Item::U8(v, shape))
-                            }
-                            OutType::F32 => {
-                                let mut v = vec![0f32; spec.elems()];
-                                ramjet_engine::image::process(b, spec, &mut rng, Slot::F32(&mut v), scratch)
-                                    .map(|_| Item::F32(v, shape))
-                            }
-                        };
-                        res.map_err(|reason| {
-                            Error::corrupt(
-                                ramjet_engine::Location::sample(url.clone(), index),
-                                format!("image column {:?}: {reason}", c.name),
-                            )
-                        })?
-                    }
-                    (V::Bytes(b), _) => Item::Bytes(b.to_vec()),
-                    (V::Str(t), _) | (V::Json(t), _) => Item::Text(t.to_string()),
-                    (V::Int64(x), _) => Item::Int(x),
-                    (V::Float64(x), _) => Item::Float(x),
-                };
-                out.push((c.name.clone(), item));
+            match assemblers.get(stream) {
+                Some(a) => a.one(0, s, url, scratch),
+                None => Err(Error::invalid("stream", format!("no source {stream}"))),
             }
-            Ok::<_, Error>(out)
-        })?;
+        })?
+        .map_err(to_py)?;
         let d = PyDict::new(py);
-        for (k, v) in r.map_err(to_py)? {
-            match v {
-                Item::U8(v, shape) => d.set_item(k, tensor(py, Storage::U8(v), shape, DType::U8)?)?,
-                Item::F32(v, shape) => d.set_item(k, tensor(py, Storage::F32(v), shape, DType::F32)?)?,
-                Item::Bytes(b) => d.set_item(k, PyBytes::new(py, &b))?,
-                Item::Text(t) => d.set_item(k, t)?,
-                Item::Int(x) => d.set_item(k, x)?,
-                Item::Float(x) => d.set_item(k, x)?,
+        for (name, col) in batch.columns {
+            match col {
+                ColumnData::Image {
+                    buf,
+                    height,
+                    width,
+                    out,
+                    ..
+                } => {
+                    let shape = vec![3, height as i64, width as i64];
+                    let dt = if out == OutType::U8 { DType::U8 } else { DType::F32 };
+                    d.set_item(&name, tensor(py, Storage::Host(buf), shape, dt)?)?;
+                }
+                ColumnData::Int64(v) => d.set_item(&name, v[0])?,
+                ColumnData::Float64(v) => d.set_item(&name, v[0])?,
+                ColumnData::Str(mut v) | ColumnData::Json(mut v) => d.set_item(&name, v.swap_remove(0))?,
+                ColumnData::Bytes(v) => d.set_item(&name, PyBytes::new(py, &v[0]))?,
+                ColumnData::Boxes { .. } => unreachable!("the reader's assembler parses no boxes"),
             }
         }
         d.set_item("_index", index)?;
         d.set_item("_stream", stream)?;
         Ok(d)
     }
-}
-
-enum Item {
-    U8(Vec<u8>, Vec<i64>),
-    F32(Vec<f32>, Vec<i64>),
-    Bytes(Vec<u8>),
-    Text(String),
-    Int(i64),
-    Float(f64),
 }

@@ -166,8 +166,9 @@ pub struct Batch {
     pub indices: Vec<i64>,
     /// Stream (source) of each sample.
     pub streams: Vec<i64>,
-    /// The stream's state after this batch's last sample.
-    pub state: StreamState,
+    /// The stream's state after this batch's last sample (`None` for samples read by random
+    /// access, which belong to no stream position).
+    pub state: Option<StreamState>,
     /// This is the epoch's last batch for this consumer.
     pub end_of_epoch: bool,
     /// Samples left out (with `OnCorrupt::Skip`).
@@ -191,7 +192,7 @@ struct Job {
     epoch: u64,
     samples: Vec<Sample>,
     urls: Vec<String>,
-    state: StreamState,
+    state: Option<StreamState>,
     end_of_epoch: bool,
 }
 
@@ -199,13 +200,49 @@ struct Job {
 type Done = (u64, Result<Batch>, Option<tokio::sync::OwnedSemaphorePermit>);
 
 /// Everything the decode threads share (read-only).
-struct Ctx {
+/// Batch assembly (decode, augment, collate into pooled buffers): the one implementation,
+/// used by the loader for whole batches on the decode pool and by random access (the Python
+/// package's map-style reads) for one sample.
+pub struct Assembler {
     cfg: LoaderConfig,
     schema: Arc<Schema>,
     pool: HostPool,
     seed: u64,
     metrics: Arc<Metrics>,
 }
+
+impl Assembler {
+    /// An assembler of `schema`'s samples with `cfg`'s image, columns and corrupt-image
+    /// settings, buffers from `cfg.pool` (else `buffers` aligned host buffers).
+    pub fn new(cfg: LoaderConfig, schema: Arc<Schema>, metrics: Arc<Metrics>, buffers: usize) -> Assembler {
+        let pool = cfg
+            .pool
+            .clone()
+            .unwrap_or_else(|| HostPool::new(Box::new(crate::hostbuf::AlignedAlloc), buffers));
+        Assembler {
+            seed: cfg.stream.order.seed,
+            cfg,
+            schema,
+            pool,
+            metrics,
+        }
+    }
+
+    /// One sample (read by random access) as a batch of one, with `epoch`'s augmentation.
+    pub fn one(&self, epoch: u64, sample: Sample, url: String, scratch: &mut Scratch) -> Result<Batch> {
+        let job = Job {
+            seq: 0,
+            epoch,
+            samples: vec![sample],
+            urls: vec![url],
+            state: None,
+            end_of_epoch: false,
+        };
+        assemble(self, job, scratch)
+    }
+}
+
+type Ctx = Assembler;
 
 /// A running batch pipeline. Dropping it stops its reader task.
 pub struct Loader {
@@ -278,17 +315,7 @@ impl Loader {
         // Every batch cut holds an `ahead` permit until handed out, so at most `ahead` sit in
         // this channel: it never blocks a decode job.
         let (done_tx, done_rx) = bounded::<Done>(ahead);
-        let pool = cfg
-            .pool
-            .clone()
-            .unwrap_or_else(|| HostPool::new(Box::new(crate::hostbuf::AlignedAlloc), ahead + 4));
-        let ctx = Arc::new(Ctx {
-            seed: cfg.stream.order.seed,
-            cfg,
-            schema: schema.clone(),
-            pool,
-            metrics: metrics.clone(),
-        });
+        let ctx = Arc::new(Assembler::new(cfg, schema.clone(), metrics.clone(), ahead + 4));
         let decode = crate::rt::decode_pool()?;
         let rt = crate::rt::handle()?;
         // Dropped on a runtime thread (when the reader task ends or is aborted), the stream
@@ -449,7 +476,7 @@ async fn read_loop(
             epoch,
             samples,
             urls: job_urls,
-            state,
+            state: Some(state),
             end_of_epoch,
         };
         seq += 1;
