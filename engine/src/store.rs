@@ -486,7 +486,8 @@ fn shared_client(
     build: impl FnOnce() -> Result<Arc<dyn ObjectStore>>,
 ) -> Result<Arc<dyn ObjectStore>> {
     type Clients = std::sync::Mutex<std::collections::HashMap<String, Arc<dyn ObjectStore>>>;
-    static CLIENTS: std::sync::OnceLock<Clients> = std::sync::OnceLock::new();
+    // Per process: a forked child must not wait on a lock a parent thread held at the fork.
+    static CLIENTS: crate::rt::PerProcess<Clients> = crate::rt::PerProcess::new();
     let mut env: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| ["AWS_", "GOOGLE_", "AZURE_"].iter().any(|p| k.starts_with(p)))
         .collect();
@@ -500,7 +501,7 @@ fn shared_client(
         config.connect_timeout_ms,
         config.retry.window_ms
     );
-    let clients = CLIENTS.get_or_init(Default::default);
+    let clients = CLIENTS.get(|| Ok(Default::default()))?;
     if let Some(c) = clients.lock().expect("client cache lock").get(&key) {
         return Ok(c.clone());
     }

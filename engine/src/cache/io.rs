@@ -126,13 +126,17 @@ pub struct BufPool {
 }
 
 impl BufPool {
-    /// The process-wide pool.
+    /// The process-wide pool (a forked child makes its own: its lock may have been held by a
+    /// parent thread at the fork).
     pub fn global() -> &'static BufPool {
-        static POOL: std::sync::OnceLock<BufPool> = std::sync::OnceLock::new();
-        POOL.get_or_init(|| BufPool {
-            free: std::sync::Mutex::new(Vec::new()),
-            retained: AtomicU64::new(0),
+        static POOL: crate::rt::PerProcess<BufPool> = crate::rt::PerProcess::new();
+        POOL.get(|| {
+            Ok(BufPool {
+                free: std::sync::Mutex::new(Vec::new()),
+                retained: AtomicU64::new(0),
+            })
         })
+        .expect("making a pool cannot fail")
     }
 
     /// A buffer of `len` bytes whose contents are unspecified (old data or uninitialised).

@@ -50,7 +50,10 @@ pub(super) async fn fetch_shard_provider(
     shard: usize,
 ) -> Option<Bytes> {
     let (sh, p) = (shared.clone(), p.clone());
-    let Ok(_call) = PROVIDER_CALLS.acquire().await else {
+    let calls = PROVIDER_CALLS
+        .get(|| Ok(tokio::sync::Semaphore::new(crate::rt::BLOCKING_THREADS_MAX / 2)))
+        .ok()?;
+    let Ok(_call) = calls.acquire().await else {
         return None;
     };
     let r = tokio::task::spawn_blocking(move || {
@@ -179,9 +182,9 @@ pub(super) async fn fetch_lock(cache: &Cache, id: ShardId) -> Result<crate::cach
 
 /// Host-daemon calls in flight in this process: each holds a blocking-pool thread while the
 /// daemon works, and an embedded daemon needs threads of the same pool to answer, so they may
-/// take at most half of it.
-pub(super) static PROVIDER_CALLS: tokio::sync::Semaphore =
-    tokio::sync::Semaphore::const_new(crate::rt::BLOCKING_THREADS_MAX / 2);
+/// take at most half of it. Per process: a forked child must not inherit permits held by
+/// calls of its parent that it will never see finish (that hung DataLoader workers).
+pub(super) static PROVIDER_CALLS: crate::rt::PerProcess<tokio::sync::Semaphore> = crate::rt::PerProcess::new();
 
 pub(super) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f)
