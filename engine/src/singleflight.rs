@@ -1,5 +1,6 @@
 //! One fetch per shard at a time: the one singleflight of ramjet, used by the stream (a whole
-//! shard wanted by two datasets, or by a loader and random access, in one process) and by the
+//! shard wanted by two datasets, or by a loader and random access, in one process, through the
+//! same host-daemon client and cache directory) and by the
 //! host daemon (every loader and peer of a host asking for the same shard).
 //!
 //! Two layers:

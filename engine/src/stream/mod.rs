@@ -202,6 +202,11 @@ struct Shared {
     metrics: Arc<Metrics>,
     cfg: StreamConfig,
     shapes: Vec<StreamShape>,
+    /// Which source chain this stream fetches through (its host-daemon client and its cache
+    /// directory): whole-shard fetches coalesce in the process only between streams of the
+    /// same chain (streams that stand for different hosts, as in the cluster benchmark, never
+    /// share one).
+    chain: u64,
 }
 
 type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
@@ -397,7 +402,16 @@ impl Stream {
             .unwrap_or(0);
         let insert_permits =
             (cfg.prefetch_bytes_max.max(largest) / INSERT_PERMIT_BYTES + 1).min(u32::MAX as u64) as u32;
+        let chain = {
+            let provider = cfg
+                .provider
+                .as_ref()
+                .map_or(0, |p| Arc::as_ptr(p) as *const () as usize);
+            let dir = cfg.cache.as_ref().map(|c| c.dir.clone());
+            xxhash_rust::xxh3::xxh3_64(format!("{provider}\0{dir:?}").as_bytes())
+        };
         let shared = Arc::new(Shared {
+            chain,
             inserts: Arc::new(tokio::sync::Semaphore::new(insert_permits as usize)),
             insert_permits,
             filler: match &cache {

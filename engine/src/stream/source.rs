@@ -89,7 +89,7 @@ pub(super) async fn fetch_shard_provider(
 
 /// Whole-shard fetches in flight in this process, by shard (`crate::singleflight`), remade in
 /// a forked child.
-pub(super) static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<Flights<ShardId, Result<Bytes>>>> =
+pub(super) static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<Flights<(ShardId, u64), Result<Bytes>>>> =
     crate::rt::PerProcess::new();
 
 /// A whole shard, fetched once in this process however many streams want it at once: the
@@ -98,9 +98,10 @@ pub(super) async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize
     let flights = SHARD_FLIGHTS.get(|| Ok(Arc::default()))?;
     let id = shared.sources[stream].ids[shard];
     let sh = shared.clone();
+    let key = (id, shared.chain);
     let (flight, joined) = flights.join_or_start(
-        &[id],
-        id,
+        &[key],
+        key,
         move || fetch_shard_once(sh, stream, shard),
         |why| {
             Err(Error::Internal {
