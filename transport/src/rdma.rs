@@ -300,7 +300,7 @@ impl RdmaTransport {
         ctl.send(&hello).await.map_err(io)?;
         let reply = tokio::time::timeout(self.cfg.peer_timeout, ctl.recv())
             .await
-            .map_err(|_| Error::peer(peer, format!("RDMA connect: no reply in time")))?
+            .map_err(|_| Error::peer(peer, "RDMA connect: no reply in time"))?
             .map_err(io)?;
         match reply {
             Msg::RdmaConnect(remote) => {

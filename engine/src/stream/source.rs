@@ -87,10 +87,12 @@ pub(super) async fn fetch_shard_provider(
     }
 }
 
-/// Whole-shard fetches in flight in this process, by shard (`crate::singleflight`), remade in
-/// a forked child.
-pub(super) static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<Flights<(ShardId, u64), Result<Bytes>>>> =
-    crate::rt::PerProcess::new();
+/// Whole-shard flights keyed by shard and source chain.
+type ShardFlights = Flights<(ShardId, u64), Result<Bytes>>;
+
+/// Whole-shard fetches in flight in this process (`crate::singleflight`), remade in a forked
+/// child.
+pub(super) static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<ShardFlights>> = crate::rt::PerProcess::new();
 
 /// A whole shard, fetched once in this process however many streams want it at once: the
 /// first starts the flight ([`fetch_shard_once`]), the others join it.
