@@ -151,6 +151,17 @@ fn tensor(py: Python<'_>, storage: Storage, shape: Vec<i64>, dtype: DType) -> Py
     Py::new(py, Tensor::new(storage, shape, dtype))
 }
 
+/// Decoded images in a pooled buffer, as a tensor of `shape` (zero-copy).
+fn image_tensor(
+    py: Python<'_>,
+    buf: ramjet_engine::hostbuf::HostBuf,
+    shape: Vec<i64>,
+    out: OutType,
+) -> PyResult<Py<Tensor>> {
+    let dt = if out == OutType::U8 { DType::U8 } else { DType::F32 };
+    tensor(py, Storage::Host(buf), shape, dt)
+}
+
 fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'_, PyDict>)> {
     let d = PyDict::new(py);
     let n = b.len() as i64;
@@ -164,8 +175,7 @@ fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'
                 out,
             } => {
                 let shape = vec![n as i64, 3, height as i64, width as i64];
-                let dt = if out == OutType::U8 { DType::U8 } else { DType::F32 };
-                d.set_item(&name, tensor(py, Storage::Host(buf), shape, dt)?)?;
+                d.set_item(&name, image_tensor(py, buf, shape, out)?)?;
             }
             ColumnData::Int64(v) => d.set_item(&name, tensor(py, Storage::I64(v), vec![n], DType::I64)?)?,
             ColumnData::Float64(v) => d.set_item(&name, tensor(py, Storage::F64(v), vec![n], DType::F64)?)?,
@@ -327,9 +337,7 @@ impl Reader {
                     out,
                     ..
                 } => {
-                    let shape = vec![3, height as i64, width as i64];
-                    let dt = if out == OutType::U8 { DType::U8 } else { DType::F32 };
-                    d.set_item(&name, tensor(py, Storage::Host(buf), shape, dt)?)?;
+                    d.set_item(&name, image_tensor(py, buf, vec![3, height as i64, width as i64], out)?)?;
                 }
                 ColumnData::Int64(v) => d.set_item(&name, v[0])?,
                 ColumnData::Float64(v) => d.set_item(&name, v[0])?,

@@ -104,27 +104,6 @@ impl ImageSpec {
         .into()
     }
 
-    /// The flat form of this spec (what a configuration file or the Python package writes).
-    pub fn config(&self) -> ImageConfig {
-        let mut c = ImageConfig {
-            width: self.width,
-            height: self.height,
-            float: self.out == OutType::F32,
-            mean: self.mean,
-            std: self.std,
-            dct_scaling: self.dct_scaling,
-            ..ImageConfig::default()
-        };
-        match self.augment {
-            Augment::RandomResizedCrop { scale, ratio, flip } => {
-                (c.augment, c.scale, c.ratio, c.flip) = (AugmentName::Train, scale, ratio, flip)
-            }
-            Augment::CenterCrop { crop_fraction } => (c.augment, c.crop_fraction) = (AugmentName::Eval, crop_fraction),
-            Augment::Resize => c.augment = AugmentName::Resize,
-        }
-        c
-    }
-
     /// Elements per image (3 x height x width).
     pub fn elems(&self) -> usize {
         3 * self.width as usize * self.height as usize

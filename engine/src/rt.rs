@@ -125,7 +125,6 @@ type Job = Box<dyn FnOnce() + Send>;
 /// A fixed set of CPU threads taking jobs in submission order.
 pub struct Pool {
     tx: crossbeam_channel::Sender<Job>,
-    threads: usize,
 }
 
 impl Pool {
@@ -144,18 +143,13 @@ impl Pool {
                 })
                 .map_err(|e| Error::io("decode thread", e))?;
         }
-        Ok(Pool { tx, threads })
+        Ok(Pool { tx })
     }
 
     /// Queues a job.
     pub fn spawn(&self, job: impl FnOnce() + Send + 'static) {
         // The pool's threads hold the receiver for the life of the process.
         let _ = self.tx.send(Box::new(job));
-    }
-
-    /// Threads in the pool.
-    pub fn threads(&self) -> usize {
-        self.threads
     }
 }
 
@@ -167,16 +161,6 @@ pub fn decode_pool() -> Result<&'static Pool> {
             env_threads("RAMJET_DECODE_THREADS").unwrap_or_else(cores),
         )
     })
-}
-
-/// Threads named `ramjet-*` in this process now (Linux; 0 elsewhere).
-pub fn ramjet_threads() -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
-        .filter(|c| c.starts_with("ramjet-"))
-        .count()
 }
 
 #[cfg(test)]

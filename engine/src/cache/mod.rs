@@ -371,11 +371,6 @@ pub struct CachedShard {
 }
 
 impl CachedShard {
-    /// The shard's identity.
-    pub fn id(&self) -> ShardId {
-        self.id
-    }
-
     /// The open file (pinned while this handle lives).
     pub fn file(&self) -> &File {
         self.pin.file()

@@ -37,7 +37,7 @@ use std::fs::File;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -82,7 +82,6 @@ struct Inner {
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
     started: Instant,
-    stopping: AtomicBool,
     /// Set when the daemon stops: every task it started ends at its next await (they run on
     /// the process's shared runtime, which outlives the daemon).
     stop: tokio::sync::watch::Sender<bool>,
@@ -224,7 +223,6 @@ impl Daemon {
             #[cfg(feature = "rdma")]
             rdma,
             started: Instant::now(),
-            stopping: AtomicBool::new(false),
             stop: tokio::sync::watch::channel(false).0,
             cfg,
         });
@@ -233,17 +231,15 @@ impl Daemon {
         inner.spawn(serve_local(inner.clone(), local));
         let mut peer_addr = None;
         if let Some(a) = inner.cfg.listen {
-            let l = std::net::TcpListener::bind(a)?;
-            l.set_nonblocking(true)?;
-            peer_addr = Some(l.local_addr()?);
-            inner.spawn(serve_peers(inner.clone(), TcpListener::from_std(l)?));
+            let (l, at) = bind_tcp(a)?;
+            peer_addr = Some(at);
+            inner.spawn(serve_peers(inner.clone(), l));
         }
         let mut http_addr = None;
         if let Some(a) = inner.cfg.http {
-            let l = std::net::TcpListener::bind(a)?;
-            l.set_nonblocking(true)?;
-            http_addr = Some(l.local_addr()?);
-            inner.spawn(serve_http(inner.clone(), TcpListener::from_std(l)?));
+            let (l, at) = bind_tcp(a)?;
+            http_addr = Some(at);
+            inner.spawn(serve_http(inner.clone(), l));
         }
         if let Some(f) = inner.cfg.peers_file.clone() {
             inner.spawn(watch_members(inner.clone(), f));
@@ -314,10 +310,17 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        self.inner.stopping.store(true, Ordering::Relaxed);
         let _ = std::fs::remove_file(&self.inner.cfg.socket);
         self.inner.stop.send_replace(true);
     }
+}
+
+/// A listener on `a` for the runtime, and the address it bound (port 0 picks one).
+fn bind_tcp(a: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
+    let l = std::net::TcpListener::bind(a)?;
+    l.set_nonblocking(true)?;
+    let at = l.local_addr()?;
+    Ok((TcpListener::from_std(l)?, at))
 }
 
 fn bind_unix(path: &Path) -> std::io::Result<UnixListener> {
