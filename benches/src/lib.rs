@@ -15,6 +15,24 @@ use std::time::{Duration, Instant};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// CPU seconds (user + system) used so far by this process (every thread, the kernel's
+/// io_uring workers included) or, with `children`, by its waited-for child processes.
+pub fn cpu_seconds(children: bool) -> f64 {
+    let who = if children {
+        libc::RUSAGE_CHILDREN
+    } else {
+        libc::RUSAGE_SELF
+    };
+    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given (zeroed, so valid even if it fails).
+    let r = unsafe {
+        libc::getrusage(who, u.as_mut_ptr());
+        u.assume_init()
+    };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(r.ru_utime) + t(r.ru_stime)
+}
+
 /// Whether this is a real run (`cargo bench`) or a quick test-mode run (`cargo test`).
 pub fn full_run() -> bool {
     std::env::args().any(|a| a == "--bench")

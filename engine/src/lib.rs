@@ -19,6 +19,7 @@ pub mod order;
 pub mod provider;
 pub mod rt;
 pub mod singleflight;
+pub mod source;
 pub mod store;
 pub mod stream;
 

@@ -286,8 +286,7 @@ impl Loader {
         if cfg.batch_size == 0 {
             return Err(Error::invalid("batch_size", "must be at least 1"));
         }
-        let mut stream = Stream::open(cfg.stream.clone())?;
-        let first_gate = stream.defer_first_gate();
+        let (mut stream, first_gate) = Stream::open_gated(cfg.stream.clone())?;
         let schema = stream.schema(0);
         for s in 1..stream.sources() {
             if *stream.schema(s) != *schema {

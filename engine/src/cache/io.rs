@@ -2,10 +2,13 @@
 //!
 //! - [`UringIo`]: io_uring on the process's I/O core: N threads (`RAMJET_IO_THREADS`, default
 //!   the cores), each owning one ring with registered (fixed) buffers; a request is routed to a
-//!   ring by its file (so by shard) through that thread's own queue, with no lock shared
-//!   between rings. A ring runs one file at a time with up to [`IO_CHUNKS_IN_FLIGHT`] chunks in
-//!   flight and reaps every completion that is ready at each wake; several files go to several
-//!   rings at once. `O_DIRECT` where the filesystem allows it.
+//!   ring by its file (so by shard), or to a less loaded ring when that one is busy, through
+//!   that thread's own queue, with no lock shared between rings. A ring runs one file at a time
+//!   with up to [`IO_CHUNKS_IN_FLIGHT`] chunks in flight and reaps every completion that is
+//!   ready at each wake; several files go to several rings at once. Buffered reads and writes
+//!   go straight between the page cache and the caller's memory; O_DIRECT (where the
+//!   filesystem allows it) reads into a registered destination and writes from the
+//!   registered bounce buffers.
 //! - [`PreadIo`]: plain `pread`/`pwrite`, the fallback where io_uring is unavailable.
 //! - [`FaultyIo`]: wraps another and flips bytes or fails writes, for tests.
 //!
@@ -23,7 +26,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -35,6 +38,8 @@ pub const IO_ALIGN: usize = 4096;
 pub const IO_CHUNK_BYTES: usize = 1 << 20;
 /// Registered buffers per ring, and so operations in flight per thread.
 pub const IO_CHUNKS_IN_FLIGHT: usize = 8;
+/// Kernel io-wq workers of a cache writer's ring (see [`own_ring_on_this_thread`]).
+pub const WRITER_IO_WORKERS_MAX: usize = 2;
 /// The registered-buffer slot that points at the current read's destination.
 const DEST_SLOT: u16 = IO_CHUNKS_IN_FLIGHT as u16;
 
@@ -311,6 +316,9 @@ struct RingFaults {
     sq_full: u32,
     /// Fail every buffer registration with ENOMEM (as RLIMIT_MEMLOCK does for non-root users).
     register_enomem: bool,
+    /// Run every call at full depth from its first operation, as for a file not in the page
+    /// cache (so tests on page-cached files get several operations in flight).
+    full_depth: bool,
 }
 
 /// Attempts to drain operations still in flight after a failed wait before the ring is given
@@ -337,6 +345,15 @@ struct Ring {
 impl Ring {
     fn new() -> io::Result<Ring> {
         Self::with_faults(RingFaults::default())
+    }
+
+    /// A cache writer's ring: the kernel runs its buffered writes on at most
+    /// [`WRITER_IO_WORKERS_MAX`] io-wq workers (one file is written at a time, at low priority).
+    fn for_writer() -> io::Result<Ring> {
+        let r = Self::new()?;
+        let mut workers = [WRITER_IO_WORKERS_MAX as u32, 1];
+        let _ = r.ring.submitter().register_iowq_max_workers(&mut workers);
+        Ok(r)
     }
 
     fn with_faults(faults: RingFaults) -> io::Result<Ring> {
@@ -517,6 +534,14 @@ impl Ring {
     /// for chunk `i`; `done(i, buf_index, result)` handles its completion. At most one operation
     /// per bounce buffer is in flight, so a buffer is never reused before the kernel is done,
     /// and nothing is in flight when this returns (or the ring is marked stuck).
+    ///
+    /// Depth adapts to where the data is. A call starts with one operation in flight: a
+    /// buffered read of a page-cached file completes while it is being submitted, and its chunk
+    /// is then handed to `done` (which hashes it) while it is still in the core's L2 cache;
+    /// eight chunks submitted at once were hashed after the first had left it, at a third of
+    /// the speed (docs/dependencies.md, `twox-hash`). The first operation that does not
+    /// complete on submission (the disk, O_DIRECT) raises the depth to every bounce buffer for
+    /// the rest of the call.
     fn run(
         &mut self,
         ops: usize,
@@ -531,8 +556,10 @@ impl Ring {
         let mut free: Vec<u16> = (0..self.bufs.len() as u16).collect();
         let mut owner = vec![usize::MAX; self.bufs.len()];
         let mut first_err: Option<io::Error> = None;
+        let full = self.bufs.len();
+        let mut depth = if self.faults.full_depth { full } else { 1 };
         while (next < ops && first_err.is_none()) || self.in_flight > 0 {
-            while next < ops && first_err.is_none() {
+            while next < ops && first_err.is_none() && self.in_flight < depth {
                 let Some(b) = free.pop() else { break };
                 let ptr = self.bufs[b as usize].full_mut().as_mut_ptr();
                 let e = prep(next, b, ptr, self.registered).user_data(b as u64);
@@ -555,6 +582,15 @@ impl Ring {
             }
             if self.in_flight == 0 {
                 break;
+            }
+            if depth < full && first_err.is_none() {
+                // Hand the queue over without waiting: an operation served from the page cache
+                // completes in this call. A failure here is seen again by the wait below.
+                let _ = self.ring.submit();
+                if self.ring.completion().is_empty() {
+                    depth = full;
+                    continue;
+                }
             }
             if let Err(e) = self.wait() {
                 // Nothing may be returned (or freed) while the kernel still owns buffers.
@@ -589,7 +625,32 @@ type ScopedRingJob<'a> = Box<dyn FnOnce(&mut Option<Ring>) + Send + 'a>;
 /// its key (the cache file) hashes to, through that thread's own queue, so no lock is shared
 /// between rings and one file's chunks are always on one ring.
 struct IoCore {
-    queues: Vec<std::sync::mpsc::Sender<RingJob>>,
+    lanes: Vec<Lane>,
+}
+
+/// One I/O thread's queue, and how many jobs are queued on it or running there.
+struct Lane {
+    queue: std::sync::mpsc::Sender<RingJob>,
+    load: AtomicUsize,
+}
+
+impl IoCore {
+    /// The lane for a request keyed `key`: the one its key names, unless that one is busy and
+    /// another is less loaded (then the least loaded, the first of equals). One file's request
+    /// is one job, so its chunks always share one ring; routing by key alone left a warm epoch
+    /// of 6 shards on 2 rings split 4:2 about half the time, one core idle while the other
+    /// read (docs/benchmarks.md, "Engine core"). Reading the loads takes no lock.
+    fn lane(&self, key: u64) -> &Lane {
+        let home = &self.lanes[(key % self.lanes.len() as u64) as usize];
+        if home.load.load(Ordering::Relaxed) == 0 {
+            return home;
+        }
+        self.lanes
+            .iter()
+            .min_by_key(|l| l.load.load(Ordering::Relaxed))
+            .filter(|l| l.load.load(Ordering::Relaxed) < home.load.load(Ordering::Relaxed))
+            .unwrap_or(home)
+    }
 }
 
 static CORE: crate::rt::PerProcess<IoCore> = crate::rt::PerProcess::new();
@@ -605,7 +666,7 @@ pub fn io_threads() -> usize {
 
 impl IoCore {
     fn new(threads: usize) -> crate::Result<IoCore> {
-        let mut queues = Vec::with_capacity(threads);
+        let mut lanes = Vec::with_capacity(threads);
         for i in 0..threads {
             let (tx, rx) = std::sync::mpsc::channel::<RingJob>();
             std::thread::Builder::new()
@@ -617,9 +678,12 @@ impl IoCore {
                     }
                 })
                 .map_err(|e| crate::Error::io("I/O core thread", e))?;
-            queues.push(tx);
+            lanes.push(Lane {
+                queue: tx,
+                load: AtomicUsize::new(0),
+            });
         }
-        Ok(IoCore { queues })
+        Ok(IoCore { lanes })
     }
 }
 
@@ -645,17 +709,7 @@ fn with_ring_on<T: Send>(core: &IoCore, key: u64, f: impl FnOnce(&mut Ring) -> i
     let f = OnRing(f);
     let job = move |slot: &mut Option<Ring>| {
         let f = f;
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if slot.is_none() {
-                *slot = Some(Ring::new()?);
-            }
-            let ring = slot.as_mut().expect("ring just created");
-            let r = (f.0)(ring);
-            if ring.stuck {
-                std::mem::forget(slot.take());
-            }
-            r
-        }));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_in_slot(slot, Ring::new, f.0)));
         let _ = tx.send(r);
     };
     let job: ScopedRingJob<'_> = Box::new(job);
@@ -664,15 +718,58 @@ fn with_ring_on<T: Send>(core: &IoCore, key: u64, f: impl FnOnce(&mut Ring) -> i
     // dropped without running (the receive below then fails); either way nothing it borrows
     // is used after this function returns.
     let job: RingJob = unsafe { std::mem::transmute::<ScopedRingJob<'_>, RingJob>(job) };
-    let q = &core.queues[(key % core.queues.len() as u64) as usize];
-    if q.send(job).is_err() {
+    let lane = core.lane(key);
+    lane.load.fetch_add(1, Ordering::Relaxed);
+    let sent = lane.queue.send(job).is_ok();
+    if !sent {
+        lane.load.fetch_sub(1, Ordering::Relaxed);
         return Err(io::Error::other("the I/O core thread has ended"));
     }
-    match rx.recv() {
+    let got = rx.recv();
+    lane.load.fetch_sub(1, Ordering::Relaxed);
+    match got {
         Ok(Ok(r)) => r,
         Ok(Err(panic)) => std::panic::resume_unwind(panic),
         Err(_) => Err(io::Error::other("the I/O core thread has ended")),
     }
+}
+
+/// Runs `f` on the ring in `slot`, made on first use; a ring left stuck is leaked, never
+/// dropped, and the next call makes a fresh one.
+fn run_in_slot<T>(
+    slot: &mut Option<Ring>,
+    make: fn() -> io::Result<Ring>,
+    f: impl FnOnce(&mut Ring) -> io::Result<T>,
+) -> io::Result<T> {
+    if slot.is_none() {
+        *slot = Some(make()?);
+    }
+    let ring = slot.as_mut().expect("ring just created");
+    let r = f(ring);
+    if ring.stuck {
+        std::mem::forget(slot.take());
+    }
+    r
+}
+
+thread_local! {
+    /// The ring of a thread that owns one: the cache writers (see [`own_ring_on_this_thread`]).
+    /// `None` on every other thread, whose requests go to the I/O core.
+    static OWN_RING: std::cell::RefCell<Option<Option<Ring>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Makes this thread run its own cache I/O on a ring of its own instead of the I/O core's.
+/// For the cache writers (`cache::Filler`), which run at a low CPU priority: the kernel's
+/// io_uring workers for their buffered writes are made from the thread that owns the ring and
+/// take its priority, so a cache copy never takes a core from the read path. On an I/O core
+/// thread (nice 0) those workers ran at normal priority.
+pub fn own_ring_on_this_thread() {
+    OWN_RING.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.is_none() {
+            *r = Some(None);
+        }
+    });
 }
 
 /// The route of a cache file: a hash of its path (which names the shard).
@@ -704,7 +801,18 @@ impl UringIo {
     fn on_ring<T: Send>(&self, path: &Path, f: impl FnOnce(&mut Ring) -> io::Result<T>) -> io::Result<T> {
         match &self.core {
             Some(c) => with_ring_on(c, route(path), f),
-            None => with_ring(route(path), f),
+            None => {
+                let mut f = Some(f);
+                let own = OWN_RING.with(|r| {
+                    let mut r = r.borrow_mut();
+                    r.as_mut()
+                        .map(|slot| run_in_slot(slot, Ring::for_writer, f.take().expect("runs once")))
+                });
+                match own {
+                    Some(r) => r,
+                    None => with_ring(route(path), f.take().expect("not run")),
+                }
+            }
         }
     }
 
@@ -747,7 +855,7 @@ impl CacheIo for UringIo {
     }
 
     fn read_file(&self, path: &Path, hash_skip_tail: usize) -> io::Result<(Bytes, Option<u64>)> {
-        let (f, _direct) = self.open(path, false)?;
+        let (f, direct) = self.open(path, false)?;
         let len = f.metadata()?.len() as usize;
         // SAFETY: every byte of [0, len) is written by the reads below, each checked to be
         // complete; on any error the buffer is dropped unread (or leaked, if the ring is stuck).
@@ -761,7 +869,11 @@ impl CacheIo for UringIo {
             // SAFETY: `out` outlives the registration: the slot is cleared below, before this
             // closure returns, and no operation is in flight after `run` returns (or the ring is
             // stuck, and then `out` is leaked).
-            let fixed = unsafe { ring.register_dest(dst, cap) };
+            // Only O_DIRECT gains from a registered destination (the kernel pins each page once
+            // instead of once per operation). A buffered read is a copy out of the page cache,
+            // and registering the destination would pin every page of it for nothing: measured
+            // at 0.76x the speed of unregistered reads on warm files (docs/benchmarks.md).
+            let fixed = direct && unsafe { ring.register_dest(dst, cap) };
             let r = ring.run(
                 chunks,
                 |i, _slot, _bounce, _registered| {
@@ -818,14 +930,11 @@ impl CacheIo for UringIo {
         let chunks = data.len().div_ceil(IO_CHUNK_BYTES);
         let fd = io_uring::types::Fd(f.as_raw_fd());
         self.on_ring(path, |ring| {
-            // Buffered writes go straight from `data`, registered in the destination slot:
-            // a copy into the bounce buffers first would read every byte once more. O_DIRECT
-            // needs aligned lengths (the last chunk is padded), so it keeps the bounce buffers,
-            // as do writes from memory the kernel will not register (read-only mappings).
-            // SAFETY: `data` outlives the registration: the slot is cleared below, before this
-            // closure returns, and nothing is in flight after `run` returns (a stuck ring keeps
-            // the slot, but never runs another operation). The kernel only reads through it.
-            let in_place = !direct && unsafe { ring.register_dest(data.as_ptr() as *mut u8, data.len()) };
+            // Buffered writes go straight from `data` (the kernel copies it into the page
+            // cache; registering it would only pin its pages first): a copy into the bounce
+            // buffers would read every byte once more. O_DIRECT needs aligned lengths (the last
+            // chunk is padded), so it writes from the registered bounce buffers.
+            let in_place = !direct;
             let r = ring.run(
                 chunks,
                 |i, b, ptr, registered| {
@@ -833,7 +942,7 @@ impl CacheIo for UringIo {
                     let n = (data.len() - off).min(IO_CHUNK_BYTES);
                     if in_place {
                         let src = data[off..].as_ptr();
-                        return io_uring::opcode::WriteFixed::new(fd, src, n as u32, DEST_SLOT)
+                        return io_uring::opcode::Write::new(fd, src, n as u32)
                             .offset(off as u64)
                             .build();
                     }
@@ -869,9 +978,6 @@ impl CacheIo for UringIo {
                     Ok(())
                 },
             );
-            if in_place {
-                ring.clear_dest();
-            }
             if ring.stuck {
                 // `data` is borrowed and cannot be leaked here; a stuck ring only arises when the
                 // kernel refuses to report completions, and the process is then told loudly.
@@ -1021,7 +1127,8 @@ mod tests {
     fn ring_with(faults: RingFaults) -> Option<UringIo> {
         let core = IoCore::new(1).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
-        core.queues[0]
+        core.lanes[0]
+            .queue
             .send(Box::new(move |slot: &mut Option<Ring>| {
                 let r = Ring::with_faults(faults).map(|r| *slot = Some(r));
                 tx.send(r).unwrap();
@@ -1079,6 +1186,7 @@ mod tests {
     fn uring_failed_wait_returns_only_after_draining_in_flight_reads() {
         let Some(io) = ring_with(RingFaults {
             fail_wait_in_flight: Some((4, libc::EBUSY)),
+            full_depth: true,
             ..Default::default()
         }) else {
             return;

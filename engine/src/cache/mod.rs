@@ -451,6 +451,9 @@ impl Filler {
                     // who = 0 names the calling thread); no memory is involved. Raising one's
                     // own nice value needs no privilege; a failure only leaves the priority as is.
                     unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, FILL_NICE) };
+                    // Its writes run on a ring of its own, so the kernel's workers for them
+                    // share this thread's low priority (see `io::own_ring_on_this_thread`).
+                    io::own_ring_on_this_thread();
                     loop {
                         let job = rx.lock().expect("filler queue lock").recv();
                         match job {

@@ -1,13 +1,21 @@
 //! The stream of samples for one consumer (rank, worker) of a training job.
 //!
 //! ```text
-//!  prefetcher (task on the process runtime)                  consumer (caller, or the loader's task)
-//!  for each epoch: global order -> this consumer's positions   next():
-//!    -> shards in first-use order                               position -> (stream, shard, sample)
-//!    -> fetch: daemon -> cache -> origin (verified, one flight)  shard live? slice its record
-//!    -> send in order, at most `prefetch_shards` ahead  ──────►  else: ranged GET of the sample while
-//!  (runs on into the next epoch, so the boundary has no stall)        the first shard downloads, or wait
+//!  prefetcher (task on the process runtime)                     consumer (caller, or the loader's task)
+//!  for each epoch: global order -> this consumer's positions      next():
+//!    -> Epoch(plan)                                  ──────►        position -> (stream, shard, sample)
+//!    -> at the start: the first samples one by one                  in Samples? take it
+//!       (cache, or two ranged GETs each), batches of 8 ──────►      else: the shard's record, once the
+//!       while the first whole shard downloads                             shard has arrived
+//!    -> whole shards in first-use order: daemon -> cache
+//!       -> origin (verified, one flight), at most
+//!       `prefetch_bytes_max` ahead                   ──────►
+//!  (runs on into the next epoch, so the boundary has no stall)
 //! ```
+//!
+//! Data flows one way, down one bounded channel: the consumer only receives. The one signal
+//! that goes back is control, not data: a loader that decodes its first batch before anything
+//! else may hold whole-shard fetches back until it is done ([`Stream::open_gated`]).
 //!
 //! Shards arrive in the order of their first use, so the consumer never waits on a shard
 //! queued behind one it does not need yet; a shard is dropped from memory after its last use
@@ -30,7 +38,7 @@ mod state;
 
 use plan::{plan_epoch, EpochPlan};
 use prefetch::prefetcher;
-use source::{fetch_sample_ranged, fetch_shard};
+use source::{fetch_sample_ranged, fetch_shard, read_samples};
 use state::{check_consumer_state, check_saved_for, checked_epoch_positions};
 pub use state::{epoch_lengths, ResumePoint, StreamState};
 
@@ -211,8 +219,18 @@ struct Shared {
 
 type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
 
+/// What the prefetcher sends the consumer, in this order for each epoch: the plan, then (at
+/// the start of a stream) samples read one by one, then whole shards.
 enum Msg {
     Epoch(Arc<EpochPlan>),
+    /// Samples by position in the epoch; `from_origin` of them came by ranged GETs.
+    Samples {
+        epoch: u64,
+        samples: Vec<(u64, Result<Bytes>)>,
+        from_origin: u64,
+    },
+    /// A whole shard, and how many more of the epoch's samples are in it (those delivered as
+    /// `Samples` already taken off).
     Shard {
         key: ShardKey,
         uses: u64,
@@ -267,16 +285,8 @@ pub struct Stream {
     plan: Option<Arc<EpochPlan>>,
     cursor: usize,
     live: HashMap<ShardKey, Live>,
-    pending_uses: HashMap<ShardKey, u64>,
-    ranged_left: usize,
-    /// Samples read ahead on the ranged path, by (epoch, position): the first batch's
-    /// samples are fetched together, so it costs two GET latencies rather than two per sample.
+    /// Samples the prefetcher read one by one at the start, by (epoch, position).
     ranged_ready: HashMap<(u64, u64), Result<Bytes>>,
-    /// Opens the prefetcher's gate once the first samples were read on the ranged path: whole
-    /// shards would otherwise compete with those few small reads for the link and the cores.
-    first_go: Option<Arc<tokio::sync::watch::Sender<bool>>>,
-    /// A consumer that decodes (the loader) opens the gate itself, after its first batch.
-    gate_deferred: bool,
     per_sample: bool,
     prefetch: tokio::task::JoinHandle<()>,
     /// Open readers of cached shard files, for samples read one by one (global shuffle,
@@ -288,8 +298,9 @@ pub struct Stream {
     loads: Arc<tokio::sync::Semaphore>,
 }
 
-/// Opens the prefetcher's first-batch gate (see [`Stream::defer_first_gate`]).
-pub struct FirstGate(Arc<tokio::sync::watch::Sender<bool>>);
+/// Opens the prefetcher's first-batch gate (see [`Stream::open_gated`]); dropping it opens
+/// it too.
+pub struct FirstGate(tokio::sync::watch::Sender<bool>);
 
 impl FirstGate {
     /// Lets whole-shard fetches start.
@@ -332,6 +343,19 @@ impl Drop for Stream {
 impl Stream {
     /// Opens every source's manifest, checks the resume point, and starts prefetching.
     pub fn open(cfg: StreamConfig) -> Result<Stream> {
+        Ok(Self::open_with(cfg, false)?.0)
+    }
+
+    /// [`Stream::open`] for a consumer with work of its own before its first output (the
+    /// loader decodes its first batch): whole-shard fetches wait until it opens the returned
+    /// gate (or at most half a second), while the first samples are read one by one. `None`
+    /// when the stream reads no samples that way (a host daemon, global shuffle, or
+    /// `first_ranged_samples_max` 0).
+    pub fn open_gated(cfg: StreamConfig) -> Result<(Stream, Option<FirstGate>)> {
+        Self::open_with(cfg, true)
+    }
+
+    fn open_with(cfg: StreamConfig, gated: bool) -> Result<(Stream, Option<FirstGate>)> {
         let rt = crate::rt::handle()?;
         let metrics = Arc::new(Metrics::default());
         let cache = match &cfg.cache {
@@ -434,19 +458,20 @@ impl Stream {
             .max(1);
         let ahead = (cfg.prefetch_bytes_max / avg_shard).clamp(1, 64) as usize;
         let (tx, rx) = mpsc::channel(ahead);
-        let ranged_left = if cfg.provider.is_some() || per_sample {
+        // With a host daemon every byte goes through it (and its cluster-wide singleflight).
+        let ranged = if cfg.provider.is_some() || per_sample {
             0
         } else {
             cfg.first_ranged_samples_max
         };
-        let (first_go, gate) = if ranged_left > 0 {
+        let (first_gate, gate) = if gated && ranged > 0 {
             let (tx, rx) = tokio::sync::watch::channel(false);
-            (Some(Arc::new(tx)), Some(rx))
+            (Some(FirstGate(tx)), Some(rx))
         } else {
             (None, None)
         };
-        let prefetch = rt.spawn(prefetcher(shared.clone(), start, skip, tx, per_sample, gate));
-        Ok(Stream {
+        let prefetch = rt.spawn(prefetcher(shared.clone(), start, skip, tx, per_sample, ranged, gate));
+        let stream = Stream {
             rt,
             wait_inserts_on_drop: true,
             shared,
@@ -455,18 +480,14 @@ impl Stream {
             plan: None,
             cursor: 0,
             live: HashMap::new(),
-            pending_uses: HashMap::new(),
-            // With a host daemon every byte goes through it (and its cluster-wide singleflight).
-            ranged_left,
             ranged_ready: HashMap::new(),
-            first_go,
-            gate_deferred: false,
             per_sample,
             prefetch,
             readers: Default::default(),
             resident: Default::default(),
             loads: Arc::new(tokio::sync::Semaphore::new(cfg.shards_in_flight_max.max(1))),
-        })
+        };
+        Ok((stream, first_gate))
     }
 
     /// Whether dropping the stream waits (up to a minute) for the cache copies it handed to the
@@ -542,10 +563,18 @@ impl Stream {
     fn accept(&mut self, m: Msg) -> Result<()> {
         match m {
             Msg::Epoch(p) => self.plans.push_back(p),
+            Msg::Samples {
+                epoch,
+                samples,
+                from_origin,
+            } => {
+                Metrics::add(&self.shared.metrics.ranged_samples, from_origin);
+                self.ranged_ready
+                    .extend(samples.into_iter().map(|(position, r)| ((epoch, position), r)));
+            }
             Msg::Shard { key, uses, bytes } => {
                 let bytes = bytes?;
-                let used = self.pending_uses.remove(&key).unwrap_or(0);
-                if uses > used {
+                if uses > 0 {
                     let src = &self.shared.sources[key.1 as usize];
                     let url = src.ds.store().url(&src.ds.manifest().shards[key.2 as usize].key);
                     let header = crate::format::Header::parse(&bytes[..64], &url)?;
@@ -554,7 +583,7 @@ impl Stream {
                         Live {
                             bytes,
                             header,
-                            uses_left: uses - used,
+                            uses_left: uses,
                         },
                     );
                 }
@@ -592,40 +621,27 @@ impl Stream {
         let key = (plan.epoch, id.stream, id.shard);
         let record = if self.per_sample {
             self.read_one(id).await?
-        } else if let Some(r) = self.ranged_ready.remove(&(plan.epoch, position)) {
-            r?
         } else {
-            // Take what has already arrived, up to the shard needed now: shards held here
-            // are outside the channel's bound, so taking more would let a slow consumer
-            // hold an unbounded number of shards in memory.
-            while !self.live.contains_key(&key) {
-                match self.rx.try_recv() {
-                    Ok(m) => self.accept(m)?,
-                    Err(_) => break,
+            // Take messages up to the one that holds this sample (they come in the order the
+            // consumer needs them), and no further: shards held here are outside the channel's
+            // bound, so taking more would let a slow consumer hold any number in memory.
+            let at = (plan.epoch, position);
+            while !self.live.contains_key(&key) && !self.ranged_ready.contains_key(&at) {
+                if !self.recv().await? {
+                    return Err(Error::invalid("stream", "the prefetcher stopped early"));
                 }
             }
-            if !self.live.contains_key(&key) && self.ranged_left > 0 {
-                self.read_ranged_ahead(&plan).await?;
-                self.open_gate();
-                self.ranged_ready
-                    .remove(&(plan.epoch, position))
-                    .expect("the lookahead starts at the cursor")?
-            } else {
-                while !self.live.contains_key(&key) {
-                    if !self.recv().await? {
-                        return Err(Error::invalid("stream", "the prefetcher stopped early"));
+            match self.ranged_ready.remove(&at) {
+                Some(r) => r?,
+                None => {
+                    let live = self.live.get_mut(&key).expect("present");
+                    let rec = slice_record(live, id, &self.shared)?;
+                    live.uses_left -= 1;
+                    if live.uses_left == 0 {
+                        self.live.remove(&key);
                     }
+                    rec
                 }
-                // Once shards flow, the ranged path is no longer needed.
-                self.ranged_left = 0;
-                self.open_gate();
-                let live = self.live.get_mut(&key).expect("present");
-                let rec = slice_record(live, id, &self.shared)?;
-                live.uses_left -= 1;
-                if live.uses_left == 0 {
-                    self.live.remove(&key);
-                }
-                rec
             }
         };
         self.cursor += 1;
@@ -642,60 +658,6 @@ impl Stream {
             record,
             schema: src.schema.clone(),
         }))
-    }
-
-    /// Lets the prefetcher start fetching whole shards.
-    fn open_gate(&mut self) {
-        if self.gate_deferred {
-            return;
-        }
-        if let Some(g) = self.first_go.take() {
-            let _ = g.send(true);
-        }
-    }
-
-    /// For a consumer with work of its own before its first output (the loader decodes the
-    /// first batch): whole-shard fetches wait until it opens the returned gate, or at most
-    /// half a second, instead of starting once the first samples were read.
-    pub fn defer_first_gate(&mut self) -> Option<FirstGate> {
-        self.gate_deferred = true;
-        self.first_go.clone().map(FirstGate)
-    }
-
-    /// Reads the samples at the cursor and after it whose shards have not arrived, up to
-    /// [`RANGED_AHEAD_MAX`] and the ranged budget, all at once (two ranged GETs each, or two
-    /// reads of a cached shard), into `ranged_ready`. Each counts as a use of its shard.
-    async fn read_ranged_ahead(&mut self, plan: &EpochPlan) -> Result<()> {
-        let mut ids = Vec::new();
-        for &position in plan.positions[self.cursor..].iter() {
-            if ids.len() >= RANGED_AHEAD_MAX.min(self.ranged_left) {
-                break;
-            }
-            let id = at_position(&plan.order, position);
-            let key = (plan.epoch, id.stream, id.shard);
-            if self.live.contains_key(&key) || self.ranged_ready.contains_key(&(plan.epoch, position)) {
-                continue;
-            }
-            *self.pending_uses.entry(key).or_default() += 1;
-            ids.push((position, id));
-        }
-        self.ranged_left -= ids.len();
-        // Cached shards are read here, the rest from the origin concurrently.
-        let mut remote = Vec::new();
-        for (position, id) in ids {
-            match self.read_cached(id) {
-                Some(rec) => {
-                    self.ranged_ready.insert((plan.epoch, position), Ok(rec));
-                }
-                None => remote.push((position, id)),
-            }
-        }
-        let shared = &self.shared;
-        let got = futures::future::join_all(remote.iter().map(|&(_, id)| fetch_sample_ranged(shared, id))).await;
-        for ((position, _), r) in remote.into_iter().zip(got) {
-            self.ranged_ready.insert((plan.epoch, position), r);
-        }
-        Ok(())
     }
 }
 

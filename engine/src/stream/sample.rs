@@ -67,7 +67,9 @@ impl Stream {
             return Ok(rec);
         }
         self.load_in_background((id.stream, id.shard));
-        self.rt.block_on(fetch_sample_ranged(&self.shared, id))
+        let rec = self.rt.block_on(fetch_sample_ranged(&self.shared, id))?;
+        Metrics::add(&self.shared.metrics.ranged_samples, 1);
+        Ok(rec)
     }
 
     /// `id`'s record from a whole shard held in memory, else from the disk cache; `None` when
@@ -133,7 +135,11 @@ impl Stream {
     pub(super) async fn read_one(&mut self, id: SampleRef) -> Result<Bytes> {
         match self.read_cached(id) {
             Some(rec) => Ok(rec),
-            None => fetch_sample_ranged(&self.shared, id).await,
+            None => {
+                let rec = fetch_sample_ranged(&self.shared, id).await?;
+                Metrics::add(&self.shared.metrics.ranged_samples, 1);
+                Ok(rec)
+            }
         }
     }
 

@@ -3,8 +3,60 @@
 //! the process (`crate::singleflight`).
 
 use super::*;
+use crate::provider::ReadSource;
+use crate::source::{blocking, BoxFuture, Outcome, ShardAt, Step, Upstream, UpstreamError};
 
-/// One sample with two ranged GETs: its index entry, then its record.
+/// Samples read one by one, together: from the disk cache where their shard is there (one
+/// blocking task; each shard opened once), the rest with two ranged GETs each, all at once.
+/// Returns the records in the order of `ids`, and how many came from the origin.
+pub(super) async fn read_samples(shared: &Arc<Shared>, ids: &[SampleRef]) -> (Vec<Result<Bytes>>, u64) {
+    let cached: Vec<Option<Bytes>> = match shared.cache.clone() {
+        Some(cache) => {
+            let (sh, want) = (shared.clone(), ids.to_vec());
+            blocking("cache task", move || {
+                let mut open: HashMap<(u32, u32), Option<CachedReader>> = HashMap::new();
+                Ok(want
+                    .iter()
+                    .map(|id| {
+                        let r = open.entry((id.stream, id.shard)).or_insert_with(|| {
+                            let sid = sh.sources[id.stream as usize].ids[id.shard as usize];
+                            let shard = cache.shard(sid).ok()??;
+                            let reader = shard.records().ok()?;
+                            Some(Arc::new((shard, reader)))
+                        });
+                        // A damaged record is read from the origin instead.
+                        let rec = r.as_ref()?.1.read_record(id.index as u64).ok()?;
+                        Metrics::add(&sh.metrics.cache_bytes, rec.len() as u64);
+                        Some(Bytes::from(rec))
+                    })
+                    .collect())
+            })
+            .await
+            .unwrap_or_else(|_| vec![None; ids.len()])
+        }
+        None => vec![None; ids.len()],
+    };
+    let remote: Vec<SampleRef> = ids
+        .iter()
+        .zip(&cached)
+        .filter(|(_, c)| c.is_none())
+        .map(|(id, _)| *id)
+        .collect();
+    let mut got = futures::future::join_all(remote.iter().map(|&id| fetch_sample_ranged(shared, id)))
+        .await
+        .into_iter();
+    let records = cached
+        .into_iter()
+        .map(|c| match c {
+            Some(rec) => Ok(rec),
+            None => got.next().expect("one GET per sample not cached"),
+        })
+        .collect();
+    (records, remote.len() as u64)
+}
+
+/// One sample with two ranged GETs: its index entry, then its record (counted as an origin
+/// read; the caller counts it as a ranged sample when it delivers it).
 pub(super) async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Result<Bytes> {
     let src = &shared.sources[id.stream as usize];
     let info = &src.ds.manifest().shards[id.shard as usize];
@@ -28,61 +80,68 @@ pub(super) async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Resul
     let m = &shared.metrics;
     Metrics::add(&m.origin_requests, 2);
     Metrics::add(&m.origin_bytes, INDEX_ENTRY_LEN + e.len);
-    Metrics::add(&m.ranged_samples, 1);
     Ok(rec)
 }
 
-/// A whole shard from the origin (see [`Dataset::fetch_shard_parallel`]).
-pub(super) async fn fetch_shard_origin(shared: &Shared, stream: usize, shard: usize) -> Result<Bytes> {
-    let cfg = &shared.cfg;
-    shared.sources[stream]
-        .ds
-        .fetch_shard_parallel(shard, cfg.range_bytes, cfg.ranges_in_flight_max, &shared.metrics)
-        .await
+/// The host daemon as the first step of a stream's source chain (`crate::source`). It is
+/// called on a blocking thread, at most half the blocking pool at once.
+struct HostDaemon<'a> {
+    shared: &'a Arc<Shared>,
+    provider: &'a Arc<dyn ShardProvider>,
+    stream: usize,
 }
 
-/// A whole shard from the host daemon, verified here. `None` when the daemon failed or its
-/// bytes did not verify: the caller then reads the shard itself.
-pub(super) async fn fetch_shard_provider(
-    shared: &Arc<Shared>,
-    p: &Arc<dyn ShardProvider>,
-    stream: usize,
-    shard: usize,
-) -> Option<Bytes> {
-    let (sh, p) = (shared.clone(), p.clone());
-    let calls = PROVIDER_CALLS
-        .get(|| Ok(tokio::sync::Semaphore::new(crate::rt::BLOCKING_THREADS_MAX / 2)))
-        .ok()?;
-    let Ok(_call) = calls.acquire().await else {
-        return None;
-    };
-    let r = tokio::task::spawn_blocking(move || {
-        let src = &sh.sources[stream];
-        let req = ShardRequest {
-            manifest_url: src.ds.manifest_url(),
-            shard: shard as u32,
-            id: src.ids[shard],
-        };
-        let got = p.fetch(&req)?;
-        if let Err(e) = src.ds.check_shard(shard, &got.bytes) {
-            p.report_corrupt(&req);
-            return Err(e);
+impl HostDaemon<'_> {
+    fn request<'r>(&'r self, at: &ShardAt<'r>) -> ShardRequest<'r> {
+        ShardRequest {
+            manifest_url: at.ds.manifest_url(),
+            shard: at.shard as u32,
+            id: at.id,
         }
-        Ok(got)
-    })
-    .await
-    .unwrap_or_else(|e| Err(join_error("host-daemon call", e)));
-    match r {
-        Ok(got) => {
-            let m = &shared.metrics;
-            Metrics::add(&m.provider_shards[got.source.index()], 1);
-            Metrics::add(&m.provider_bytes, got.bytes.len() as u64);
-            Some(got.bytes)
-        }
-        Err(e) => {
-            Metrics::add(&shared.metrics.provider_failures, 1);
-            tracing::warn!(error = %e, "the host daemon did not deliver a sound shard; reading it directly");
-            None
+    }
+}
+
+impl Upstream for HostDaemon<'_> {
+    fn fetch<'a>(
+        &'a self,
+        at: &'a ShardAt<'a>,
+    ) -> BoxFuture<'a, std::result::Result<(Bytes, ReadSource), UpstreamError>> {
+        Box::pin(async move {
+            let calls = PROVIDER_CALLS.get(|| Ok(tokio::sync::Semaphore::new(crate::rt::BLOCKING_THREADS_MAX / 2)))?;
+            let _call = calls
+                .acquire()
+                .await
+                .map_err(|_| Error::invalid("host daemon", "call permits closed"))?;
+            let (sh, p, stream, shard) = (self.shared.clone(), self.provider.clone(), self.stream, at.shard);
+            let got = blocking("host-daemon call", move || {
+                let src = &sh.sources[stream];
+                p.fetch(&ShardRequest {
+                    manifest_url: src.ds.manifest_url(),
+                    shard: shard as u32,
+                    id: src.ids[shard],
+                })
+            })
+            .await?;
+            Ok((got.bytes, got.source))
+        })
+    }
+
+    fn outcome(&self, at: &ShardAt<'_>, outcome: Outcome) {
+        let m = &self.shared.metrics;
+        match outcome {
+            Outcome::Delivered(from) => {
+                Metrics::add(&m.provider_shards[from.index()], 1);
+                Metrics::add(&m.provider_bytes, at.id.bytes);
+            }
+            Outcome::Corrupt(e) => {
+                self.provider.report_corrupt(&self.request(at));
+                Metrics::add(&m.provider_failures, 1);
+                tracing::warn!(error = %e, "the host daemon delivered a corrupt shard; reading it directly");
+            }
+            Outcome::Failed(e) => {
+                Metrics::add(&m.provider_failures, 1);
+                tracing::warn!(error = %e, "the host daemon did not deliver the shard; reading it directly");
+            }
         }
     }
 }
@@ -118,30 +177,39 @@ pub(super) async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize
     flight.await
 }
 
-/// A whole shard: the host daemon, else the disk cache, else (holding the host-wide download
-/// lock for it) the origin, then stored in the cache.
+/// A whole shard through the stream's source chain (`crate::source`): the host daemon, else
+/// the disk cache, else (holding the host-wide download lock for it) the origin, then stored
+/// in the cache.
 pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
-    if let Some(p) = &shared.cfg.provider {
-        if let Some(b) = fetch_shard_provider(&shared, p, stream, shard).await {
-            return Ok(b);
-        }
-    }
-    let Some(cache) = shared.cache.clone() else {
-        Metrics::add(&shared.metrics.cache_misses, 1);
-        return fetch_shard_origin(&shared, stream, shard).await;
+    let src = &shared.sources[stream];
+    let at = ShardAt {
+        ds: &src.ds,
+        shard,
+        id: src.ids[shard],
+        range_bytes: shared.cfg.range_bytes,
+        ranges_in_flight: shared.cfg.ranges_in_flight_max,
     };
-    let id = shared.sources[stream].ids[shard];
-    let c = cache.clone();
-    if let Some(b) = blocking(move || c.get(id)).await? {
-        return Ok(b);
+    let daemon = shared.cfg.provider.as_ref().map(|provider| HostDaemon {
+        shared: &shared,
+        provider,
+        stream,
+    });
+    let mut steps = Vec::with_capacity(4);
+    if let Some(d) = &daemon {
+        steps.push(Step::Upstream(d));
     }
-    let lock = fetch_lock(&cache, id).await?;
-    let c = cache.clone();
-    if let Some(b) = blocking(move || c.get(id)).await? {
-        return Ok(b);
+    if let Some(c) = &shared.cache {
+        steps.extend([Step::Cache(c), Step::CacheLocked(c)]);
     }
-    Metrics::add(&shared.metrics.cache_misses, 1);
-    let bytes = fetch_shard_origin(&shared, stream, shard).await?;
+    steps.push(Step::Origin);
+    let got = crate::source::fetch(&steps, &at, &shared.metrics).await?;
+    let (Some(cache), Some(lock)) = (shared.cache.clone(), got.lock) else {
+        return Ok(got.bytes);
+    };
+    if got.from != ReadSource::Origin {
+        return Ok(got.bytes);
+    }
+    let (id, bytes) = (at.id, got.bytes);
     // Writing (and fsyncing) the cache copy is off the delivery path; the download lock is
     // held until the copy is in place, so other processes on the host wait for it instead of
     // fetching again. Copies queue behind a disk slower than the link, holding at most
@@ -156,10 +224,10 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: 
         .acquire_many_owned(need)
         .await
         .expect("semaphore open");
-    let (c, b) = (cache.clone(), bytes.clone());
+    let b = bytes.clone();
     let filler = shared.filler.as_ref().expect("a cache has a filler");
     filler.submit(Box::new(move || {
-        if let Err(e) = c.insert(id, &b) {
+        if let Err(e) = cache.insert(id, &b) {
             tracing::warn!(error = %e, "cache insert failed; the shard was served from memory");
         }
         drop(lock);
@@ -168,41 +236,8 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: 
     Ok(bytes)
 }
 
-/// The shard's host-wide download lock, polled: the holder (this process or another) may be
-/// minutes into a download, and a blocking-pool thread asleep in `flock` meanwhile would be
-/// one fewer for the work that frees it (the pool is shared by the whole process).
-pub(super) async fn fetch_lock(cache: &Cache, id: ShardId) -> Result<crate::cache::FetchGuard> {
-    let mut pause = std::time::Duration::from_millis(2);
-    loop {
-        let c = cache.clone();
-        if let Some(g) = blocking(move || c.try_fetch_lock(id)).await? {
-            return Ok(g);
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(std::time::Duration::from_millis(50));
-    }
-}
-
 /// Host-daemon calls in flight in this process: each holds a blocking-pool thread while the
 /// daemon works, and an embedded daemon needs threads of the same pool to answer, so they may
 /// take at most half of it. Per process: a forked child must not inherit permits held by
 /// calls of its parent that it will never see finish (that hung DataLoader workers).
 pub(super) static PROVIDER_CALLS: crate::rt::PerProcess<tokio::sync::Semaphore> = crate::rt::PerProcess::new();
-
-pub(super) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(join_error("cache task", e)))
-}
-
-/// A blocking task that panicked, or never ran (the runtime stopped under it), as an error.
-pub(super) fn join_error(what: &str, e: tokio::task::JoinError) -> Error {
-    if e.is_panic() {
-        Error::from_panic(what, &*e.into_panic())
-    } else {
-        Error::Internal {
-            thread: what.to_string(),
-            reason: "cancelled before it ran".into(),
-        }
-    }
-}

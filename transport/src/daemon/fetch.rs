@@ -1,8 +1,57 @@
-//! The shard chain of the daemon: the cache, else one flight per shard (the owner peer, when
-//! this daemon is not the owner and the request is local, else the origin), verified, then
-//! cached; and the health of the peers asked.
+//! The shard chain of the daemon: the cache, else one flight per shard through the engine's
+//! source chain (`ramjet_engine::source`: the cache again, the owner peer when this daemon is
+//! not the owner and the request is local, the origin), verified, then cached; and the health
+//! of the peers asked.
 
 use super::*;
+use ramjet_engine::source::{BoxFuture, Outcome, ShardAt, Step, Upstream, UpstreamError};
+
+/// The shard's owner peer as a step of the daemon's source chain: its bytes are verified by
+/// the chain; its health follows each answer.
+struct OwnerPeer<'a> {
+    inner: &'a Arc<Inner>,
+    owner: String,
+    what: String,
+}
+
+impl Upstream for OwnerPeer<'_> {
+    fn fetch<'a>(
+        &'a self,
+        at: &'a ShardAt<'a>,
+    ) -> BoxFuture<'a, std::result::Result<(Bytes, ReadSource), UpstreamError>> {
+        Box::pin(async move {
+            let get = ShardGet {
+                manifest_url: at.ds.manifest_url().to_owned(),
+                shard: at.shard as u32,
+                checksum: at.id.checksum,
+                bytes: at.id.bytes,
+                what: self.what.clone(),
+            };
+            let b = self.inner.transport.fetch(&self.owner, &get).await?;
+            Ok((b, ReadSource::CachePeer))
+        })
+    }
+
+    fn outcome(&self, _at: &ShardAt<'_>, outcome: Outcome) {
+        match outcome {
+            Outcome::Delivered(_) => self.inner.peer_ok(&self.owner),
+            Outcome::Corrupt(e) => {
+                self.inner.stats.peer_corrupt.fetch_add(1, Ordering::Relaxed);
+                self.inner.peer_failed(
+                    &self.owner,
+                    Error::peer(&self.owner, format!("sent a corrupt {}: {e}", self.what)),
+                );
+            }
+            Outcome::Failed(e) => {
+                let why = match e.downcast::<Error>() {
+                    Ok(e) => *e,
+                    Err(e) => Error::peer(&self.owner, e.to_string()),
+                };
+                self.inner.peer_failed(&self.owner, why);
+            }
+        }
+    }
+}
 
 impl Inner {
     /// A shard for a local loader or a peer: the cache, else the flight for it.
@@ -90,56 +139,40 @@ impl Inner {
             .map_err(Error::from)
     }
 
-    /// The flight: the owner peer (for local requests), else the origin; verified; cached.
+    /// The flight, through the source chain (`ramjet_engine::source`, the same as a loader's
+    /// stream): the cache (a flight that finished between this request's cache lookup and its
+    /// start has left the shard there), else the owner peer (for local requests), else the
+    /// origin; verified; cached when this daemon owns the shard.
     pub(super) async fn fetch_and_store(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
-        // A flight that finished between this request's cache lookup and its start has left
-        // the shard in the cache: read it there rather than fetch it again.
-        let (c, id) = (self.cache.clone(), req.id);
-        if let Ok(Some(b)) = tokio::task::spawn_blocking(move || c.get(id))
-            .await
-            .expect("cache task")
-        {
-            return Ok((b, ReadSource::CacheLocal));
-        }
         let owner = {
             let m = self.membership.read().expect("membership lock");
             m.ring().owner(req.id).map(str::to_owned)
         };
-        let mut got = None;
-        if let Some(owner) = owner
+        let at = ShardAt {
+            ds: &req.ds,
+            shard: req.shard,
+            id: req.id,
+            range_bytes: self.cfg.range_bytes,
+            ranges_in_flight: self.cfg.ranges_in_flight,
+        };
+        let peer = owner
             .clone()
             .filter(|o| allow_peer && *o != self.me && self.peer_usable(o))
-        {
-            match self.fetch_from_peer(&owner, req).await {
-                Ok(b) => {
-                    let (ds, shard, b2) = (req.ds.clone(), req.shard, b.clone());
-                    let check = tokio::task::spawn_blocking(move || ds.check_shard(shard, &b2))
-                        .await
-                        .expect("check task");
-                    match check {
-                        Ok(()) => {
-                            self.peer_ok(&owner);
-                            got = Some((b, ReadSource::CachePeer));
-                        }
-                        Err(e) => {
-                            self.stats.peer_corrupt.fetch_add(1, Ordering::Relaxed);
-                            self.peer_failed(
-                                &owner,
-                                Error::peer(&owner, format!("sent a corrupt {}: {e}", req.describe())),
-                            );
-                        }
-                    }
-                }
-                Err(e) => self.peer_failed(&owner, e),
-            }
+            .map(|owner| OwnerPeer {
+                inner: self,
+                owner,
+                what: req.describe(),
+            });
+        let mut steps = vec![Step::Cache(&self.cache)];
+        if let Some(p) = &peer {
+            steps.push(Step::Upstream(p));
         }
-        let (bytes, src) = match got {
-            Some(g) => g,
-            None => (self.origin(req).await?, ReadSource::Origin),
-        };
+        steps.push(Step::Origin);
+        let got = ramjet_engine::source::fetch(&steps, &at, &self.metrics).await?;
+        let (bytes, src) = (got.bytes, got.from);
         // Each node caches the shards it owns, so the cluster's caches add up instead of
         // all holding the same hot set; the others are served from memory.
-        if owner.as_deref().is_some_and(|o| o != self.me) {
+        if src == ReadSource::CacheLocal || owner.as_deref().is_some_and(|o| o != self.me) {
             return Ok((bytes, src));
         }
         let (c, id, b) = (self.cache.clone(), req.id, bytes.clone());
@@ -149,7 +182,7 @@ impl Inner {
             }
         })
         .await
-        .expect("insert task");
+        .map_err(|e| Error::Engine(format!("cache insert task: {e}")))?;
         Ok((bytes, src))
     }
 
@@ -179,17 +212,6 @@ impl Inner {
         p.down_until = Some(Instant::now() + self.cfg.peer_backoff);
         drop(peers);
         self.transport.forget(peer);
-    }
-
-    pub(super) async fn fetch_from_peer(&self, peer: &str, req: &Req) -> Result<Bytes, Error> {
-        let get = ShardGet {
-            manifest_url: req.ds.manifest_url().to_owned(),
-            shard: req.shard as u32,
-            checksum: req.id.checksum,
-            bytes: req.id.bytes,
-            what: req.describe(),
-        };
-        self.transport.fetch(peer, &get).await
     }
 }
 
