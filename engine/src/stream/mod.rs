@@ -25,10 +25,11 @@
 //! prefetcher fills the disk cache ahead.
 //!
 //! One module per concept: `plan` (pure: an epoch's order dealt to this consumer), `prefetch`
-//! (the task that fetches whole shards ahead, in first-use order, bounded by bytes), `source`
-//! (the chain for one shard or sample: host daemon, disk cache, origin; one flight per shard
-//! in the process), `sample` (one sample read on its own: random access and global shuffle),
-//! `state` (what a consumer saves and resumes from); this file holds the consumer.
+//! (the task that sends the consumer everything it gets: the plan, the first samples, whole
+//! shards in first-use order, bounded by bytes), `source` (the stream's steps of the source
+//! chain `crate::source`: host daemon, disk cache, origin; one flight per shard in the
+//! process; single samples), `sample` (one sample read on its own: random access and global
+//! shuffle), `state` (what a consumer saves and resumes from); this file holds the consumer.
 
 mod plan;
 mod prefetch;

@@ -1,6 +1,8 @@
-//! The source chain for one shard or sample: the host daemon, else the disk cache, else the
-//! origin (holding the host-wide download lock), each read verified; one flight per shard in
-//! the process (`crate::singleflight`).
+//! A stream's sources for one shard or sample. A whole shard goes through the source chain
+//! (`crate::source`, shared with the host daemon) with the stream's steps: the host daemon,
+//! else the disk cache, else the origin (holding the host-wide download lock), each read
+//! verified; one flight per shard in the process (`crate::singleflight`). Single samples are
+//! read from a cached shard or with two ranged GETs.
 
 use super::*;
 use crate::provider::ReadSource;
