@@ -54,13 +54,13 @@ pub enum Outcome {
     Corrupt(Error),
 }
 
+/// What [`Upstream::fetch`] returns: the whole shard, unverified, and where it came from.
+pub type UpstreamFetch<'a> = BoxFuture<'a, std::result::Result<(Bytes, ReadSource), UpstreamError>>;
+
 /// A holder of whole shards asked before the origin.
 pub trait Upstream: Send + Sync {
     /// The whole shard, unverified, and where it came from.
-    fn fetch<'a>(
-        &'a self,
-        at: &'a ShardAt<'a>,
-    ) -> BoxFuture<'a, std::result::Result<(Bytes, ReadSource), UpstreamError>>;
+    fn fetch<'a>(&'a self, at: &'a ShardAt<'a>) -> UpstreamFetch<'a>;
     /// How its answer for `at` turned out (for its health, its counters and its own copy).
     fn outcome(&self, at: &ShardAt<'_>, outcome: Outcome);
 }

@@ -6,7 +6,7 @@
 
 use super::*;
 use crate::provider::ReadSource;
-use crate::source::{blocking, BoxFuture, Outcome, ShardAt, Step, Upstream, UpstreamError};
+use crate::source::{blocking, Outcome, ShardAt, Step, Upstream, UpstreamFetch};
 
 /// Samples read one by one, together: from the disk cache where their shard is there (one
 /// blocking task; each shard opened once), the rest with two ranged GETs each, all at once.
@@ -104,10 +104,7 @@ impl HostDaemon<'_> {
 }
 
 impl Upstream for HostDaemon<'_> {
-    fn fetch<'a>(
-        &'a self,
-        at: &'a ShardAt<'a>,
-    ) -> BoxFuture<'a, std::result::Result<(Bytes, ReadSource), UpstreamError>> {
+    fn fetch<'a>(&'a self, at: &'a ShardAt<'a>) -> UpstreamFetch<'a> {
         Box::pin(async move {
             let calls = PROVIDER_CALLS.get(|| Ok(tokio::sync::Semaphore::new(crate::rt::BLOCKING_THREADS_MAX / 2)))?;
             let _call = calls

@@ -4,7 +4,7 @@
 //! of the peers asked.
 
 use super::*;
-use ramjet_engine::source::{BoxFuture, Outcome, ShardAt, Step, Upstream, UpstreamError};
+use ramjet_engine::source::{Outcome, ShardAt, Step, Upstream, UpstreamFetch};
 
 /// The shard's owner peer as a step of the daemon's source chain: its bytes are verified by
 /// the chain; its health follows each answer.
@@ -15,10 +15,7 @@ struct OwnerPeer<'a> {
 }
 
 impl Upstream for OwnerPeer<'_> {
-    fn fetch<'a>(
-        &'a self,
-        at: &'a ShardAt<'a>,
-    ) -> BoxFuture<'a, std::result::Result<(Bytes, ReadSource), UpstreamError>> {
+    fn fetch<'a>(&'a self, at: &'a ShardAt<'a>) -> UpstreamFetch<'a> {
         Box::pin(async move {
             let get = ShardGet {
                 manifest_url: at.ds.manifest_url().to_owned(),
