@@ -10,8 +10,17 @@ use crate::store::{DatasetUrl, Store};
 
 /// Checks a shard file (a shard or a columns sidecar) against its manifest entry: whole-file
 /// checksum (footer and manifest) and size.
-fn check_listed(view: &ShardView<'_>, len: usize, what: &str, bytes: u64, expect: u64, url: &str) -> Result<()> {
-    let sum = view.check_checksum()?;
+/// `hashed`: the checksum of the bytes before the footer, when the caller already has it.
+fn check_listed(
+    view: &ShardView<'_>,
+    len: usize,
+    what: &str,
+    bytes: u64,
+    expect: u64,
+    url: &str,
+    hashed: Option<u64>,
+) -> Result<()> {
+    let sum = view.check_checksum_hashed(hashed)?;
     if sum != expect || len as u64 != bytes {
         return Err(Error::corrupt(
             crate::Location::object(url),
@@ -21,6 +30,51 @@ fn check_listed(view: &ShardView<'_>, len: usize, what: &str, bytes: u64, expect
         ));
     }
     Ok(())
+}
+
+/// The whole-shard checksum of a shard arriving in pieces, computed on the pieces that arrive
+/// in order (each while still in the CPU's cache); [`InOrderHash::finish`] hashes the rest.
+struct InOrderHash {
+    hasher: crate::format::ShardHasher,
+    /// Bytes hashed so far: `[0, next)`.
+    next: usize,
+    /// Bytes covered by the checksum (all but the footer); `None` for a shard too short to
+    /// have one (its check fails on its structure).
+    limit: Option<usize>,
+}
+
+impl InOrderHash {
+    fn new(len: usize) -> Self {
+        InOrderHash {
+            hasher: Default::default(),
+            next: 0,
+            limit: len.checked_sub(crate::format::FOOTER_LEN as usize),
+        }
+    }
+
+    /// Bytes `b`, written at `at`.
+    fn seen(&mut self, at: usize, b: &[u8]) {
+        let Some(limit) = self.limit else { return };
+        if at < self.next {
+            // Rewritten (a range retried): start again; `finish` hashes what is left.
+            *self = InOrderHash::new(limit + crate::format::FOOTER_LEN as usize);
+        }
+        if at == self.next && at < limit {
+            let n = b.len().min(limit - at);
+            self.hasher.update(&b[..n]);
+            self.next += n;
+        }
+    }
+
+    /// The checksum of `all`, the bytes every piece was written into.
+    fn finish(mut self, all: &[u8]) -> Option<u64> {
+        let limit = self.limit?;
+        if all.len() != limit + crate::format::FOOTER_LEN as usize {
+            return None;
+        }
+        self.hasher.update(&all[self.next..limit]);
+        Some(self.hasher.digest())
+    }
 }
 
 /// An opened dataset: a store prefix plus its parsed, validated manifest.
@@ -150,10 +204,20 @@ impl Dataset {
             // filled its whole slice; the ranges cover [0, bytes), so on success every byte was
             // written, and on failure the buffer is dropped unread.
             let mut buf = unsafe { crate::cache::io::BufPool::global().take(info.bytes as usize) };
+            // The checksum is computed as the bytes arrive, while they are in the CPU's cache,
+            // as far as they arrive in order (all of a shard fetched as one range); the rest
+            // is hashed when every range is in.
+            let hash = std::sync::Mutex::new(InOrderHash::new(info.bytes as usize));
             let mut gets = Vec::new();
             for (n, dst) in buf.as_mut_slice().chunks_mut(part as usize).enumerate() {
-                let at = n as u64 * part;
-                gets.push(self.store.get_range_into(&info.key, at..at + dst.len() as u64, dst));
+                let at = (n as u64 * part) as usize;
+                let hash = &hash;
+                gets.push(self.store.get_range_into_seen(
+                    &info.key,
+                    at as u64..(at + dst.len()) as u64,
+                    dst,
+                    move |off, b| hash.lock().expect("hash lock").seen(at + off, b),
+                ));
             }
             let requests = gets.len() as u64;
             futures::stream::iter(gets)
@@ -163,7 +227,8 @@ impl Dataset {
             Metrics::add(&metrics.origin_requests, requests);
             Metrics::add(&metrics.origin_bytes, info.bytes);
             let bytes = buf.into_bytes();
-            match self.check_shard(i, &bytes) {
+            let sum = hash.into_inner().expect("hash lock").finish(&bytes);
+            match self.check_shard_hashed(i, &bytes, sum) {
                 Ok(()) => return Ok(bytes),
                 Err(e) if attempt < 2 && e.is_data_error() => {
                     tracing::warn!(error = %e, "shard from origin failed verification; fetching again");
@@ -176,6 +241,12 @@ impl Dataset {
     /// Checks shard `i`'s bytes against the manifest: size, structure, whole-shard checksum
     /// (footer and manifest) and schema.
     pub fn check_shard(&self, i: usize, bytes: &[u8]) -> Result<()> {
+        self.check_shard_hashed(i, bytes, None)
+    }
+
+    /// [`Dataset::check_shard`], with the checksum of the bytes before the footer already
+    /// computed (as they arrived) when `hashed` is given.
+    fn check_shard_hashed(&self, i: usize, bytes: &[u8], hashed: Option<u64>) -> Result<()> {
         let info = &self.manifest.shards[i];
         let url = self.store.url(&info.key);
         if (bytes.len() as u64) < info.bytes {
@@ -187,7 +258,7 @@ impl Dataset {
         }
         let view = ShardView::parse(bytes, &url)?;
         let expect = info.checksum_u64().expect("validated by Manifest::parse");
-        check_listed(&view, bytes.len(), "shard", info.bytes, expect, &url)?;
+        check_listed(&view, bytes.len(), "shard", info.bytes, expect, &url, hashed)?;
         if view.samples() != info.samples {
             return Err(Error::corrupt(
                 crate::Location::object(&url),
@@ -244,7 +315,7 @@ impl Dataset {
         let view = ShardView::parse(&bytes, &url)?;
         if let Some(c) = &info.columns {
             let expect = c.checksum_u64().expect("validated by Manifest::parse");
-            check_listed(&view, bytes.len(), "columns sidecar", c.bytes, expect, &url)?;
+            check_listed(&view, bytes.len(), "columns sidecar", c.bytes, expect, &url, None)?;
             let want = self.manifest.schema.without_bytes();
             if view.samples() != info.samples || Some(view.schema()) != want.as_ref() {
                 return Err(Error::corrupt(
@@ -400,5 +471,56 @@ impl Dataset {
             report.problems.extend(probs);
         }
         report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::InOrderHash;
+    use crate::format::{shard_checksum, FOOTER_LEN};
+
+    fn bytes(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    /// Feeds `pieces` (start, end) of `all` in the order given, as the ranges would.
+    fn run(all: &[u8], pieces: &[(usize, usize)]) -> Option<u64> {
+        let mut h = InOrderHash::new(all.len());
+        for &(a, b) in pieces {
+            h.seen(a, &all[a..b]);
+        }
+        h.finish(all)
+    }
+
+    #[test]
+    fn in_order_out_of_order_and_retried_pieces_give_the_shard_checksum() {
+        let all = bytes(10_000);
+        let want = Some(shard_checksum(&all[..all.len() - FOOTER_LEN as usize]));
+        // In order, the last piece running into the footer.
+        assert_eq!(run(&all, &[(0, 4000), (4000, 9000), (9000, 10_000)]), want);
+        // Two ranges interleaved: the second's pieces arrive before the cursor reaches them.
+        assert_eq!(
+            run(&all, &[(0, 2000), (5000, 7000), (2000, 5000), (7000, 10_000)]),
+            want
+        );
+        // The first range retried from its start after part of it was hashed.
+        assert_eq!(run(&all, &[(0, 3000), (0, 3000), (3000, 10_000)]), want);
+        // A later range retried.
+        assert_eq!(
+            run(&all, &[(0, 5000), (5000, 8000), (5000, 8000), (8000, 10_000)]),
+            want
+        );
+        // Nothing arrived in order: all hashed at the end.
+        assert_eq!(run(&all, &[(5000, 10_000)]), want);
+        // A flipped byte in a piece hashed as it arrived changes the checksum.
+        let mut other = all.clone();
+        other[1_000] ^= 1;
+        assert_ne!(run(&other, &[(0, 10_000)]), want);
+    }
+
+    #[test]
+    fn a_shard_shorter_than_its_footer_has_no_checksum() {
+        let all = bytes(10);
+        assert_eq!(run(&all, &[(0, 10)]), None);
     }
 }

@@ -390,6 +390,19 @@ impl Store {
     /// from its start. A short or long answer is an error naming the object, and on any error
     /// `dst` holds no defined content.
     pub async fn get_range_into(&self, key: &str, range: Range<u64>, dst: &mut [u8]) -> Result<()> {
+        self.get_range_into_seen(key, range, dst, |_, _| {}).await
+    }
+
+    /// [`Store::get_range_into`], calling `seen(offset, bytes)` with each piece just written
+    /// (its offset in `dst`), while it is still in the CPU's cache. A retry starts again from
+    /// offset 0.
+    pub async fn get_range_into_seen(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        dst: &mut [u8],
+        mut seen: impl FnMut(usize, &[u8]) + Send,
+    ) -> Result<()> {
         assert_eq!(
             dst.len() as u64,
             range.end - range.start,
@@ -398,7 +411,7 @@ impl Store {
         let path = self.path(key);
         let mut retry = Retrying::new(self.config.retry);
         loop {
-            match read_stream_into(self.inner.as_ref(), &path, range.clone(), dst).await {
+            match read_stream_into(self.inner.as_ref(), &path, range.clone(), dst, &mut seen).await {
                 Ok(n) if n == dst.len() => return Ok(()),
                 Ok(n) if n < dst.len() => {
                     return Err(Error::Truncated {
@@ -537,6 +550,7 @@ async fn read_stream_into(
     path: &Path,
     range: Range<u64>,
     dst: &mut [u8],
+    seen: &mut (impl FnMut(usize, &[u8]) + Send),
 ) -> object_store::Result<usize> {
     use futures::StreamExt;
     let opts = object_store::GetOptions {
@@ -549,6 +563,7 @@ async fn read_stream_into(
         let chunk = chunk?;
         if let Some(d) = dst.get_mut(n..n + chunk.len()) {
             d.copy_from_slice(&chunk);
+            seen(n, d);
         }
         n += chunk.len();
     }

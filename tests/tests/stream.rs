@@ -423,6 +423,43 @@ fn the_first_samples_are_read_ahead_together_and_shards_then_deliver_the_rest_on
     );
 }
 
+/// The samples read one by one at the start share their requests: per shard, one GET for
+/// their index entries and one for their records (they lie together in file order), where
+/// each used to cost two GETs of its own.
+#[test]
+fn samples_read_one_by_one_share_their_requests() {
+    let url = dataset();
+    let mut c = config(url, Topology::default(), None);
+    c.order = OrderSpec {
+        shuffle: Shuffle::None,
+        ..Default::default()
+    };
+    c.first_ranged_samples_max = 8;
+    let mut s = Stream::open(c).unwrap();
+    let mut ids = Vec::new();
+    while let Some(x) = s.next_sample().unwrap() {
+        ids.push(x.id);
+    }
+    assert_eq!(ids.len(), N);
+    let m = s.metrics();
+    assert_eq!(m.ranged_samples, 8, "one batch of 8, before the whole shards start");
+    let shards = |ids: &[SampleRef]| {
+        ids.iter()
+            .map(|i| i.shard)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len() as u64
+    };
+    // Every shard is smaller than one ranged part: one GET each.
+    let whole = shards(&ids);
+    let first = shards(&ids[..8]);
+    assert_eq!(
+        m.origin_requests,
+        whole + 2 * first,
+        "{whole} shards, the first 8 samples in {first} of them: {} requests",
+        m.origin_requests
+    );
+}
+
 #[test]
 fn global_shuffle_reads_every_sample_once_cold_and_warm() {
     let url = dataset();

@@ -270,7 +270,8 @@ pub trait CacheIo: Send + Sync {
     /// cache), the xxh3-64 of its first `len - hash_skip_tail` bytes, when the file is at least
     /// that long.
     fn read_file(&self, path: &Path, hash_skip_tail: usize) -> io::Result<(Bytes, Option<u64>)>;
-    /// Creates `path` (which must not exist), writes `data`, and fsyncs it.
+    /// Creates `path` (which must not exist) and writes `data`. No fsync: a cache file torn by
+    /// a power loss fails the hash every read checks, and is fetched again (`docs/cache.md`).
     fn write_file(&self, path: &Path, data: &[u8]) -> io::Result<()>;
 }
 
@@ -300,8 +301,7 @@ impl CacheIo for PreadIo {
     }
     fn write_file(&self, path: &Path, data: &[u8]) -> io::Result<()> {
         let f = OpenOptions::new().write(true).create_new(true).open(path)?;
-        f.write_all_at(data, 0)?;
-        f.sync_all()
+        f.write_all_at(data, 0)
     }
 }
 
@@ -780,22 +780,39 @@ fn route(path: &Path) -> u64 {
 /// io_uring with registered buffers; `direct` opens files with `O_DIRECT` when the
 /// filesystem accepts it (falling back to buffered I/O per file when it does not).
 pub struct UringIo {
+    /// Reads open files with O_DIRECT (where the filesystem allows).
     direct: bool,
+    /// Cache fills (writes) open files with O_DIRECT (where the filesystem allows).
+    fill_direct: bool,
     /// A core of its own (tests of faulted rings); `None`: the process's.
     core: Option<IoCore>,
 }
 
 impl std::fmt::Debug for UringIo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UringIo").field("direct", &self.direct).finish()
+        f.debug_struct("UringIo")
+            .field("direct", &self.direct)
+            .field("fill_direct", &self.fill_direct)
+            .finish()
     }
 }
 
 impl UringIo {
     /// An io_uring implementation, or the error that says why io_uring is unusable here.
+    /// `direct`: reads and writes open files with O_DIRECT where the filesystem allows.
     pub fn new(direct: bool) -> io::Result<UringIo> {
         with_ring(0, |_| Ok(()))?;
-        Ok(UringIo { direct, core: None })
+        Ok(UringIo {
+            direct,
+            fill_direct: direct,
+            core: None,
+        })
+    }
+
+    /// Whether cache fills (writes) bypass the page cache with O_DIRECT, whatever reads do.
+    pub fn with_direct_fills(mut self, on: bool) -> UringIo {
+        self.fill_direct = on;
+        self
     }
 
     fn on_ring<T: Send>(&self, path: &Path, f: impl FnOnce(&mut Ring) -> io::Result<T>) -> io::Result<T> {
@@ -823,7 +840,7 @@ impl UringIo {
         } else {
             o.read(true);
         }
-        if self.direct {
+        if (write && self.fill_direct) || (!write && self.direct) {
             let mut od = o.clone();
             od.custom_flags(libc::O_DIRECT);
             match od.open(path) {
@@ -847,10 +864,10 @@ fn res_to_io(res: i32) -> io::Result<usize> {
 
 impl CacheIo for UringIo {
     fn name(&self) -> &'static str {
-        if self.direct {
-            "io_uring+O_DIRECT"
-        } else {
-            "io_uring"
+        match (self.direct, self.fill_direct) {
+            (true, _) => "io_uring+O_DIRECT",
+            (false, true) => "io_uring, O_DIRECT fills",
+            (false, false) => "io_uring",
         }
     }
 
@@ -929,18 +946,19 @@ impl CacheIo for UringIo {
         let (f, direct) = self.open(path, true)?;
         let chunks = data.len().div_ceil(IO_CHUNK_BYTES);
         let fd = io_uring::types::Fd(f.as_raw_fd());
+        // Writes go straight from `data`: a copy into the bounce buffers would read every
+        // byte once more (and registering `data` would only pin its pages first). Buffered,
+        // the kernel copies it into the page cache; with O_DIRECT the device reads it where it
+        // is, which needs an aligned address and length: a pooled buffer's chunks are, and
+        // only a last chunk of unaligned length goes through a bounce buffer, padded.
+        let aligned = data.as_ptr() as usize % IO_ALIGN == 0;
         self.on_ring(path, |ring| {
-            // Buffered writes go straight from `data` (the kernel copies it into the page
-            // cache; registering it would only pin its pages first): a copy into the bounce
-            // buffers would read every byte once more. O_DIRECT needs aligned lengths (the last
-            // chunk is padded), so it writes from the registered bounce buffers.
-            let in_place = !direct;
             let r = ring.run(
                 chunks,
                 |i, b, ptr, registered| {
                     let off = i * IO_CHUNK_BYTES;
                     let n = (data.len() - off).min(IO_CHUNK_BYTES);
-                    if in_place {
+                    if !direct || (aligned && n % IO_ALIGN == 0) {
                         let src = data[off..].as_ptr();
                         return io_uring::opcode::Write::new(fd, src, n as u32)
                             .offset(off as u64)
@@ -988,7 +1006,7 @@ impl CacheIo for UringIo {
         if direct {
             f.set_len(data.len() as u64)?;
         }
-        f.sync_all()
+        Ok(())
     }
 }
 
@@ -1006,15 +1024,23 @@ pub fn uring_expected() -> bool {
 
 fn detect_disk_io() -> Arc<dyn CacheIo> {
     let direct = std::env::var("RAMJET_CACHE_DIRECT").is_ok_and(|v| v == "1");
+    // Cache fills bypass the page cache unless told otherwise: a shard is written once and
+    // read again only an epoch later, and the copy into the page cache (plus its writeback)
+    // cost a cold epoch more CPU than hashing it (docs/benchmarks.md).
+    let fill_direct = direct || std::env::var("RAMJET_CACHE_FILL").as_deref() != Ok("buffered");
     match std::env::var("RAMJET_CACHE_IO").as_deref() {
         Ok("pread") => return Arc::new(PreadIo),
         Ok("uring") => {
-            return Arc::new(UringIo::new(direct).expect("RAMJET_CACHE_IO=uring but io_uring is unavailable"))
+            return Arc::new(
+                UringIo::new(direct)
+                    .expect("RAMJET_CACHE_IO=uring but io_uring is unavailable")
+                    .with_direct_fills(fill_direct),
+            )
         }
         _ => {}
     }
     match UringIo::new(direct) {
-        Ok(u) => Arc::new(u),
+        Ok(u) => Arc::new(u.with_direct_fills(fill_direct)),
         Err(e) => {
             tracing::info!(error = %e, "io_uring unavailable, cache falls back to pread");
             Arc::new(PreadIo)
@@ -1097,6 +1123,18 @@ mod tests {
             assert_eq!(&got[..], &data[..], "{} len {len}", io.name());
             let want = (len >= 3).then(|| xxhash_rust::xxh3::xxh3_64(&data[..len - 3]));
             assert_eq!(h, want, "{} len {len}: fused hash", io.name());
+            // From an aligned buffer, as a shard fetched into a pooled one is written: with
+            // O_DIRECT every whole chunk goes from it in place, and an unaligned tail is padded.
+            let mut aligned = AlignedBuf::zeroed(len);
+            aligned.as_mut().copy_from_slice(&data);
+            let p = d.path().join(format!("a{len}"));
+            io.write_file(&p, aligned.as_ref()).unwrap();
+            assert_eq!(
+                std::fs::read(&p).unwrap(),
+                data,
+                "{} len {len}, aligned source",
+                io.name()
+            );
         }
         assert!(
             io.write_file(&d.path().join("f1"), b"x").is_err(),
@@ -1111,9 +1149,10 @@ mod tests {
 
     #[test]
     fn uring_suite() {
-        for direct in [false, true] {
+        // Buffered, O_DIRECT, and the default: O_DIRECT fills with buffered reads.
+        for (direct, fills) in [(false, false), (true, true), (false, true)] {
             match UringIo::new(direct) {
-                Ok(u) => suite(&u),
+                Ok(u) => suite(&u.with_direct_fills(fills)),
                 Err(e) if uring_expected() => {
                     panic!("io_uring expected (RAMJET_EXPECT_IO_URING=1) but unavailable: {e}")
                 }
@@ -1137,6 +1176,7 @@ mod tests {
         match rx.recv().unwrap() {
             Ok(()) => Some(UringIo {
                 direct: false,
+                fill_direct: false,
                 core: Some(core),
             }),
             Err(e) if uring_expected() => panic!("io_uring expected (RAMJET_EXPECT_IO_URING=1) but unavailable: {e}"),

@@ -580,8 +580,14 @@ impl<'a> ShardView<'a> {
 
     /// Hashes every byte before the footer and compares with the footer. Returns the hash.
     pub fn check_checksum(&self) -> Result<u64> {
+        self.check_checksum_hashed(None)
+    }
+
+    /// [`ShardView::check_checksum`] with the hash of the bytes before the footer already
+    /// computed (as they arrived), when `hashed` is given.
+    pub fn check_checksum_hashed(&self, hashed: Option<u64>) -> Result<u64> {
         let n = self.bytes.len();
-        let got = shard_checksum(&self.bytes[..n - 16]);
+        let got = hashed.unwrap_or_else(|| shard_checksum(&self.bytes[..n - 16]));
         if got != self.footer_checksum() {
             return Err(Error::corrupt(
                 Location::object(self.name),

@@ -5,7 +5,7 @@
 //!  for each epoch: global order -> this consumer's positions      next():
 //!    -> Epoch(plan)                                  ──────►        position -> (stream, shard, sample)
 //!    -> at the start: the first samples one by one                  in Samples? take it
-//!       (cache, or two ranged GETs each), batches of 8 ──────►      else: the shard's record, once the
+//!       (cache, or merged ranged GETs), batches of 8 ──────►      else: the shard's record, once the
 //!       while the first whole shard downloads                             shard has arrived
 //!    -> whole shards in first-use order: daemon -> cache
 //!       -> origin (verified, one flight), at most
@@ -98,8 +98,8 @@ pub struct StreamConfig {
     pub ranges_in_flight_max: usize,
     /// Shards fetched at once.
     pub shards_in_flight_max: usize,
-    /// At most this many samples are fetched individually (two ranged GETs each) while the
-    /// first shards download, so the first batch costs a few GET latencies.
+    /// At most this many samples are fetched individually (ranged GETs, merged per shard)
+    /// while the first shards download, so the first batch costs a few GET latencies.
     pub first_ranged_samples_max: usize,
     /// Epochs to run; `None` runs until dropped.
     pub epochs: Option<u64>,

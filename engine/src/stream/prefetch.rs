@@ -124,7 +124,8 @@ struct FirstSamples<'a> {
 
 impl FirstSamples<'_> {
     /// Sends batches of samples read one by one, from the cursor on, until the budget is
-    /// spent or the first whole shard arrives (it is then returned, to be sent next). Whole
+    /// spent or the first whole shard arrives (it is then returned, to be sent next, and a
+    /// batch still being read is dropped: its samples come with their shards). Whole
     /// shards start after the first batch (once the gate, if any, opens). Returns the uses of
     /// each shard delivered this way; `None` when the consumer went away.
     async fn run<F, S>(
@@ -155,16 +156,22 @@ impl FirstSamples<'_> {
             let ids: Vec<SampleRef> = batch.iter().map(|&p| at_position(&plan.order, p)).collect();
             let read = read_samples(shared, &ids);
             tokio::pin!(read);
-            let (records, from_origin) = match fetched.as_mut() {
+            let got = match fetched.as_mut() {
                 Some(f) => tokio::select! {
-                    got = &mut read => got,
+                    got = &mut read => Some(got),
                     first = f.next() => {
+                        // A whole shard arrived: it goes to the consumer now, not after these
+                        // reads (under a loaded link a ranged GET can take longer than a
+                        // shard), and the next shard's fetch starts. The samples being read
+                        // come with their shards instead.
+                        let abandon = first.is_some();
                         head = Some(first);
-                        read.await
+                        if abandon { None } else { Some(read.await) }
                     }
                 },
-                None => read.await,
+                None => Some(read.await),
             };
+            let Some((records, from_origin)) = got else { break };
             for id in &ids {
                 *ranged_uses.entry((id.stream, id.shard)).or_default() += 1;
             }

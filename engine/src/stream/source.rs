@@ -2,14 +2,15 @@
 //! (`crate::source`, shared with the host daemon) with the stream's steps: the host daemon,
 //! else the disk cache, else the origin (holding the host-wide download lock), each read
 //! verified; one flight per shard in the process (`crate::singleflight`). Single samples are
-//! read from a cached shard or with two ranged GETs.
+//! read from a cached shard or with ranged GETs (merged per shard when read together).
 
 use super::*;
 use crate::provider::ReadSource;
 use crate::source::{blocking, Outcome, ShardAt, Step, Upstream, UpstreamFetch};
 
 /// Samples read one by one, together: from the disk cache where their shard is there (one
-/// blocking task; each shard opened once), the rest with two ranged GETs each, all at once.
+/// blocking task; each shard opened once), the rest with ranged GETs merged per shard
+/// ([`fetch_samples_ranged`]), all at once.
 /// Returns the records in the order of `ids`, and how many came from the origin.
 pub(super) async fn read_samples(shared: &Arc<Shared>, ids: &[SampleRef]) -> (Vec<Result<Bytes>>, u64) {
     let cached: Vec<Option<Bytes>> = match shared.cache.clone() {
@@ -44,17 +45,168 @@ pub(super) async fn read_samples(shared: &Arc<Shared>, ids: &[SampleRef]) -> (Ve
         .filter(|(_, c)| c.is_none())
         .map(|(id, _)| *id)
         .collect();
-    let mut got = futures::future::join_all(remote.iter().map(|&id| fetch_sample_ranged(shared, id)))
-        .await
-        .into_iter();
+    let mut got = fetch_samples_ranged(shared, &remote).await.into_iter();
     let records = cached
         .into_iter()
         .map(|c| match c {
             Some(rec) => Ok(rec),
-            None => got.next().expect("one GET per sample not cached"),
+            None => got.next().expect("one result per sample not cached"),
         })
         .collect();
     (records, remote.len() as u64)
+}
+
+/// Index entries this close together (in entries) are read with one ranged GET.
+const ENTRY_GAP_MAX: u64 = 2048;
+/// Records this close together (in bytes) are read with one ranged GET; the gap is read and
+/// thrown away, which costs less than a request.
+const RECORD_GAP_BYTES_MAX: u64 = 64 << 10;
+/// The longest ranged GET of several records.
+const RECORD_RUN_BYTES_MAX: u64 = 8 << 20;
+
+/// Samples read from the origin with ranged GETs, their requests merged: per shard, one GET
+/// for each cluster of index entries, then one for each run of records lying close together
+/// (a sequential or block-shuffled order reads a batch with two requests instead of two per
+/// sample). Every record is checked against its index entry. Where a merged GET fails, each of
+/// its samples is read again on its own, so every error names its sample.
+async fn fetch_samples_ranged(shared: &Shared, ids: &[SampleRef]) -> Vec<Result<Bytes>> {
+    let mut by_shard: HashMap<(u32, u32), Vec<usize>> = HashMap::new();
+    for (slot, id) in ids.iter().enumerate() {
+        by_shard.entry((id.stream, id.shard)).or_default().push(slot);
+    }
+    let groups = by_shard.into_values().map(|slots| fetch_from_shard(shared, ids, slots));
+    let mut out: Vec<Option<Result<Bytes>>> = (0..ids.len()).map(|_| None).collect();
+    for group in futures::future::join_all(groups).await {
+        for (slot, r) in group {
+            out[slot] = Some(r);
+        }
+    }
+    out.into_iter().map(|r| r.expect("every sample read")).collect()
+}
+
+/// The samples `slots` of `ids`, all of one shard (see [`fetch_samples_ranged`]).
+async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>) -> Vec<(usize, Result<Bytes>)> {
+    let first = ids[slots[0]];
+    let src = &shared.sources[first.stream as usize];
+    let info = &src.ds.manifest().shards[first.shard as usize];
+    let store = src.ds.store();
+    let m = &shared.metrics;
+    let mut indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
+    indices.sort_unstable();
+    indices.dedup();
+    // Index entries, by clusters.
+    let mut clusters: Vec<Vec<u64>> = Vec::new();
+    for &i in &indices {
+        match clusters.last_mut() {
+            Some(c) if i - c[c.len() - 1] <= ENTRY_GAP_MAX => c.push(i),
+            _ => clusters.push(vec![i]),
+        }
+    }
+    let entry_gets = clusters.iter().map(|c| async move {
+        let (lo, hi) = (c[0], c[c.len() - 1]);
+        let range = crate::format::Header::entry_offset(lo)..crate::format::Header::entry_offset(hi) + INDEX_ENTRY_LEN;
+        let got = store.get_range(&info.key, range.clone()).await;
+        Metrics::add(&m.origin_requests, 1);
+        let b = got.ok()?;
+        Metrics::add(&m.origin_bytes, b.len() as u64);
+        Some(
+            c.iter()
+                .map(|&i| {
+                    let o = ((i - lo) * INDEX_ENTRY_LEN) as usize;
+                    (i, IndexEntry::parse(&b[o..o + INDEX_ENTRY_LEN as usize]))
+                })
+                .collect::<Vec<_>>(),
+        )
+    });
+    let mut entries: HashMap<u64, IndexEntry> = HashMap::new();
+    for got in futures::future::join_all(entry_gets).await.into_iter().flatten() {
+        entries.extend(got);
+    }
+    // Records, by runs of entries that checked out, in file order.
+    let mut results: HashMap<u64, Result<Bytes>> = HashMap::new();
+    let mut sound: Vec<(u64, IndexEntry)> = Vec::new();
+    for (&i, e) in &entries {
+        match check_entry(src, first.shard as usize, i, e) {
+            Ok(()) => sound.push((i, *e)),
+            Err(err) => {
+                results.insert(i, Err(err));
+            }
+        }
+    }
+    sound.sort_by_key(|(_, e)| e.offset);
+    let mut runs: Vec<Vec<(u64, IndexEntry)>> = Vec::new();
+    for (i, e) in sound {
+        match runs.last_mut() {
+            Some(r) => {
+                let (start, end) = (r[0].1.offset, r[r.len() - 1].1.offset + r[r.len() - 1].1.len);
+                if e.offset >= end
+                    && e.offset - end <= RECORD_GAP_BYTES_MAX
+                    && e.offset + e.len - start <= RECORD_RUN_BYTES_MAX
+                {
+                    r.push((i, e));
+                } else {
+                    runs.push(vec![(i, e)]);
+                }
+            }
+            None => runs.push(vec![(i, e)]),
+        }
+    }
+    let url = store.url(&info.key);
+    let record_gets = runs.iter().map(|r| {
+        let url = &url;
+        async move {
+            let (start, end) = (r[0].1.offset, r[r.len() - 1].1.offset + r[r.len() - 1].1.len);
+            let got = store.get_range(&info.key, start..end).await;
+            Metrics::add(&m.origin_requests, 1);
+            let b = got.ok()?;
+            Metrics::add(&m.origin_bytes, b.len() as u64);
+            Some(
+                r.iter()
+                    .map(|(i, e)| {
+                        let rec = b.slice((e.offset - start) as usize..(e.offset - start + e.len) as usize);
+                        let checked = e.check_record(*i, &rec, &Location::sample(url, *i)).map(|()| rec);
+                        (*i, checked)
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        }
+    });
+    for got in futures::future::join_all(record_gets).await.into_iter().flatten() {
+        results.extend(got);
+    }
+    // What a merged GET did not deliver is read on its own: its own error, its own retries.
+    // A sample wanted twice gets the same record twice.
+    let mut out = Vec::with_capacity(slots.len());
+    let mut again = Vec::new();
+    for slot in slots {
+        let i = ids[slot].index as u64;
+        match results.get(&i) {
+            Some(Ok(rec)) => out.push((slot, Ok(rec.clone()))),
+            Some(Err(_)) => {
+                let err = results.remove(&i).expect("present").unwrap_err();
+                out.push((slot, Err(err)));
+            }
+            _ => again.push(slot),
+        }
+    }
+    let retried = futures::future::join_all(again.iter().map(|&slot| fetch_sample_ranged(shared, ids[slot])));
+    out.extend(again.iter().copied().zip(retried.await));
+    out
+}
+
+/// Checks that sample `index`'s entry points inside shard `shard`'s records.
+fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result<()> {
+    let info = &src.ds.manifest().shards[shard];
+    let data_offset = src.ds.data_offset(shard);
+    let end = e.offset.checked_add(e.len);
+    // Saturating: a manifest may claim a shard smaller than its footer.
+    if e.offset < data_offset || end.is_none_or(|x| x > info.bytes.saturating_sub(crate::format::FOOTER_LEN)) {
+        return Err(Error::corrupt(
+            Location::sample(src.ds.store().url(&info.key), index),
+            format!("index entry points at [{}, +{}) outside the records", e.offset, e.len),
+        ));
+    }
+    Ok(())
 }
 
 /// One sample with two ranged GETs: its index entry, then its record (counted as an origin
@@ -68,15 +220,7 @@ pub(super) async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Resul
     let eo = crate::format::Header::entry_offset(id.index as u64);
     let eb = store.get_range(&info.key, eo..eo + INDEX_ENTRY_LEN).await?;
     let e = IndexEntry::parse(&eb);
-    let data_offset = src.ds.data_offset(id.shard as usize);
-    let end = e.offset.checked_add(e.len);
-    // Saturating: a manifest may claim a shard smaller than its footer.
-    if e.offset < data_offset || end.is_none_or(|x| x > info.bytes.saturating_sub(crate::format::FOOTER_LEN)) {
-        return Err(Error::corrupt(
-            at,
-            format!("index entry points at [{}, +{}) outside the records", e.offset, e.len),
-        ));
-    }
+    check_entry(src, id.shard as usize, id.index as u64, &e)?;
     let rec = store.get_range(&info.key, e.offset..e.offset + e.len).await?;
     e.check_record(id.index as u64, &rec, &at)?;
     let m = &shared.metrics;
@@ -209,7 +353,7 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: 
         return Ok(got.bytes);
     }
     let (id, bytes) = (at.id, got.bytes);
-    // Writing (and fsyncing) the cache copy is off the delivery path; the download lock is
+    // Writing the cache copy is off the delivery path; the download lock is
     // held until the copy is in place, so other processes on the host wait for it instead of
     // fetching again. Copies queue behind a disk slower than the link, holding at most
     // `prefetch_bytes_max` of delivered shards, and `INSERTS_IN_FLIGHT_MAX` are written at
