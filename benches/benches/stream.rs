@@ -68,28 +68,23 @@ fn main() {
     // The baseline's buffers, one per GET in flight, touched once here so that no round pays
     // for first touches (ramjet's own buffers come from a pool, likewise kept).
     let largest = ds.manifest().shards.iter().map(|s| s.bytes).max().unwrap_or(0) as usize;
-    let bufs: Vec<std::sync::Mutex<Vec<u8>>> = (0..PARALLEL_GETS)
-        .map(|_| std::sync::Mutex::new(vec![1u8; largest]))
-        .collect();
+    let kept = std::sync::Mutex::new(vec![vec![1u8; largest]; PARALLEL_GETS]);
     // Alternate the contenders, so drift on a noisy machine hits both alike.
     for _ in 0..reps {
         // Baseline 1: the same shard objects, whole, N parallel GETs, same client, each streamed
         // into a kept buffer.
         let (t0, c0) = (Instant::now(), cpu_seconds(false));
         let got: u64 = rt.block_on(async {
-            let free = tokio::sync::Mutex::new((0..PARALLEL_GETS).collect::<Vec<_>>());
-            let (free, bufs, ds) = (&free, &bufs, &ds);
+            let (kept, ds) = (&kept, &ds);
             stream::iter(ds.manifest().shards.iter())
                 .map(|s| async move {
-                    let slot = free.lock().await.pop().expect("a buffer per GET in flight");
+                    let mut dst = kept.lock().unwrap().pop().expect("a buffer per GET in flight");
                     let n = s.bytes as usize;
-                    let mut dst = std::mem::take(&mut *bufs[slot].lock().unwrap());
                     ds.store()
                         .get_range_into(&s.key, 0..s.bytes, &mut dst[..n])
                         .await
                         .expect("GET");
-                    *bufs[slot].lock().unwrap() = dst;
-                    free.lock().await.push(slot);
+                    kept.lock().unwrap().push(dst);
                     n as u64
                 })
                 .buffer_unordered(PARALLEL_GETS)

@@ -64,6 +64,9 @@ const RECORD_GAP_BYTES_MAX: u64 = 64 << 10;
 /// The longest ranged GET of several records.
 const RECORD_RUN_BYTES_MAX: u64 = 8 << 20;
 
+/// Records read with one ranged GET: the byte range, and each record's sample and entry.
+type RecordRun = (std::ops::Range<u64>, Vec<(u64, IndexEntry)>);
+
 /// Samples read from the origin with ranged GETs, their requests merged: per shard, one GET
 /// for each cluster of index entries, then one for each run of records lying close together
 /// (a sequential or block-shuffled order reads a batch with two requests instead of two per
@@ -134,29 +137,27 @@ async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>)
         }
     }
     sound.sort_by_key(|(_, e)| e.offset);
-    let mut runs: Vec<Vec<(u64, IndexEntry)>> = Vec::new();
+    let mut runs: Vec<RecordRun> = Vec::new();
     for (i, e) in sound {
+        let end = e.offset + e.len;
         match runs.last_mut() {
-            Some(r) => {
-                let (start, end) = (r[0].1.offset, r[r.len() - 1].1.offset + r[r.len() - 1].1.len);
-                if e.offset >= end
-                    && e.offset - end <= RECORD_GAP_BYTES_MAX
-                    && e.offset + e.len - start <= RECORD_RUN_BYTES_MAX
-                {
-                    r.push((i, e));
-                } else {
-                    runs.push(vec![(i, e)]);
-                }
+            Some((span, r))
+                if e.offset >= span.end
+                    && e.offset - span.end <= RECORD_GAP_BYTES_MAX
+                    && end - span.start <= RECORD_RUN_BYTES_MAX =>
+            {
+                span.end = end;
+                r.push((i, e));
             }
-            None => runs.push(vec![(i, e)]),
+            _ => runs.push((e.offset..end, vec![(i, e)])),
         }
     }
     let url = store.url(&info.key);
-    let record_gets = runs.iter().map(|r| {
+    let record_gets = runs.iter().map(|(span, r)| {
         let url = &url;
         async move {
-            let (start, end) = (r[0].1.offset, r[r.len() - 1].1.offset + r[r.len() - 1].1.len);
-            let got = store.get_range(&info.key, start..end).await;
+            let start = span.start;
+            let got = store.get_range(&info.key, span.clone()).await;
             Metrics::add(&m.origin_requests, 1);
             let b = got.ok()?;
             Metrics::add(&m.origin_bytes, b.len() as u64);
