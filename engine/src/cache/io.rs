@@ -944,21 +944,29 @@ impl CacheIo for UringIo {
 
     fn write_file(&self, path: &Path, data: &[u8]) -> io::Result<()> {
         let (f, direct) = self.open(path, true)?;
-        let chunks = data.len().div_ceil(IO_CHUNK_BYTES);
+        // With O_DIRECT only whole aligned blocks go through the ring; an unaligned tail is
+        // written buffered after. Padding the tail to a block and truncating after would leave
+        // the file, for a moment, up to a block longer than its data, over the cache's budget.
+        let ring_end = if direct {
+            data.len() / IO_ALIGN * IO_ALIGN
+        } else {
+            data.len()
+        };
+        let chunks = ring_end.div_ceil(IO_CHUNK_BYTES);
         let fd = io_uring::types::Fd(f.as_raw_fd());
         // Writes go straight from `data`: a copy into the bounce buffers would read every
         // byte once more (and registering `data` would only pin its pages first). Buffered,
         // the kernel copies it into the page cache; with O_DIRECT the device reads it where it
-        // is, which needs an aligned address and length: a pooled buffer's chunks are, and
-        // only a last chunk of unaligned length goes through a bounce buffer, padded.
+        // is, which needs an aligned address: a pooled buffer's chunks are aligned, and other
+        // data goes through the bounce buffers.
         let aligned = data.as_ptr() as usize % IO_ALIGN == 0;
         self.on_ring(path, |ring| {
             let r = ring.run(
                 chunks,
                 |i, b, ptr, registered| {
                     let off = i * IO_CHUNK_BYTES;
-                    let n = (data.len() - off).min(IO_CHUNK_BYTES);
-                    if !direct || (aligned && n % IO_ALIGN == 0) {
+                    let n = (ring_end - off).min(IO_CHUNK_BYTES);
+                    if !direct || aligned {
                         let src = data[off..].as_ptr();
                         return io_uring::opcode::Write::new(fd, src, n as u32)
                             .offset(off as u64)
@@ -967,26 +975,19 @@ impl CacheIo for UringIo {
                     // SAFETY: ptr is bounce buffer `b` of IO_CHUNK_BYTES bytes, not in flight.
                     let buf = unsafe { std::slice::from_raw_parts_mut(ptr, IO_CHUNK_BYTES) };
                     buf[..n].copy_from_slice(&data[off..off + n]);
-                    // With O_DIRECT the length must be aligned: pad with zeros, truncate after.
-                    let len = if direct {
-                        buf[n..n.div_ceil(IO_ALIGN) * IO_ALIGN].fill(0);
-                        n.div_ceil(IO_ALIGN) * IO_ALIGN
-                    } else {
-                        n
-                    };
                     if registered {
-                        io_uring::opcode::WriteFixed::new(fd, ptr, len as u32, b)
+                        io_uring::opcode::WriteFixed::new(fd, ptr, n as u32, b)
                             .offset(off as u64)
                             .build()
                     } else {
-                        io_uring::opcode::Write::new(fd, ptr, len as u32)
+                        io_uring::opcode::Write::new(fd, ptr, n as u32)
                             .offset(off as u64)
                             .build()
                     }
                 },
                 |i, _buf, res| {
                     let got = res_to_io(res)?;
-                    let want = (data.len() - i * IO_CHUNK_BYTES).min(IO_CHUNK_BYTES);
+                    let want = (ring_end - i * IO_CHUNK_BYTES).min(IO_CHUNK_BYTES);
                     if got < want {
                         return Err(io::Error::new(
                             io::ErrorKind::WriteZero,
@@ -1003,8 +1004,17 @@ impl CacheIo for UringIo {
             }
             r
         })?;
-        if direct {
-            f.set_len(data.len() as u64)?;
+        if ring_end < data.len() {
+            // SAFETY: fcntl on a descriptor this function owns (F_GETFL/F_SETFL take no pointer).
+            let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
+            if flags < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: as above; clearing O_DIRECT makes the tail's write a buffered one.
+            if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            std::os::unix::fs::FileExt::write_all_at(&f, &data[ring_end..], ring_end as u64)?;
         }
         Ok(())
     }
@@ -1124,7 +1134,8 @@ mod tests {
             let want = (len >= 3).then(|| xxhash_rust::xxh3::xxh3_64(&data[..len - 3]));
             assert_eq!(h, want, "{} len {len}: fused hash", io.name());
             // From an aligned buffer, as a shard fetched into a pooled one is written: with
-            // O_DIRECT every whole chunk goes from it in place, and an unaligned tail is padded.
+            // O_DIRECT every whole block goes from it in place, and an unaligned tail is written
+            // buffered (never padded: the file must not outgrow its data, even for a moment).
             let mut aligned = AlignedBuf::zeroed(len);
             aligned.as_mut().copy_from_slice(&data);
             let p = d.path().join(format!("a{len}"));
