@@ -2,11 +2,17 @@
 //! mixing, and the resume state. Everything here is a pure function; `docs/order.md` states
 //! the algorithms.
 //!
+//! Nothing here holds one entry per sample: position `p` of an epoch maps to its sample
+//! through keyed bijections computed on demand ([`Perm`], a Feistel network with cycle
+//! walking), so the cost of starting an epoch does not grow with the dataset.
+//!
 //! The global order of an epoch depends only on the manifest versions, the mixing weights, the
 //! seed, the epoch, the number of canonical partitions, the shuffle algorithm and its block and
 //! window sizes. World size, workers per rank and batch size only change how that one sequence
 //! is dealt out: position `p` of the (tail-adjusted) order goes to consumer `p mod C`, where
 //! consumer `c = rank * workers + worker` and `C = world * workers`.
+
+use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -183,35 +189,97 @@ pub struct SampleRef {
     pub index: u32,
 }
 
-/// A small deterministic generator (SplitMix64).
-struct Rng(u64);
+/// The version of the order's algorithms. A saved position names positions of one version's
+/// order; under another version they would name other samples, so resuming across versions is
+/// refused. Version 1 built each epoch's order as an array (ramjet before the lazy order);
+/// version 2 computes it position by position (`docs/order.md`).
+pub const ORDER_VERSION: u32 = 2;
 
-impl Rng {
-    fn new(key: u64, purpose: u64) -> Rng {
-        Rng(key ^ purpose.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+/// The version a saved state without the field was written under.
+pub(crate) fn order_version_1() -> u32 {
+    1
+}
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's finalizer: a bijective 64-bit mix.
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A key for one purpose (`tag`) and one instance (`x`) of it, from the epoch key.
+pub fn derive(key: u64, tag: u64, x: u64) -> u64 {
+    mix64(key.wrapping_add(mix64(tag.wrapping_mul(GOLDEN).wrapping_add(x))))
+}
+
+/// `v` scaled into `[0, n)` (the high word of `v * n`).
+fn scale(v: u64, n: u64) -> u64 {
+    ((v as u128 * n as u128) >> 64) as u64
+}
+
+/// Feistel rounds of [`Perm`].
+const FEISTEL_ROUNDS: usize = 6;
+
+/// A keyed bijection of `[0, n)`, computed on demand with no table: a balanced Feistel network
+/// over the smallest even number of bits `2h >= 2` whose range holds `n`, walked in cycles
+/// until the value falls inside `[0, n)` (fewer than 4 steps on average, as `4^h < 4n`).
+#[derive(Debug, Clone, Copy)]
+pub struct Perm {
+    n: u64,
+    half: u32,
+    mask: u64,
+    /// Round keys: `derive(key, 0xFE, i)` for round `i`.
+    keys: [u64; FEISTEL_ROUNDS],
+}
+
+impl Perm {
+    /// The permutation of `[0, n)` under `key`.
+    pub fn new(n: u64, key: u64) -> Perm {
+        let bits = 64 - n.saturating_sub(1).leading_zeros();
+        let half = bits.div_ceil(2).max(1);
+        Perm {
+            n,
+            half,
+            mask: if half >= 64 { u64::MAX } else { (1u64 << half) - 1 },
+            keys: std::array::from_fn(|i| derive(key, 0xFE, i as u64)),
+        }
     }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+
+    /// The domain's size.
+    pub fn len(&self) -> u64 {
+        self.n
     }
-    /// Uniform in [0, n) (Lemire's multiply-shift; the tiny bias is irrelevant here).
-    fn below(&mut self, n: u64) -> u64 {
-        ((self.next() as u128 * n as u128) >> 64) as u64
+
+    /// Whether the domain is empty.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
     }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            v.swap(i, j);
+
+    /// The image of `x` (`x < n`).
+    pub fn apply(&self, mut x: u64) -> u64 {
+        debug_assert!(x < self.n);
+        if self.n <= 1 {
+            return x;
+        }
+        loop {
+            let (mut l, mut r) = (x >> self.half, x & self.mask);
+            for k in self.keys {
+                let f = mix64(r ^ k) & self.mask;
+                (l, r) = (r, l ^ f);
+            }
+            x = (l << self.half) | r;
+            if x < self.n {
+                return x;
+            }
         }
     }
 }
 
 /// The key every random choice of an epoch derives from.
 pub fn epoch_key(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> u64 {
-    let mut s = String::new();
+    let mut s = format!("order=v{ORDER_VERSION};");
     for st in streams {
         s.push_str(&format!("{}:{:?};", st.version, st.weight));
     }
@@ -221,10 +289,6 @@ pub fn epoch_key(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> u64 {
     ));
     xxh3_64(s.as_bytes())
 }
-
-/// The most positions one epoch's order may hold: the order is built in memory, 16 bytes a
-/// position (`Stream::open` refuses a larger epoch with an error, never an allocation failure).
-pub const ORDER_POSITIONS_MAX: u64 = 1 << 32;
 
 /// Positions of one epoch over `streams` before tail handling, or `None` when the sum overflows.
 pub fn epoch_positions(streams: &[StreamShape]) -> Option<u64> {
@@ -255,129 +319,395 @@ pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
     }
 }
 
-/// The units of one epoch after mixing: full passes over each stream, then a seeded choice of
-/// whole shards (the last one cut short) for the remainder.
-pub fn epoch_units(streams: &[StreamShape], key: u64) -> Vec<Unit> {
-    let mut units = Vec::new();
-    for (s, st) in streams.iter().enumerate() {
-        let size: u64 = st.shard_samples.iter().fold(0u64, |a, &n| a.saturating_add(n));
-        let want = stream_take(streams, s);
-        if size == 0 || want == 0 {
-            continue;
-        }
-        let all = |units: &mut Vec<Unit>| {
-            for (shard, &n) in st.shard_samples.iter().enumerate() {
-                if n > 0 {
-                    units.push(Unit {
-                        stream: s,
-                        shard,
-                        first: 0,
-                        len: n,
-                    });
-                }
-            }
-        };
-        for _ in 0..want / size {
-            all(&mut units);
-        }
-        let mut rest = want % size;
-        if rest > 0 {
-            let mut rng = Rng::new(key, 0x51 + s as u64);
-            let mut shards: Vec<usize> = (0..st.shard_samples.len()).collect();
-            rng.shuffle(&mut shards);
-            for shard in shards {
-                let n = st.shard_samples[shard];
-                if n == 0 {
-                    continue;
-                }
-                let take = n.min(rest);
-                let first = rng.below(n - take + 1);
-                units.push(Unit {
-                    stream: s,
-                    shard,
-                    first,
-                    len: take,
-                });
-                rest -= take;
-                if rest == 0 {
-                    break;
-                }
-            }
-        }
-    }
-    units
+/// One stream's part of an epoch: `passes` full passes over its shards (one unit per shard,
+/// empty shards included as empty units), then the remainder's units.
+#[derive(Debug, Clone)]
+struct StreamPart {
+    /// Sample index where each shard starts, and the total at the end (`shards + 1` entries).
+    starts: Vec<u64>,
+    passes: u64,
+    /// The remainder: whole shards in keyed order, the last cut short.
+    rest: Vec<Unit>,
+    /// Where each remainder unit starts inside the remainder (`rest.len() + 1` entries).
+    rest_starts: Vec<u64>,
+    /// First unit and first position of this stream in the epoch.
+    first_unit: u64,
+    first_position: u64,
 }
 
-/// The global order of one epoch, before tail handling.
-pub fn global_order(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Vec<SampleRef> {
-    let key = epoch_key(streams, spec, epoch);
-    let mut units = epoch_units(streams, key);
-    let expand = |u: &Unit, out: &mut Vec<SampleRef>| {
-        for i in u.first..u.first + u.len {
-            out.push(SampleRef {
-                stream: u.stream as u32,
-                shard: u.shard as u32,
-                index: i as u32,
+impl StreamPart {
+    fn shards(&self) -> u64 {
+        self.starts.len() as u64 - 1
+    }
+    fn size(&self) -> u64 {
+        *self.starts.last().expect("at least one entry")
+    }
+    fn units(&self) -> u64 {
+        self.passes * self.shards() + self.rest.len() as u64
+    }
+    fn samples(&self) -> u64 {
+        self.passes * self.size() + self.rest_starts.last().copied().unwrap_or(0)
+    }
+}
+
+/// One epoch's order, computed position by position: memory for the shard table's prefix sums
+/// and the remainders, none per sample. Every method is a pure function of the streams, the
+/// order settings and the epoch (`docs/order.md`).
+#[derive(Debug, Clone)]
+pub struct EpochOrder {
+    key: u64,
+    spec: OrderSpec,
+    parts: Vec<StreamPart>,
+    units: u64,
+    len: u64,
+    /// The shard-block shuffle's unit permutation (and, for global, the sample permutation).
+    perm: Perm,
+}
+
+impl EpochOrder {
+    /// The order of `epoch` over `streams` under `spec`.
+    pub fn new(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> EpochOrder {
+        let key = epoch_key(streams, spec, epoch);
+        let (mut units, mut len) = (0u64, 0u64);
+        let mut parts = Vec::with_capacity(streams.len());
+        for (s, st) in streams.iter().enumerate() {
+            let mut starts = Vec::with_capacity(st.shard_samples.len() + 1);
+            let mut acc = 0u64;
+            starts.push(0);
+            for &n in &st.shard_samples {
+                acc = acc.saturating_add(n);
+                starts.push(acc);
+            }
+            let (size, want) = (acc, stream_take(streams, s));
+            let (passes, mut rest_n) = want.checked_div(size).map_or((0, 0), |q| (q, want % size));
+            let mut rest = Vec::new();
+            let mut rest_starts = vec![0u64];
+            if rest_n > 0 {
+                let shards = st.shard_samples.len() as u64;
+                let perm = Perm::new(shards, derive(key, 0x51, s as u64));
+                let mut j = 0;
+                while rest_n > 0 && j < shards {
+                    let shard = perm.apply(j) as usize;
+                    j += 1;
+                    let n = st.shard_samples[shard];
+                    if n == 0 {
+                        continue;
+                    }
+                    let take = n.min(rest_n);
+                    let first = scale(derive(key, 0x52, s as u64), n - take + 1);
+                    rest.push(Unit {
+                        stream: s,
+                        shard,
+                        first,
+                        len: take,
+                    });
+                    rest_starts.push(rest_starts.last().expect("non-empty") + take);
+                    rest_n -= take;
+                }
+            }
+            let part = StreamPart {
+                starts,
+                passes,
+                rest,
+                rest_starts,
+                first_unit: units,
+                first_position: len,
+            };
+            units += part.units();
+            len += part.samples();
+            parts.push(part);
+        }
+        let perm = match spec.shuffle {
+            Shuffle::Global => Perm::new(len, derive(key, 0x61, 0)),
+            _ => Perm::new(units, derive(key, 0x71, 0)),
+        };
+        EpochOrder {
+            key,
+            spec: *spec,
+            parts,
+            units,
+            len,
+            perm,
+        }
+    }
+
+    /// Positions before tail handling (samples the epoch takes).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the epoch takes no sample.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Units of the epoch (before shuffling).
+    pub fn units(&self) -> u64 {
+        self.units
+    }
+
+    /// Unit `u` of the epoch, in unshuffled order.
+    pub fn unit(&self, u: u64) -> Unit {
+        let s = self.parts.partition_point(|p| p.first_unit <= u) - 1;
+        let p = &self.parts[s];
+        let i = u - p.first_unit;
+        let full = p.passes * p.shards();
+        if i < full {
+            let shard = (i % p.shards()) as usize;
+            Unit {
+                stream: s,
+                shard,
+                first: 0,
+                len: p.starts[shard + 1] - p.starts[shard],
+            }
+        } else {
+            p.rest[(i - full) as usize]
+        }
+    }
+
+    /// The sample at position `g` of the unshuffled order (`g < len`): streams in turn, each its
+    /// full passes then its remainder.
+    fn natural_at(&self, g: u64) -> SampleRef {
+        let s = self.parts.partition_point(|p| p.first_position <= g) - 1;
+        let p = &self.parts[s];
+        let i = g - p.first_position;
+        let (shard, index) = if i < p.passes * p.size() {
+            let o = i % p.size();
+            let shard = p.starts.partition_point(|&x| x <= o) - 1;
+            (shard, o - p.starts[shard])
+        } else {
+            let o = i - p.passes * p.size();
+            let r = p.rest_starts.partition_point(|&x| x <= o) - 1;
+            let u = &p.rest[r];
+            (u.shard, u.first + (o - p.rest_starts[r]))
+        };
+        SampleRef {
+            stream: s as u32,
+            shard: shard as u32,
+            index: index as u32,
+        }
+    }
+
+    /// The shard-block shuffle's parameters: units per window, samples per block, partitions.
+    fn block(&self) -> Option<(u64, u64, u64)> {
+        match self.spec.shuffle {
+            Shuffle::ShardBlock {
+                window_shards,
+                block_samples,
+            } => Some((
+                window_shards.max(1) as u64,
+                block_samples.max(1),
+                self.spec.partitions.max(1) as u64,
+            )),
+            _ => None,
+        }
+    }
+
+    /// A cursor over this order (cheap to make; each reader of the order keeps its own).
+    pub fn cursor(self: &Arc<Self>) -> OrderCursor {
+        OrderCursor {
+            order: self.clone(),
+            round: None,
+        }
+    }
+
+    /// Units in one round of the shard-block shuffle (`partitions x window`).
+    fn round_units(&self) -> u64 {
+        self.block().map_or(1, |(w, _, p)| w.saturating_mul(p))
+    }
+
+    /// Samples in round `k` (the sum of its units' lengths).
+    fn round_len(&self, k: u64) -> u64 {
+        let r = self.round_units();
+        let lo = k * r;
+        (lo..(lo + r).min(self.units))
+            .map(|j| self.unit(self.perm.apply(j)).len)
+            .sum()
+    }
+
+    /// Round `k` of the shard-block shuffle, starting at position `start`.
+    fn round(&self, k: u64, start: u64) -> Round {
+        let (w, b, p) = self.block().expect("shard-block order");
+        let lo = k * w * p;
+        let mut windows = Vec::with_capacity(p as usize);
+        for part in 0..p {
+            let mut units = Vec::new();
+            let mut starts = vec![0u64];
+            for t in 0..w {
+                let j = lo + part + p * t;
+                if j >= self.units {
+                    break;
+                }
+                let u = self.unit(self.perm.apply(j));
+                starts.push(starts.last().expect("non-empty") + u.len);
+                units.push(u);
+            }
+            let len = *starts.last().expect("non-empty");
+            let full = len / b;
+            windows.push(Window {
+                units,
+                starts,
+                len,
+                blocks: Perm::new(full, derive(self.key, 0x72, k.wrapping_mul(p).wrapping_add(part))),
+                block: b,
             });
         }
-    };
-    let total: u64 = units.iter().map(|u| u.len).sum();
-    let mut out = Vec::with_capacity(total as usize);
-    match spec.shuffle {
-        Shuffle::None => {
-            for u in &units {
-                expand(u, &mut out);
-            }
+        let mut lens: Vec<u64> = windows.iter().map(|w| w.len).collect();
+        lens.sort_unstable();
+        let len = lens.iter().sum();
+        Round {
+            k,
+            start,
+            len,
+            windows,
+            sorted_lens: lens,
         }
-        Shuffle::Global => {
-            for u in &units {
-                expand(u, &mut out);
-            }
-            Rng::new(key, 0x61).shuffle(&mut out);
+    }
+}
+
+/// One window of one partition in a round: its units in order, their start inside the window,
+/// and the keyed permutation of its full blocks.
+#[derive(Debug, Clone)]
+struct Window {
+    units: Vec<Unit>,
+    starts: Vec<u64>,
+    len: u64,
+    blocks: Perm,
+    block: u64,
+}
+
+impl Window {
+    /// The window's sample at index `i` of its shuffled sequence.
+    fn at(&self, i: u64) -> Unit {
+        let full = self.blocks.len() * self.block;
+        let c = if i < full {
+            self.blocks.apply(i / self.block) * self.block + i % self.block
+        } else {
+            i
+        };
+        let t = self.starts.partition_point(|&x| x <= c) - 1;
+        let u = self.units[t];
+        Unit {
+            first: u.first + (c - self.starts[t]),
+            len: 1,
+            ..u
         }
-        Shuffle::ShardBlock {
-            window_shards,
-            block_samples,
-        } => {
-            let (w, b, p) = (window_shards.max(1), block_samples.max(1), spec.partitions.max(1));
-            let mut rng = Rng::new(key, 0x71);
-            rng.shuffle(&mut units);
-            // Deal units to partitions round robin, then order each partition by windows.
-            let mut parts: Vec<Vec<SampleRef>> = vec![Vec::new(); p];
-            for (pi, part) in parts.iter_mut().enumerate() {
-                let mine: Vec<&Unit> = units.iter().skip(pi).step_by(p).collect();
-                for window in mine.chunks(w) {
-                    let mut blocks: Vec<Unit> = Vec::new();
-                    for u in window {
-                        let mut f = u.first;
-                        while f < u.first + u.len {
-                            let len = b.min(u.first + u.len - f);
-                            blocks.push(Unit { first: f, len, ..**u });
-                            f += len;
+    }
+}
+
+/// One round of the shard-block shuffle: window `k` of every partition, interleaved sample by
+/// sample (an exhausted window drops out).
+#[derive(Debug, Clone)]
+struct Round {
+    k: u64,
+    start: u64,
+    len: u64,
+    windows: Vec<Window>,
+    sorted_lens: Vec<u64>,
+}
+
+impl Round {
+    /// The sample at index `i` of the round.
+    fn at(&self, i: u64) -> Unit {
+        let mut live = self.windows.len() as u64;
+        let (mut prev, mut acc) = (0u64, 0u64);
+        for (n, &l) in self.sorted_lens.iter().enumerate() {
+            if l > prev {
+                let seg = (l - prev) * live;
+                if i < acc + seg {
+                    let depth = prev + (i - acc) / live;
+                    let nth = (i - acc) % live;
+                    let w = self
+                        .windows
+                        .iter()
+                        .filter(|w| w.len > depth)
+                        .nth(nth as usize)
+                        .expect("a live window");
+                    return w.at(depth);
+                }
+                acc += seg;
+                prev = l;
+            }
+            live = self.sorted_lens.len() as u64 - n as u64 - 1;
+        }
+        unreachable!("index {i} past the round's {} samples", self.len)
+    }
+}
+
+/// A reader's position in an [`EpochOrder`]: it maps positions to samples, fastest when the
+/// positions it is asked for rise (a shard-block cursor keeps its current round).
+#[derive(Debug, Clone)]
+pub struct OrderCursor {
+    order: Arc<EpochOrder>,
+    round: Option<Round>,
+}
+
+impl OrderCursor {
+    /// The sample at position `g` of the tail-adjusted order (positions past the epoch's length
+    /// repeat it from the start), and the group `g` lies in: the unit for `none`, the round for
+    /// `shard-block`, 0 for `global`, counted on across repeats. A shard's samples inside one
+    /// group are read together.
+    pub fn at(&mut self, g: u64) -> (SampleRef, u64) {
+        let o = &self.order;
+        let n = o.len;
+        assert!(n > 0, "position {g} of an empty order");
+        let (wrap, g) = (g / n, g % n);
+        match o.spec.shuffle {
+            Shuffle::None => {
+                let r = o.natural_at(g);
+                let s = r.stream as usize;
+                let p = &o.parts[s];
+                let i = g - p.first_position;
+                let local = if i < p.passes * p.size() {
+                    (i / p.size()) * p.shards() + r.shard as u64
+                } else {
+                    let o = i - p.passes * p.size();
+                    p.passes * p.shards() + (p.rest_starts.partition_point(|&x| x <= o) - 1) as u64
+                };
+                (r, wrap * o.units + p.first_unit + local)
+            }
+            Shuffle::Global => (o.natural_at(o.perm.apply(g)), wrap),
+            Shuffle::ShardBlock { .. } => {
+                let rounds = o.units.div_ceil(o.round_units()).max(1);
+                if self.round.as_ref().is_none_or(|r| g < r.start) {
+                    self.round = Some(o.round(0, 0));
+                }
+                loop {
+                    let r = self.round.as_ref().expect("set above");
+                    if g < r.start + r.len {
+                        break;
+                    }
+                    // Rounds passed over whole need only their length.
+                    let (mut k, mut start) = (r.k + 1, r.start + r.len);
+                    while k + 1 < rounds {
+                        let l = o.round_len(k);
+                        if g < start + l {
+                            break;
                         }
+                        start += l;
+                        k += 1;
                     }
-                    rng.shuffle(&mut blocks);
-                    for blk in &blocks {
-                        expand(blk, part);
-                    }
+                    self.round = Some(o.round(k, start));
                 }
-            }
-            // Interleave the partitions sample by sample; exhausted ones drop out.
-            let mut cursors = vec![0usize; p];
-            let mut live = p;
-            while live > 0 {
-                live = 0;
-                for (pi, part) in parts.iter().enumerate() {
-                    if cursors[pi] < part.len() {
-                        out.push(part[cursors[pi]]);
-                        cursors[pi] += 1;
-                        live += 1;
-                    }
-                }
+                let r = self.round.as_ref().expect("set above");
+                let u = r.at(g - r.start);
+                let id = SampleRef {
+                    stream: u.stream as u32,
+                    shard: u.shard as u32,
+                    index: u.first as u32,
+                };
+                (id, wrap * rounds + r.k)
             }
         }
     }
-    out
+}
+
+/// The global order of one epoch as an array, before tail handling. It holds every position:
+/// for tests and small datasets. Streams use [`EpochOrder`] and an [`OrderCursor`].
+pub fn global_order(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Vec<SampleRef> {
+    let order = Arc::new(EpochOrder::new(streams, spec, epoch));
+    let mut c = order.cursor();
+    (0..order.len()).map(|g| c.at(g).0).collect()
 }
 
 /// Length of the order after tail handling for `consumers` consumers.
@@ -394,11 +724,6 @@ pub fn effective_len(n: u64, consumers: u64, tail: Tail) -> u64 {
             }
         }
     }
-}
-
-/// The sample at position `p` of the tail-adjusted order (padding repeats from the start).
-pub fn at_position(order: &[SampleRef], p: u64) -> SampleRef {
-    order[(p % order.len() as u64) as usize]
 }
 
 /// Where a job stands in one epoch: every position below `consumed` was delivered, and so was
@@ -438,38 +763,75 @@ impl EpochProgress {
         Ok(())
     }
 
-    /// Positions not yet delivered, in order, for an order of `len` positions.
-    pub fn remaining(&self, len: u64) -> impl Iterator<Item = u64> + '_ {
-        let mut ahead = self.ahead.iter().peekable();
-        (self.consumed..len).filter(move |p| {
-            while ahead.peek().is_some_and(|&&a| a < *p) {
-                ahead.next();
-            }
-            if ahead.peek() == Some(&p) {
-                ahead.next();
-                return false;
-            }
-            true
-        })
+    /// Positions not yet delivered for an order of `len` positions.
+    pub fn remaining_len(&self, len: u64) -> u64 {
+        len.saturating_sub(self.consumed)
+            .saturating_sub(self.ahead.len() as u64)
     }
 
-    /// The positions consumer `c` of `consumers` reads from here on: every `consumers`-th
-    /// remaining position, starting at the `c`-th.
+    /// The `i`-th position not yet delivered (`i < remaining_len`): `[consumed, len)` with the
+    /// `ahead` positions skipped.
+    pub fn remaining_at(&self, i: u64) -> u64 {
+        let mut x = self.consumed + i;
+        for &a in &self.ahead {
+            if a <= x {
+                x += 1;
+            } else {
+                break;
+            }
+        }
+        x
+    }
+
+    /// Positions not yet delivered, in order, for an order of `len` positions.
+    pub fn remaining(&self, len: u64) -> impl Iterator<Item = u64> + '_ {
+        (0..self.remaining_len(len)).map(|i| self.remaining_at(i))
+    }
+
+    /// The deal of consumer `c` of `consumers` from here on: every `consumers`-th remaining
+    /// position, starting at the `c`-th.
+    pub fn deal(&self, len: u64, consumer: usize, consumers: usize) -> Deal {
+        let consumers = consumers.max(1) as u64;
+        let rem = self.remaining_len(len);
+        let c = consumer as u64;
+        Deal {
+            progress: Arc::new(self.clone()),
+            consumer: c,
+            consumers,
+            count: if rem > c { (rem - c).div_ceil(consumers) } else { 0 },
+        }
+    }
+
+    /// The positions consumer `c` of `consumers` reads from here on, as an array (for tests
+    /// and small orders; streams use [`EpochProgress::deal`]).
     pub fn positions_for(&self, len: u64, consumer: usize, consumers: usize) -> Vec<u64> {
-        self.remaining(len).skip(consumer).step_by(consumers.max(1)).collect()
+        let d = self.deal(len, consumer, consumers);
+        (0..d.len()).map(|k| d.position(k)).collect()
     }
 
     /// The progress after consumer `c` (of `consumers`, dealt from `self`) delivered
-    /// `delivered[c]` of its positions, for every `c`.
+    /// `delivered[c]` of its positions, for every `c`. Work and memory grow with `ahead` and
+    /// the spread between consumers, not with the epoch.
     pub fn advance(&self, len: u64, delivered: &[u64]) -> EpochProgress {
-        let consumers = delivered.len().max(1);
-        let rem: Vec<u64> = self.remaining(len).collect();
-        let done = |i: usize| ((i / consumers) as u64) < delivered[i % consumers];
-        let first_open = (0..rem.len()).find(|&i| !done(i));
-        let consumed = first_open.map(|i| rem[i]).unwrap_or(len);
+        let cs = delivered.len().max(1) as u64;
+        let rem = self.remaining_len(len);
+        // The first remaining index not delivered: consumer c's next index is delivered[c]*C+c.
+        let first_open = (0..delivered.len() as u64)
+            .map(|c| delivered[c as usize].saturating_mul(cs).saturating_add(c))
+            .filter(|&i| i < rem)
+            .min();
+        let consumed = first_open.map_or(len, |i| self.remaining_at(i));
         let mut ahead: Vec<u64> = self.ahead.iter().copied().filter(|&a| a >= consumed).collect();
         if let Some(f) = first_open {
-            ahead.extend((f + 1..rem.len()).filter(|&i| done(i)).map(|i| rem[i]));
+            for c in 0..cs {
+                let k_min = if c > f { 0 } else { (f - c) / cs + 1 };
+                for k in k_min..delivered[c as usize] {
+                    let i = c + k * cs;
+                    if i < rem {
+                        ahead.push(self.remaining_at(i));
+                    }
+                }
+            }
         }
         ahead.sort_unstable();
         EpochProgress {
@@ -477,6 +839,33 @@ impl EpochProgress {
             consumed,
             ahead,
         }
+    }
+}
+
+/// One consumer's positions in an epoch, computed on demand: its `k`-th position is remaining
+/// position `c + k * C` of the progress it was dealt from.
+#[derive(Debug, Clone)]
+pub struct Deal {
+    progress: Arc<EpochProgress>,
+    consumer: u64,
+    consumers: u64,
+    count: u64,
+}
+
+impl Deal {
+    /// Positions dealt.
+    pub fn len(&self) -> u64 {
+        self.count
+    }
+
+    /// Whether none was dealt.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The `k`-th position of the deal (`k < len`).
+    pub fn position(&self, k: u64) -> u64 {
+        self.progress.remaining_at(self.consumer + k * self.consumers)
     }
 }
 

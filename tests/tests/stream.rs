@@ -167,12 +167,39 @@ fn resume_on_changed_data_is_refused() {
     let url = dataset();
     let mut c = config(url, Topology::default(), None);
     c.resume = Some(ramjet_engine::stream::ResumePoint {
+        order_version: ramjet_engine::order::ORDER_VERSION,
         versions: vec!["0123".into()],
         order: c.order,
         progress: EpochProgress::default(),
     });
     let e = Stream::open(c).err().expect("must refuse").to_string();
     assert!(e.contains("manifest versions"), "{e}");
+}
+
+/// A state saved by a build from before the lazy order (no `order_version`: version 1) names
+/// positions of another order: resuming from it is refused with the reason, for the job's state
+/// and for one consumer's, whatever else matches.
+#[test]
+fn resume_from_the_old_order_is_refused() {
+    let url = dataset();
+    let c = config(url, Topology::default(), None);
+    let version = Stream::open(c.clone()).unwrap().dataset(0).manifest().version.clone();
+    let order = serde_json::to_value(c.order).unwrap();
+    let job = serde_json::json!({
+        "versions": [version], "order": order, "progress": {"epoch": 0, "consumed": 3, "ahead": []},
+    });
+    let mut c1 = c.clone();
+    c1.resume = Some(serde_json::from_value(job).unwrap());
+    let e = Stream::open(c1).err().expect("must refuse").to_string();
+    assert!(e.contains("order version 1") && e.contains("order version 2"), "{e}");
+    let consumer = serde_json::json!({
+        "versions": [version], "order": order, "consumer": 0, "consumers": 1,
+        "base": {"epoch": 0, "consumed": 0, "ahead": []}, "len": N, "delivered": 3,
+    });
+    let mut c2 = c;
+    c2.resume_consumer = Some(serde_json::from_value(consumer).unwrap());
+    let e = Stream::open(c2).err().expect("must refuse").to_string();
+    assert!(e.contains("order version 1"), "{e}");
 }
 
 fn lines(p: &Path) -> Vec<String> {

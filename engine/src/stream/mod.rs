@@ -57,8 +57,8 @@ use crate::error::{Error, Location, Result};
 use crate::format::{decode_record, IndexEntry, Schema, ShardReader, ValueRef, INDEX_ENTRY_LEN};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::order::{
-    at_position, effective_len, global_order, EpochProgress, OrderSpec, SampleRef, Shuffle, StreamShape, Topology,
-    Weight,
+    effective_len, EpochProgress, OrderCursor, OrderSpec, SampleRef, Shuffle, StreamShape, Topology, Weight,
+    ORDER_VERSION,
 };
 use crate::provider::{ShardProvider, ShardRequest};
 use crate::singleflight::Flights;
@@ -285,10 +285,12 @@ pub struct Stream {
     plans: std::collections::VecDeque<Arc<EpochPlan>>,
     plan: Option<Arc<EpochPlan>>,
     cursor: usize,
+    /// Maps the current plan's positions to samples.
+    order_cursor: Option<OrderCursor>,
     live: HashMap<ShardKey, Live>,
-    /// Samples the prefetcher read one by one at the start, by (epoch, position).
+    /// Samples the prefetcher read one by one (at the start, and all of them under the global
+    /// shuffle), by (epoch, position).
     ranged_ready: HashMap<(u64, u64), Result<Bytes>>,
-    per_sample: bool,
     prefetch: tokio::task::JoinHandle<()>,
     /// Open readers of cached shard files, for samples read one by one (global shuffle,
     /// random access): a sample then costs its two reads, not three more to open the shard.
@@ -318,6 +320,12 @@ const OPEN_READERS_MAX: usize = 64;
 
 /// Ranged sample reads issued together while the first shards download.
 const RANGED_AHEAD_MAX: usize = 8;
+
+/// The most samples in one batch of the global shuffle's reads.
+const SAMPLE_BATCH_MAX: usize = 1024;
+
+/// Batches of the global shuffle's reads in flight at once.
+const SAMPLE_BATCHES_IN_FLIGHT: usize = 8;
 
 /// The longest the prefetcher holds whole-shard fetches back for the first ranged reads.
 const FIRST_GATE_MAX: std::time::Duration = std::time::Duration::from_millis(500);
@@ -402,7 +410,14 @@ impl Stream {
             }
             (None, Some(r)) => {
                 let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
-                check_saved_for("resume state", &r.versions, &r.order, &versions, &cfg.order)?;
+                check_saved_for(
+                    "resume state",
+                    r.order_version,
+                    &r.versions,
+                    &r.order,
+                    &versions,
+                    &cfg.order,
+                )?;
                 let n = checked_epoch_positions(&shapes)?;
                 let len = effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail);
                 r.progress
@@ -471,6 +486,18 @@ impl Stream {
         } else {
             (None, None)
         };
+        // The global shuffle reads samples one by one, in batches about `prefetch_bytes_max /
+        // ahead` large (the channel then holds about `prefetch_bytes_max`).
+        let per_sample = per_sample.then(|| {
+            let (bytes, samples) = shared.sources.iter().fold((0u64, 0u64), |(b, n), s| {
+                (
+                    b + s.ids.iter().map(|i| i.bytes).sum::<u64>(),
+                    n + s.starts.last().copied().unwrap_or(0),
+                )
+            });
+            let avg = bytes.checked_div(samples).unwrap_or(1).max(1);
+            (cfg.prefetch_bytes_max / ahead as u64 / avg).clamp(8, SAMPLE_BATCH_MAX as u64) as usize
+        });
         let prefetch = rt.spawn(prefetcher(shared.clone(), start, skip, tx, per_sample, ranged, gate));
         let stream = Stream {
             rt,
@@ -480,9 +507,9 @@ impl Stream {
             plans: Default::default(),
             plan: None,
             cursor: 0,
+            order_cursor: None,
             live: HashMap::new(),
             ranged_ready: HashMap::new(),
-            per_sample,
             prefetch,
             readers: Default::default(),
             resident: Default::default(),
@@ -533,6 +560,7 @@ impl Stream {
     pub fn state(&self) -> Option<StreamState> {
         let plan = self.plan.as_ref()?;
         Some(StreamState {
+            order_version: ORDER_VERSION,
             versions: self.shared.shapes.iter().map(|s| s.version.clone()).collect(),
             order: self.shared.cfg.order,
             consumer: self.shared.cfg.topology.consumer(),
@@ -545,7 +573,7 @@ impl Stream {
 
     /// Samples this consumer gets in the current epoch (after tail handling and resume).
     pub fn epoch_len(&self) -> Option<usize> {
-        self.plan.as_ref().map(|p| p.positions.len())
+        self.plan.as_ref().map(|p| p.count())
     }
 
     async fn recv(&mut self) -> Result<bool> {
@@ -575,7 +603,10 @@ impl Stream {
             }
             Msg::Shard { key, uses, bytes } => {
                 let bytes = bytes?;
-                if uses > 0 {
+                if let Some(live) = self.live.get_mut(&key) {
+                    // The shard is used again in a later group of the order while still held.
+                    live.uses_left += uses;
+                } else if uses > 0 {
                     let src = &self.shared.sources[key.1 as usize];
                     let url = src.ds.store().url(&src.ds.manifest().shards[key.2 as usize].key);
                     let header = crate::format::Header::parse(&bytes[..64], &url)?;
@@ -603,12 +634,13 @@ impl Stream {
     /// [`Stream::next_sample`] for an async caller on the process runtime.
     pub async fn next_sample_async(&mut self) -> Result<Option<Sample>> {
         loop {
-            let exhausted = self.plan.as_ref().is_none_or(|p| self.cursor >= p.positions.len());
+            let exhausted = self.plan.as_ref().is_none_or(|p| self.cursor >= p.count());
             if !exhausted {
                 break;
             }
             if let Some(p) = self.plans.pop_front() {
                 self.cursor = p.skip;
+                self.order_cursor = Some(p.order.cursor());
                 self.plan = Some(p);
                 continue;
             }
@@ -617,32 +649,28 @@ impl Stream {
             }
         }
         let plan = self.plan.clone().expect("plan set above");
-        let position = plan.positions[self.cursor];
-        let id = at_position(&plan.order, position);
+        let position = plan.deal.position(self.cursor as u64);
+        let (id, _) = self.order_cursor.as_mut().expect("set with the plan").at(position);
         let key = (plan.epoch, id.stream, id.shard);
-        let record = if self.per_sample {
-            self.read_one(id).await?
-        } else {
-            // Take messages up to the one that holds this sample (they come in the order the
-            // consumer needs them), and no further: shards held here are outside the channel's
-            // bound, so taking more would let a slow consumer hold any number in memory.
-            let at = (plan.epoch, position);
-            while !self.live.contains_key(&key) && !self.ranged_ready.contains_key(&at) {
-                if !self.recv().await? {
-                    return Err(Error::invalid("stream", "the prefetcher stopped early"));
-                }
+        // Take messages up to the one that holds this sample (they come in the order the
+        // consumer needs them), and no further: shards held here are outside the channel's
+        // bound, so taking more would let a slow consumer hold any number in memory.
+        let at = (plan.epoch, position);
+        while !self.live.contains_key(&key) && !self.ranged_ready.contains_key(&at) {
+            if !self.recv().await? {
+                return Err(Error::invalid("stream", "the prefetcher stopped early"));
             }
-            match self.ranged_ready.remove(&at) {
-                Some(r) => r?,
-                None => {
-                    let live = self.live.get_mut(&key).expect("present");
-                    let rec = slice_record(live, id, &self.shared)?;
-                    live.uses_left -= 1;
-                    if live.uses_left == 0 {
-                        self.live.remove(&key);
-                    }
-                    rec
+        }
+        let record = match self.ranged_ready.remove(&at) {
+            Some(r) => r?,
+            None => {
+                let live = self.live.get_mut(&key).expect("present");
+                let rec = slice_record(live, id, &self.shared)?;
+                live.uses_left -= 1;
+                if live.uses_left == 0 {
+                    self.live.remove(&key);
                 }
+                rec
             }
         };
         self.cursor += 1;
@@ -698,6 +726,7 @@ mod tests {
 
     fn state(consumer: usize, consumers: usize, delivered: u64) -> StreamState {
         StreamState {
+            order_version: ORDER_VERSION,
             versions: vec!["v".into()],
             order: OrderSpec::default(),
             consumer,

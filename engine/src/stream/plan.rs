@@ -1,35 +1,43 @@
 //! The plan: pure functions of the manifests, the order settings, the epoch and the resume
-//! point. No I/O.
+//! point. No I/O, and nothing per sample: positions and samples are computed as they are read.
 
 use super::*;
+use crate::order::{Deal, EpochOrder};
 
 /// One epoch as dealt to this consumer.
 pub(super) struct EpochPlan {
     pub(super) epoch: u64,
-    pub(super) order: Vec<SampleRef>,
+    pub(super) order: Arc<EpochOrder>,
     pub(super) len: u64,
     pub(super) base: EpochProgress,
-    pub(super) positions: Vec<u64>,
+    pub(super) deal: Deal,
     /// Positions of the deal already delivered before a consumer resume (the cursor starts
     /// here).
     pub(super) skip: usize,
 }
 
+impl EpochPlan {
+    /// Positions dealt to this consumer this epoch.
+    pub(super) fn count(&self) -> usize {
+        self.deal.len() as usize
+    }
+}
+
 pub(super) fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress, skip: usize) -> EpochPlan {
-    let order = global_order(&shared.shapes, &shared.cfg.order, epoch);
+    let order = Arc::new(EpochOrder::new(&shared.shapes, &shared.cfg.order, epoch));
     let topo = shared.cfg.topology;
-    let len = effective_len(order.len() as u64, topo.consumers() as u64, shared.cfg.order.tail);
-    let positions = if order.is_empty() {
-        Vec::new()
+    let len = effective_len(order.len(), topo.consumers() as u64, shared.cfg.order.tail);
+    let deal = if order.is_empty() {
+        EpochProgress::default().deal(0, 0, 1)
     } else {
-        base.positions_for(len, topo.consumer(), topo.consumers())
+        base.deal(len, topo.consumer(), topo.consumers())
     };
     EpochPlan {
         epoch,
         order,
         len,
-        skip: skip.min(positions.len()),
+        skip: skip.min(deal.len() as usize),
         base,
-        positions,
+        deal,
     }
 }

@@ -1,16 +1,23 @@
-//! The prefetcher: one task per stream that plans each epoch and fetches whole shards in
-//! first-use order, at most `prefetch_bytes_max` ahead of the consumer; at the start of a
-//! stream it first reads the first samples one by one. Everything the consumer gets comes
-//! from here, down one channel: the plan, then those samples, then whole shards.
+//! The prefetcher: one task per stream that plans each epoch and sends the consumer
+//! everything it gets, down one channel: the plan; at the start of a stream the first samples
+//! read one by one; then whole shards in first-use order, at most `prefetch_bytes_max` ahead
+//! of the consumer. Under the global shuffle it sends batches of samples read one by one
+//! instead (ranged reads merged per shard, from the disk cache or the origin, several batches
+//! in flight), while whole shards warm the disk cache.
+//!
+//! Nothing is computed for the whole epoch up front: the shards and their uses are found by
+//! walking this consumer's positions one group of the order at a time (a unit, or a round of
+//! the shard-block shuffle), as the fetches are pulled.
 
 use super::*;
+use crate::order::OrderCursor;
 
 pub(super) async fn prefetcher(
     shared: Arc<Shared>,
     start: EpochProgress,
     mut skip: usize,
     tx: mpsc::Sender<Msg>,
-    per_sample: bool,
+    per_sample: Option<usize>,
     mut ranged_budget: usize,
     mut gate: Option<tokio::sync::watch::Receiver<bool>>,
 ) {
@@ -21,86 +28,15 @@ pub(super) async fn prefetcher(
             return;
         }
         let plan = Arc::new(plan_epoch(&shared, epoch, base, std::mem::take(&mut skip)));
-        // Shards in order of first use, with their use counts.
-        let mut first_use: Vec<(u32, u32)> = Vec::new();
-        let mut uses: HashMap<(u32, u32), u64> = HashMap::new();
-        for &p in &plan.positions[plan.skip..] {
-            let r = at_position(&plan.order, p);
-            let n = uses.entry((r.stream, r.shard)).or_insert(0);
-            if *n == 0 {
-                first_use.push((r.stream, r.shard));
-            }
-            *n += 1;
-        }
         if tx.send(Msg::Epoch(plan.clone())).await.is_err() {
             return;
         }
-        // Samples read one by one need whole shards only to warm the disk cache; without a
-        // cache, fetching them would double the origin traffic for nothing.
-        let first_use = if per_sample && shared.cache.is_none() {
-            Vec::new()
-        } else {
-            first_use
+        let went_on = match per_sample {
+            Some(batch) => sample_epoch(&shared, &plan, &tx, batch).await,
+            None => shard_epoch(&shared, &plan, &tx, std::mem::take(&mut ranged_budget), gate.take()).await,
         };
-        let in_flight = shared.cfg.shards_in_flight_max.max(1);
-        let sh = shared.clone();
-        let mut start_fetches = Some(move || {
-            stream::iter(first_use)
-                .map(move |(s, shard)| {
-                    let shared = sh.clone();
-                    async move { ((s, shard), fetch_shard(shared, s as usize, shard as usize).await) }
-                })
-                .buffered(in_flight)
-        });
-        let mut fetched = None;
-        // The first samples, one by one, while the first whole shards download.
-        let ranged = std::mem::take(&mut ranged_budget);
-        let (ranged_uses, head) = match ranged {
-            0 => (HashMap::new(), None),
-            n => {
-                let first = FirstSamples {
-                    plan: &plan,
-                    budget: n,
-                    gate: gate.take(),
-                };
-                match first.run(&shared, &tx, &mut start_fetches, &mut fetched).await {
-                    Some(r) => r,
-                    None => return,
-                }
-            }
-        };
-        let mut fetched = match fetched {
-            Some(f) => f,
-            None => (start_fetches.take().expect("started once"))(),
-        };
-        let mut head = head;
-        loop {
-            let item = match head.take() {
-                Some(item) => item,
-                None => fetched.next().await,
-            };
-            let Some(((s, sh), res)) = item else { break };
-            let failed = res.is_err();
-            let msg = if per_sample {
-                // The consumer reads samples one by one; the fetch only warmed the disk cache.
-                match res {
-                    Ok(_) => continue,
-                    Err(e) => Msg::Shard {
-                        key: (epoch, s, sh),
-                        uses: 0,
-                        bytes: Err(e),
-                    },
-                }
-            } else {
-                Msg::Shard {
-                    key: (epoch, s, sh),
-                    uses: uses[&(s, sh)] - ranged_uses.get(&(s, sh)).copied().unwrap_or(0),
-                    bytes: res,
-                }
-            };
-            if tx.send(msg).await.is_err() || failed {
-                return;
-            }
+        if !went_on {
+            return;
         }
         base = EpochProgress {
             epoch: epoch + 1,
@@ -108,6 +44,241 @@ pub(super) async fn prefetcher(
             ahead: Vec::new(),
         };
     }
+}
+
+/// This consumer's shards in the order of their first use, one group of the order at a time,
+/// each with its uses inside the group (a shard used again in a later group comes again).
+/// Memory: one group's shards.
+struct ShardUses {
+    plan: Arc<EpochPlan>,
+    cursor: OrderCursor,
+    /// The next index of the deal to walk.
+    k: u64,
+    pending: std::collections::VecDeque<((u32, u32), u64)>,
+}
+
+impl ShardUses {
+    fn new(plan: Arc<EpochPlan>) -> ShardUses {
+        ShardUses {
+            cursor: plan.order.cursor(),
+            k: plan.skip as u64,
+            plan,
+            pending: Default::default(),
+        }
+    }
+}
+
+impl Iterator for ShardUses {
+    type Item = ((u32, u32), u64);
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(x) = self.pending.pop_front() {
+                return Some(x);
+            }
+            let n = self.plan.deal.len();
+            if self.k >= n {
+                return None;
+            }
+            let mut group = None;
+            let mut first_use: Vec<(u32, u32)> = Vec::new();
+            let mut uses: HashMap<(u32, u32), u64> = HashMap::new();
+            while self.k < n {
+                let (id, g) = self.cursor.at(self.plan.deal.position(self.k));
+                if group.is_some_and(|x| x != g) {
+                    break;
+                }
+                group = Some(g);
+                let u = uses.entry((id.stream, id.shard)).or_insert(0);
+                if *u == 0 {
+                    first_use.push((id.stream, id.shard));
+                }
+                *u += 1;
+                self.k += 1;
+            }
+            self.pending.extend(first_use.into_iter().map(|key| (key, uses[&key])));
+        }
+    }
+}
+
+/// Shards in the order this consumer first touches them, each once (to warm the disk cache
+/// under the global shuffle). Memory: a bit per shard.
+struct FirstTouch {
+    plan: Arc<EpochPlan>,
+    cursor: OrderCursor,
+    k: u64,
+    seen: Vec<Vec<u64>>,
+}
+
+impl FirstTouch {
+    fn new(plan: Arc<EpochPlan>, shared: &Shared) -> FirstTouch {
+        FirstTouch {
+            cursor: plan.order.cursor(),
+            k: plan.skip as u64,
+            seen: shared
+                .sources
+                .iter()
+                .map(|s| vec![0u64; s.ids.len().div_ceil(64)])
+                .collect(),
+            plan,
+        }
+    }
+}
+
+impl Iterator for FirstTouch {
+    type Item = (u32, u32);
+    fn next(&mut self) -> Option<Self::Item> {
+        while self.k < self.plan.deal.len() {
+            let (id, _) = self.cursor.at(self.plan.deal.position(self.k));
+            self.k += 1;
+            let (word, bit) = (
+                &mut self.seen[id.stream as usize][id.shard as usize / 64],
+                id.shard % 64,
+            );
+            if *word & (1 << bit) == 0 {
+                *word |= 1 << bit;
+                return Some((id.stream, id.shard));
+            }
+        }
+        None
+    }
+}
+
+/// One epoch of whole shards: the first samples one by one (if any budget), then the shards
+/// in first-use order. Returns whether the consumer is still there.
+async fn shard_epoch(
+    shared: &Arc<Shared>,
+    plan: &Arc<EpochPlan>,
+    tx: &mpsc::Sender<Msg>,
+    ranged: usize,
+    gate: Option<tokio::sync::watch::Receiver<bool>>,
+) -> bool {
+    let epoch = plan.epoch;
+    let in_flight = shared.cfg.shards_in_flight_max.max(1);
+    let (sh, uses) = (shared.clone(), ShardUses::new(plan.clone()));
+    let mut start_fetches = Some(move || {
+        stream::iter(uses)
+            .map(move |((s, shard), n)| {
+                let shared = sh.clone();
+                async move { ((s, shard), n, fetch_shard(shared, s as usize, shard as usize).await) }
+            })
+            .buffered(in_flight)
+    });
+    let mut fetched = None;
+    // The first samples, one by one, while the first whole shards download.
+    let (mut ranged_left, head) = match ranged {
+        0 => (HashMap::new(), None),
+        n => {
+            let first = FirstSamples { plan, budget: n, gate };
+            match first.run(shared, tx, &mut start_fetches, &mut fetched).await {
+                Some(r) => r,
+                None => return false,
+            }
+        }
+    };
+    let mut fetched = match fetched {
+        Some(f) => f,
+        None => (start_fetches.take().expect("started once"))(),
+    };
+    let mut head = head;
+    loop {
+        let item = match head.take() {
+            Some(item) => item,
+            None => fetched.next().await,
+        };
+        let Some(((s, sh), mut uses, res)) = item else { break };
+        // Samples already delivered one by one come first in the deal: they take off the
+        // shard's earliest groups.
+        if let Some(left) = ranged_left.get_mut(&(s, sh)) {
+            let taken = (*left).min(uses);
+            *left -= taken;
+            uses -= taken;
+        }
+        let failed = res.is_err();
+        let msg = Msg::Shard {
+            key: (epoch, s, sh),
+            uses,
+            bytes: res,
+        };
+        if tx.send(msg).await.is_err() || failed {
+            return false;
+        }
+    }
+    true
+}
+
+/// One epoch of the global shuffle: batches of samples read one by one, several in flight,
+/// while (with a disk cache) whole shards warm the cache in first-touch order. Returns whether
+/// the consumer is still there.
+async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Sender<Msg>, batch: usize) -> bool {
+    let epoch = plan.epoch;
+    let mut cursor = plan.order.cursor();
+    let (n, p) = (plan.deal.len(), plan.clone());
+    let sh = shared.clone();
+    let mut batches = stream::iter((plan.skip as u64..n).step_by(batch.max(1)))
+        .map(move |k0| {
+            let positions: Vec<u64> = (k0..(k0 + batch as u64).min(n)).map(|k| p.deal.position(k)).collect();
+            let ids: Vec<SampleRef> = positions.iter().map(|&g| cursor.at(g).0).collect();
+            let shared = sh.clone();
+            async move { (positions, read_samples(&shared, &ids).await) }
+        })
+        .buffered(SAMPLE_BATCHES_IN_FLIGHT);
+    // Samples read one by one need whole shards only to warm the disk cache; without a cache,
+    // fetching them would double the origin traffic for nothing.
+    let warm_list = shared
+        .cache
+        .is_some()
+        .then(|| FirstTouch::new(plan.clone(), shared))
+        .into_iter()
+        .flatten();
+    let sh = shared.clone();
+    let mut warm = stream::iter(warm_list)
+        .map(move |(s, shard)| {
+            let shared = sh.clone();
+            async move { ((s, shard), fetch_shard(shared, s as usize, shard as usize).await) }
+        })
+        .buffered(shared.cfg.shards_in_flight_max.max(1));
+    let mut warming = true;
+    loop {
+        tokio::select! {
+            b = batches.next() => {
+                let Some((positions, (records, from_origin))) = b else { break };
+                let msg = Msg::Samples {
+                    epoch,
+                    samples: positions.into_iter().zip(records).collect(),
+                    from_origin,
+                };
+                if tx.send(msg).await.is_err() {
+                    return false;
+                }
+            }
+            w = warm.next(), if warming => match w {
+                None => warming = false,
+                Some((_, Ok(_))) => {}
+                Some(((s, sh), Err(e))) => {
+                    let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e) }).await;
+                    return false;
+                }
+            },
+        }
+    }
+    // The cache is warmed for every shard of the epoch, as the next epoch reads them again.
+    while warming {
+        match warm.next().await {
+            None => warming = false,
+            Some((_, Ok(_))) => {}
+            Some(((s, sh), Err(e))) => {
+                let _ = tx
+                    .send(Msg::Shard {
+                        key: (epoch, s, sh),
+                        uses: 0,
+                        bytes: Err(e),
+                    })
+                    .await;
+                return false;
+            }
+        }
+    }
+    true
 }
 
 /// The first samples of a stream, read one by one (from the disk cache, or with two ranged
@@ -140,20 +311,23 @@ impl FirstSamples<'_> {
         S: futures::Stream + Unpin,
     {
         let plan = self.plan;
-        let positions = &plan.positions[plan.skip..];
+        let dealt = plan.count().saturating_sub(plan.skip);
+        let mut cursor = plan.order.cursor();
         let deadline = tokio::time::Instant::now() + FIRST_GATE_MAX;
         let mut gate = self.gate;
         let mut budget = self.budget;
         let mut taken = 0;
         let mut ranged_uses: HashMap<(u32, u32), u64> = HashMap::new();
         let mut head = None;
-        while budget > 0 && taken < positions.len() && head.is_none() {
+        while budget > 0 && taken < dealt && head.is_none() {
             if fetched.is_none() && taken > 0 && gate_open(&gate, deadline) {
                 *fetched = start_fetches.take().map(|f| f());
             }
-            let n = RANGED_AHEAD_MAX.min(budget).min(positions.len() - taken);
-            let batch = &positions[taken..taken + n];
-            let ids: Vec<SampleRef> = batch.iter().map(|&p| at_position(&plan.order, p)).collect();
+            let n = RANGED_AHEAD_MAX.min(budget).min(dealt - taken);
+            let batch: Vec<u64> = (plan.skip + taken..plan.skip + taken + n)
+                .map(|k| plan.deal.position(k as u64))
+                .collect();
+            let ids: Vec<SampleRef> = batch.iter().map(|&p| cursor.at(p).0).collect();
             let read = read_samples(shared, &ids);
             tokio::pin!(read);
             let got = match fetched.as_mut() {

@@ -1,6 +1,6 @@
-//! One sample read on its own (random access, and global shuffle): from a whole shard held
-//! in memory, the disk cache (a pinned `CachedShard`, two reads), or two ranged GETs while the
-//! whole shard loads in the background.
+//! One sample read on its own (random access): from a whole shard held in memory, the disk
+//! cache (a pinned `CachedShard`, two reads), or two ranged GETs while the whole shard loads in
+//! the background. (The global shuffle reads its samples in batches: `prefetch`.)
 
 use super::*;
 
@@ -128,19 +128,6 @@ impl Stream {
                 Err(e) => tracing::warn!(shard = %url, error = %e, "loading a whole shard for random access failed"),
             }
         });
-    }
-
-    /// One sample on its own: two reads from the disk cache when its shard is cached, else two
-    /// ranged GETs.
-    pub(super) async fn read_one(&mut self, id: SampleRef) -> Result<Bytes> {
-        match self.read_cached(id) {
-            Some(rec) => Ok(rec),
-            None => {
-                let rec = fetch_sample_ranged(&self.shared, id).await?;
-                Metrics::add(&self.shared.metrics.ranged_samples, 1);
-                Ok(rec)
-            }
-        }
     }
 
     /// `id`'s record from the cached copy of its shard (two reads), or `None` when the shard is

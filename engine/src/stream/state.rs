@@ -22,25 +22,20 @@ pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
     Ok((len, mine))
 }
 
-/// An epoch's positions over `shapes`, refused (not allocated) above
-/// [`crate::order::ORDER_POSITIONS_MAX`] or when the counts overflow.
+/// An epoch's positions over `shapes`, refused when the counts overflow. The order is
+/// computed position by position, so no size is too large to plan.
 pub(super) fn checked_epoch_positions(shapes: &[StreamShape]) -> Result<u64> {
-    match crate::order::epoch_positions(shapes) {
-        Some(n) if n <= crate::order::ORDER_POSITIONS_MAX => Ok(n),
-        Some(n) => Err(Error::invalid(
-            "sources",
-            format!(
-                "an epoch of {n} samples exceeds the in-memory order's limit of {}",
-                crate::order::ORDER_POSITIONS_MAX
-            ),
-        )),
-        None => Err(Error::invalid("sources", "the sources' sample counts overflow 64 bits")),
-    }
+    crate::order::epoch_positions(shapes)
+        .ok_or_else(|| Error::invalid("sources", "the sources' sample counts overflow 64 bits"))
 }
 
 /// A saved position to resume from.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ResumePoint {
+    /// The order's version ([`crate::order::ORDER_VERSION`]) the positions refer to; a state
+    /// saved before the field existed is version 1.
+    #[serde(default = "crate::order::order_version_1")]
+    pub order_version: u32,
     /// Manifest versions of the sources, in order; resuming on other data is refused.
     pub versions: Vec<String>,
     /// The order the progress refers to.
@@ -52,6 +47,9 @@ pub struct ResumePoint {
 /// One consumer's position, to save and later combine with the other consumers' states.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StreamState {
+    /// The order's version ([`crate::order::ORDER_VERSION`]) the positions refer to.
+    #[serde(default = "crate::order::order_version_1")]
+    pub order_version: u32,
     /// Manifest versions of the sources.
     pub versions: Vec<String>,
     /// The order.
@@ -87,6 +85,7 @@ impl StreamState {
         let mut seen = vec![false; c];
         for s in states {
             if s.consumers != c
+                || s.order_version != first.order_version
                 || s.base != first.base
                 || s.versions != first.versions
                 || s.order != first.order
@@ -109,7 +108,7 @@ impl StreamState {
                     format!("consumer {} appears twice", s.consumer),
                 ));
             }
-            let dealt = s.base.positions_for(s.len, s.consumer, c).len() as u64;
+            let dealt = s.base.deal(s.len, s.consumer, c).len();
             if s.delivered > dealt {
                 return Err(Error::invalid(
                     "stream states",
@@ -136,6 +135,7 @@ impl StreamState {
             };
         }
         Ok(ResumePoint {
+            order_version: first.order_version,
             versions: first.versions.clone(),
             order: first.order,
             progress,
@@ -146,11 +146,23 @@ impl StreamState {
 /// Refuses a saved state taken on other data (manifest versions) or under another order.
 pub(super) fn check_saved_for(
     what: &str,
+    saved_order_version: u32,
     saved_versions: &[String],
     saved_order: &OrderSpec,
     versions: &[String],
     order: &OrderSpec,
 ) -> Result<()> {
+    if saved_order_version != crate::order::ORDER_VERSION {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "it was saved under order version {saved_order_version}, and this build computes \
+                 order version {}: its positions would name other samples. Start the epoch \
+                 again (first_epoch), or finish it with the build that saved it",
+                crate::order::ORDER_VERSION
+            ),
+        ));
+    }
     if saved_versions != versions {
         return Err(Error::invalid(
             what,
@@ -176,7 +188,7 @@ pub(super) fn check_consumer_state(
 ) -> Result<()> {
     let what = "resume state (one consumer's)";
     let bad = |why: String| Err(Error::invalid(what, why));
-    check_saved_for(what, &c.versions, &c.order, versions, order)?;
+    check_saved_for(what, c.order_version, &c.versions, &c.order, versions, order)?;
     if c.consumer != topo.consumer() || c.consumers != topo.consumers() {
         return bad(format!(
             "it was saved by consumer {} of {}, and this is consumer {} of {}: restore with the \
@@ -191,7 +203,7 @@ pub(super) fn check_consumer_state(
         return bad(format!("its epoch has {} positions, this one {len}", c.len));
     }
     c.base.validate(len).map_err(|r| Error::invalid(what, r))?;
-    let dealt = c.base.positions_for(len, c.consumer, c.consumers).len() as u64;
+    let dealt = c.base.deal(len, c.consumer, c.consumers).len();
     if c.delivered > dealt {
         return bad(format!(
             "it delivered {} of the {dealt} positions dealt to it",

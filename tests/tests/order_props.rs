@@ -1,0 +1,192 @@
+//! Property tests of the lazy order (`engine/src/order.rs`, `docs/order.md`): the keyed
+//! permutation is a bijection; every epoch's order takes each of its samples as often as the
+//! mixing says; the deal gives every position to exactly one consumer for any consumer count;
+//! and a job resumed under another world size delivers the rest of the epoch exactly once.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use ramjet_engine::order::{
+    effective_len, global_order, EpochOrder, EpochProgress, OrderSpec, Perm, SampleRef, Shuffle, StreamShape, Tail,
+    Weight,
+};
+
+fn shuffles() -> impl Strategy<Value = Shuffle> {
+    prop_oneof![
+        Just(Shuffle::None),
+        Just(Shuffle::Global),
+        (1usize..6, 1u64..5).prop_map(|(w, b)| Shuffle::ShardBlock {
+            window_shards: w,
+            block_samples: b,
+        }),
+    ]
+}
+
+fn weights() -> impl Strategy<Value = Weight> {
+    prop_oneof![
+        Just(Weight::Natural),
+        (0u32..30).prop_map(|f| Weight::Repeat(f as f64 / 10.0)),
+        (0u64..200).prop_map(Weight::Count),
+        (1u32..5).prop_map(|p| Weight::Proportion(p as f64)),
+    ]
+}
+
+fn streams() -> impl Strategy<Value = Vec<StreamShape>> {
+    prop::collection::vec((prop::collection::vec(0u64..40, 1..12), weights()), 1..4).prop_map(|v| {
+        v.into_iter()
+            .enumerate()
+            .map(|(i, (shard_samples, weight))| StreamShape {
+                version: format!("v{i}"),
+                shard_samples,
+                weight,
+            })
+            .collect()
+    })
+}
+
+/// The epoch's samples with their multiplicity, from the units (unshuffled).
+fn units_multiset(order: &EpochOrder) -> HashMap<SampleRef, u64> {
+    let mut m = HashMap::new();
+    for u in 0..order.units() {
+        let unit = order.unit(u);
+        for i in unit.first..unit.first + unit.len {
+            let r = SampleRef {
+                stream: unit.stream as u32,
+                shard: unit.shard as u32,
+                index: i as u32,
+            };
+            *m.entry(r).or_insert(0) += 1;
+        }
+    }
+    m
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The Feistel permutation with cycle walking is a bijection of [0, n) for every n and key.
+    #[test]
+    fn perm_is_a_bijection(n in 0u64..3000, key in any::<u64>()) {
+        let p = Perm::new(n, key);
+        let mut seen = vec![false; n as usize];
+        for x in 0..n {
+            let y = p.apply(x);
+            prop_assert!(y < n);
+            prop_assert!(!seen[y as usize], "{y} hit twice");
+            seen[y as usize] = true;
+        }
+    }
+
+    /// The order is a permutation of the epoch's samples (as many of each as the mixing takes),
+    /// the same on every call, and with the shard-block shuffle it keeps `partitions x window`
+    /// units per round.
+    #[test]
+    fn the_order_takes_each_sample_as_the_mixing_says(
+        st in streams(), shuffle in shuffles(), partitions in 1usize..4, seed in any::<u64>(), epoch in 0u64..3,
+    ) {
+        let spec = OrderSpec { seed, shuffle, partitions, tail: Tail::Uneven };
+        let order = EpochOrder::new(&st, &spec, epoch);
+        let g = global_order(&st, &spec, epoch);
+        prop_assert_eq!(g.len() as u64, order.len());
+        let mut got: HashMap<SampleRef, u64> = HashMap::new();
+        for r in &g {
+            *got.entry(*r).or_insert(0) += 1;
+        }
+        prop_assert_eq!(got, units_multiset(&order));
+        prop_assert_eq!(&g, &global_order(&st, &spec, epoch));
+        for s in 0..st.len() {
+            let n = g.iter().filter(|r| r.stream as usize == s).count() as u64;
+            prop_assert_eq!(n, ramjet_engine::order::stream_take(&st, s), "stream {}", s);
+        }
+    }
+
+    /// Every position of the tail-adjusted order goes to exactly one consumer, for any consumer
+    /// count, and reassembling the consumers' samples by position gives the one global order.
+    #[test]
+    fn every_position_dealt_exactly_once(
+        st in streams(), shuffle in shuffles(), consumers in 1usize..9, tail_i in 0usize..3, seed in any::<u64>(),
+    ) {
+        let tail = [Tail::Uneven, Tail::DropLast, Tail::PadRepeat][tail_i];
+        let spec = OrderSpec { seed, shuffle, partitions: 2, tail };
+        let order = Arc::new(EpochOrder::new(&st, &spec, 1));
+        prop_assume!(!order.is_empty());
+        let len = effective_len(order.len(), consumers as u64, tail);
+        let g = global_order(&st, &spec, 1);
+        let mut hit = vec![0u32; len as usize];
+        for c in 0..consumers {
+            let deal = EpochProgress::default().deal(len, c, consumers);
+            let mut cur = order.cursor();
+            for k in 0..deal.len() {
+                let p = deal.position(k);
+                hit[p as usize] += 1;
+                prop_assert_eq!(cur.at(p).0, g[(p % order.len()) as usize]);
+            }
+        }
+        prop_assert!(hit.iter().all(|&h| h == 1), "a position dealt {:?} times", hit.iter().find(|&&h| h != 1));
+    }
+
+    /// A job of `c1` consumers stops after each delivered some of its deal; resumed with `c2`
+    /// consumers from the combined progress (twice, through another stop), every position is
+    /// delivered exactly once overall.
+    #[test]
+    fn resume_across_world_sizes_delivers_the_rest_once(
+        len in 0u64..400, c1 in 1usize..8, c2 in 1usize..8, c3 in 1usize..8,
+        f1 in prop::collection::vec(0u64..100, 8), f2 in prop::collection::vec(0u64..100, 8),
+    ) {
+        let mut delivered = vec![0u32; len as usize];
+        let mut progress = EpochProgress::default();
+        for (cs, frac) in [(c1, &f1), (c2, &f2)] {
+            let mut counts = Vec::new();
+            for (c, f) in frac.iter().enumerate().take(cs) {
+                let deal = progress.deal(len, c, cs);
+                let n = deal.len() * f / 100;
+                for k in 0..n {
+                    delivered[deal.position(k) as usize] += 1;
+                }
+                counts.push(n);
+            }
+            progress = progress.advance(len, &counts);
+            prop_assert!(progress.validate(len).is_ok());
+        }
+        for c in 0..c3 {
+            let deal = progress.deal(len, c, c3);
+            for k in 0..deal.len() {
+                delivered[deal.position(k) as usize] += 1;
+            }
+        }
+        prop_assert!(delivered.iter().all(|&d| d == 1));
+    }
+}
+
+/// A cursor asked for positions out of order (a consumer resumed, or padding that wraps to the
+/// start) gives the same samples as one walked in order.
+#[test]
+fn a_cursor_answers_any_position() {
+    let st = vec![StreamShape {
+        version: "v".into(),
+        shard_samples: vec![13, 0, 7, 29, 1, 16, 16, 5],
+        weight: Weight::Repeat(1.5),
+    }];
+    for shuffle in [
+        Shuffle::None,
+        Shuffle::Global,
+        Shuffle::ShardBlock {
+            window_shards: 3,
+            block_samples: 2,
+        },
+    ] {
+        let spec = OrderSpec {
+            seed: 9,
+            shuffle,
+            partitions: 3,
+            tail: Tail::PadRepeat,
+        };
+        let order = Arc::new(EpochOrder::new(&st, &spec, 4));
+        let g = global_order(&st, &spec, 4);
+        let mut cur = order.cursor();
+        for p in [50u64, 3, 3, 120, 0, 200, 131, 7] {
+            assert_eq!(cur.at(p).0, g[(p % order.len()) as usize], "{shuffle:?} position {p}");
+        }
+    }
+}
