@@ -79,8 +79,7 @@ fn peer_throughput(rt: &tokio::runtime::Runtime, peer: &str, ds: &Dataset, passe
     rt.block_on(async {
         let gets: Vec<ShardGet> = ds
             .manifest()
-            .shards
-            .iter()
+            .shards()
             .enumerate()
             .map(|(i, sh)| ShardGet {
                 manifest_url: ds.manifest_url().to_owned(),
@@ -176,7 +175,7 @@ fn main() {
     let gib = |b: f64| b / (1u64 << 30) as f64;
     println!(
         "cluster benchmark: {n} images, {} shards, {:.1} MiB",
-        ds.manifest().shards.len(),
+        ds.manifest().shard_count(),
         total as f64 / (1 << 20) as f64
     );
     println!("| scenario | ramjet | baseline | ratio (target) |");

@@ -67,7 +67,7 @@ fn main() {
     let (mut cold_m, mut warm_m, mut bytes) = (Default::default(), Default::default(), 0);
     // The baseline's buffers, one per GET in flight, touched once here so that no round pays
     // for first touches (ramjet's own buffers come from a pool, likewise kept).
-    let largest = ds.manifest().shards.iter().map(|s| s.bytes).max().unwrap_or(0) as usize;
+    let largest = ds.manifest().shards().map(|s| s.bytes).max().unwrap_or(0) as usize;
     let kept = std::sync::Mutex::new(vec![vec![1u8; largest]; PARALLEL_GETS]);
     // Alternate the contenders, so drift on a noisy machine hits both alike.
     for _ in 0..reps {
@@ -76,7 +76,7 @@ fn main() {
         let (t0, c0) = (Instant::now(), cpu_seconds(false));
         let got: u64 = rt.block_on(async {
             let (kept, ds) = (&kept, &ds);
-            stream::iter(ds.manifest().shards.iter())
+            stream::iter(ds.manifest().shards())
                 .map(|s| async move {
                     let mut dst = kept.lock().unwrap().pop().expect("a buffer per GET in flight");
                     let n = s.bytes as usize;
@@ -98,8 +98,9 @@ fn main() {
         // Reference: the same GETs, each collected by the client into a new buffer.
         let (t0, c0) = (Instant::now(), cpu_seconds(false));
         let got: u64 = rt.block_on(async {
-            stream::iter(ds.manifest().shards.iter())
-                .map(|s| ds.store().get(&s.key))
+            let ds = &ds;
+            stream::iter(ds.manifest().shards())
+                .map(|s| async move { ds.store().get(&s.key).await })
                 .buffer_unordered(PARALLEL_GETS)
                 .map(|b| b.expect("GET").len() as u64)
                 .fold(0, |a, b| async move { a + b })
@@ -192,7 +193,7 @@ fn main() {
     let warm_ratio = cat_s / warm_s;
     println!(
         "stream benchmark: {n} samples, {mib:.0} MiB in {} shards, median of {reps}, cache I/O {}",
-        ds.manifest().shards.len(),
+        ds.manifest().shard_count(),
         ramjet_engine::cache::io::detect().name()
     );
     println!("| scenario | time (s) | MiB/s | CPU s/GiB | baseline | baseline time (s) | baseline CPU s/GiB | ratio (target) |");

@@ -128,12 +128,12 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("source", &m.source)?;
     let cols: Vec<(String, &str)> = m.schema.columns.iter().map(|c| (c.name.clone(), c.ty.name())).collect();
     d.set_item("schema", cols)?;
-    d.set_item("shards", m.shards.len())?;
+    d.set_item("shards", m.shard_count())?;
     d.set_item("samples", m.samples)?;
     d.set_item("bytes", m.bytes)?;
     let meta = serde_json::to_string(&m.meta).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
     d.set_item("meta_json", meta)?;
-    d.set_item("columns_sidecars", m.shards.iter().all(|s| s.columns.is_some()))?;
+    d.set_item("columns_sidecars", m.shards().all(|s| s.columns.is_some()))?;
     Ok(d)
 }
 

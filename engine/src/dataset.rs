@@ -152,7 +152,12 @@ impl Dataset {
             });
         }
         let bytes = store.get(manifest_key).await?;
-        let manifest = Manifest::parse(&bytes, &manifest_url)?;
+        let mut manifest = Manifest::parse(&bytes, &manifest_url)?;
+        if let Some(t) = manifest.table_to_load().cloned() {
+            // A large dataset's shards are listed in a binary table beside the manifest.
+            let table = store.get(&t.key).await?;
+            manifest.attach_table(table, &store.url(&t.key))?;
+        }
         Ok(Dataset {
             store,
             manifest,
@@ -178,7 +183,7 @@ impl Dataset {
     /// Downloads shard `i` whole and checks it (see [`Dataset::check_shard`]). Returns the
     /// bytes only when they are sound.
     pub async fn fetch_shard(&self, i: usize) -> Result<Bytes> {
-        let bytes = self.store.get(&self.manifest.shards[i].key).await?;
+        let bytes = self.store.get(&self.manifest.shard(i).key).await?;
         self.check_shard(i, &bytes)?;
         Ok(bytes)
     }
@@ -193,7 +198,7 @@ impl Dataset {
         in_flight: usize,
         metrics: &Metrics,
     ) -> Result<Bytes> {
-        let info = &self.manifest.shards[i];
+        let info = &self.manifest.shard(i);
         let part = range_bytes.max(1 << 16);
         let mut attempt = 0;
         loop {
@@ -247,7 +252,7 @@ impl Dataset {
     /// [`Dataset::check_shard`], with the checksum of the bytes before the footer already
     /// computed (as they arrived) when `hashed` is given.
     fn check_shard_hashed(&self, i: usize, bytes: &[u8], hashed: Option<u64>) -> Result<()> {
-        let info = &self.manifest.shards[i];
+        let info = &self.manifest.shard(i);
         let url = self.store.url(&info.key);
         if (bytes.len() as u64) < info.bytes {
             return Err(Error::Truncated {
@@ -285,7 +290,7 @@ impl Dataset {
     /// verified: size, structure, checksum against the manifest, and every record's checksum.
     /// A `bytes` column is refused: it is what the sidecar leaves out.
     pub async fn shard_columns(&self, i: usize, names: &[String]) -> Result<Vec<Vec<Value>>> {
-        let info = &self.manifest.shards[i];
+        let info = &self.manifest.shard(i);
         let mut pick = Vec::with_capacity(names.len());
         for n in names {
             match self.manifest.schema.columns.iter().find(|c| &c.name == n) {
@@ -378,7 +383,7 @@ impl Dataset {
     /// [`Dataset::shard_columns`] over every shard, `parallel` at once, concatenated in sample
     /// order.
     pub async fn columns(&self, names: &[String], parallel: usize) -> Result<Vec<Vec<Value>>> {
-        let parts: Vec<Vec<Vec<Value>>> = stream::iter(0..self.manifest.shards.len())
+        let parts: Vec<Vec<Vec<Value>>> = stream::iter(0..self.manifest.shard_count())
             .map(|i| self.shard_columns(i, names))
             .buffered(parallel.max(1))
             .try_collect()
@@ -395,7 +400,7 @@ impl Dataset {
     /// Byte offset of the first record in every shard of this dataset: the header, the index
     /// and the schema (which every shard shares with the manifest) come first.
     pub fn data_offset(&self, shard: usize) -> u64 {
-        crate::format::Header::entry_offset(self.manifest.shards[shard].samples)
+        crate::format::Header::entry_offset(self.manifest.shard(shard).samples)
             + self.manifest.schema.to_canonical_json().len() as u64
     }
 
@@ -405,7 +410,7 @@ impl Dataset {
     pub async fn verify(&self, parallelism: usize, progress: impl Fn(u64) + Sync) -> VerifyReport {
         let starts = self.manifest.shard_starts();
         let progress = &progress;
-        let mut results: Vec<(usize, Vec<ShardProblem>, u64)> = stream::iter(self.manifest.shards.iter().enumerate())
+        let mut results: Vec<(usize, Vec<ShardProblem>, u64)> = stream::iter(self.manifest.shards().enumerate())
             .map(|(i, info)| {
                 let url = self.store.url(&info.key);
                 let start = starts[i];
@@ -459,7 +464,7 @@ impl Dataset {
             .await;
         results.sort_by_key(|r| r.0);
         let mut report = VerifyReport {
-            shards: self.manifest.shards.len(),
+            shards: self.manifest.shard_count(),
             samples: self.manifest.samples,
             ..Default::default()
         };

@@ -37,8 +37,7 @@ fn dataset() -> &'static str {
 fn shard_ids(url: &str) -> Vec<ShardId> {
     let ds = block_on(Dataset::open(url)).unwrap();
     ds.manifest()
-        .shards
-        .iter()
+        .shards()
         .map(|s| ShardId {
             checksum: s.checksum_u64().unwrap(),
             bytes: s.bytes,

@@ -75,13 +75,13 @@ fn pack_is_deterministic_across_thread_counts() {
     pack_to(&src, &a, &["--shard-size", "1MiB"]);
     pack_to(&src, &b, &["--shard-size", "1MiB", "--threads", "1"]);
     let ma = manifest(&a);
-    assert!(ma.shards.len() > 1, "expected several shards");
+    assert!(ma.shard_count() > 1, "expected several shards");
     assert_eq!(ma, manifest(&b));
     assert_eq!(
         fs::read(a.join("manifest.json")).unwrap(),
         fs::read(b.join("manifest.json")).unwrap()
     );
-    for s in &ma.shards {
+    for s in ma.shards() {
         assert_eq!(
             fs::read(a.join(&s.key)).unwrap(),
             fs::read(b.join(&s.key)).unwrap(),
@@ -102,8 +102,8 @@ fn packed_samples_match_their_inputs() {
     let src = synth_dataset(N);
     for (gi, want) in [0usize, 17, N - 1].into_iter().map(|i| (i, i)) {
         let (si, local) = m.locate(gi as u64).unwrap();
-        let f = fs::File::open(dst.join(&m.shards[si].key)).unwrap();
-        let r = ShardReader::open(f, &m.shards[si].key).unwrap();
+        let f = fs::File::open(dst.join(&m.shard(si).key)).unwrap();
+        let r = ShardReader::open(f, &m.shard(si).key).unwrap();
         let vals = r.read_sample(local).unwrap();
         let Value::Bytes(img) = &vals[0] else {
             panic!("image column")
@@ -128,7 +128,7 @@ fn inspect_prints_schema_counts_and_bytes() {
     let out = ramjet_ok(&["inspect", dst.to_str().unwrap()]);
     for want in [
         "image:bytes, path:str, width:int64, height:int64, boxes:json".to_owned(),
-        format!("shards   {}", m.shards.len()),
+        format!("shards   {}", m.shard_count()),
         format!("samples  {N}"),
         m.version.clone(),
     ] {
@@ -156,7 +156,7 @@ fn verify_passes_then_names_the_flipped_shard_and_sample() {
     let out = ramjet_ok(&["verify", dst.to_str().unwrap()]);
     assert!(out.contains("verify: OK"), "{out}");
     // Flip one byte inside sample 2's image bytes in shard 1.
-    let key = &m.shards[1].key;
+    let key = &m.shard(1).key;
     let path = dst.join(key);
     let r = ShardReader::open(fs::File::open(&path).unwrap(), key).unwrap();
     let e = r.entry(2).unwrap();
@@ -178,7 +178,7 @@ fn verify_passes_then_names_the_flipped_shard_and_sample() {
 fn verify_names_a_truncated_shard() {
     let t = tempfile::tempdir().unwrap();
     let (dst, m) = packed(t.path());
-    let key = &m.shards[0].key;
+    let key = &m.shard(0).key;
     let p = dst.join(key);
     let b = fs::read(&p).unwrap();
     fs::write(&p, &b[..b.len() / 2]).unwrap();
@@ -189,7 +189,7 @@ fn verify_names_a_truncated_shard() {
 fn verify_names_a_missing_shard_object() {
     let t = tempfile::tempdir().unwrap();
     let (dst, m) = packed(t.path());
-    let key = m.shards.last().unwrap().key.clone();
+    let key = m.shards().last().unwrap().key.clone();
     fs::remove_file(dst.join(&key)).unwrap();
     verify_fails_naming(&dst, &["missing object", &key]);
 }
@@ -203,7 +203,7 @@ fn verify_names_a_schema_mismatch() {
     m.schema.columns[2].ty = ramjet_engine::format::ColumnType::Str;
     m.version = m.compute_version();
     fs::write(dst.join("manifest.json"), m.to_bytes()).unwrap();
-    verify_fails_naming(&dst, &["schema mismatch", "width:str", "width:int64", &m.shards[0].key]);
+    verify_fails_naming(&dst, &["schema mismatch", "width:str", "width:int64", &m.shard(0).key]);
 }
 
 #[test]
@@ -331,7 +331,7 @@ fn pack_imagefolder_labels_by_folder() {
     let m = manifest(&dst);
     assert_eq!(m.source, "imagefolder");
     assert_eq!(m.meta["classes"], serde_json::json!(["cat", "dog"]));
-    let key = &m.shards[0].key;
+    let key = &m.shard(0).key;
     let r = ShardReader::open(fs::File::open(dst.join(key)).unwrap(), key).unwrap();
     let labels: Vec<Value> = (0..3).map(|i| r.read_sample(i).unwrap()[1].clone()).collect();
     assert_eq!(labels, vec![Value::Int64(0), Value::Int64(1), Value::Int64(1)]);
@@ -351,7 +351,7 @@ fn pack_jsonl_infers_types_and_names_bad_lines() {
     pack_to(&src, &dst, &[]);
     let m = manifest(&dst);
     assert_eq!(m.schema.describe(), "id:int64, score:float64, tags:json, text:str");
-    let key = &m.shards[0].key;
+    let key = &m.shard(0).key;
     let r = ShardReader::open(fs::File::open(dst.join(key)).unwrap(), key).unwrap();
     assert_eq!(
         r.read_sample(1).unwrap(),
@@ -403,8 +403,8 @@ fn columns_of(dir: &Path, names: &[&str]) -> ramjet_engine::Result<Vec<Vec<Value
 fn pack_writes_columns_sidecars_that_match_the_shards() {
     let tmp = tempfile::tempdir().unwrap();
     let (dst, m) = packed(tmp.path());
-    assert!(m.shards.len() > 1);
-    for s in &m.shards {
+    assert!(m.shard_count() > 1);
+    for s in m.shards() {
         let c = s.columns.as_ref().expect("every YOLO shard has a sidecar");
         let path = dst.join(&c.key);
         let r = ShardReader::open(fs::File::open(&path).unwrap(), &c.key).unwrap();
@@ -438,7 +438,7 @@ fn pack_writes_columns_sidecars_that_match_the_shards() {
 fn a_flipped_sidecar_byte_is_named_by_reader_and_verify() {
     let tmp = tempfile::tempdir().unwrap();
     let (dst, m) = packed(tmp.path());
-    let c = m.shards[1].columns.clone().unwrap();
+    let c = m.shard(1).columns.clone().unwrap();
     flip_byte(&dst.join(&c.key), c.bytes / 2);
     let e = columns_of(&dst, &["boxes"]).unwrap_err().to_string();
     assert!(e.contains(&c.key), "{e}");
@@ -450,20 +450,20 @@ fn a_flipped_sidecar_byte_is_named_by_reader_and_verify() {
 fn a_missing_sidecar_fails_loudly_and_old_manifests_read_whole_shards() {
     let tmp = tempfile::tempdir().unwrap();
     let (dst, m) = packed(tmp.path());
-    let c = m.shards[0].columns.clone().unwrap();
+    let c = m.shard(0).columns.clone().unwrap();
     fs::remove_file(dst.join(&c.key)).unwrap();
     let e = columns_of(&dst, &["path"]).unwrap_err().to_string();
     assert!(e.contains(&c.key), "{e}");
     // A manifest without sidecars (as written before they existed) reads the shards instead.
     let mut old = m.clone();
-    for s in &mut old.shards {
+    for s in old.shards_mut() {
         s.columns = None;
     }
     let old = Manifest::new(
         old.source.clone(),
         old.schema.clone(),
         old.meta.clone(),
-        old.shards.clone(),
+        old.shards().collect(),
     );
     fs::write(dst.join("manifest.json"), old.to_bytes()).unwrap();
     let cols = columns_of(&dst, &["path", "width"]).unwrap();
@@ -479,14 +479,89 @@ fn a_manifest_listing_a_sidecar_key_twice_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let (_dst, m) = packed(tmp.path());
     let mut bad = m.clone();
-    let k = bad.shards[0].columns.clone().unwrap();
-    bad.shards[1].columns = Some(k);
+    let k = bad.shard(0).columns.clone().unwrap();
+    bad.shards_mut()[1].columns = Some(k);
     let bad = Manifest::new(
         bad.source.clone(),
         bad.schema.clone(),
         bad.meta.clone(),
-        bad.shards.clone(),
+        bad.shards().collect(),
     );
     let e = Manifest::parse(&bad.to_bytes(), "m").unwrap_err().to_string();
     assert!(e.contains("listed twice"), "{e}");
+}
+
+/// A dataset packed with a binary shard table reads exactly like the same dataset listed in
+/// the JSON: same shards, same samples, and `verify` passes; the manifest says format 2 and
+/// lists no shard itself, and the table is 48 bytes a shard after its 32-byte header.
+#[test]
+fn a_shard_table_manifest_reads_like_a_listed_one() {
+    let t = tempfile::tempdir().unwrap();
+    let (listed, tabled) = (t.path().join("listed"), t.path().join("tabled"));
+    let src = synth_dataset(N);
+    pack_to(&src, &listed, &["--shard-size", "300KiB", "--shard-table", "never"]);
+    pack_to(&src, &tabled, &["--shard-size", "300KiB", "--shard-table", "always"]);
+    let (ml, mt) = (manifest(&listed), manifest(&tabled));
+    assert_eq!(ml.shard_table, None);
+    let r = mt.shard_table.clone().expect("a shard table");
+    assert_eq!((mt.format_version, r.shards), (2, ml.shard_count() as u64));
+    assert!(ml.shard_count() > 3, "several shards");
+    let raw = fs::read(tabled.join(&r.key)).unwrap();
+    assert_eq!(raw.len(), 32 + 48 * ml.shard_count());
+    let ds = ramjet_tests::block_on(ramjet_engine::Dataset::open(tabled.to_str().unwrap())).unwrap();
+    let m = ds.manifest();
+    assert_eq!(m.shards().collect::<Vec<_>>(), ml.shards().collect::<Vec<_>>());
+    assert_eq!((m.samples, m.bytes), (ml.samples, ml.bytes));
+    for g in [0u64, 7, N as u64 - 1] {
+        assert_eq!(m.locate(g), ml.locate(g));
+    }
+    assert_eq!(m.locate(N as u64), None);
+    ramjet_ok(&["verify", tabled.to_str().unwrap()]);
+    let samples = |dir: &Path| {
+        let out = ramjet_ok(&["stream", dir.to_str().unwrap(), "--shuffle", "none", "--json"]);
+        serde_json::from_str::<serde_json::Value>(&out[out.find('{').unwrap()..]).unwrap()["sample_bytes"].clone()
+    };
+    assert_eq!(samples(&tabled), samples(&listed));
+}
+
+/// A flipped byte, a cut or a missing shard table, and a manifest that names a table of the
+/// wrong size, are each refused naming the object and what is wrong, never read.
+#[test]
+fn a_damaged_shard_table_is_refused_naming_it() {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("tabled");
+    pack_to(
+        &synth_dataset(N),
+        &dst,
+        &["--shard-size", "300KiB", "--shard-table", "always"],
+    );
+    let m = manifest(&dst);
+    let key = m.shard_table.clone().unwrap().key;
+    let table = dst.join(&key);
+    let good = fs::read(&table).unwrap();
+    let open = || {
+        ramjet_tests::block_on(ramjet_engine::Dataset::open(dst.to_str().unwrap()))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    assert_eq!(open(), "");
+    // A byte of a record (shard 1's sample count).
+    flip_byte(&table, 32 + 48);
+    let e = open();
+    assert!(e.contains(&key) && e.contains("checksum"), "{e}");
+    fs::write(&table, &good[..good.len() - 48]).unwrap();
+    let e = open();
+    assert!(e.contains(&key) && e.contains("bytes"), "{e}");
+    fs::remove_file(&table).unwrap();
+    let e = open();
+    assert!(e.contains(&key), "{e}");
+    fs::write(&table, &good).unwrap();
+    // The manifest rewritten (version recomputed) to name a table of another size.
+    let mut bad = m.clone();
+    bad.shard_table.as_mut().unwrap().bytes += 48;
+    bad.version = bad.compute_version();
+    fs::write(dst.join("manifest.json"), bad.to_bytes()).unwrap();
+    let e = open();
+    assert!(e.contains("must be") && e.contains("bytes"), "{e}");
 }

@@ -40,7 +40,7 @@ fn pack_multipart_then_verify_and_inspect_on_s3() {
     let (url, m) = packed("ok");
     assert_eq!(m.samples, N as u64);
     assert!(
-        m.shards.iter().any(|s| s.bytes > 5 << 20),
+        m.shards().any(|s| s.bytes > 5 << 20),
         "no shard large enough to be multipart"
     );
     let out = ramjet_ok(&["verify", &url]);
@@ -62,7 +62,7 @@ fn pack_multipart_then_verify_and_inspect_on_s3() {
 fn a_flipped_byte_in_an_s3_object_is_named_by_shard_and_sample() {
     let (url, m) = packed("flip");
     let store = Store::open(&url).unwrap();
-    let key = &m.shards[0].key;
+    let key = &m.shard(0).key;
     let mut b = block_on(store.get(key)).unwrap().to_vec();
     let view = ShardView::parse(&b, key).unwrap();
     let rec = view.record(5).unwrap();
@@ -83,7 +83,7 @@ fn a_flipped_byte_in_an_s3_object_is_named_by_shard_and_sample() {
 fn a_truncated_s3_object_is_named() {
     let (url, m) = packed("trunc");
     let store = Store::open(&url).unwrap();
-    let key = &m.shards[1].key;
+    let key = &m.shard(1).key;
     let b = block_on(store.get(key)).unwrap();
     block_on(store.put(key, b.slice(..b.len() - 1000))).unwrap();
     verify_fails_naming(&url, &[key, "truncated"]);
@@ -93,7 +93,7 @@ fn a_truncated_s3_object_is_named() {
 fn a_missing_s3_object_is_named() {
     let (url, m) = packed("missing");
     let store = Store::open(&url).unwrap();
-    let key = &m.shards[0].key;
+    let key = &m.shard(0).key;
     block_on(store.delete(key)).unwrap();
     verify_fails_naming(&url, &["missing object", &format!("{url}/{key}")]);
 }

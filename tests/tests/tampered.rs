@@ -61,11 +61,11 @@ fn a_manifest_whose_sample_counts_disagree_with_the_shard_headers_is_corrupt() {
     let (n, e) = drain(&dir);
     assert_eq!((n, e.is_none()), (N, true), "the untouched set must stream whole");
     let m = Manifest::parse(&fs::read(dir.join("manifest.json")).unwrap(), "m").unwrap();
-    assert!(m.shards.len() >= 2, "the test needs two shards");
-    let key = m.shards[0].key.clone();
+    assert!(m.shard_count() >= 2, "the test needs two shards");
+    let key = m.shard(0).key.clone();
     tamper(&dir, |m| {
-        m.shards[0].samples -= 1;
-        m.shards[1].samples += 1;
+        m.shards_mut()[0].samples -= 1;
+        m.shards_mut()[1].samples += 1;
     });
     let (n, e) = drain(&dir);
     let e = e.unwrap_or_else(|| panic!("a tampered manifest streamed {n} samples and ended cleanly"));
@@ -85,8 +85,8 @@ fn a_manifest_shard_smaller_than_its_footer_is_an_error_not_an_overflow() {
     let d = tempfile::tempdir().unwrap();
     let dir = packed(d.path());
     tamper(&dir, |m| {
-        m.bytes = m.bytes - m.shards[0].bytes + 5;
-        m.shards[0].bytes = 5;
+        m.bytes = m.bytes - m.shard(0).bytes + 5;
+        m.shards_mut()[0].bytes = 5;
     });
     let (_, e) = drain(&dir);
     let e = e.expect("a shard of 5 bytes must fail");
@@ -102,13 +102,13 @@ fn a_manifest_whose_counts_overflow_or_exceed_the_shard_limit_is_refused() {
     let p = dir.join("manifest.json");
     let good = Manifest::parse(&fs::read(&p).unwrap(), "m").unwrap();
     let mut m = good.clone();
-    m.shards[0].samples = u64::MAX;
-    m.samples = good.samples.wrapping_add(u64::MAX - good.shards[0].samples);
+    m.shards_mut()[0].samples = u64::MAX;
+    m.samples = good.samples.wrapping_add(u64::MAX - good.shard(0).samples);
     m.version = m.compute_version();
     let e = Manifest::parse(&m.to_bytes(), "m").unwrap_err().to_string();
     assert!(e.contains("overflow"), "{e}");
     let mut m = good.clone();
-    m.shards[0].samples += 1 << 33;
+    m.shards_mut()[0].samples += 1 << 33;
     m.samples += 1 << 33;
     m.version = m.compute_version();
     let e = Manifest::parse(&m.to_bytes(), "m").unwrap_err().to_string();

@@ -2,5 +2,6 @@
 #![deny(missing_docs)]
 
 pub mod pack;
+pub mod plansim;
 pub mod synth;
 pub mod ui;

@@ -20,7 +20,8 @@ use serde_json::{Map, Value as Json};
 
 use ramjet_engine::decode::probe;
 use ramjet_engine::format::{
-    columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, Value, MANIFEST_NAME,
+    columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value,
+    MANIFEST_NAME, SHARD_TABLE_AUTO_MIN,
 };
 use ramjet_engine::{Error, Result, Store};
 
@@ -69,6 +70,19 @@ pub struct PackOptions {
     pub skip_bad: bool,
     /// Layout; detected when `None`.
     pub kind: Option<SourceKind>,
+    /// Where the shards are listed.
+    pub shard_table: ShardTableMode,
+}
+
+/// Where a packed dataset lists its shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShardTableMode {
+    /// A binary shard table above [`SHARD_TABLE_AUTO_MIN`] shards, else the JSON.
+    Auto,
+    /// Always a binary shard table.
+    Always,
+    /// Always the manifest's JSON.
+    Never,
 }
 
 impl Default for PackOptions {
@@ -77,6 +91,7 @@ impl Default for PackOptions {
             shard_bytes_target: 64 << 20,
             skip_bad: false,
             kind: None,
+            shard_table: ShardTableMode::Auto,
         }
     }
 }
@@ -238,7 +253,20 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
     if shards.is_empty() {
         return Err(Error::invalid(src.display().to_string(), "every input was skipped"));
     }
-    let manifest = Manifest::new(kind.name(), schema, meta, shards);
+    let table = match opts.shard_table {
+        ShardTableMode::Always => true,
+        ShardTableMode::Never => false,
+        ShardTableMode::Auto => shards.len() > SHARD_TABLE_AUTO_MIN,
+    };
+    let manifest = if table {
+        let t = ShardTable::build(&shards).map_err(|why| Error::invalid("shard table", why))?;
+        let key = format!("tables/{:016x}.rjt", t.checksum());
+        // The table goes up before any manifest that names it.
+        rt.block_on(store.put(&key, t.as_bytes().clone()))?;
+        Manifest::with_table(kind.name(), schema, meta, t, key)
+    } else {
+        Manifest::new(kind.name(), schema, meta, shards)
+    };
     let bytes = Bytes::from(manifest.to_bytes());
     rt.block_on(async {
         store

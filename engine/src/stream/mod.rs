@@ -375,12 +375,10 @@ impl Stream {
         for sc in &cfg.sources {
             let ds = rt.block_on(Dataset::open(&sc.url))?;
             let m = ds.manifest();
-            let ids = m
-                .shards
-                .iter()
-                .map(|s| ShardId {
-                    checksum: s.checksum_u64().expect("validated"),
-                    bytes: s.bytes,
+            let ids = (0..m.shard_count())
+                .map(|i| {
+                    let (bytes, checksum) = m.shard_bytes_checksum(i);
+                    ShardId { checksum, bytes }
                 })
                 .collect();
             sources.push(Source {
@@ -395,7 +393,9 @@ impl Stream {
             .zip(&cfg.sources)
             .map(|(s, sc)| StreamShape {
                 version: s.ds.manifest().version.clone(),
-                shard_samples: s.ds.manifest().shards.iter().map(|x| x.samples).collect(),
+                shard_samples: (0..s.ds.manifest().shard_count())
+                    .map(|i| s.ds.manifest().shard_samples(i))
+                    .collect(),
                 weight: sc.weight,
             })
             .collect();
@@ -543,7 +543,7 @@ impl Stream {
     /// URL of a shard of a source.
     pub fn shard_url(&self, stream: u32, shard: u32) -> String {
         let ds = &self.shared.sources[stream as usize].ds;
-        ds.store().url(&ds.manifest().shards[shard as usize].key)
+        ds.store().url(&ds.manifest().shard(shard as usize).key)
     }
 
     /// Counters so far.
@@ -608,7 +608,7 @@ impl Stream {
                     live.uses_left += uses;
                 } else if uses > 0 {
                     let src = &self.shared.sources[key.1 as usize];
-                    let url = src.ds.store().url(&src.ds.manifest().shards[key.2 as usize].key);
+                    let url = src.ds.store().url(&src.ds.manifest().shard(key.2 as usize).key);
                     let header = crate::format::Header::parse(&bytes[..64], &url)?;
                     self.live.insert(
                         key,
@@ -705,7 +705,7 @@ fn slice_record(live: &Live, id: SampleRef, shared: &Shared) -> Result<Bytes> {
     let e = IndexEntry::parse(&live.bytes[o..o + INDEX_ENTRY_LEN as usize]);
     if let Err(err) = e.check_bounds(&live.header, live.bytes.len() as u64, &Location::sample("", 0)) {
         let src = &shared.sources[id.stream as usize];
-        let url = src.ds.store().url(&src.ds.manifest().shards[id.shard as usize].key);
+        let url = src.ds.store().url(&src.ds.manifest().shard(id.shard as usize).key);
         return Err(Error::corrupt(Location::sample(url, id.index as u64), err.to_string()));
     }
     Ok(live.bytes.slice(e.offset as usize..(e.offset + e.len) as usize))

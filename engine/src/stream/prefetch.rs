@@ -214,14 +214,36 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
     let mut cursor = plan.order.cursor();
     let (n, p) = (plan.deal.len(), plan.clone());
     let sh = shared.clone();
-    let mut batches = stream::iter((plan.skip as u64..n).step_by(batch.max(1)))
-        .map(move |k0| {
-            let positions: Vec<u64> = (k0..(k0 + batch as u64).min(n)).map(|k| p.deal.position(k)).collect();
-            let ids: Vec<SampleRef> = positions.iter().map(|&g| cursor.at(g).0).collect();
-            let shared = sh.clone();
-            async move { (positions, read_samples(&shared, &ids).await) }
+    // Batches start at RANGED_AHEAD_MAX samples and double up to `batch`: the first sample
+    // waits for a few reads, not for a full batch's.
+    let (mut k, mut size) = (plan.skip as u64, RANGED_AHEAD_MAX.min(batch).max(1) as u64);
+    let ranges = std::iter::from_fn(move || {
+        (k < n).then(|| {
+            let r = k..(k + size).min(n);
+            k = r.end;
+            size = (size * 2).min(batch.max(1) as u64);
+            r
         })
-        .buffered(SAMPLE_BATCHES_IN_FLIGHT);
+    });
+    let mut reads = stream::iter(ranges).map(move |range| {
+        let positions: Vec<u64> = range.map(|k| p.deal.position(k)).collect();
+        let ids: Vec<SampleRef> = positions.iter().map(|&g| cursor.at(g).0).collect();
+        let shared = sh.clone();
+        async move { (positions, read_samples(&shared, &ids).await) }
+    });
+    // The first batch alone, so the larger ones behind it do not compete for its reads.
+    if let Some(first) = reads.next().await {
+        let (positions, (records, from_origin)) = first.await;
+        let msg = Msg::Samples {
+            epoch,
+            samples: positions.into_iter().zip(records).collect(),
+            from_origin,
+        };
+        if tx.send(msg).await.is_err() {
+            return false;
+        }
+    }
+    let mut batches = reads.buffered(SAMPLE_BATCHES_IN_FLIGHT);
     // Samples read one by one need whole shards only to warm the disk cache; without a cache,
     // fetching them would double the origin traffic for nothing.
     let warm_list = shared

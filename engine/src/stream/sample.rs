@@ -108,7 +108,7 @@ impl Stream {
             let _slot = slots.acquire_owned().await.expect("semaphore open");
             let got = fetch_shard(shared.clone(), key.0 as usize, key.1 as usize).await;
             let src = &shared.sources[key.0 as usize];
-            let url = src.ds.store().url(&src.ds.manifest().shards[key.1 as usize].key);
+            let url = src.ds.store().url(&src.ds.manifest().shard(key.1 as usize).key);
             let live = got.and_then(|bytes| {
                 let head = bytes
                     .get(..64)

@@ -91,7 +91,7 @@ async fn fetch_samples_ranged(shared: &Shared, ids: &[SampleRef]) -> Vec<Result<
 async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>) -> Vec<(usize, Result<Bytes>)> {
     let first = ids[slots[0]];
     let src = &shared.sources[first.stream as usize];
-    let info = &src.ds.manifest().shards[first.shard as usize];
+    let info = &src.ds.manifest().shard(first.shard as usize);
     let store = src.ds.store();
     let m = &shared.metrics;
     let mut indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
@@ -197,7 +197,7 @@ async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>)
 
 /// Checks that sample `index`'s entry points inside shard `shard`'s records.
 fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result<()> {
-    let info = &src.ds.manifest().shards[shard];
+    let info = &src.ds.manifest().shard(shard);
     let data_offset = src.ds.data_offset(shard);
     let end = e.offset.checked_add(e.len);
     // Saturating: a manifest may claim a shard smaller than its footer.
@@ -214,7 +214,7 @@ fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result
 /// read; the caller counts it as a ranged sample when it delivers it).
 pub(super) async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Result<Bytes> {
     let src = &shared.sources[id.stream as usize];
-    let info = &src.ds.manifest().shards[id.shard as usize];
+    let info = &src.ds.manifest().shard(id.shard as usize);
     let store = src.ds.store();
     let url = store.url(&info.key);
     let at = Location::sample(&url, id.index as u64);

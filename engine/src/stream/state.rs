@@ -10,7 +10,9 @@ pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
         let ds = Dataset::open(&sc.url).await?;
         shapes.push(StreamShape {
             version: ds.manifest().version.clone(),
-            shard_samples: ds.manifest().shards.iter().map(|x| x.samples).collect(),
+            shard_samples: (0..ds.manifest().shard_count())
+                .map(|i| ds.manifest().shard_samples(i))
+                .collect(),
             weight: sc.weight,
         });
     }

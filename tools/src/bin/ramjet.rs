@@ -61,6 +61,30 @@ enum Cmd {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// List the shards in a binary shard table beside the manifest (48 bytes a shard)
+        /// rather than in its JSON: `auto` does so above 4,096 shards.
+        #[arg(long, value_enum, default_value = "auto")]
+        shard_table: ramjet_tools::pack::ShardTableMode,
+    },
+    /// Measure the cost of starting an epoch over a simulated dataset of any size: a real
+    /// manifest and shard table, every shard served by a stub from one real tiny shard. Prints
+    /// JSON: time to first sample and peak RSS (measured in a fresh child process).
+    PlanSim {
+        /// Folder for the simulated manifests (kept and reused per size).
+        #[arg(long)]
+        dir: PathBuf,
+        /// Samples in the dataset.
+        #[arg(long)]
+        samples: u64,
+        /// Samples per shard.
+        #[arg(long, default_value_t = 1000)]
+        shard_samples: u64,
+        /// Shuffle: none or block (the stub serves whole shards, so not global).
+        #[arg(long, default_value = "block")]
+        shuffle: String,
+        /// Measure in this process (the parent prepares, then runs this in a child).
+        #[arg(long, hide = true)]
+        measure: bool,
     },
     /// Print a dataset's schema, shard count, sample count and bytes.
     Inspect {
@@ -594,6 +618,33 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
+        Cmd::PlanSim {
+            dir,
+            samples,
+            shard_samples,
+            shuffle,
+            measure,
+        } => {
+            let shuffle = match shuffle.as_str() {
+                "none" => Shuffle::None,
+                "block" => OrderSpec::default().shuffle,
+                other => anyhow::bail!("plan-sim --shuffle: {other:?} is not none or block"),
+            };
+            let (url, shard) = ramjet_tools::plansim::prepare(&dir, samples, shard_samples)?;
+            if measure {
+                let r = ramjet_tools::plansim::first_sample(&url, shard, shuffle)?;
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                let out = std::process::Command::new(std::env::current_exe()?)
+                    .args(std::env::args_os().skip(1))
+                    .arg("--measure")
+                    .output()?;
+                if !out.status.success() {
+                    anyhow::bail!("plan-sim: {}", String::from_utf8_lossy(&out.stderr));
+                }
+                print!("{}", String::from_utf8_lossy(&out.stdout));
+            }
+        }
         Cmd::Synth { dir, samples, seed } => {
             let t0 = std::time::Instant::now();
             let r = synth(&dir, &SynthOptions { samples, seed }, &count_bar("synth"))?;
@@ -615,11 +666,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             format,
             skip_bad,
             threads,
+            shard_table,
         } => {
             let opts = PackOptions {
                 shard_bytes_target: shard_size,
                 skip_bad,
                 kind: format,
+                shard_table,
             };
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads.unwrap_or(0))
@@ -630,7 +683,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!(
                 "pack: {} samples in {} shards ({}) from {} of input in {:.2} s ({}/s) -> {}",
                 r.manifest.samples,
-                r.manifest.shards.len(),
+                r.manifest.shard_count(),
                 human_bytes(r.manifest.bytes),
                 human_bytes(r.input_bytes),
                 secs,
@@ -654,7 +707,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "version": m.version,
                     "source": m.source,
                     "schema": m.schema,
-                    "shards": m.shards.len(),
+                    "shards": m.shard_count(),
                     "samples": m.samples,
                     "bytes": m.bytes,
                     "meta": m.meta,
@@ -665,7 +718,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("version  {}", m.version);
                 println!("source   {}", m.source);
                 println!("schema   {}", m.schema.describe());
-                println!("shards   {}", m.shards.len());
+                println!("shards   {}", m.shard_count());
                 println!("samples  {}", m.samples);
                 println!(
                     "bytes    {} ({} per sample on average)",

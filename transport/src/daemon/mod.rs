@@ -128,7 +128,7 @@ impl Req {
         format!(
             "shard {} ({})",
             self.shard,
-            self.ds.store().url(&self.ds.manifest().shards[self.shard].key)
+            self.ds.store().url(&self.ds.manifest().shard(self.shard).key)
         )
     }
 }

@@ -31,16 +31,14 @@ impl Inner {
         }
         let (mut ds, fresh) = self.dataset(manifest_url, false).await?;
         let matches = |ds: &Dataset| {
-            ds.manifest()
-                .shards
-                .get(shard as usize)
-                .is_some_and(|i| i.bytes == bytes && i.checksum_u64() == Some(checksum))
+            let m = ds.manifest();
+            (shard as usize) < m.shard_count() && m.shard_bytes_checksum(shard as usize) == (bytes, checksum)
         };
         if !fresh && !matches(&ds) {
             // The requester may hold a newer manifest (re-packed under the same URL).
             ds = self.dataset(manifest_url, true).await?.0;
         }
-        let Some(info) = ds.manifest().shards.get(shard as usize) else {
+        let Some(info) = ds.manifest().get_shard(shard as usize) else {
             return bad("no such shard in the manifest");
         };
         let id = ShardId {

@@ -1,0 +1,44 @@
+//! Issue 20's manifest-only simulation, asserted at 10^8 samples: a real manifest and binary
+//! shard table of 100,000 shards, every shard served by a stub from one real tiny shard
+//! (`ramjet plan-sim`, `tools/src/plansim.rs`). Starting an epoch there must stay small and
+//! quick: the order is computed position by position and the table is read in place, so
+//! nothing is built per sample. (The figures from 10^5 to 10^9 are `docs/benchmarks.md`'s;
+//! these bounds are loose enough for a debug build on a loaded 2-core VM.)
+
+use ramjet_tests::ramjet_ok;
+
+fn sim(dir: &std::path::Path, samples: u64, shuffle: &str) -> serde_json::Value {
+    let out = ramjet_ok(&[
+        "plan-sim",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--samples",
+        &samples.to_string(),
+        "--shuffle",
+        shuffle,
+    ]);
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+#[test]
+fn starting_an_epoch_of_a_hundred_million_samples_stays_small() {
+    let t = tempfile::tempdir().unwrap();
+    for shuffle in ["block", "none"] {
+        let small = sim(t.path(), 100_000, shuffle);
+        let big = sim(t.path(), 100_000_000, shuffle);
+        assert_eq!(big["samples"], 100_000_000u64, "{big}");
+        assert_eq!(big["shards"], 100_000u64, "{big}");
+        let (ttfs, rss) = (big["ttfs_s"].as_f64().unwrap(), big["rss_peak_mb"].as_f64().unwrap());
+        let rss_small = small["rss_peak_mb"].as_f64().unwrap();
+        // The array order held 12 bytes a sample (1.2 GB here) and took seconds to shuffle.
+        assert!(
+            ttfs < 2.0,
+            "{shuffle}: time to first sample {ttfs:.3} s at 10^8 samples: {big}"
+        );
+        assert!(rss < 200.0, "{shuffle}: peak RSS {rss:.0} MB at 10^8 samples: {big}");
+        assert!(
+            rss < rss_small + 64.0,
+            "{shuffle}: peak RSS {rss:.0} MB at 10^8 samples vs {rss_small:.0} MB at 10^5"
+        );
+    }
+}

@@ -1,0 +1,144 @@
+//! The manifest-only simulation of issue 20 (`ramjet plan-sim`): the cost of starting an
+//! epoch over a dataset of any size, without the dataset.
+//!
+//! It writes a real manifest and binary shard table for `samples` tiny samples in shards of
+//! `shard_samples`, and one real shard. Every record of the table describes that same shard
+//! (same size and checksum, its own key), and a stub [`ShardProvider`] serves it for any
+//! shard: planning, the manifest and the order are exercised at full size, the shard data is
+//! not. It then opens a [`Stream`] and reads the first sample, timing it and reading the
+//! process's peak RSS.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use ramjet_engine::format::{shard_key, ColumnType, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value};
+use ramjet_engine::order::{OrderSpec, Shuffle};
+use ramjet_engine::provider::{Fetched, ReadSource, ShardProvider, ShardRequest};
+use ramjet_engine::{Error, Result, Stream, StreamConfig};
+
+/// Serves one shard's bytes for every request.
+#[derive(Debug)]
+struct OneShard(Bytes);
+
+impl ShardProvider for OneShard {
+    fn fetch(&self, _req: &ShardRequest<'_>) -> Result<Fetched> {
+        Ok(Fetched {
+            bytes: self.0.clone(),
+            source: ReadSource::CacheLocal,
+        })
+    }
+    fn report_corrupt(&self, req: &ShardRequest<'_>) {
+        panic!("the simulated shard {} failed verification", req.shard);
+    }
+}
+
+/// What one simulation measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PlanSim {
+    /// Samples in the dataset.
+    pub samples: u64,
+    /// Shards in the dataset.
+    pub shards: u64,
+    /// Bytes of the shard table.
+    pub table_bytes: u64,
+    /// Shuffle used.
+    pub shuffle: String,
+    /// Seconds from opening the stream (manifest, table, plan) to its first sample.
+    pub ttfs_s: f64,
+    /// Seconds `Stream::open` took (part of `ttfs_s`).
+    pub open_s: f64,
+    /// Peak resident memory of the process (VmHWM), MB.
+    pub rss_peak_mb: f64,
+    /// Resident memory at the first sample (VmRSS), MB.
+    pub rss_mb: f64,
+}
+
+/// Writes (once; kept under `dir`) the manifest, table and shard of a simulated dataset of
+/// `samples` samples in shards of `shard_samples`; returns its URL and the shard's bytes.
+pub fn prepare(dir: &Path, samples: u64, shard_samples: u64) -> Result<(String, Bytes)> {
+    if shard_samples == 0 || samples == 0 || samples % shard_samples != 0 {
+        return Err(Error::invalid(
+            "plan-sim",
+            "samples must be a positive multiple of shard_samples",
+        ));
+    }
+    let schema = Schema::new([("id".to_string(), ColumnType::Int64)])?;
+    let mut b = ShardBuilder::new(schema.clone());
+    for i in 0..shard_samples {
+        b.push(&[Value::Int64(i as i64)], "simulated")?;
+    }
+    let shard = b.finish();
+    let root = dir.join(format!("sim-{samples}-{shard_samples}"));
+    let url = format!("file://{}", root.display());
+    let bytes = Bytes::from(shard.bytes);
+    if root.join("manifest.json").exists() {
+        return Ok((url, bytes));
+    }
+    let io = |e: std::io::Error| Error::io(root.display(), e);
+    let shards = samples / shard_samples;
+    let checksum = format!("{:016x}", shard.checksum);
+    let infos: Vec<ShardInfo> = (0..shards as usize)
+        .map(|i| ShardInfo {
+            key: shard_key(i, shard.checksum),
+            bytes: bytes.len() as u64,
+            samples: shard_samples,
+            checksum: checksum.clone(),
+            columns: None,
+        })
+        .collect();
+    let table = ShardTable::build(&infos).map_err(|why| Error::invalid("plan-sim table", why))?;
+    drop(infos);
+    let key = format!("tables/{:016x}.rjt", table.checksum());
+    std::fs::create_dir_all(root.join("tables")).map_err(io)?;
+    std::fs::create_dir_all(root.join("shards")).map_err(io)?;
+    std::fs::write(root.join(&key), table.as_bytes()).map_err(io)?;
+    std::fs::write(root.join(shard_key(0, shard.checksum)), &bytes).map_err(io)?;
+    let m = Manifest::with_table("simulated", schema, Default::default(), table, key);
+    std::fs::write(root.join("manifest.json"), m.to_bytes()).map_err(io)?;
+    Ok((url, bytes))
+}
+
+/// Opens a stream over the simulated dataset at `url` (shards from the stub) and reads its
+/// first sample. Run it in a fresh process for a meaningful peak RSS.
+pub fn first_sample(url: &str, shard: Bytes, shuffle: Shuffle) -> Result<PlanSim> {
+    let t0 = Instant::now();
+    let mut cfg = StreamConfig::new(url);
+    cfg.order = OrderSpec {
+        shuffle,
+        ..OrderSpec::default()
+    };
+    cfg.epochs = Some(1);
+    cfg.provider = Some(Arc::new(OneShard(shard)));
+    let mut s = Stream::open(cfg)?;
+    let open_s = t0.elapsed().as_secs_f64();
+    let first = s.next_sample()?;
+    let ttfs_s = t0.elapsed().as_secs_f64();
+    if first.is_none() {
+        return Err(Error::invalid(url, "the stream gave no sample"));
+    }
+    let m = s.dataset(0).manifest();
+    let (samples, shards) = (m.samples, m.shard_count() as u64);
+    let table_bytes = m.shard_table.as_ref().map_or(0, |t| t.bytes);
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |field: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    Ok(PlanSim {
+        samples,
+        shards,
+        table_bytes,
+        shuffle: format!("{shuffle:?}"),
+        ttfs_s,
+        open_s,
+        rss_peak_mb: kb("VmHWM:") / 1024.0,
+        rss_mb: kb("VmRSS:") / 1024.0,
+    })
+}
