@@ -373,6 +373,7 @@ impl Manifest {
     /// The listed shards, to edit (tools and tests that write a manifest by hand; the
     /// version must then be recomputed). Empty for a manifest with a shard table.
     pub fn shards_mut(&mut self) -> &mut Vec<ShardInfo> {
+        self.starts = OnceLock::new();
         &mut self.shards
     }
 
