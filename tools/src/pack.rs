@@ -118,6 +118,10 @@ pub type Skipped = Vec<(String, String)>;
 /// inputs skipped, and the input bytes read.
 type ShardOutcome = (Option<ShardInfo>, Skipped, u64);
 
+/// What packing the input gave: the schema, the manifest's metadata, the shards in order, and
+/// the input bytes read.
+type Packed = (Schema, Map<String, Json>, Vec<ShardInfo>, u64);
+
 /// One input sample, as found by the scan.
 struct Item {
     /// Name used in messages and stored in the `path` column.
@@ -133,8 +137,6 @@ enum Extra {
     Label(i64),
     /// YOLO boxes as compact JSON.
     Boxes(String),
-    /// A JSONL line already converted to values.
-    Row(Vec<Value>),
 }
 
 /// Packs `src` into `dst` (a local folder or an object-store URL).
@@ -154,12 +156,34 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
         .build()
         .map_err(|e| Error::io("tokio runtime", e))?;
 
-    // Phase 1: scan.
     let mut skipped = Vec::new();
+    let (schema, meta, shards, input_bytes) = if kind == SourceKind::Jsonl {
+        pack_jsonl(src, &store, &rt, opts, progress, &mut skipped)?
+    } else {
+        pack_files(src, kind, &store, &rt, opts, progress, &mut skipped)?
+    };
+    if shards.is_empty() {
+        return Err(Error::invalid(src.display().to_string(), "every input was skipped"));
+    }
+    finish_pack(kind, schema, meta, shards, skipped, input_bytes, &store, &rt, opts, t0)
+}
+
+/// The files of an image folder or a YOLO layout: scanned, planned into shards, and built and
+/// uploaded in parallel. Returns the schema, metadata, shards and input bytes read.
+fn pack_files(
+    src: &Path,
+    kind: SourceKind,
+    store: &Store,
+    rt: &tokio::runtime::Runtime,
+    opts: &PackOptions,
+    progress: &indicatif::ProgressBar,
+    skipped: &mut Skipped,
+) -> Result<Packed> {
+    // Phase 1: scan.
     let (schema, meta, items) = match kind {
-        SourceKind::Yolo => scan_yolo(src, opts.skip_bad, &mut skipped)?,
-        SourceKind::Imagefolder => scan_imagefolder(src, opts.skip_bad, &mut skipped)?,
-        SourceKind::Jsonl => scan_jsonl(src, opts.skip_bad, &mut skipped)?,
+        SourceKind::Yolo => scan_yolo(src, opts.skip_bad, skipped)?,
+        SourceKind::Imagefolder => scan_imagefolder(src, opts.skip_bad, skipped)?,
+        SourceKind::Jsonl => unreachable!("JSONL is packed as a stream (pack_jsonl)"),
     };
     if items.is_empty() {
         return Err(Error::invalid(src.display().to_string(), "no samples found"));
@@ -250,9 +274,23 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
         skipped.extend(sk);
         input_bytes += read;
     }
-    if shards.is_empty() {
-        return Err(Error::invalid(src.display().to_string(), "every input was skipped"));
-    }
+    Ok((schema, meta, shards, input_bytes))
+}
+
+/// Writes the shard table (if any) and the manifest, last.
+#[allow(clippy::too_many_arguments)]
+fn finish_pack(
+    kind: SourceKind,
+    schema: Schema,
+    meta: Map<String, Json>,
+    shards: Vec<ShardInfo>,
+    skipped: Skipped,
+    input_bytes: u64,
+    store: &Store,
+    rt: &tokio::runtime::Runtime,
+    opts: &PackOptions,
+    t0: Instant,
+) -> Result<PackReport> {
     let table = match opts.shard_table {
         ShardTableMode::Always => true,
         ShardTableMode::Never => false,
@@ -303,9 +341,6 @@ fn reason_of(e: &Error) -> String {
 
 /// Reads one item's file (if any) and builds its values. Returns the values and bytes read.
 fn load(it: &Item, kind: SourceKind) -> Result<(Vec<Value>, u64)> {
-    if let Extra::Row(vals) = &it.extra {
-        return Ok((vals.clone(), it.size));
-    }
     let bytes = fs::read(&it.path).map_err(|e| Error::io(it.path.display(), e))?;
     let info = probe(&bytes).map_err(|r| Error::invalid(it.path.display().to_string(), r))?;
     let n = bytes.len() as u64;
@@ -325,7 +360,6 @@ fn load(it: &Item, kind: SourceKind) -> Result<(Vec<Value>, u64)> {
             Value::Int64(h),
             Value::Json(b.clone()),
         ],
-        (Extra::Row(_), _) => unreachable!("handled above"),
     };
     Ok((vals, n))
 }
@@ -563,78 +597,152 @@ fn json_type(v: &Json) -> ColumnType {
     }
 }
 
-fn scan_jsonl(src: &Path, skip_bad: bool, skipped: &mut Skipped) -> Result<(Schema, Map<String, Json>, Vec<Item>)> {
-    let text = fs::read_to_string(src).map_err(|e| Error::io(src.display(), e))?;
-    let lines: Vec<(usize, &str)> = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()).collect();
-    let parsed: Vec<(String, Result<Map<String, Json>>)> = lines
-        .par_iter()
-        .map(|(n, l)| {
-            let what = format!("{}:{}", src.display(), n + 1);
-            let r = match serde_json::from_str::<Json>(l) {
-                Ok(Json::Object(m)) if !m.is_empty() => Ok(m),
-                Ok(_) => Err(Error::invalid(what.clone(), "line is not a non-empty JSON object")),
-                Err(e) => Err(Error::invalid(what.clone(), format!("invalid JSON: {e}"))),
-            };
-            (what, r)
-        })
-        .collect();
-    let mut rows_in = Vec::new();
-    let mut errs = Vec::new();
-    for (w, r) in parsed {
-        match r {
-            Ok(m) => rows_in.push((w, m)),
-            Err(e) => errs.push((w, Err::<(), _>(e))),
+/// JSONL input read and parsed together (in parallel) before it is packed in line order.
+const JSONL_CHUNK_BYTES: usize = 8 << 20;
+
+/// A JSONL file packed as a stream: chunks of lines are parsed and converted in parallel,
+/// rows go into the current shard in line order, and each full shard is finished and uploaded
+/// by a worker while the next one fills. Memory holds one chunk and at most `threads + 2`
+/// shards (the one filling, one queued, one per worker), whatever the input's size; the output
+/// is the same as packing it whole (same cuts, same shard numbers). Bad lines fail the pack, or
+/// with `--skip-bad` are listed in line order.
+fn pack_jsonl(
+    src: &Path,
+    store: &Store,
+    rt: &tokio::runtime::Runtime,
+    opts: &PackOptions,
+    progress: &indicatif::ProgressBar,
+    skipped: &mut Skipped,
+) -> Result<Packed> {
+    use std::io::BufRead;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    let io = |e: std::io::Error| Error::io(src.display(), e);
+    let file = fs::File::open(src).map_err(io)?;
+    progress.set_length(file.metadata().map(|m| m.len()).unwrap_or(0));
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
+    let threads = rayon::current_num_threads().max(1);
+    let (jobs_tx, jobs_rx) = std::sync::mpsc::sync_channel::<(usize, ShardBuilder)>(1);
+    let jobs_rx = Mutex::new(jobs_rx);
+    let done: Mutex<Vec<(usize, ShardInfo)>> = Mutex::new(Vec::new());
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    let stop = AtomicBool::new(false);
+    let mut schema: Option<Schema> = None;
+    let mut input_bytes = 0u64;
+    let produced = std::thread::scope(|scope| -> Result<()> {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let job = jobs_rx.lock().expect("not poisoned").recv();
+                let Ok((idx, b)) = job else { return };
+                // After a failure, jobs are still taken (and dropped) so the reader never blocks.
+                if stop.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let shard = b.finish();
+                let key = shard_key(idx, shard.checksum);
+                let info = ShardInfo {
+                    key: key.clone(),
+                    bytes: shard.bytes.len() as u64,
+                    samples: shard.samples,
+                    checksum: format!("{:016x}", shard.checksum),
+                    columns: None,
+                };
+                match rt.block_on(store.put(&key, Bytes::from(shard.bytes))) {
+                    Ok(()) => done.lock().expect("not poisoned").push((idx, info)),
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        failed.lock().expect("not poisoned").get_or_insert(e);
+                    }
+                }
+            });
         }
+        let jobs_tx = jobs_tx;
+        let mut line_no = 0usize;
+        let (mut builder, mut acc, mut idx): (Option<ShardBuilder>, u64, usize) = (None, 0, 0);
+        loop {
+            let mut lines: Vec<(usize, String)> = Vec::new();
+            let mut chunk = 0usize;
+            while chunk < JSONL_CHUNK_BYTES {
+                let mut l = String::new();
+                let n = reader.read_line(&mut l).map_err(io)?;
+                if n == 0 {
+                    break;
+                }
+                line_no += 1;
+                chunk += n;
+                if !l.trim().is_empty() {
+                    lines.push((line_no, l));
+                }
+            }
+            progress.inc(chunk as u64);
+            if lines.is_empty() && chunk == 0 {
+                break;
+            }
+            let what = |n: usize| format!("{}:{}", src.display(), n);
+            if schema.is_none() {
+                // The first JSON object defines the schema.
+                schema = lines
+                    .iter()
+                    .find_map(|(_, l)| match serde_json::from_str::<Json>(l) {
+                        Ok(Json::Object(m)) if !m.is_empty() => {
+                            Some(Schema::new(m.iter().map(|(k, v)| (k.clone(), json_type(v)))))
+                        }
+                        _ => None,
+                    })
+                    .transpose()?;
+            }
+            let rows: Vec<Result<(Vec<Value>, u64)>> = lines
+                .par_iter()
+                .map(|(n, l)| {
+                    let w = what(*n);
+                    let m = match serde_json::from_str::<Json>(l) {
+                        Ok(Json::Object(m)) if !m.is_empty() => m,
+                        Ok(_) => return Err(Error::invalid(w, "line is not a non-empty JSON object")),
+                        Err(e) => return Err(Error::invalid(w, format!("invalid JSON: {e}"))),
+                    };
+                    jsonl_row(schema.as_ref().expect("an object was found above"), &m, &w)
+                })
+                .collect();
+            for ((n, _), r) in lines.iter().zip(rows) {
+                let (vals, size) = match r {
+                    Ok(v) => v,
+                    Err(e) if opts.skip_bad => {
+                        skipped.push((what(*n), reason_of(&e)));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
+                if acc > 0 && acc + size > opts.shard_bytes_target {
+                    let full = builder.take().expect("a shard is filling");
+                    if jobs_tx.send((idx, full)).is_err() || stop.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    idx += 1;
+                    acc = 0;
+                }
+                let schema = schema.as_ref().expect("rows have a schema");
+                builder
+                    .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
+                    .push(&vals, &what(*n))?;
+                acc += size;
+                input_bytes += size;
+            }
+        }
+        if let Some(last) = builder.take() {
+            let _ = jobs_tx.send((idx, last));
+        }
+        Ok(())
+    });
+    if let Some(e) = failed.into_inner().expect("not poisoned") {
+        return Err(e);
     }
-    // Errors surface in line order, before any schema inference.
-    gather(errs, skip_bad, skipped)?;
-    let Some((_, first)) = rows_in.first() else {
+    produced?;
+    let Some(schema) = schema else {
         return Err(Error::invalid(src.display().to_string(), "no JSON objects found"));
     };
-    let schema = Schema::new(first.iter().map(|(k, v)| (k.clone(), json_type(v))))?;
-    let mut results = Vec::new();
-    for (what, m) in rows_in {
-        let r = (|| {
-            if m.len() != schema.columns.len() || schema.columns.iter().any(|c| !m.contains_key(&c.name)) {
-                let keys: Vec<&String> = m.keys().collect();
-                return Err(Error::invalid(
-                    what.clone(),
-                    format!("keys {keys:?} differ from the first line's ({})", schema.describe()),
-                ));
-            }
-            let mut vals = Vec::with_capacity(m.len());
-            let mut size = 0u64;
-            for c in &schema.columns {
-                let v = &m[&c.name];
-                let val = match (c.ty, v) {
-                    (ColumnType::Int64, Json::Number(n)) if n.is_i64() => Value::Int64(n.as_i64().expect("i64")),
-                    (ColumnType::Float64, Json::Number(n)) => Value::Float64(n.as_f64().expect("f64")),
-                    (ColumnType::Str, Json::String(s)) => Value::Str(s.clone()),
-                    (ColumnType::Json, v) if json_type(v) == ColumnType::Json => Value::Json(v.to_string()),
-                    _ => {
-                        return Err(Error::invalid(
-                            what.clone(),
-                            format!(
-                                "column {:?} is {} in the first line, but this value is {v}",
-                                c.name,
-                                c.ty.name()
-                            ),
-                        ))
-                    }
-                };
-                size += ramjet_engine::format::encoded_len(std::slice::from_ref(&val));
-                vals.push(val);
-            }
-            Ok(Item {
-                rel: what.clone(),
-                path: src.to_path_buf(),
-                size,
-                extra: Extra::Row(vals),
-            })
-        })();
-        results.push((what, r));
-    }
-    let items = gather(results, skip_bad, skipped)?;
+    let mut done = done.into_inner().expect("not poisoned");
+    done.sort_by_key(|(i, _)| *i);
     let mut meta = Map::new();
     meta.insert(
         "source_file".into(),
@@ -644,5 +752,40 @@ fn scan_jsonl(src: &Path, skip_bad: bool, skipped: &mut Skipped) -> Result<(Sche
                 .unwrap_or_default(),
         ),
     );
-    Ok((schema, meta, items))
+    Ok((schema, meta, done.into_iter().map(|(_, i)| i).collect(), input_bytes))
+}
+
+/// One JSONL object as the schema's values, and their encoded size.
+fn jsonl_row(schema: &Schema, m: &Map<String, Json>, what: &str) -> Result<(Vec<Value>, u64)> {
+    if m.len() != schema.columns.len() || schema.columns.iter().any(|c| !m.contains_key(&c.name)) {
+        let keys: Vec<&String> = m.keys().collect();
+        return Err(Error::invalid(
+            what,
+            format!("keys {keys:?} differ from the first line's ({})", schema.describe()),
+        ));
+    }
+    let mut vals = Vec::with_capacity(m.len());
+    let mut size = 0u64;
+    for c in &schema.columns {
+        let v = &m[&c.name];
+        let val = match (c.ty, v) {
+            (ColumnType::Int64, Json::Number(n)) if n.is_i64() => Value::Int64(n.as_i64().expect("i64")),
+            (ColumnType::Float64, Json::Number(n)) => Value::Float64(n.as_f64().expect("f64")),
+            (ColumnType::Str, Json::String(s)) => Value::Str(s.clone()),
+            (ColumnType::Json, v) if json_type(v) == ColumnType::Json => Value::Json(v.to_string()),
+            _ => {
+                return Err(Error::invalid(
+                    what,
+                    format!(
+                        "column {:?} is {} in the first line, but this value is {v}",
+                        c.name,
+                        c.ty.name()
+                    ),
+                ))
+            }
+        };
+        size += ramjet_engine::format::encoded_len(std::slice::from_ref(&val));
+        vals.push(val);
+    }
+    Ok((vals, size))
 }

@@ -691,6 +691,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 r.manifest_url
             );
             println!("pack: manifest version {}", r.manifest.version);
+            // The peak memory of the whole run (a JSONL file is packed as a stream: it stays
+            // about (threads + 2) x --shard-size, whatever the input's size).
+            if let Some(kb) = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmHWM:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            }) {
+                println!("pack: peak RSS {} MiB", kb / 1024);
+            }
             if !r.skipped.is_empty() {
                 println!("pack: skipped {} bad input(s):", r.skipped.len());
                 for (what, why) in &r.skipped {
