@@ -298,6 +298,10 @@ pub fn epoch_positions(streams: &[StreamShape]) -> Option<u64> {
 /// Samples stream `s` contributes to an epoch under its weight.
 pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
     let size = |st: &StreamShape| st.shard_samples.iter().fold(0u64, |a, &n| a.saturating_add(n));
+    if size(&streams[s]) == 0 {
+        // Nothing to take from, whatever the weight asks (a count of an empty stream).
+        return 0;
+    }
     match streams[s].weight {
         Weight::Natural => size(&streams[s]),
         Weight::Count(n) => n,

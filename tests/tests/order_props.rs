@@ -190,3 +190,19 @@ fn a_cursor_answers_any_position() {
         }
     }
 }
+
+/// Regression (found by the property above): a count asked of a stream with no samples took
+/// one position in the epoch's length but none in its order, so the length told to a loader
+/// disagreed with what it was given. An empty stream now takes nothing, whatever its weight.
+#[test]
+fn an_empty_stream_takes_nothing_whatever_its_weight() {
+    for weight in [Weight::Count(1), Weight::Repeat(2.0), Weight::Proportion(1.0)] {
+        let st = vec![StreamShape {
+            version: "e".into(),
+            shard_samples: vec![0, 0],
+            weight,
+        }];
+        assert_eq!(ramjet_engine::order::epoch_positions(&st), Some(0), "{weight:?}");
+        assert!(EpochOrder::new(&st, &OrderSpec::default(), 0).is_empty());
+    }
+}

@@ -491,18 +491,20 @@ fn samples_read_one_by_one_share_their_requests() {
 fn global_shuffle_reads_every_sample_once_cold_and_warm() {
     let url = dataset();
     let cache = tempfile::tempdir().unwrap();
-    let read = |shuffle: Shuffle| -> Vec<(SampleRef, Vec<u8>)> {
+    let read = |shuffle: Shuffle, held: u64| -> Vec<(SampleRef, Vec<u8>)> {
         let mut c = config(url, Topology::default(), Some(cache.path()));
         c.order.shuffle = shuffle;
+        c.resident_bytes_max = held;
         Stream::open(c)
             .unwrap()
             .map(|x| x.map(|x| (x.id, x.record.to_vec())))
             .collect::<Result<_, _>>()
             .unwrap()
     };
-    let mut plain = read(Shuffle::None);
-    for pass in ["cold", "warm"] {
-        let shuffled = read(Shuffle::Global);
+    let mut plain = read(Shuffle::None, 0);
+    // Every sample read one by one (no shard held), then warm shards held whole and sliced.
+    for (pass, held) in [("cold", 0), ("warm", 0), ("warm, shards held", 1 << 30)] {
+        let shuffled = read(Shuffle::Global, held);
         assert_ne!(
             shuffled.iter().map(|x| x.0).collect::<Vec<_>>(),
             plain.iter().map(|x| x.0).collect::<Vec<_>>()

@@ -119,7 +119,9 @@ pub struct StreamConfig {
     /// Random access ([`Stream::get`]): bytes of whole shards kept in this process's memory.
     /// A sample of a shard not held here nor in the disk cache is read with two ranged GETs
     /// while its whole shard loads in the background (through `provider`, `cache` and the
-    /// origin), so the next samples of that shard are local.
+    /// origin), so the next samples of that shard are local. The global shuffle (with a disk
+    /// cache) holds the whole shards it warms the cache with, up to this many bytes, for the
+    /// epoch, and slices their samples from memory instead of reading them one by one.
     pub resident_bytes_max: u64,
 }
 

@@ -207,8 +207,9 @@ async fn shard_epoch(
 }
 
 /// One epoch of the global shuffle: batches of samples read one by one, several in flight,
-/// while (with a disk cache) whole shards warm the cache in first-touch order. Returns whether
-/// the consumer is still there.
+/// while (with a disk cache) whole shards warm the cache in first-touch order; those shards
+/// are held, verified, up to `resident_bytes_max` for the epoch, and the samples of a held
+/// shard are sliced from memory. Returns whether the consumer is still there.
 async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Sender<Msg>, batch: usize) -> bool {
     let epoch = plan.epoch;
     let mut cursor = plan.order.cursor();
@@ -225,11 +226,41 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
             r
         })
     });
+    // Whole shards the cache warming fetched, held (verified) while they fit in
+    // `resident_bytes_max`: their samples are sliced from memory, not read one by one.
+    let held: Arc<std::sync::Mutex<HashMap<(u32, u32), Live>>> = Default::default();
+    let h = held.clone();
     let mut reads = stream::iter(ranges).map(move |range| {
         let positions: Vec<u64> = range.map(|k| p.deal.position(k)).collect();
         let ids: Vec<SampleRef> = positions.iter().map(|&g| cursor.at(g).0).collect();
-        let shared = sh.clone();
-        async move { (positions, read_samples(&shared, &ids).await) }
+        let (shared, held) = (sh.clone(), h.clone());
+        async move {
+            let mut sliced: Vec<Option<Result<Bytes>>> = Vec::with_capacity(ids.len());
+            {
+                let held = held.lock().expect("not poisoned");
+                sliced.extend(ids.iter().map(|id| {
+                    held.get(&(id.stream, id.shard))
+                        .map(|live| slice_record(live, *id, &shared))
+                }));
+            }
+            let rest: Vec<SampleRef> = ids
+                .iter()
+                .zip(&sliced)
+                .filter(|(_, r)| r.is_none())
+                .map(|(id, _)| *id)
+                .collect();
+            let (read, from_origin) = if rest.is_empty() {
+                (Vec::new(), 0)
+            } else {
+                read_samples(&shared, &rest).await
+            };
+            let mut read = read.into_iter();
+            let records = sliced
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|| read.next().expect("one record per sample not held")))
+                .collect::<Vec<_>>();
+            (positions, (records, from_origin))
+        }
     });
     // The first batch alone, so the larger ones behind it do not compete for its reads.
     if let Some(first) = reads.next().await {
@@ -260,6 +291,24 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
         })
         .buffered(shared.cfg.shards_in_flight_max.max(1));
     let mut warming = true;
+    let mut held_bytes = 0u64;
+    let mut hold = |(s, sh): (u32, u32), bytes: Bytes| {
+        let len = bytes.len() as u64;
+        if held_bytes + len > shared.cfg.resident_bytes_max || bytes.len() < 64 {
+            return;
+        }
+        let src = &shared.sources[s as usize];
+        let url = src.ds.store().url(&src.ds.manifest().shard(sh as usize).key);
+        if let Ok(header) = crate::format::Header::parse(&bytes[..64], &url) {
+            held_bytes += len;
+            let live = Live {
+                bytes,
+                header,
+                uses_left: 0,
+            };
+            held.lock().expect("not poisoned").insert((s, sh), live);
+        }
+    };
     loop {
         tokio::select! {
             b = batches.next() => {
@@ -275,7 +324,7 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
             }
             w = warm.next(), if warming => match w {
                 None => warming = false,
-                Some((_, Ok(_))) => {}
+                Some((key, Ok(bytes))) => hold(key, bytes),
                 Some(((s, sh), Err(e))) => {
                     let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e) }).await;
                     return false;
