@@ -400,7 +400,7 @@ impl Dataset {
     /// Byte offset of the first record in every shard of this dataset: the header, the index
     /// and the schema (which every shard shares with the manifest) come first.
     pub fn data_offset(&self, shard: usize) -> u64 {
-        crate::format::Header::entry_offset(self.manifest.shard(shard).samples)
+        crate::format::Header::entry_offset(self.manifest.shard_samples(shard))
             + self.manifest.schema.to_canonical_json().len() as u64
     }
 

@@ -165,7 +165,35 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
     if shards.is_empty() {
         return Err(Error::invalid(src.display().to_string(), "every input was skipped"));
     }
-    finish_pack(kind, schema, meta, shards, skipped, input_bytes, &store, &rt, opts, t0)
+    // The shard table (if any), then the manifest, last.
+    let table = match opts.shard_table {
+        ShardTableMode::Always => true,
+        ShardTableMode::Never => false,
+        ShardTableMode::Auto => shards.len() > SHARD_TABLE_AUTO_MIN,
+    };
+    let manifest = if table {
+        let t = ShardTable::build(&shards).map_err(|why| Error::invalid("shard table", why))?;
+        let key = format!("tables/{:016x}.rjt", t.checksum());
+        // The table goes up before any manifest that names it.
+        rt.block_on(store.put(&key, t.as_bytes().clone()))?;
+        Manifest::with_table(kind.name(), schema, meta, t, key)
+    } else {
+        Manifest::new(kind.name(), schema, meta, shards)
+    };
+    let bytes = Bytes::from(manifest.to_bytes());
+    rt.block_on(async {
+        store
+            .put(&format!("manifests/{}.json", manifest.version), bytes.clone())
+            .await?;
+        store.put(MANIFEST_NAME, bytes).await
+    })?;
+    Ok(PackReport {
+        manifest_url: store.url(MANIFEST_NAME),
+        manifest,
+        skipped,
+        input_bytes,
+        elapsed: t0.elapsed(),
+    })
 }
 
 /// The files of an image folder or a YOLO layout: scanned, planned into shards, and built and
@@ -275,50 +303,6 @@ fn pack_files(
         input_bytes += read;
     }
     Ok((schema, meta, shards, input_bytes))
-}
-
-/// Writes the shard table (if any) and the manifest, last.
-#[allow(clippy::too_many_arguments)]
-fn finish_pack(
-    kind: SourceKind,
-    schema: Schema,
-    meta: Map<String, Json>,
-    shards: Vec<ShardInfo>,
-    skipped: Skipped,
-    input_bytes: u64,
-    store: &Store,
-    rt: &tokio::runtime::Runtime,
-    opts: &PackOptions,
-    t0: Instant,
-) -> Result<PackReport> {
-    let table = match opts.shard_table {
-        ShardTableMode::Always => true,
-        ShardTableMode::Never => false,
-        ShardTableMode::Auto => shards.len() > SHARD_TABLE_AUTO_MIN,
-    };
-    let manifest = if table {
-        let t = ShardTable::build(&shards).map_err(|why| Error::invalid("shard table", why))?;
-        let key = format!("tables/{:016x}.rjt", t.checksum());
-        // The table goes up before any manifest that names it.
-        rt.block_on(store.put(&key, t.as_bytes().clone()))?;
-        Manifest::with_table(kind.name(), schema, meta, t, key)
-    } else {
-        Manifest::new(kind.name(), schema, meta, shards)
-    };
-    let bytes = Bytes::from(manifest.to_bytes());
-    rt.block_on(async {
-        store
-            .put(&format!("manifests/{}.json", manifest.version), bytes.clone())
-            .await?;
-        store.put(MANIFEST_NAME, bytes).await
-    })?;
-    Ok(PackReport {
-        manifest_url: store.url(MANIFEST_NAME),
-        manifest,
-        skipped,
-        input_bytes,
-        elapsed: t0.elapsed(),
-    })
 }
 
 /// Opens the destination, creating a local folder if needed.

@@ -257,20 +257,17 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
             let mut read = read.into_iter();
             let records = sliced
                 .into_iter()
-                .map(|r| r.unwrap_or_else(|| read.next().expect("one record per sample not held")))
-                .collect::<Vec<_>>();
-            (positions, (records, from_origin))
+                .map(|r| r.unwrap_or_else(|| read.next().expect("one record per sample not held")));
+            Msg::Samples {
+                epoch,
+                samples: positions.into_iter().zip(records).collect(),
+                from_origin,
+            }
         }
     });
     // The first batch alone, so the larger ones behind it do not compete for its reads.
     if let Some(first) = reads.next().await {
-        let (positions, (records, from_origin)) = first.await;
-        let msg = Msg::Samples {
-            epoch,
-            samples: positions.into_iter().zip(records).collect(),
-            from_origin,
-        };
-        if tx.send(msg).await.is_err() {
+        if tx.send(first.await).await.is_err() {
             return false;
         }
     }
@@ -309,47 +306,34 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
             held.lock().expect("not poisoned").insert((s, sh), live);
         }
     };
+    // Warming goes on after the last batch: the cache is warmed for every shard of the epoch,
+    // as the next epoch reads them again.
+    let mut reading = true;
     loop {
         tokio::select! {
-            b = batches.next() => {
-                let Some((positions, (records, from_origin))) = b else { break };
-                let msg = Msg::Samples {
-                    epoch,
-                    samples: positions.into_iter().zip(records).collect(),
-                    from_origin,
-                };
-                if tx.send(msg).await.is_err() {
-                    return false;
+            b = batches.next(), if reading => match b {
+                None => reading = false,
+                Some(msg) => {
+                    if tx.send(msg).await.is_err() {
+                        return false;
+                    }
                 }
-            }
+            },
             w = warm.next(), if warming => match w {
                 None => warming = false,
-                Some((key, Ok(bytes))) => hold(key, bytes),
+                Some((key, Ok(bytes))) => {
+                    if reading {
+                        hold(key, bytes);
+                    }
+                }
                 Some(((s, sh), Err(e))) => {
                     let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e) }).await;
                     return false;
                 }
             },
+            else => return true,
         }
     }
-    // The cache is warmed for every shard of the epoch, as the next epoch reads them again.
-    while warming {
-        match warm.next().await {
-            None => warming = false,
-            Some((_, Ok(_))) => {}
-            Some(((s, sh), Err(e))) => {
-                let _ = tx
-                    .send(Msg::Shard {
-                        key: (epoch, s, sh),
-                        uses: 0,
-                        bytes: Err(e),
-                    })
-                    .await;
-                return false;
-            }
-        }
-    }
-    true
 }
 
 /// The first samples of a stream, read one by one (from the disk cache, or with two ranged

@@ -94,6 +94,17 @@ async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>)
     let info = &src.ds.manifest().shard(first.shard as usize);
     let store = src.ds.store();
     let m = &shared.metrics;
+    // One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
+    let counted_get = |range: &std::ops::Range<u64>| {
+        let range = range.clone();
+        async move {
+            let got = store.get_range(&info.key, range).await;
+            Metrics::add(&m.origin_requests, 1);
+            let b = got.ok()?;
+            Metrics::add(&m.origin_bytes, b.len() as u64);
+            Some(b)
+        }
+    };
     let mut indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
     indices.sort_unstable();
     indices.dedup();
@@ -108,10 +119,7 @@ async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>)
     let entry_gets = clusters.iter().map(|c| async move {
         let (lo, hi) = (c[0], c[c.len() - 1]);
         let range = crate::format::Header::entry_offset(lo)..crate::format::Header::entry_offset(hi) + INDEX_ENTRY_LEN;
-        let got = store.get_range(&info.key, range.clone()).await;
-        Metrics::add(&m.origin_requests, 1);
-        let b = got.ok()?;
-        Metrics::add(&m.origin_bytes, b.len() as u64);
+        let b = counted_get(&range).await?;
         Some(
             c.iter()
                 .map(|&i| {
@@ -157,10 +165,7 @@ async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>)
         let url = &url;
         async move {
             let start = span.start;
-            let got = store.get_range(&info.key, span.clone()).await;
-            Metrics::add(&m.origin_requests, 1);
-            let b = got.ok()?;
-            Metrics::add(&m.origin_bytes, b.len() as u64);
+            let b = counted_get(span).await?;
             Some(
                 r.iter()
                     .map(|(i, e)| {
@@ -197,13 +202,13 @@ async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>)
 
 /// Checks that sample `index`'s entry points inside shard `shard`'s records.
 fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result<()> {
-    let info = &src.ds.manifest().shard(shard);
+    let (bytes, _) = src.ds.manifest().shard_bytes_checksum(shard);
     let data_offset = src.ds.data_offset(shard);
     let end = e.offset.checked_add(e.len);
     // Saturating: a manifest may claim a shard smaller than its footer.
-    if e.offset < data_offset || end.is_none_or(|x| x > info.bytes.saturating_sub(crate::format::FOOTER_LEN)) {
+    if e.offset < data_offset || end.is_none_or(|x| x > bytes.saturating_sub(crate::format::FOOTER_LEN)) {
         return Err(Error::corrupt(
-            Location::sample(src.ds.store().url(&info.key), index),
+            Location::sample(src.ds.store().url(&src.ds.manifest().shard(shard).key), index),
             format!("index entry points at [{}, +{}) outside the records", e.offset, e.len),
         ));
     }
