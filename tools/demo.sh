@@ -64,5 +64,5 @@ echo "            warm: $(head -1 "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream
 echo "            warm: $(sed -n 2p "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream: //')"
 
 echo
-echo "demo: ramjet-bench --quick (ramjet and its peers side by side; about 2-3 minutes)"
+echo "demo: ramjet-bench --quick (ramjet and its peers side by side, interleaved rounds; about 3-4 minutes)"
 tools/ramjet-bench --quick

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what ramjet's build, demo and tests need, idempotently:
-#   - checks the Rust toolchain, installs the Debian packages the build needs (cmake, clang,
-#     iperf3) and fetches the crates;
+#   - checks the Rust toolchain, installs the Debian packages the build needs (cmake, nasm,
+#     clang, iperf3) and fetches the crates;
 #   - creates the Python venv (.venv) with maturin, pytest and SeaweedFS (the local S3 server).
 # Usage: tools/setup.sh
 set -euo pipefail
@@ -23,10 +23,11 @@ if [ "${free_kb:-0}" -lt $((12 * 1024 * 1024)) ]; then
   echo "setup: warning: only $((free_kb / 1024)) MiB free under $RAMJET_ROOT; a clean build and the venv need about 12 GB" >&2
 fi
 
-# Debian packages: cmake and clang build the RDMA transport's verbs shim (cargo feature `rdma`,
-# rdma-mummy-sys); iperf3 is the cluster benchmark's TCP baseline.
+# Debian packages: cmake and nasm build libjpeg-turbo (the C library, with its SIMD code: the
+# JPEG decoder, turbojpeg-sys); cmake and clang build the RDMA transport's verbs shim (cargo
+# feature `rdma`, rdma-mummy-sys); iperf3 is the cluster benchmark's TCP baseline.
 missing=()
-for tool in cmake:cmake clang:clang iperf3:iperf3; do
+for tool in cmake:cmake nasm:nasm clang:clang iperf3:iperf3; do
   command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 done
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || missing+=(libclang-dev)

@@ -80,6 +80,7 @@ fn peer_throughput(rt: &tokio::runtime::Runtime, peer: &str, ds: &Dataset, passe
         let gets: Vec<ShardGet> = ds
             .manifest()
             .shards()
+            .map(Result::unwrap)
             .enumerate()
             .map(|(i, sh)| ShardGet {
                 manifest_url: ds.manifest_url().to_owned(),

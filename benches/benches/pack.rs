@@ -79,7 +79,7 @@ fn main() {
         "manifest.json",
     )
     .unwrap();
-    let key = &manifest.shard(0).key;
+    let key = &manifest.shard(0).unwrap().key;
     let cf = CountingFile {
         f: std::fs::File::open(pack_dst.join(key)).unwrap(),
         reads: Cell::new(0),

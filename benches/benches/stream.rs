@@ -67,7 +67,13 @@ fn main() {
     let (mut cold_m, mut warm_m, mut bytes) = (Default::default(), Default::default(), 0);
     // The baseline's buffers, one per GET in flight, touched once here so that no round pays
     // for first touches (ramjet's own buffers come from a pool, likewise kept).
-    let largest = ds.manifest().shards().map(|s| s.bytes).max().unwrap_or(0) as usize;
+    let largest = ds
+        .manifest()
+        .shards()
+        .map(Result::unwrap)
+        .map(|s| s.bytes)
+        .max()
+        .unwrap_or(0) as usize;
     let kept = std::sync::Mutex::new(vec![vec![1u8; largest]; PARALLEL_GETS]);
     // Alternate the contenders, so drift on a noisy machine hits both alike.
     for _ in 0..reps {
@@ -76,7 +82,7 @@ fn main() {
         let (t0, c0) = (Instant::now(), cpu_seconds(false));
         let got: u64 = rt.block_on(async {
             let (kept, ds) = (&kept, &ds);
-            stream::iter(ds.manifest().shards())
+            stream::iter(ds.manifest().shards().map(Result::unwrap))
                 .map(|s| async move {
                     let mut dst = kept.lock().unwrap().pop().expect("a buffer per GET in flight");
                     let n = s.bytes as usize;
@@ -99,7 +105,7 @@ fn main() {
         let (t0, c0) = (Instant::now(), cpu_seconds(false));
         let got: u64 = rt.block_on(async {
             let ds = &ds;
-            stream::iter(ds.manifest().shards())
+            stream::iter(ds.manifest().shards().map(Result::unwrap))
                 .map(|s| async move { ds.store().get(&s.key).await })
                 .buffer_unordered(PARALLEL_GETS)
                 .map(|b| b.expect("GET").len() as u64)

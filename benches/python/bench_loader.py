@@ -2,7 +2,14 @@
 full-decode rate, on the same JPEGs and the same output (224x224 uint8, batch 8), side by
 side in one run; then ramjet's RSS over repeated epochs.
 
-    python benches/python/bench_loader.py --images DIR --remote URL [--n 1000] [--rounds 3]
+    python benches/python/bench_loader.py --images DIR --remote URL [--n 1000] [--rounds 5]
+
+The contenders run interleaved round by round, each round in a rotated order (measure.py):
+medians, every round's ratios, CPU seconds per 1,000 images (the process and its DataLoader
+workers), the machine's steal share and other processes' load per measurement. The targets
+(ramjet at least 3x the torch DataLoader by rate and by CPU per image; ramjet's decode at least
+1.3x the cores times Pillow's single-core full decode) get a verdict only from 3 rounds or
+more, none of them flagged.
 
 DIR holds the JPEGs; URL is the same images packed with `ramjet pack` (read through a warm
 node-local cache). Prints one JSON object and writes it to target/bench/loader.json.
@@ -17,9 +24,8 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +33,9 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import ramjet
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402 - benches/python/measure.py, the shared measuring rules
 
 OUT = 224
 BATCH = 8
@@ -56,29 +65,69 @@ class Files(torch.utils.data.Dataset):
 def torch_rate(paths, workers):
     dl = torch.utils.data.DataLoader(Files(paths), batch_size=BATCH, num_workers=workers, shuffle=True,
                                      persistent_workers=False)
-    t = time.perf_counter()
-    n = sum(b.shape[0] for b in dl)
-    return n / (time.perf_counter() - t)
+    return sum(b.shape[0] for b in dl)
 
 
 def pillow_single_core(blobs):
     """libjpeg-turbo's full decode through Pillow, one core (no conversion copy for RGB JPEGs)."""
-    t = time.perf_counter()
     for b in blobs:
         im = Image.open(io.BytesIO(b))
         im.load()
         if im.mode != "RGB":
             im.convert("RGB")
-    return len(blobs) / (time.perf_counter() - t)
+    return len(blobs)
 
 
 def ramjet_rate(ds, epoch):
     ds.set_epoch(epoch)
-    t = time.perf_counter()
     n = 0
     for b in ds:
         n += b["image"].shape[0]
-    return n / (time.perf_counter() - t)
+    return n
+
+
+def interleaved(contenders, rounds, label):
+    """Runs every contender once a round, the order rotated each round; returns measure.Rounds."""
+    res = measure.Rounds("images")
+    for r in range(rounds):
+        for name, fn in measure.order(contenders, r):
+            with measure.Meter() as m:
+                n = fn(r)
+            res.add_meter(r, name, m, n)
+        print(f"{label}{res.line(r)}", flush=True)
+    return res
+
+
+def verdicts(res, cores, vs_torch=True):
+    """The figures, the per-round ratios and the verdicts (none below measure.VERDICT_ROUNDS)."""
+    med = {c: res.median(c) for c in res.contenders()}
+    cpu = {c: res.median(c, "cpu_per_1000") for c in res.contenders()}
+    turbo = cores * med["pillow_1core"]
+    out = {
+        "median_img_per_s": {k: round(v, 1) for k, v in med.items()},
+        "median_cpu_s_per_1000_img": {k: round(v, 3) for k, v in cpu.items()},
+        "libjpeg_turbo_full_decode_x_cores": round(turbo, 1),
+        "ratio_vs_libjpeg_turbo_x_cores": round(med["ramjet"] / turbo, 2),
+        "ratio_no_dct_vs_libjpeg_turbo_x_cores": round(med["ramjet_no_dct"] / turbo, 2),
+        "rounds": {c: res.summary(c) for c in res.contenders()},
+        "steal_flagged_rounds": res.flagged(),
+    }
+    # Pillow runs on one core; per round, ramjet against that round's Pillow times the cores.
+    decode = [x / (cores * y) for x, y in zip([r["rate"] for r in res.of("ramjet")],
+                                               [r["rate"] for r in res.of("pillow_1core")])]
+    out["per_round_ratio_vs_libjpeg_turbo_x_cores"] = [round(x, 2) for x in decode]
+    v = res.verdict(out["ratio_vs_libjpeg_turbo_x_cores"] >= 1.3)
+    out["decode_target"] = f"ramjet at least 1.3x cores x Pillow's full decode: {measure.verdict_text(v, res.rounds(), len(res.flagged()))}"
+    if vs_torch:
+        rate = med["ramjet"] / med["torch_dataloader"]
+        by_cpu = cpu["torch_dataloader"] / cpu["ramjet"]
+        out["ratio_vs_torch_dataloader"] = round(rate, 2)
+        out["cpu_ratio_vs_torch_dataloader"] = round(by_cpu, 2)
+        out["per_round_ratio_vs_torch_dataloader"] = [round(x, 2) for x in res.ratios("ramjet", "torch_dataloader")]
+        v = res.verdict(rate >= 3 and by_cpu >= 3)
+        out["loader_target"] = (f"ramjet at least 3x the torch DataLoader by rate and CPU per image: "
+                                f"{measure.verdict_text(v, res.rounds(), len(res.flagged()))}")
+    return out
 
 
 def large_set(paths, n, images_dir, remote):
@@ -110,24 +159,11 @@ def bench_large(paths, n, a, kw, cores):
     rj = ramjet.StreamingDataset(url, **kw)
     rj_nodct = ramjet.StreamingDataset(url, dct_scaling=False, **kw)
     ramjet_rate(rj, 0)
-    res = {k: [] for k in ("ramjet", "ramjet_no_dct", "pillow_1core")}
-    for r in range(a.rounds):
-        res["ramjet"].append(ramjet_rate(rj, r + 1))
-        res["ramjet_no_dct"].append(ramjet_rate(rj_nodct, r + 1))
-        res["pillow_1core"].append(pillow_single_core(blobs))
-        print(f"large round {r}: " + ", ".join(f"{k} {v[-1]:.0f} img/s" for k, v in res.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    turbo = cores * med["pillow_1core"]
+    res = interleaved([("ramjet", lambda r: ramjet_rate(rj, r + 1)),
+                       ("ramjet_no_dct", lambda r: ramjet_rate(rj_nodct, r + 1)),
+                       ("pillow_1core", lambda r: pillow_single_core(blobs))], a.rounds, "large ")
     w, h = Image.open(files[0]).size
-    return {
-        "images": len(files),
-        "source_size": f"{w}x{h}",
-        "median_img_per_s": {k: round(v, 1) for k, v in med.items()},
-        "libjpeg_turbo_full_decode_x_cores": round(turbo, 1),
-        "ratio_vs_libjpeg_turbo_x_cores": round(med["ramjet"] / turbo, 2),
-        "ratio_no_dct_vs_libjpeg_turbo_x_cores": round(med["ramjet_no_dct"] / turbo, 2),
-        "rounds": {k: [round(x, 1) for x in v] for k, v in res.items()},
-    }
+    return {"images": len(files), "source_size": f"{w}x{h}", **verdicts(res, cores, vs_torch=False)}
 
 
 def main():
@@ -136,7 +172,7 @@ def main():
     p.add_argument("--remote", required=True)
     p.add_argument("--local", default="target/bench/loader-cache")
     p.add_argument("--n", type=int, default=1000)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rss-epochs", type=int, default=10)
     p.add_argument("--large", type=int, default=0, help="images in the large-source (DCT scaling) part")
     a = p.parse_args()
@@ -149,15 +185,10 @@ def main():
     rj = ramjet.StreamingDataset(a.remote, **kw)
     rj_nodct = ramjet.StreamingDataset(a.remote, dct_scaling=False, **kw)
     ramjet_rate(rj, 0)  # warm the node-local cache
-    res = {k: [] for k in ("ramjet", "ramjet_no_dct", "torch_dataloader", "pillow_1core")}
-    for r in range(a.rounds):  # interleaved, so machine noise hits every contender alike
-        res["ramjet"].append(ramjet_rate(rj, r + 1))
-        res["ramjet_no_dct"].append(ramjet_rate(rj_nodct, r + 1))
-        res["torch_dataloader"].append(torch_rate(paths, cores))
-        res["pillow_1core"].append(pillow_single_core(blobs))
-        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f} img/s" for k, v in res.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    turbo = cores * med["pillow_1core"]
+    res = interleaved([("ramjet", lambda r: ramjet_rate(rj, r + 1)),
+                       ("ramjet_no_dct", lambda r: ramjet_rate(rj_nodct, r + 1)),
+                       ("torch_dataloader", lambda r: torch_rate(paths, cores)),
+                       ("pillow_1core", lambda r: pillow_single_core(blobs))], a.rounds, "")
     del rj, rj_nodct
     # RSS over epochs: one dataset, epoch after epoch.
     ds = ramjet.StreamingDataset(a.remote, **kw)
@@ -169,14 +200,9 @@ def main():
     out = {
         "images": len(paths),
         "cores": cores,
-        "median_img_per_s": {k: round(v, 1) for k, v in med.items()},
-        "ratio_vs_torch_dataloader": round(med["ramjet"] / med["torch_dataloader"], 2),
-        "libjpeg_turbo_full_decode_x_cores": round(turbo, 1),
-        "ratio_vs_libjpeg_turbo_x_cores": round(med["ramjet"] / turbo, 2),
-        "ratio_no_dct_vs_libjpeg_turbo_x_cores": round(med["ramjet_no_dct"] / turbo, 2),
+        **verdicts(res, cores),
         "rss_mib_per_epoch": rss,
         "rss_growth_after_first_epoch": round(max(steady) / min(steady) - 1, 3),
-        "rounds": {k: [round(x, 1) for x in v] for k, v in res.items()},
     }
     if a.large:
         out["large_sources"] = bench_large(paths, a.large, a, kw, cores)

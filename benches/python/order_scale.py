@@ -21,7 +21,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402 - the shared measuring rules (steal share, CPU of a run)
 
 
 def run(cmd):
@@ -33,15 +36,13 @@ def run(cmd):
 
 
 def run_ru(cmd):
-    """Runs cmd with its own rusage: (stdout, wall s, cpu s, peak RSS MB)."""
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    out = p.stdout.read()
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    if status != 0:
-        sys.exit(f"failed ({status}): {' '.join(cmd)}")
-    return out, wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024
+    """Runs cmd with its own rusage: (stdout, wall s, cpu s, peak RSS MB, the machine's steal
+    share while it ran)."""
+    try:
+        out, wall, cpu, steal, rss = measure.run(cmd)
+    except RuntimeError as e:
+        sys.exit(str(e))
+    return out, wall, cpu, rss, steal
 
 
 def make_jsonl(path, n):
@@ -84,27 +85,30 @@ def main():
             for b, binary in (builds if r % 2 == 0 else builds[::-1]):
                 dst = f"{a.work}/p{n}-{b}"
                 subprocess.run(["rm", "-rf", dst], check=True)
-                _, wall, cpu, rss = run_ru([binary, "pack", src, f"file://{dst}"])
-                packs[b].append({"wall_s": wall, "cpu_s": cpu, "rss_mb": rss})
-                print(f"pack n={n} {b} round {r}: {wall:.2f} s wall, {cpu:.2f} s CPU, {rss:.0f} MB", flush=True)
+                _, wall, cpu, rss, steal = run_ru([binary, "pack", src, f"file://{dst}"])
+                packs[b].append({"wall_s": wall, "cpu_s": cpu, "rss_mb": rss, "steal": steal})
+                print(f"pack n={n} {b} round {r}: {wall:.2f} s wall, {cpu:.2f} s CPU, {rss:.0f} MB, "
+                      f"steal {measure.fmt_steal(steal)}", flush=True)
         if a.pack_rounds:
             result["pack"][n] = packs
         for shuffle in ["block", "global"]:
             rows = {b: [] for b, _ in builds}
             for r in range(a.rounds):
                 for b, binary in (builds if r % 2 == 0 else builds[::-1]):
-                    out, wall, cpu, rss = run_ru(
+                    out, wall, cpu, rss, steal = run_ru(
                         [binary, "stream", f"file://{ds}", "--shuffle", shuffle, "--limit", "1", "--json"]
                     )
                     m = json.loads(out[out.index("{"):])
-                    rows[b].append({"ttfs_s": m["first_sample_s"], "wall_s": wall, "cpu_s": cpu, "rss_mb": rss})
+                    rows[b].append({"ttfs_s": m["first_sample_s"], "wall_s": wall, "cpu_s": cpu, "rss_mb": rss,
+                                    "steal": steal})
             result["start"].setdefault(n, {})[shuffle] = rows
             for b, _ in builds:
                 x = rows[b]
                 print(
                     f"start n={n} {shuffle} {b}: TTFS median {med([r['ttfs_s'] for r in x]):.4f} s "
                     f"(rounds {', '.join('%.4f' % r['ttfs_s'] for r in x)}), "
-                    f"wall {med([r['wall_s'] for r in x]):.3f} s, RSS {med([r['rss_mb'] for r in x]):.0f} MB",
+                    f"wall {med([r['wall_s'] for r in x]):.3f} s, RSS {med([r['rss_mb'] for r in x]):.0f} MB, "
+                    f"steal {', '.join(measure.fmt_steal(r['steal']) for r in x)}",
                     flush=True,
                 )
     if a.warm:
@@ -117,15 +121,15 @@ def main():
         rows = {"block": [], "global": []}
         for r in range(a.rounds):
             for shuffle in (["block", "global"] if r % 2 == 0 else ["global", "block"]):
-                out, wall, cpu, rss = run_ru(base + ["--shuffle", shuffle])
+                out, wall, cpu, rss, steal = run_ru(base + ["--shuffle", shuffle])
                 m = json.loads(out[out.index("{"):])
-                rows[shuffle].append(
-                    {"samples_per_s": m["samples_per_s"], "cpu_s_per_m": cpu / m["samples"] * 1e6, "hit_rate": m["hit_rate"]}
-                )
+                rows[shuffle].append({"samples_per_s": m["samples_per_s"], "cpu_s_per_m": cpu / m["samples"] * 1e6,
+                                      "hit_rate": m["hit_rate"], "steal": steal})
             ratio = rows["global"][-1]["samples_per_s"] / rows["block"][-1]["samples_per_s"]
             print(
                 f"warm n={n} round {r}: block {rows['block'][-1]['samples_per_s']:.0f}/s, "
-                f"global {rows['global'][-1]['samples_per_s']:.0f}/s, ratio {ratio:.2f}",
+                f"global {rows['global'][-1]['samples_per_s']:.0f}/s, ratio {ratio:.2f}, steal "
+                f"{measure.fmt_steal(rows['block'][-1]['steal'])} / {measure.fmt_steal(rows['global'][-1]['steal'])}",
                 flush=True,
             )
         ratios = [g["samples_per_s"] / b["samples_per_s"] for g, b in zip(rows["global"], rows["block"])]

@@ -13,9 +13,14 @@ Usage: benches/python/plan_scale.py --ramjet target/release/ramjet [--rounds 5]
 """
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402 - the shared measuring rules (steal share)
 
 
 def main():
@@ -37,24 +42,40 @@ def main():
     for r in range(a.rounds):
         order = sizes if r % 2 == 0 else sizes[::-1]
         for n in order:
+            before, st = resource.getrusage(resource.RUSAGE_CHILDREN), measure.proc_stat()
             out = subprocess.run(
                 [a.ramjet, "plan-sim", "--dir", a.dir, "--samples", str(n), "--shuffle", a.shuffle],
                 check=True, capture_output=True, text=True,
             ).stdout
-            rows[n].append(json.loads(out))
-        print(f"round {r}: " + ", ".join(f"{n:.0e} {rows[n][-1]['ttfs_s'] * 1e3:.1f} ms" for n in sizes), flush=True)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            row = json.loads(out)
+            # CPU of both processes (the launcher and its measuring child), start-up included.
+            row["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            row["steal"] = measure.steal_share(st, measure.proc_stat())
+            rows[n].append(row)
+        print(f"round {r}: " + ", ".join(f"{n:.0e} {rows[n][-1]['ttfs_s'] * 1e3:.1f} ms "
+                                         f"(steal {measure.fmt_steal(rows[n][-1]['steal'])})" for n in sizes)
+              + f"; {sizes[-1]:.0e}/{sizes[0]:.0e} {rows[sizes[-1]][-1]['ttfs_s'] / rows[sizes[0]][-1]['ttfs_s']:.2f}x",
+              flush=True)
     summary = []
     for n in sizes:
         t = [x["ttfs_s"] for x in rows[n]]
         m = [x["rss_peak_mb"] for x in rows[n]]
+        c = [x["cpu_s"] for x in rows[n]]
+        b = [x.get("table_blocks_read", 0) for x in rows[n]]
         summary.append({"samples": n, "shards": rows[n][0]["shards"], "table_bytes": rows[n][0]["table_bytes"],
+                        "table_blocks": rows[n][0].get("table_blocks", 0),
                         "ttfs_s": statistics.median(t), "rss_peak_mb": statistics.median(m),
-                        "ttfs_rounds": t, "rss_rounds": m})
+                        "cpu_s": statistics.median(c), "blocks_read": statistics.median(b),
+                        "ttfs_rounds": t, "rss_rounds": m, "cpu_rounds": c, "blocks_rounds": b})
         print(f"{n:>13,} samples, {rows[n][0]['shards']:>9,} shards: time to first sample median "
               f"{statistics.median(t) * 1e3:.1f} ms (rounds {', '.join('%.1f' % (x * 1e3) for x in t)}), "
-              f"peak RSS median {statistics.median(m):.0f} MB")
+              f"peak RSS median {statistics.median(m):.0f} MB, CPU median {statistics.median(c) * 1e3:.0f} ms "
+              f"(whole run), table blocks read median {statistics.median(b):.0f} of {rows[n][0].get('table_blocks', 0)}")
     base = summary[0]["ttfs_s"]
-    print(f"time to first sample at {sizes[-1]:.0e} / at {sizes[0]:.0e}: {summary[-1]['ttfs_s'] / base:.2f}x")
+    ratios = [x / y for x, y in zip(summary[-1]["ttfs_rounds"], summary[0]["ttfs_rounds"])]
+    print(f"time to first sample at {sizes[-1]:.0e} / at {sizes[0]:.0e}: {summary[-1]['ttfs_s'] / base:.2f}x "
+          f"(medians); per round {', '.join('%.2f' % x for x in ratios)}, median {statistics.median(ratios):.2f}x")
     old = None
     if a.baseline:
         with open(a.baseline) as f:

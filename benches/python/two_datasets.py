@@ -19,7 +19,9 @@ Reported per round and as medians:
 - A's window: the process's CPU while A's epochs ran, two alive against alone. It charges
   B's read-ahead into its next epoch (which runs while A is being read) to A, and A's to B,
   so with two different datasets it overstates the cost; it is what the issue measured;
-- A's wall time per image, likewise.
+- A's wall time per image, likewise;
+- the highest steal share the machine showed during the round's runs (flagged above
+  measure.STEAL_FLAG).
 
 With --like-bench the pair is ramjet-bench's (see the option's help), the one in which the
 issue measured 1.7x.
@@ -36,6 +38,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402 - the shared measuring rules (steal share)
 
 ROOT = Path(__file__).resolve().parents[2]
 RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/release/ramjet")
@@ -130,12 +135,14 @@ def main():
     modes = ["a", "b", "ab"] if a.like_bench else ["a", "ab"]
     rows = []
     for r in range(a.rounds):
-        got = {}
+        got, steal = {}, {}
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         if r % 2:
             order.reverse()
         for mode in order:
+            st = measure.proc_stat()
             out = sh(sys.executable, "-c", CHILD, mode, json.dumps(cfg), str(a.epochs), *urls)
+            steal[mode] = measure.steal_share(st, measure.proc_stat())
             got[mode] = json.loads(out.strip().splitlines()[-1])
         one, two = got["a"], got["ab"]
         # Everything the process spent, per image: both datasets' epochs against what the
@@ -157,12 +164,14 @@ def main():
         row["cpu_ratio"] = row["two_cpu_ms_per_img"] / row["alone_cpu_ms_per_img"]
         row["a_window_cpu_ratio"] = row["a_window_two_cpu_ms_per_img"] / row["a_window_one_cpu_ms_per_img"]
         row["a_wall_ratio"] = row["a_wall_two_ms_per_img"] / row["a_wall_one_ms_per_img"]
+        row["steal"] = max(steal.values())
         rows.append(row)
         print(
             f"round {r + 1}/{a.rounds} ({row['order']}): CPU ms/img alone {row['alone_cpu_ms_per_img']:.3f} "
             f"two {row['two_cpu_ms_per_img']:.3f} (x{row['cpu_ratio']:.3f}); A's window one "
             f"{row['a_window_one_cpu_ms_per_img']:.3f} two {row['a_window_two_cpu_ms_per_img']:.3f} "
-            f"(x{row['a_window_cpu_ratio']:.3f}); A's wall x{row['a_wall_ratio']:.3f}",
+            f"(x{row['a_window_cpu_ratio']:.3f}); A's wall x{row['a_wall_ratio']:.3f}; "
+            f"steal {measure.fmt_steal(row['steal'])}",
             flush=True,
         )
     med = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k not in ("round", "order")}

@@ -133,7 +133,7 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("bytes", m.bytes)?;
     let meta = serde_json::to_string(&m.meta).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
     d.set_item("meta_json", meta)?;
-    d.set_item("columns_sidecars", m.shards().all(|s| s.columns.is_some()))?;
+    d.set_item("columns_sidecars", m.has_columns())?;
     Ok(d)
 }
 

@@ -4,9 +4,65 @@ use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
 
 use crate::error::{Error, Result};
-use crate::format::{verify_shard_bytes, ColumnType, Manifest, ShardExpect, ShardView, Value, MANIFEST_BYTES_MAX};
+use crate::format::{
+    verify_shard_bytes, ColumnType, Manifest, ShardExpect, ShardView, TableReader, Value, MANIFEST_BYTES_MAX,
+};
 use crate::metrics::Metrics;
 use crate::store::{DatasetUrl, Store};
+
+/// A dataset's shard table in its store, read a range at a time.
+#[derive(Debug, Clone)]
+struct StoreTable {
+    store: Store,
+    key: String,
+}
+
+impl StoreTable {
+    async fn get(&self, range: std::ops::Range<u64>) -> Result<Bytes> {
+        self.store.get_range(&self.key, range).await
+    }
+}
+
+/// The table's head, already read (asynchronously, when the dataset was opened), and the rest of
+/// the table read on demand.
+#[derive(Debug)]
+struct Prefetched {
+    head: Bytes,
+    rest: StoreTable,
+}
+
+impl TableReader for Prefetched {
+    /// Blocks of the table are asked for from synchronous code (the order), which may run on a
+    /// runtime worker, on a thread inside `block_on`, or outside any runtime: the read is run to
+    /// completion on the process's runtime in each case (`block_in_place` on a worker, so the
+    /// runtime keeps its thread count), or, from a single-threaded runtime, on a helper thread.
+    fn read(&self, range: std::ops::Range<u64>) -> Result<Bytes> {
+        if range.end <= self.head.len() as u64 {
+            return Ok(self.head.slice(range.start as usize..range.end as usize));
+        }
+        if let Some(path) = self.rest.store.local_path(&self.rest.key) {
+            // A local table: one positioned read, no runtime involved.
+            use std::os::unix::fs::FileExt;
+            let url = self.rest.store.url(&self.rest.key);
+            let mut buf = vec![0u8; (range.end - range.start) as usize];
+            let f = std::fs::File::open(&path).map_err(|e| Error::io(&url, e))?;
+            f.read_exact_at(&mut buf, range.start).map_err(|e| Error::io(&url, e))?;
+            return Ok(Bytes::from(buf));
+        }
+        let get = self.rest.get(range);
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| h.block_on(get))
+            }
+            Ok(_) => {
+                let rt = crate::rt::handle()?;
+                std::thread::scope(|s| s.spawn(|| rt.block_on(get)).join())
+                    .unwrap_or_else(|_| Err(Error::invalid(&self.rest.key, "the shard table read panicked")))
+            }
+            Err(_) => crate::rt::handle()?.block_on(get),
+        }
+    }
+}
 
 /// Checks a shard file (a shard or a columns sidecar) against its manifest entry: whole-file
 /// checksum (footer and manifest) and size.
@@ -141,22 +197,51 @@ impl Dataset {
         Self::open_in(store, &loc.manifest_key).await
     }
 
+    /// Opens a dataset that is about to be streamed: as [`Dataset::open`], and while the
+    /// manifest is read, connections for the first batch's reads are opened
+    /// ([`Store::preconnect`]).
+    pub async fn open_to_stream(url: &str) -> Result<Dataset> {
+        let loc = DatasetUrl::parse(url);
+        let store = Store::open(&loc.prefix_url)?;
+        store.preconnect(&loc.manifest_key);
+        Self::open_in(store, &loc.manifest_key).await
+    }
+
     /// Opens the dataset whose manifest is `manifest_key` in `store`.
     pub async fn open_in(store: Store, manifest_key: &str) -> Result<Dataset> {
         let manifest_url = store.url(manifest_key);
-        let size = store.size(manifest_key).await?;
-        if size > MANIFEST_BYTES_MAX {
-            return Err(Error::Manifest {
-                object: manifest_url,
-                reason: format!("{size} bytes exceeds the limit of {MANIFEST_BYTES_MAX}"),
-            });
-        }
-        let bytes = store.get(manifest_key).await?;
+        // One request, not a HEAD then a GET: on a 20 ms link every round trip before the
+        // first batch shows.
+        let bytes = match store.get_at_most(manifest_key, MANIFEST_BYTES_MAX).await? {
+            Ok(b) => b,
+            Err(size) => {
+                return Err(Error::Manifest {
+                    object: manifest_url,
+                    reason: format!("{size} bytes exceeds the limit of {MANIFEST_BYTES_MAX}"),
+                })
+            }
+        };
         let mut manifest = Manifest::parse(&bytes, &manifest_url)?;
         if let Some(t) = manifest.table_to_load().cloned() {
-            // A large dataset's shards are listed in a binary table beside the manifest.
-            let table = store.get(&t.key).await?;
-            manifest.attach_table(table, &store.url(&t.key))?;
+            // A large dataset's shards are listed in a binary table beside the manifest: its
+            // head is read now, each block of records when first used.
+            let reader = StoreTable {
+                store: store.clone(),
+                key: t.key.clone(),
+            };
+            let url = store.url(&t.key);
+            let (head, size) = futures::future::try_join(
+                reader.get(0..crate::format::shard_table_head_len(t.shards)),
+                store.size(&t.key),
+            )
+            .await?;
+            if size != t.bytes {
+                return Err(Error::Manifest {
+                    object: url,
+                    reason: format!("{size} bytes, the manifest says {}", t.bytes),
+                });
+            }
+            manifest.attach_table(std::sync::Arc::new(Prefetched { head, rest: reader }), &url)?;
         }
         Ok(Dataset {
             store,
@@ -183,7 +268,7 @@ impl Dataset {
     /// Downloads shard `i` whole and checks it (see [`Dataset::check_shard`]). Returns the
     /// bytes only when they are sound.
     pub async fn fetch_shard(&self, i: usize) -> Result<Bytes> {
-        let bytes = self.store.get(&self.manifest.shard(i).key).await?;
+        let bytes = self.store.get(&self.manifest.shard(i)?.key).await?;
         self.check_shard(i, &bytes)?;
         Ok(bytes)
     }
@@ -198,7 +283,7 @@ impl Dataset {
         in_flight: usize,
         metrics: &Metrics,
     ) -> Result<Bytes> {
-        let info = &self.manifest.shard(i);
+        let info = &self.manifest.shard(i)?;
         let part = range_bytes.max(1 << 16);
         let mut attempt = 0;
         loop {
@@ -252,7 +337,7 @@ impl Dataset {
     /// [`Dataset::check_shard`], with the checksum of the bytes before the footer already
     /// computed (as they arrived) when `hashed` is given.
     fn check_shard_hashed(&self, i: usize, bytes: &[u8], hashed: Option<u64>) -> Result<()> {
-        let info = &self.manifest.shard(i);
+        let info = &self.manifest.shard(i)?;
         let url = self.store.url(&info.key);
         if (bytes.len() as u64) < info.bytes {
             return Err(Error::Truncated {
@@ -290,7 +375,7 @@ impl Dataset {
     /// verified: size, structure, checksum against the manifest, and every record's checksum.
     /// A `bytes` column is refused: it is what the sidecar leaves out.
     pub async fn shard_columns(&self, i: usize, names: &[String]) -> Result<Vec<Vec<Value>>> {
-        let info = &self.manifest.shard(i);
+        let info = &self.manifest.shard(i)?;
         let mut pick = Vec::with_capacity(names.len());
         for n in names {
             match self.manifest.schema.columns.iter().find(|c| &c.name == n) {
@@ -399,22 +484,37 @@ impl Dataset {
 
     /// Byte offset of the first record in every shard of this dataset: the header, the index
     /// and the schema (which every shard shares with the manifest) come first.
-    pub fn data_offset(&self, shard: usize) -> u64 {
-        crate::format::Header::entry_offset(self.manifest.shard_samples(shard))
-            + self.manifest.schema.to_canonical_json().len() as u64
+    pub fn data_offset(&self, shard: usize) -> Result<u64> {
+        Ok(crate::format::Header::entry_offset(self.manifest.shard_samples(shard)?)
+            + self.manifest.schema.to_canonical_json().len() as u64)
     }
 
     /// Re-reads every shard and checks every checksum: shard sizes, whole-shard checksums,
     /// headers, schemas, sample counts and every sample's checksum and structure.
     /// `parallelism` shards are checked at once; `progress` is called with bytes read.
     pub async fn verify(&self, parallelism: usize, progress: impl Fn(u64) + Sync) -> VerifyReport {
-        let starts = self.manifest.shard_starts();
         let progress = &progress;
+        let table_url = self.manifest.shard_table.as_ref().map(|t| self.store.url(&t.key));
+        let table_url = &table_url;
         let mut results: Vec<(usize, Vec<ShardProblem>, u64)> = stream::iter(self.manifest.shards().enumerate())
             .map(|(i, info)| {
-                let url = self.store.url(&info.key);
-                let start = starts[i];
+                let listed = info.and_then(|info| Ok((self.manifest.shard_start(i)?, info)));
                 async move {
+                    // A damaged block of the shard table: every shard it lists is unreadable.
+                    let (start, info) = match listed {
+                        Ok(x) => x,
+                        Err(e) => {
+                            let p = ShardProblem {
+                                shard: i,
+                                url: table_url.clone().unwrap_or_default(),
+                                sample: None,
+                                global_sample: None,
+                                message: e.to_string(),
+                            };
+                            return (i, vec![p], 0);
+                        }
+                    };
+                    let url = self.store.url(&info.key);
                     let problem = |sample: Option<u64>, message: String| ShardProblem {
                         shard: i,
                         url: url.clone(),

@@ -2,10 +2,10 @@
 //!
 //! The crop is chosen in source coordinates from the header alone, before any pixel is
 //! decoded. That lets the decoder skip work: JPEG is decoded at the smallest DCT scale
-//! (1/8, 1/4, 1/2) that still leaves the crop at least as large as the output. The crop is
-//! then resized (antialiased bilinear,
-//! as Pillow and torchvision do) and written channel-first, flipped and normalised in the
-//! same pass.
+//! (1/8, 1/4, 1/2) that still leaves the crop at least as large as the output, and only the
+//! region that covers the crop ([`crate::jpeg_c`]). The crop is then resized (antialiased
+//! bilinear, as Pillow and torchvision do) and written channel-first, flipped and normalised
+//! in the same pass.
 //!
 //! Every random choice comes from a generator keyed by (seed, epoch, stream, sample), so a
 //! resumed run replays identical pixels. See `docs/order.md`.
@@ -16,6 +16,7 @@ use fast_image_resize::images::{Image as FirImage, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
 use crate::decode::{probe, ImageFormat, ImageInfo};
+use crate::jpeg_c::{scaled, Header, Region, TurboJpeg};
 
 /// Decompression-bomb limit on declared pixels: an image whose header claims more is refused
 /// before anything is allocated. 2^26 is 8192 x 8192, above any training image in practice.
@@ -78,7 +79,8 @@ pub struct ImageSpec {
     pub mean: [f32; 3],
     /// Per-channel standard deviation for `OutType::F32`.
     pub std: [f32; 3],
-    /// Decode JPEG at a reduced DCT scale when the crop is much larger than the output.
+    /// Decode JPEG at a reduced DCT scale (1/2, 1/4, 1/8) when the crop is at least twice the
+    /// output: the smallest that keeps the crop at least the output's size.
     pub dct_scaling: bool,
 }
 
@@ -153,7 +155,8 @@ pub struct ImageConfig {
     pub mean: [f32; 3],
     /// Per-channel standard deviation for float output.
     pub std: [f32; 3],
-    /// Decode JPEG at a reduced DCT scale when the crop is much larger than the output.
+    /// Decode JPEG at a reduced DCT scale (1/2, 1/4, 1/8) when the crop is at least twice the
+    /// output: the smallest that keeps the crop at least the output's size.
     pub dct_scaling: bool,
 }
 
@@ -342,18 +345,61 @@ pub struct Rgb {
 }
 
 /// Decodes an image to RGB. `denom` (1, 2, 4 or 8) asks for a DCT-domain downscale
-/// (JPEG only; other formats decode at full size). `rows` limits the IDCT to the block rows
-/// that cover [top, bottom) (JPEG only). The result's size tells what was produced.
+/// (JPEG only; other formats decode at full size). `rows` asks for only the rows [top,
+/// bottom) of the scaled image (JPEG only): the result then holds those rows alone, and its
+/// size tells what was produced.
 pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, String> {
     let info = probe(bytes)?;
     check_declared(info.width, info.height, JPEG_BYTES_PER_PIXEL)?;
-    // The decoders are third-party code fed untrusted bytes: a panic in them is a decode
-    // error of this sample, not a crash of the process.
-    std::panic::catch_unwind(AssertUnwindSafe(|| match info.format {
-        ImageFormat::Jpeg => decode_jpeg(bytes, denom, rows),
-        ImageFormat::Png => decode_png(bytes),
-    }))
-    .unwrap_or_else(|_| Err("the decoder failed on malformed data".into()))
+    match info.format {
+        ImageFormat::Jpeg => TURBO.with(|t| {
+            let mut t = t.borrow_mut();
+            let (t, hdr) = jpeg_header(&mut t, bytes)?;
+            if ![1, 2, 4, 8].contains(&denom) {
+                return Err(format!("JPEG scale 1/{denom} is not 1, 1/2, 1/4 or 1/8"));
+            }
+            let eighths = 8 / denom;
+            let sh = scaled(hdr.height, eighths);
+            let region = rows.map(|(top, bottom)| {
+                let top = top.min(sh.saturating_sub(1));
+                Region {
+                    x: 0,
+                    y: top,
+                    w: scaled(hdr.width, eighths),
+                    h: bottom.clamp(top + 1, sh) - top,
+                }
+            });
+            let mut data = Vec::new();
+            let r = t.decode(bytes, &hdr, eighths, region, &mut data)?;
+            Ok(Rgb {
+                width: r.w,
+                height: r.h,
+                data,
+            })
+        }),
+        // The PNG decoder is third-party Rust fed untrusted bytes: a panic in it is a decode
+        // error of this sample, not a crash of the process.
+        ImageFormat::Png => std::panic::catch_unwind(AssertUnwindSafe(|| decode_png(bytes)))
+            .unwrap_or_else(|_| Err("the decoder failed on malformed data".into())),
+    }
+}
+
+/// The JPEG's header as libjpeg-turbo reads it, refused like `probe`'s when it declares more
+/// than the decode limits; `turbo` is made on first use.
+fn jpeg_header<'t>(turbo: &'t mut Option<TurboJpeg>, bytes: &[u8]) -> Result<(&'t mut TurboJpeg, Header), String> {
+    if turbo.is_none() {
+        *turbo = Some(TurboJpeg::new()?);
+    }
+    let t = turbo.as_mut().expect("set just above");
+    let hdr = t.header(bytes)?;
+    // The decoder's own header may disagree with what `probe` read: check it again.
+    check_declared(hdr.width, hdr.height, JPEG_BYTES_PER_PIXEL)?;
+    Ok((t, hdr))
+}
+
+thread_local! {
+    /// [`decode_rgb`]'s JPEG decompressor, one per thread.
+    static TURBO: std::cell::RefCell<Option<TurboJpeg>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Refuses a declared size above the pixel or memory limit, before any allocation.
@@ -370,51 +416,6 @@ fn check_declared(width: u32, height: u32, bytes_per_pixel: u64) -> Result<(), S
         ));
     }
     Ok(())
-}
-
-fn decode_jpeg(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, String> {
-    use libjpeg_turbo_rs::{decode::pipeline::Decoder, PixelFormat, ScalingFactor};
-    let mut d = Decoder::new(bytes).map_err(|e| format!("malformed JPEG: {e}"))?;
-    d.set_output_format(PixelFormat::Rgb);
-    d.set_max_pixels(DECODE_PIXELS_MAX as usize);
-    // The decoder's own header may disagree with what `probe` read: check it again.
-    check_declared(d.header().width as u32, d.header().height as u32, JPEG_BYTES_PER_PIXEL)?;
-    if denom > 1 {
-        d.set_scale(ScalingFactor::new(1, denom));
-    }
-    if let Some((top, bottom)) = rows {
-        // The decoder takes the rows in output (scaled) pixels.
-        let k = denom.max(1) as usize;
-        let (w, h) = (
-            (d.header().width as usize).div_ceil(k),
-            (d.header().height as usize).div_ceil(k),
-        );
-        let top = (top as usize / k).min(h);
-        let bottom = (bottom as usize).div_ceil(k).clamp(top, h);
-        if bottom > top {
-            d.set_crop_region(0, top, w, bottom - top);
-        }
-    }
-    let img = d.decode_image().map_err(|e| format!("malformed JPEG: {e}"))?;
-    // The decoder fills damaged regions and reports them as warnings (a Huffman error, data
-    // ending early): that is a damaged image, never a training sample.
-    if let Some(w) = img.warnings.first() {
-        return Err(format!("malformed JPEG: {w:?}"));
-    }
-    let need = img.width * img.height * 3;
-    if img.data.len() < need {
-        return Err(format!(
-            "malformed JPEG: decoder returned {} of {need} bytes",
-            img.data.len()
-        ));
-    }
-    let mut data = img.data;
-    data.truncate(need);
-    Ok(Rgb {
-        width: img.width as u32,
-        height: img.height as u32,
-        data,
-    })
 }
 
 fn decode_png(bytes: &[u8]) -> Result<Rgb, String> {
@@ -451,11 +452,13 @@ fn decode_png(bytes: &[u8]) -> Result<Rgb, String> {
     })
 }
 
-/// Per-thread buffers, reused from image to image.
+/// Per-thread buffers and decoder, reused from image to image.
 #[derive(Default)]
 pub struct Scratch {
     resizer: Resizer,
     resized: Vec<u8>,
+    decoded: Vec<u8>,
+    turbo: Option<TurboJpeg>,
 }
 
 /// The output slot of one image in a batch.
@@ -478,38 +481,99 @@ pub fn process(
     let info = probe(bytes)?;
     let p = plan(spec, info.width, info.height, rng);
     let (ow, oh) = (spec.width, spec.height);
-    // The largest DCT downscale that keeps the crop at least as large as the output.
-    let mut denom = 1u32;
-    if spec.dct_scaling && info.format == ImageFormat::Jpeg {
-        while denom < 8 && p.crop.w / (denom * 2) as f64 >= ow as f64 && p.crop.h / (denom * 2) as f64 >= oh as f64 {
-            denom *= 2;
-        }
-    }
-    // Whole rows are decoded: the decoder's row-limited mode (`rows`) left rows near the
-    // crop edge unwritten in our tests, which made output depend on stale memory.
-    let img = decode_rgb(bytes, denom, None)?;
-    // Map the crop into the decoded image's coordinates (the decoder rounds scaled sizes up).
-    let kx = img.width as f64 / info.width as f64;
-    let ky = img.height as f64 / info.height as f64;
-    let crop = Rect {
-        x: p.crop.x * kx,
-        y: p.crop.y * ky,
-        w: (p.crop.w * kx).min(img.width as f64 - p.crop.x * kx),
-        h: (p.crop.h * ky).min(img.height as f64 - p.crop.y * ky),
+    let eighths = dct_eighths(spec, info.format, &p.crop);
+    let Scratch {
+        resizer,
+        resized,
+        decoded,
+        turbo,
+    } = scratch;
+    let (src, crop) = if info.format == ImageFormat::Jpeg {
+        decode_jpeg_crop(bytes, &info, &p.crop, eighths, (ow, oh), turbo, decoded)?
+    } else {
+        *decoded = decode_rgb(bytes, 1, None)?.data;
+        let src = ImageRef::new(info.width, info.height, decoded, PixelType::U8x3).map_err(|e| e.to_string())?;
+        (src, p.crop)
     };
-    let src = ImageRef::new(img.width, img.height, &img.data, PixelType::U8x3).map_err(|e| e.to_string())?;
     let n = (ow * oh * 3) as usize;
-    scratch.resized.resize(n, 0);
-    let mut dst = FirImage::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3).map_err(|e| e.to_string())?;
+    resized.resize(n, 0);
+    let mut dst = FirImage::from_slice_u8(ow, oh, resized, PixelType::U8x3).map_err(|e| e.to_string())?;
     let opts = ResizeOptions::new()
         .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
         .crop(crop.x, crop.y, crop.w, crop.h);
-    scratch
-        .resizer
+    resizer
         .resize(&src, &mut dst, &opts)
         .map_err(|e| format!("resize failed: {e}"))?;
-    write_chw(&scratch.resized, ow as usize, oh as usize, p.flip, spec, slot);
+    write_chw(resized, ow as usize, oh as usize, p.flip, spec, slot);
     Ok(info)
+}
+
+/// The DCT scale, in eighths, a JPEG is decoded at: the smallest of 1/8, 1/4 and 1/2 that
+/// keeps the crop at least as large as the output, so the resize still only shrinks; 8 (none)
+/// without `dct_scaling`, for other formats, and for crops under twice the output. (libjpeg-turbo
+/// also scales by 3/8, 5/8, 6/8 and 7/8, but those IDCTs have no SIMD code: a region decode at
+/// them ran at 0.82x the rate of one at the next power of two up, `decode_rate`.)
+fn dct_eighths(spec: &ImageSpec, format: ImageFormat, crop: &Rect) -> u32 {
+    if !spec.dct_scaling || format != ImageFormat::Jpeg {
+        return 8;
+    }
+    [1, 2, 4]
+        .into_iter()
+        .find(|&e| crop.w * e as f64 / 8.0 >= spec.width as f64 && crop.h * e as f64 / 8.0 >= spec.height as f64)
+        .unwrap_or(8)
+}
+
+/// Decodes the part of a JPEG that a crop needs, at `eighths`/8 scale, into `decoded`:
+/// the crop's rows and (rounded to iMCU columns) its columns, with a margin of a few pixels
+/// on every side for the resize filter. Returns the decoded pixels and the crop in their
+/// coordinates.
+fn decode_jpeg_crop<'s>(
+    bytes: &[u8],
+    info: &ImageInfo,
+    crop: &Rect,
+    eighths: u32,
+    out: (u32, u32),
+    turbo: &mut Option<TurboJpeg>,
+    decoded: &'s mut Vec<u8>,
+) -> Result<(ImageRef<'s>, Rect), String> {
+    let (t, hdr) = jpeg_header(turbo, bytes)?;
+    if (hdr.width, hdr.height) != (info.width, info.height) {
+        return Err(format!(
+            "malformed JPEG: frame headers disagree ({}x{} and {}x{})",
+            info.width, info.height, hdr.width, hdr.height
+        ));
+    }
+    // The crop in the scaled image (libjpeg-turbo rounds scaled sizes up).
+    let (sw, sh) = (scaled(hdr.width, eighths), scaled(hdr.height, eighths));
+    let (kx, ky) = (sw as f64 / hdr.width as f64, sh as f64 / hdr.height as f64);
+    let c = Rect {
+        x: crop.x * kx,
+        y: crop.y * ky,
+        w: crop.w * kx,
+        h: crop.h * ky,
+    };
+    // The bilinear filter reaches one output pixel's span (plus rounding) beyond the crop.
+    let mx = (c.w / out.0 as f64).ceil() + 2.0;
+    let my = (c.h / out.1 as f64).ceil() + 2.0;
+    let x0 = (c.x - mx).floor().max(0.0) as u32;
+    let y0 = (c.y - my).floor().max(0.0) as u32;
+    let x1 = ((c.x + c.w + mx).ceil() as u32).clamp(x0 + 1, sw);
+    let y1 = ((c.y + c.h + my).ceil() as u32).clamp(y0 + 1, sh);
+    let want = Region {
+        x: x0,
+        y: y0,
+        w: x1 - x0,
+        h: y1 - y0,
+    };
+    let got = t.decode(bytes, &hdr, eighths, Some(want), decoded)?;
+    let rel = Rect {
+        x: c.x - got.x as f64,
+        y: c.y - got.y as f64,
+        w: c.w.min(got.w as f64 - (c.x - got.x as f64)),
+        h: c.h.min(got.h as f64 - (c.y - got.y as f64)),
+    };
+    let src = ImageRef::new(got.w, got.h, decoded, PixelType::U8x3).map_err(|e| e.to_string())?;
+    Ok((src, rel))
 }
 
 /// Interleaved RGB to planar CHW, mirrored if `flip`, converted to the slot's type.
@@ -662,6 +726,153 @@ mod tests {
                 / (2 * plane) as f64;
             assert!(mad < 4.0, "sample {i}: mean abs difference {mad}");
         }
+    }
+
+    /// A 4:2:0 or 4:4:4 JPEG with structure everywhere (ramps and an XOR pattern), so a
+    /// misplaced or missing pixel shows.
+    fn structured_jpeg(w: u16, h: u16, sampling: jpeg_encoder::SamplingFactor) -> Vec<u8> {
+        let mut px = Vec::new();
+        for y in 0..h {
+            for x in 0..w {
+                px.extend_from_slice(&[(x / 4) as u8, (y / 3) as u8, ((x ^ y) & 0xFF) as u8]);
+            }
+        }
+        let mut j = Vec::new();
+        let mut e = jpeg_encoder::Encoder::new(&mut j, 92);
+        e.set_sampling_factor(sampling);
+        e.encode(&px, w, h, jpeg_encoder::ColorType::Rgb).unwrap();
+        j
+    }
+
+    #[test]
+    fn region_decodes_are_the_full_decode_s_pixels() {
+        // Every pixel of a region decode equals the same pixel of a full decode at the same
+        // scale: columns rounded to iMCUs, rows skipped above, decoding stopped below.
+        use jpeg_encoder::SamplingFactor::{F_1_1, F_2_2};
+        let mut t = TurboJpeg::new().unwrap();
+        for sampling in [F_2_2, F_1_1] {
+            let j = structured_jpeg(643, 481, sampling);
+            let hdr = t.header(&j).unwrap();
+            assert_eq!((hdr.width, hdr.height), (643, 481));
+            assert_eq!(hdr.mcu_width, Some(if sampling == F_2_2 { 16 } else { 8 }));
+            for eighths in 1..=8u32 {
+                let mut full = Vec::new();
+                let f = t.decode(&j, &hdr, eighths, None, &mut full).unwrap();
+                assert_eq!((f.w, f.h), (scaled(643, eighths), scaled(481, eighths)));
+                assert_eq!(full.len(), (f.w * f.h * 3) as usize);
+                let mut rng = SampleRng::new(5, eighths as u64, 0, 0);
+                for _ in 0..25 {
+                    let w = 1 + rng.upto(f.w - 1);
+                    let h = 1 + rng.upto(f.h - 1);
+                    let want = Region {
+                        x: rng.upto(f.w - w),
+                        y: rng.upto(f.h - h),
+                        w,
+                        h,
+                    };
+                    let mut part = Vec::new();
+                    let got = t.decode(&j, &hdr, eighths, Some(want), &mut part).unwrap();
+                    let (end, want_end) = (got.x + got.w, want.x + want.w);
+                    assert!(
+                        end == (want_end + 1).min(f.w) && (got.x < want.x || want.x == 0),
+                        "{want:?} -> {got:?}"
+                    );
+                    assert_eq!((got.y, got.h), (want.y, want.h));
+                    assert_eq!(part.len(), (got.w * got.h * 3) as usize);
+                    let mut bad = Vec::new();
+                    for row in 0..got.h {
+                        for col in 0..got.w {
+                            let a = ((row * got.w + col) * 3) as usize;
+                            let b = (((got.y + row) * f.w + got.x + col) * 3) as usize;
+                            // The columns beside the asked region are the iMCU rounding and the
+                            // margin; the outermost may be upsampled without its neighbour.
+                            let x = got.x + col;
+                            if x >= want.x && x < want_end && part[a..a + 3] != full[b..b + 3] {
+                                bad.push((col, row));
+                            }
+                        }
+                    }
+                    if !bad.is_empty() {
+                        let cols: std::collections::BTreeSet<_> = bad.iter().map(|b| b.0).collect();
+                        let rows: std::collections::BTreeSet<_> = bad.iter().map(|b| b.1).collect();
+                        panic!(
+                            "{sampling:?} {eighths}/8 {want:?} -> {got:?}: {} differ, cols {cols:?} rows {:?}",
+                            bad.len(),
+                            rows.iter().take(10).collect::<Vec<_>>()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn crop_region_decode_matches_a_full_decode_then_the_same_crop() {
+        // process() decodes only the crop's region; the reference decodes the whole image at
+        // the same scale and crops and resizes it the same way. (The tolerance the other decode
+        // tests use, a mean difference under 3-4, is not needed: they are identical.)
+        let j = structured_jpeg(1024, 768, jpeg_encoder::SamplingFactor::F_2_2);
+        let mut s = Scratch::default();
+        let mut t = TurboJpeg::new().unwrap();
+        let mut scales = std::collections::BTreeSet::new();
+        for (size, dct) in [(96u32, true), (96, false), (224, true), (224, false)] {
+            let mut spec = ImageSpec::train(size);
+            spec.dct_scaling = dct;
+            for i in 0..30 {
+                let mut got = vec![0u8; spec.elems()];
+                let info = probe(&j).unwrap();
+                let p = plan(&spec, info.width, info.height, &mut SampleRng::new(9, 0, 0, i));
+                process(&j, &spec, &mut SampleRng::new(9, 0, 0, i), Slot::U8(&mut got), &mut s).unwrap();
+                let e = dct_eighths(&spec, ImageFormat::Jpeg, &p.crop);
+                assert!(dct || e == 8);
+                scales.insert(e);
+                let hdr = t.header(&j).unwrap();
+                let mut data = Vec::new();
+                let full = t.decode(&j, &hdr, e, None, &mut data).unwrap();
+                let (kx, ky) = (full.w as f64 / 1024.0, full.h as f64 / 768.0);
+                let src = ImageRef::new(full.w, full.h, &data, PixelType::U8x3).unwrap();
+                let mut hwc = vec![0u8; (size * size * 3) as usize];
+                let mut dst = FirImage::from_slice_u8(size, size, &mut hwc, PixelType::U8x3).unwrap();
+                let opts = ResizeOptions::new()
+                    .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
+                    .crop(p.crop.x * kx, p.crop.y * ky, p.crop.w * kx, p.crop.h * ky);
+                Resizer::new().resize(&src, &mut dst, &opts).unwrap();
+                let mut want = vec![0u8; spec.elems()];
+                write_chw(&hwc, size as usize, size as usize, p.flip, &spec, Slot::U8(&mut want));
+                let worst = got.iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
+                // The region's pixels are the full decode's own (above), so the outputs are the
+                // same bytes.
+                assert!(worst == 0, "{size} dct {dct} sample {i}: a pixel differs by {worst}");
+            }
+        }
+        // The crops took several DCT scales, not only the full one.
+        assert!(scales.len() >= 3, "scales used: {scales:?}");
+    }
+
+    #[test]
+    fn a_zero_sampling_factor_is_an_error_every_time() {
+        // The file's structure stays valid, but no decoder can read it; the decoder instance
+        // is reused after the error, as the decode threads do.
+        let good = jpeg(64, 48);
+        let mut bad = good.clone();
+        let sof = bad.windows(2).position(|w| w == [0xFF, 0xC0]).expect("SOF0");
+        bad[sof + 11] = 0;
+        let spec = ImageSpec::train(32);
+        let mut out = vec![0u8; spec.elems()];
+        let mut s = Scratch::default();
+        for i in 0..3 {
+            let e = process(&bad, &spec, &mut SampleRng::new(0, 0, 0, i), Slot::U8(&mut out), &mut s).unwrap_err();
+            assert!(e.contains("JPEG"), "{e}");
+            process(
+                &good,
+                &spec,
+                &mut SampleRng::new(0, 0, 0, i),
+                Slot::U8(&mut out),
+                &mut s,
+            )
+            .unwrap();
+        }
+        assert!(decode_rgb(&bad, 1, None).is_err());
     }
 
     #[test]

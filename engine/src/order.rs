@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::error::Result;
+
 /// How samples are shuffled within an epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -63,14 +65,77 @@ pub enum Weight {
 }
 
 /// One input stream as the order sees it: its version and its shards' sample counts.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct StreamShape {
     /// Manifest version.
     pub version: String,
-    /// Samples per shard, in manifest order.
-    pub shard_samples: Vec<u64>,
+    /// Samples per shard, in manifest order, read on demand.
+    pub counts: Arc<dyn ShardCounts>,
     /// Mixing weight.
     pub weight: Weight,
+}
+
+impl StreamShape {
+    /// A stream whose shards' sample counts are listed.
+    pub fn listed(version: impl Into<String>, shard_samples: Vec<u64>, weight: Weight) -> StreamShape {
+        StreamShape {
+            version: version.into(),
+            counts: Arc::new(CountList::new(shard_samples)),
+            weight,
+        }
+    }
+}
+
+/// A stream's shards' sample counts as the order reads them: on demand, so that an epoch over a
+/// million shards reads only the counts it reaches (a manifest's shard table reads a block of
+/// counts on first use, which can fail).
+pub trait ShardCounts: Send + Sync + std::fmt::Debug {
+    /// Number of shards.
+    fn shards(&self) -> u64;
+    /// Samples in all shards.
+    fn total(&self) -> u64;
+    /// Samples of shard `shard` (`shard < shards`).
+    fn samples(&self, shard: u64) -> Result<u64>;
+    /// The shard holding sample `o` of the stream (`o < total`), and `o`'s index in it.
+    fn locate(&self, o: u64) -> Result<(u64, u64)>;
+}
+
+/// Sample counts held in memory, with their prefix sums.
+#[derive(Debug, Clone)]
+pub struct CountList {
+    /// Each shard's first sample, then the total (`shards + 1` entries).
+    starts: Vec<u64>,
+}
+
+impl CountList {
+    /// The counts `shard_samples`, in shard order (sums saturate).
+    pub fn new(shard_samples: Vec<u64>) -> CountList {
+        let mut starts = Vec::with_capacity(shard_samples.len() + 1);
+        let mut acc = 0u64;
+        starts.push(0);
+        for n in shard_samples {
+            acc = acc.saturating_add(n);
+            starts.push(acc);
+        }
+        CountList { starts }
+    }
+}
+
+impl ShardCounts for CountList {
+    fn shards(&self) -> u64 {
+        self.starts.len() as u64 - 1
+    }
+    fn total(&self) -> u64 {
+        *self.starts.last().expect("at least the total")
+    }
+    fn samples(&self, shard: u64) -> Result<u64> {
+        let i = shard as usize;
+        Ok(self.starts[i + 1] - self.starts[i])
+    }
+    fn locate(&self, o: u64) -> Result<(u64, u64)> {
+        let i = self.starts.partition_point(|&x| x <= o) - 1;
+        Ok((i as u64, o - self.starts[i]))
+    }
 }
 
 /// The parameters the global order is a function of (with the streams and the epoch).
@@ -297,7 +362,7 @@ pub fn epoch_positions(streams: &[StreamShape]) -> Option<u64> {
 
 /// Samples stream `s` contributes to an epoch under its weight.
 pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
-    let size = |st: &StreamShape| st.shard_samples.iter().fold(0u64, |a, &n| a.saturating_add(n));
+    let size = |st: &StreamShape| st.counts.total();
     if size(&streams[s]) == 0 {
         // Nothing to take from, whatever the weight asks (a count of an empty stream).
         return 0;
@@ -327,8 +392,8 @@ pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
 /// empty shards included as empty units), then the remainder's units.
 #[derive(Debug, Clone)]
 struct StreamPart {
-    /// Sample index where each shard starts, and the total at the end (`shards + 1` entries).
-    starts: Vec<u64>,
+    /// The stream's shards' sample counts.
+    counts: Arc<dyn ShardCounts>,
     passes: u64,
     /// The remainder: whole shards in keyed order, the last cut short.
     rest: Vec<Unit>,
@@ -341,10 +406,10 @@ struct StreamPart {
 
 impl StreamPart {
     fn shards(&self) -> u64 {
-        self.starts.len() as u64 - 1
+        self.counts.shards()
     }
     fn size(&self) -> u64 {
-        *self.starts.last().expect("at least one entry")
+        self.counts.total()
     }
     fn units(&self) -> u64 {
         self.passes * self.shards() + self.rest.len() as u64
@@ -354,8 +419,8 @@ impl StreamPart {
     }
 }
 
-/// One epoch's order, computed position by position: memory for the shard table's prefix sums
-/// and the remainders, none per sample. Every method is a pure function of the streams, the
+/// One epoch's order, computed position by position: memory for the remainders, none per
+/// shard or per sample (the shards' counts are read through [`ShardCounts`]). Every method is a pure function of the streams, the
 /// order settings and the epoch (`docs/order.md`).
 #[derive(Debug, Clone)]
 pub struct EpochOrder {
@@ -370,30 +435,23 @@ pub struct EpochOrder {
 
 impl EpochOrder {
     /// The order of `epoch` over `streams` under `spec`.
-    pub fn new(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> EpochOrder {
+    pub fn new(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Result<EpochOrder> {
         let key = epoch_key(streams, spec, epoch);
         let (mut units, mut len) = (0u64, 0u64);
         let mut parts = Vec::with_capacity(streams.len());
         for (s, st) in streams.iter().enumerate() {
-            let mut starts = Vec::with_capacity(st.shard_samples.len() + 1);
-            let mut acc = 0u64;
-            starts.push(0);
-            for &n in &st.shard_samples {
-                acc = acc.saturating_add(n);
-                starts.push(acc);
-            }
-            let (size, want) = (acc, stream_take(streams, s));
+            let (size, want) = (st.counts.total(), stream_take(streams, s));
             let (passes, mut rest_n) = want.checked_div(size).map_or((0, 0), |q| (q, want % size));
             let mut rest = Vec::new();
             let mut rest_starts = vec![0u64];
             if rest_n > 0 {
-                let shards = st.shard_samples.len() as u64;
+                let shards = st.counts.shards();
                 let perm = Perm::new(shards, derive(key, 0x51, s as u64));
                 let mut j = 0;
                 while rest_n > 0 && j < shards {
                     let shard = perm.apply(j) as usize;
                     j += 1;
-                    let n = st.shard_samples[shard];
+                    let n = st.counts.samples(shard as u64)?;
                     if n == 0 {
                         continue;
                     }
@@ -410,7 +468,7 @@ impl EpochOrder {
                 }
             }
             let part = StreamPart {
-                starts,
+                counts: st.counts.clone(),
                 passes,
                 rest,
                 rest_starts,
@@ -425,14 +483,14 @@ impl EpochOrder {
             Shuffle::Global => Perm::new(len, derive(key, 0x61, 0)),
             _ => Perm::new(units, derive(key, 0x71, 0)),
         };
-        EpochOrder {
+        Ok(EpochOrder {
             key,
             spec: *spec,
             parts,
             units,
             len,
             perm,
-        }
+        })
     }
 
     /// Positions before tail handling (samples the epoch takes).
@@ -451,45 +509,44 @@ impl EpochOrder {
     }
 
     /// Unit `u` of the epoch, in unshuffled order.
-    pub fn unit(&self, u: u64) -> Unit {
+    pub fn unit(&self, u: u64) -> Result<Unit> {
         let s = self.parts.partition_point(|p| p.first_unit <= u) - 1;
         let p = &self.parts[s];
         let i = u - p.first_unit;
         let full = p.passes * p.shards();
-        if i < full {
-            let shard = (i % p.shards()) as usize;
+        Ok(if i < full {
+            let shard = i % p.shards();
             Unit {
                 stream: s,
-                shard,
+                shard: shard as usize,
                 first: 0,
-                len: p.starts[shard + 1] - p.starts[shard],
+                len: p.counts.samples(shard)?,
             }
         } else {
             p.rest[(i - full) as usize]
-        }
+        })
     }
 
     /// The sample at position `g` of the unshuffled order (`g < len`): streams in turn, each its
     /// full passes then its remainder.
-    fn natural_at(&self, g: u64) -> SampleRef {
+    fn natural_at(&self, g: u64) -> Result<SampleRef> {
         let s = self.parts.partition_point(|p| p.first_position <= g) - 1;
         let p = &self.parts[s];
         let i = g - p.first_position;
         let (shard, index) = if i < p.passes * p.size() {
-            let o = i % p.size();
-            let shard = p.starts.partition_point(|&x| x <= o) - 1;
-            (shard, o - p.starts[shard])
+            let (shard, index) = p.counts.locate(i % p.size())?;
+            (shard as usize, index)
         } else {
             let o = i - p.passes * p.size();
             let r = p.rest_starts.partition_point(|&x| x <= o) - 1;
             let u = &p.rest[r];
             (u.shard, u.first + (o - p.rest_starts[r]))
         };
-        SampleRef {
+        Ok(SampleRef {
             stream: s as u32,
             shard: shard as u32,
             index: index as u32,
-        }
+        })
     }
 
     /// The shard-block shuffle's parameters: units per window, samples per block, partitions.
@@ -521,16 +578,14 @@ impl EpochOrder {
     }
 
     /// Samples in round `k` (the sum of its units' lengths).
-    fn round_len(&self, k: u64) -> u64 {
+    fn round_len(&self, k: u64) -> Result<u64> {
         let r = self.round_units();
         let lo = k * r;
-        (lo..(lo + r).min(self.units))
-            .map(|j| self.unit(self.perm.apply(j)).len)
-            .sum()
+        (lo..(lo + r).min(self.units)).try_fold(0u64, |a, j| Ok(a + self.unit(self.perm.apply(j))?.len))
     }
 
     /// Round `k` of the shard-block shuffle, starting at position `start`.
-    fn round(&self, k: u64, start: u64) -> Round {
+    fn round(&self, k: u64, start: u64) -> Result<Round> {
         let (w, b, p) = self.block().expect("shard-block order");
         let lo = k * w * p;
         let mut windows = Vec::with_capacity(p as usize);
@@ -542,7 +597,7 @@ impl EpochOrder {
                 if j >= self.units {
                     break;
                 }
-                let u = self.unit(self.perm.apply(j));
+                let u = self.unit(self.perm.apply(j))?;
                 starts.push(starts.last().expect("non-empty") + u.len);
                 units.push(u);
             }
@@ -559,13 +614,13 @@ impl EpochOrder {
         let mut lens: Vec<u64> = windows.iter().map(|w| w.len).collect();
         lens.sort_unstable();
         let len = lens.iter().sum();
-        Round {
+        Ok(Round {
             k,
             start,
             len,
             windows,
             sorted_lens: lens,
-        }
+        })
     }
 }
 
@@ -651,14 +706,14 @@ impl OrderCursor {
     /// repeat it from the start), and the group `g` lies in: the unit for `none`, the round for
     /// `shard-block`, 0 for `global`, counted on across repeats. A shard's samples inside one
     /// group are read together.
-    pub fn at(&mut self, g: u64) -> (SampleRef, u64) {
+    pub fn at(&mut self, g: u64) -> Result<(SampleRef, u64)> {
         let o = &self.order;
         let n = o.len;
         assert!(n > 0, "position {g} of an empty order");
         let (wrap, g) = (g / n, g % n);
         match o.spec.shuffle {
             Shuffle::None => {
-                let r = o.natural_at(g);
+                let r = o.natural_at(g)?;
                 let s = r.stream as usize;
                 let p = &o.parts[s];
                 let i = g - p.first_position;
@@ -668,13 +723,13 @@ impl OrderCursor {
                     let o = i - p.passes * p.size();
                     p.passes * p.shards() + (p.rest_starts.partition_point(|&x| x <= o) - 1) as u64
                 };
-                (r, wrap * o.units + p.first_unit + local)
+                Ok((r, wrap * o.units + p.first_unit + local))
             }
-            Shuffle::Global => (o.natural_at(o.perm.apply(g)), wrap),
+            Shuffle::Global => Ok((o.natural_at(o.perm.apply(g))?, wrap)),
             Shuffle::ShardBlock { .. } => {
                 let rounds = o.units.div_ceil(o.round_units()).max(1);
                 if self.round.as_ref().is_none_or(|r| g < r.start) {
-                    self.round = Some(o.round(0, 0));
+                    self.round = Some(o.round(0, 0)?);
                 }
                 loop {
                     let r = self.round.as_ref().expect("set above");
@@ -684,14 +739,14 @@ impl OrderCursor {
                     // Rounds passed over whole need only their length.
                     let (mut k, mut start) = (r.k + 1, r.start + r.len);
                     while k + 1 < rounds {
-                        let l = o.round_len(k);
+                        let l = o.round_len(k)?;
                         if g < start + l {
                             break;
                         }
                         start += l;
                         k += 1;
                     }
-                    self.round = Some(o.round(k, start));
+                    self.round = Some(o.round(k, start)?);
                 }
                 let r = self.round.as_ref().expect("set above");
                 let u = r.at(g - r.start);
@@ -700,7 +755,7 @@ impl OrderCursor {
                     shard: u.shard as u32,
                     index: u.first as u32,
                 };
-                (id, wrap * rounds + r.k)
+                Ok((id, wrap * rounds + r.k))
             }
         }
     }
@@ -708,10 +763,10 @@ impl OrderCursor {
 
 /// The global order of one epoch as an array, before tail handling. It holds every position:
 /// for tests and small datasets. Streams use [`EpochOrder`] and an [`OrderCursor`].
-pub fn global_order(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Vec<SampleRef> {
-    let order = Arc::new(EpochOrder::new(streams, spec, epoch));
+pub fn global_order(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Result<Vec<SampleRef>> {
+    let order = Arc::new(EpochOrder::new(streams, spec, epoch)?);
     let mut c = order.cursor();
-    (0..order.len()).map(|g| c.at(g).0).collect()
+    (0..order.len()).map(|g| Ok(c.at(g)?.0)).collect()
 }
 
 /// Length of the order after tail handling for `consumers` consumers.
@@ -878,11 +933,11 @@ mod tests {
     use super::*;
 
     fn shape(shards: &[u64]) -> Vec<StreamShape> {
-        vec![StreamShape {
-            version: "v".into(),
-            shard_samples: shards.to_vec(),
-            weight: Weight::Natural,
-        }]
+        vec![StreamShape::listed("v", shards.to_vec(), Weight::Natural)]
+    }
+
+    fn global_order(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Vec<SampleRef> {
+        super::global_order(streams, spec, epoch).unwrap()
     }
 
     #[test]
@@ -936,30 +991,14 @@ mod tests {
     #[test]
     fn mixing_weights() {
         let mut st = shape(&[10, 10]);
-        st.push(StreamShape {
-            version: "w".into(),
-            shard_samples: vec![5, 5, 5],
-            weight: Weight::Repeat(2.0),
-        });
-        st.push(StreamShape {
-            version: "x".into(),
-            shard_samples: vec![100],
-            weight: Weight::Count(7),
-        });
+        st.push(StreamShape::listed("w", vec![5, 5, 5], Weight::Repeat(2.0)));
+        st.push(StreamShape::listed("x", vec![100], Weight::Count(7)));
         let o = global_order(&st, &OrderSpec::default(), 3);
         let count = |s| o.iter().filter(|r| r.stream == s).count();
         assert_eq!((count(0), count(1), count(2)), (20, 30, 7));
         let st2 = vec![
-            StreamShape {
-                version: "a".into(),
-                shard_samples: vec![100],
-                weight: Weight::Proportion(3.0),
-            },
-            StreamShape {
-                version: "b".into(),
-                shard_samples: vec![100],
-                weight: Weight::Proportion(1.0),
-            },
+            StreamShape::listed("a", vec![100], Weight::Proportion(3.0)),
+            StreamShape::listed("b", vec![100], Weight::Proportion(1.0)),
         ];
         assert_eq!((stream_take(&st2, 0), stream_take(&st2, 1)), (150, 50));
     }

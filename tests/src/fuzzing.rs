@@ -55,10 +55,22 @@ pub fn wire(data: &[u8]) {
     }
 }
 
-/// Feeds `data` to the image probe and decoders: full size, DCT-scaled, and row-limited.
+/// Feeds `data` to the image probe and decoders: full size, DCT-scaled, row-limited, and the
+/// whole per-image path (crop-region decode, resize) of a training and an evaluation spec.
 pub fn image(data: &[u8]) {
-    use ramjet_engine::image::decode_rgb;
+    use ramjet_engine::image::{decode_rgb, process, ImageSpec, SampleRng, Scratch, Slot};
     let _ = ramjet_engine::decode::probe(data);
     let _ = decode_rgb(data, 1, None);
     let _ = decode_rgb(data, 2, Some((0, 8)));
+    let mut scratch = Scratch::default();
+    for spec in [ImageSpec::train(32), ImageSpec::eval(24)] {
+        let mut out = vec![0u8; spec.elems()];
+        let _ = process(
+            data,
+            &spec,
+            &mut SampleRng::new(0, 0, 0, 0),
+            Slot::U8(&mut out),
+            &mut scratch,
+        );
+    }
 }

@@ -62,6 +62,24 @@ pub fn ramjet_ok(args: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// Runs `ramjet ARGS`, which must fail with output that contains every one of `needles`;
+/// returns that output.
+pub fn ramjet_fails_naming(args: &[&str], needles: &[&str]) -> String {
+    let o = ramjet(args, &[]);
+    let t = text(&o);
+    assert!(!o.status.success(), "ramjet {args:?} should fail:\n{t}");
+    for n in needles {
+        assert!(t.contains(n), "ramjet {args:?} output lacks {n:?}:\n{t}");
+    }
+    t
+}
+
+/// The JSON object a command printed last (`--json` output after any progress lines).
+pub fn json_of(out: &str) -> serde_json::Value {
+    let at = out.find('{').unwrap_or_else(|| panic!("no JSON in {out}"));
+    serde_json::from_str(&out[at..]).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
 /// Settings of the local S3 server, as `tools/env.sh` sets them.
 #[derive(Debug, Clone)]
 pub struct S3 {
@@ -187,6 +205,9 @@ pub enum Fault {
     Stall,
     /// Forward to the upstream server.
     Pass,
+    /// Forward, with the server's answers sent at most this many bytes a second (a slow link:
+    /// a small answer comes at once, a large one takes its time).
+    Throttle(u32),
 }
 
 /// A TCP proxy in front of an HTTP server that applies a fault to the first `n` connections
@@ -259,21 +280,39 @@ fn serve(mut client: TcpStream, fault: Fault, upstream: &str) {
             // Hold the connection open, answering nothing, until the client closes it.
             while matches!(client.read(&mut buf), Ok(n) if n > 0) {}
         }
-        Fault::Pass => {
-            let Ok(server) = TcpStream::connect(upstream) else {
-                return;
-            };
-            let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-            let t = std::thread::spawn(move || {
-                let _ = std::io::copy(&mut c2, &mut s2);
-                let _ = s2.shutdown(std::net::Shutdown::Write);
-            });
-            let (mut s3, mut c3) = (server, client);
+        Fault::Throttle(rate) => forward(client, upstream, Some(rate)),
+        Fault::Pass => forward(client, upstream, None),
+    }
+}
+
+/// Forwards one connection to `upstream`, the server's answers sent at most `rate` bytes a
+/// second when given (each chunk sent at once, then the link busy for its time).
+fn forward(client: TcpStream, upstream: &str, rate: Option<u32>) {
+    let Ok(server) = TcpStream::connect(upstream) else {
+        return;
+    };
+    let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+    let t = std::thread::spawn(move || {
+        let _ = std::io::copy(&mut c2, &mut s2);
+        let _ = s2.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut s3, mut c3) = (server, client);
+    match rate {
+        None => {
             let _ = std::io::copy(&mut s3, &mut c3);
-            let _ = c3.shutdown(std::net::Shutdown::Write);
-            let _ = t.join();
+        }
+        Some(rate) => {
+            let mut buf = vec![0u8; 16 << 10];
+            while let Ok(n) = s3.read(&mut buf) {
+                if n == 0 || c3.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_secs_f64(n as f64 / rate.max(1) as f64));
+            }
         }
     }
+    let _ = c3.shutdown(std::net::Shutdown::Write);
+    let _ = t.join();
 }
 
 /// A TCP proxy in front of an HTTP server that records every request line (`GET /path`),

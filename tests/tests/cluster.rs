@@ -38,6 +38,7 @@ fn shard_ids(url: &str) -> Vec<ShardId> {
     let ds = block_on(Dataset::open(url)).unwrap();
     ds.manifest()
         .shards()
+        .map(Result::unwrap)
         .map(|s| ShardId {
             checksum: s.checksum_u64().unwrap(),
             bytes: s.bytes,

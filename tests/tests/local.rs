@@ -5,7 +5,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use ramjet_engine::format::{Manifest, ShardReader, Value};
-use ramjet_tests::{copy_tree, flip_byte, ramjet, ramjet_ok, synth_dataset, text};
+use ramjet_tests::{copy_tree, flip_byte, ramjet, ramjet_fails_naming, ramjet_ok, synth_dataset, text};
 
 const N: usize = 40;
 
@@ -81,7 +81,7 @@ fn pack_is_deterministic_across_thread_counts() {
         fs::read(a.join("manifest.json")).unwrap(),
         fs::read(b.join("manifest.json")).unwrap()
     );
-    for s in ma.shards() {
+    for s in ma.shards().map(Result::unwrap) {
         assert_eq!(
             fs::read(a.join(&s.key)).unwrap(),
             fs::read(b.join(&s.key)).unwrap(),
@@ -101,9 +101,9 @@ fn packed_samples_match_their_inputs() {
     assert_eq!(m.meta["classes"].as_array().unwrap().len(), 8);
     let src = synth_dataset(N);
     for (gi, want) in [0usize, 17, N - 1].into_iter().map(|i| (i, i)) {
-        let (si, local) = m.locate(gi as u64).unwrap();
-        let f = fs::File::open(dst.join(&m.shard(si).key)).unwrap();
-        let r = ShardReader::open(f, &m.shard(si).key).unwrap();
+        let (si, local) = m.locate(gi as u64).unwrap().unwrap();
+        let f = fs::File::open(dst.join(&m.shard(si).unwrap().key)).unwrap();
+        let r = ShardReader::open(f, &m.shard(si).unwrap().key).unwrap();
         let vals = r.read_sample(local).unwrap();
         let Value::Bytes(img) = &vals[0] else {
             panic!("image column")
@@ -156,12 +156,12 @@ fn verify_passes_then_names_the_flipped_shard_and_sample() {
     let out = ramjet_ok(&["verify", dst.to_str().unwrap()]);
     assert!(out.contains("verify: OK"), "{out}");
     // Flip one byte inside sample 2's image bytes in shard 1.
-    let key = &m.shard(1).key;
+    let key = &m.shard(1).unwrap().key;
     let path = dst.join(key);
     let r = ShardReader::open(fs::File::open(&path).unwrap(), key).unwrap();
     let e = r.entry(2).unwrap();
     flip_byte(&path, e.offset + e.len / 2);
-    let global = m.shard_starts()[1] + 2;
+    let global = m.shard_start(1).unwrap() + 2;
     verify_fails_naming(
         &dst,
         &[
@@ -178,7 +178,7 @@ fn verify_passes_then_names_the_flipped_shard_and_sample() {
 fn verify_names_a_truncated_shard() {
     let t = tempfile::tempdir().unwrap();
     let (dst, m) = packed(t.path());
-    let key = &m.shard(0).key;
+    let key = &m.shard(0).unwrap().key;
     let p = dst.join(key);
     let b = fs::read(&p).unwrap();
     fs::write(&p, &b[..b.len() / 2]).unwrap();
@@ -189,7 +189,7 @@ fn verify_names_a_truncated_shard() {
 fn verify_names_a_missing_shard_object() {
     let t = tempfile::tempdir().unwrap();
     let (dst, m) = packed(t.path());
-    let key = m.shards().last().unwrap().key.clone();
+    let key = m.shards().map(Result::unwrap).last().unwrap().key.clone();
     fs::remove_file(dst.join(&key)).unwrap();
     verify_fails_naming(&dst, &["missing object", &key]);
 }
@@ -203,7 +203,10 @@ fn verify_names_a_schema_mismatch() {
     m.schema.columns[2].ty = ramjet_engine::format::ColumnType::Str;
     m.version = m.compute_version();
     fs::write(dst.join("manifest.json"), m.to_bytes()).unwrap();
-    verify_fails_naming(&dst, &["schema mismatch", "width:str", "width:int64", &m.shard(0).key]);
+    verify_fails_naming(
+        &dst,
+        &["schema mismatch", "width:str", "width:int64", &m.shard(0).unwrap().key],
+    );
 }
 
 #[test]
@@ -331,7 +334,7 @@ fn pack_imagefolder_labels_by_folder() {
     let m = manifest(&dst);
     assert_eq!(m.source, "imagefolder");
     assert_eq!(m.meta["classes"], serde_json::json!(["cat", "dog"]));
-    let key = &m.shard(0).key;
+    let key = &m.shard(0).unwrap().key;
     let r = ShardReader::open(fs::File::open(dst.join(key)).unwrap(), key).unwrap();
     let labels: Vec<Value> = (0..3).map(|i| r.read_sample(i).unwrap()[1].clone()).collect();
     assert_eq!(labels, vec![Value::Int64(0), Value::Int64(1), Value::Int64(1)]);
@@ -351,7 +354,7 @@ fn pack_jsonl_infers_types_and_names_bad_lines() {
     pack_to(&src, &dst, &[]);
     let m = manifest(&dst);
     assert_eq!(m.schema.describe(), "id:int64, score:float64, tags:json, text:str");
-    let key = &m.shard(0).key;
+    let key = &m.shard(0).unwrap().key;
     let r = ShardReader::open(fs::File::open(dst.join(key)).unwrap(), key).unwrap();
     assert_eq!(
         r.read_sample(1).unwrap(),
@@ -404,7 +407,7 @@ fn pack_writes_columns_sidecars_that_match_the_shards() {
     let tmp = tempfile::tempdir().unwrap();
     let (dst, m) = packed(tmp.path());
     assert!(m.shard_count() > 1);
-    for s in m.shards() {
+    for s in m.shards().map(Result::unwrap) {
         let c = s.columns.as_ref().expect("every YOLO shard has a sidecar");
         let path = dst.join(&c.key);
         let r = ShardReader::open(fs::File::open(&path).unwrap(), &c.key).unwrap();
@@ -438,7 +441,7 @@ fn pack_writes_columns_sidecars_that_match_the_shards() {
 fn a_flipped_sidecar_byte_is_named_by_reader_and_verify() {
     let tmp = tempfile::tempdir().unwrap();
     let (dst, m) = packed(tmp.path());
-    let c = m.shard(1).columns.clone().unwrap();
+    let c = m.shard(1).unwrap().columns.clone().unwrap();
     flip_byte(&dst.join(&c.key), c.bytes / 2);
     let e = columns_of(&dst, &["boxes"]).unwrap_err().to_string();
     assert!(e.contains(&c.key), "{e}");
@@ -450,7 +453,7 @@ fn a_flipped_sidecar_byte_is_named_by_reader_and_verify() {
 fn a_missing_sidecar_fails_loudly_and_old_manifests_read_whole_shards() {
     let tmp = tempfile::tempdir().unwrap();
     let (dst, m) = packed(tmp.path());
-    let c = m.shard(0).columns.clone().unwrap();
+    let c = m.shard(0).unwrap().columns.clone().unwrap();
     fs::remove_file(dst.join(&c.key)).unwrap();
     let e = columns_of(&dst, &["path"]).unwrap_err().to_string();
     assert!(e.contains(&c.key), "{e}");
@@ -463,7 +466,7 @@ fn a_missing_sidecar_fails_loudly_and_old_manifests_read_whole_shards() {
         old.source.clone(),
         old.schema.clone(),
         old.meta.clone(),
-        old.shards().collect(),
+        old.shards().map(Result::unwrap).collect(),
     );
     fs::write(dst.join("manifest.json"), old.to_bytes()).unwrap();
     let cols = columns_of(&dst, &["path", "width"]).unwrap();
@@ -479,13 +482,13 @@ fn a_manifest_listing_a_sidecar_key_twice_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let (_dst, m) = packed(tmp.path());
     let mut bad = m.clone();
-    let k = bad.shard(0).columns.clone().unwrap();
+    let k = bad.shard(0).unwrap().columns.clone().unwrap();
     bad.shards_mut()[1].columns = Some(k);
     let bad = Manifest::new(
         bad.source.clone(),
         bad.schema.clone(),
         bad.meta.clone(),
-        bad.shards().collect(),
+        bad.shards().map(Result::unwrap).collect(),
     );
     let e = Manifest::parse(&bad.to_bytes(), "m").unwrap_err().to_string();
     assert!(e.contains("listed twice"), "{e}");
@@ -507,25 +510,33 @@ fn a_shard_table_manifest_reads_like_a_listed_one() {
     assert_eq!((mt.format_version, r.shards), (2, ml.shard_count() as u64));
     assert!(ml.shard_count() > 3, "several shards");
     let raw = fs::read(tabled.join(&r.key)).unwrap();
-    assert_eq!(raw.len(), 32 + 48 * ml.shard_count());
+    assert_eq!(
+        raw.len() as u64,
+        ramjet_engine::format::shard_table_len(ml.shard_count() as u64)
+    );
     let ds = ramjet_tests::block_on(ramjet_engine::Dataset::open(tabled.to_str().unwrap())).unwrap();
     let m = ds.manifest();
-    assert_eq!(m.shards().collect::<Vec<_>>(), ml.shards().collect::<Vec<_>>());
+    assert_eq!(
+        m.shards().map(Result::unwrap).collect::<Vec<_>>(),
+        ml.shards().map(Result::unwrap).collect::<Vec<_>>()
+    );
     assert_eq!((m.samples, m.bytes), (ml.samples, ml.bytes));
     for g in [0u64, 7, N as u64 - 1] {
-        assert_eq!(m.locate(g), ml.locate(g));
+        assert_eq!(m.locate(g).unwrap(), ml.locate(g).unwrap());
     }
-    assert_eq!(m.locate(N as u64), None);
+    assert_eq!(m.locate(N as u64).unwrap(), None);
     ramjet_ok(&["verify", tabled.to_str().unwrap()]);
     let samples = |dir: &Path| {
         let out = ramjet_ok(&["stream", dir.to_str().unwrap(), "--shuffle", "none", "--json"]);
-        serde_json::from_str::<serde_json::Value>(&out[out.find('{').unwrap()..]).unwrap()["sample_bytes"].clone()
+        ramjet_tests::json_of(&out)["sample_bytes"].clone()
     };
     assert_eq!(samples(&tabled), samples(&listed));
 }
 
-/// A flipped byte, a cut or a missing shard table, and a manifest that names a table of the
-/// wrong size, are each refused naming the object and what is wrong, never read.
+/// A flipped byte in a shard table's head, a cut or a missing table, and a manifest that names
+/// a table of the wrong size, are each refused when the dataset is opened, naming the object
+/// and what is wrong. A flipped byte in a block of records is found when the block is first
+/// read: the stream and `verify` fail naming the table and the block, never read a wrong shard.
 #[test]
 fn a_damaged_shard_table_is_refused_naming_it() {
     let t = tempfile::tempdir().unwrap();
@@ -546,10 +557,20 @@ fn a_damaged_shard_table_is_refused_naming_it() {
             .unwrap_or_default()
     };
     assert_eq!(open(), "");
-    // A byte of a record (shard 1's sample count).
-    flip_byte(&table, 32 + 48);
+    // A byte of the header (its sample total).
+    flip_byte(&table, 16);
     let e = open();
     assert!(e.contains(&key) && e.contains("checksum"), "{e}");
+    fs::write(&table, &good).unwrap();
+    // A byte of a record (shard 1's sample count): opens, then fails where the block is read.
+    let head = ramjet_engine::format::shard_table_head_len(m.shard_count() as u64);
+    flip_byte(&table, head + 48);
+    assert_eq!(open(), "");
+    ramjet_fails_naming(
+        &["stream", dst.to_str().unwrap(), "--shuffle", "none"],
+        &[&key, "block 0", "checksum"],
+    );
+    verify_fails_naming(&dst, &[&key, "block 0"]);
     fs::write(&table, &good[..good.len() - 48]).unwrap();
     let e = open();
     assert!(e.contains(&key) && e.contains("bytes"), "{e}");
@@ -595,8 +616,8 @@ fn jsonl_is_packed_as_a_stream_in_bounded_memory_and_deterministically() {
     // Rows in order, across shard boundaries.
     let ds = ramjet_tests::block_on(ramjet_engine::Dataset::open(a.to_str().unwrap())).unwrap();
     for g in [0u64, 123_456, 999_999] {
-        let (shard, i) = ds.manifest().locate(g).unwrap();
-        let key = ds.manifest().shard(shard).key;
+        let (shard, i) = ds.manifest().locate(g).unwrap().unwrap();
+        let key = ds.manifest().shard(shard).unwrap().key;
         let r = ShardReader::open(fs::File::open(a.join(&key)).unwrap(), &key).unwrap();
         assert_eq!(r.read_sample(i).unwrap()[0], Value::Int64(g as i64));
     }

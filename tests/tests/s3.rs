@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ramjet_engine::format::{Manifest, ShardView};
 use ramjet_engine::Store;
-use ramjet_tests::{block_on, ramjet, ramjet_ok, s3, s3_prefix, synth_dataset, text, Fault, FaultProxy};
+use ramjet_tests::{
+    block_on, json_of, ramjet, ramjet_fails_naming, ramjet_ok, s3, s3_prefix, synth_dataset, text, CountingProxy,
+    Fault, FaultProxy,
+};
 
 const N: usize = 90;
 
@@ -26,6 +29,119 @@ fn packed(name: &str) -> (String, Manifest) {
     (url, m)
 }
 
+/// A dataset on S3 whose shards are listed in a binary shard table reads like the same dataset
+/// listed in its JSON under every shuffle, from the origin and from a disk cache (the table's
+/// blocks are read with ranged GETs from the stream's runtime threads, its cache tasks and the
+/// consumer's thread); a flipped byte in a block of records is then found by the stream and by
+/// `verify`, each naming the table and the block.
+#[test]
+fn a_shard_table_on_s3_is_read_a_block_at_a_time() {
+    s3();
+    let src = synth_dataset(N);
+    let (listed, tabled) = (s3_prefix("listed"), s3_prefix("tabled"));
+    for (url, mode) in [(&listed, "never"), (&tabled, "always")] {
+        ramjet_ok(&[
+            "pack",
+            src.to_str().unwrap(),
+            url,
+            "--shard-size",
+            "160KiB",
+            "--shard-table",
+            mode,
+        ]);
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let stream = |url: &str, shuffle: &str, cached: bool| {
+        let mut args = vec!["stream", url, "--shuffle", shuffle, "--json"];
+        if cached {
+            args.extend(["--cache-dir", cache.path().to_str().unwrap()]);
+        }
+        let out = ramjet_ok(&args);
+        let v = json_of(&out);
+        (v["samples"].clone(), v["sample_bytes"].clone())
+    };
+    for shuffle in ["none", "block", "global"] {
+        let want = stream(&listed, shuffle, false);
+        assert_eq!(want.0, N as u64, "{shuffle}");
+        assert_eq!(stream(&tabled, shuffle, false), want, "{shuffle}, from the origin");
+        assert_eq!(stream(&tabled, shuffle, true), want, "{shuffle}, through the cache");
+    }
+    ramjet_ok(&["verify", &tabled]);
+    // A byte of shard 1's record, rewritten in place on the server.
+    let store = Store::open(&tabled).unwrap();
+    let m = Manifest::parse(&block_on(store.get("manifest.json")).unwrap(), "manifest.json").unwrap();
+    let key = m.shard_table.clone().unwrap().key;
+    let mut raw = block_on(store.get(&key)).unwrap().to_vec();
+    raw[ramjet_engine::format::shard_table_head_len(m.shard_count() as u64) as usize + 48] ^= 1;
+    block_on(store.put(&key, Bytes::from(raw))).unwrap();
+    ramjet_fails_naming(
+        &["stream", &tabled, "--shuffle", "global"],
+        &[&key, "block 0", "checksum"],
+    );
+    verify_fails_naming(&tabled, &[&key, "block 0"]);
+}
+
+/// On a slow link (the origin's answers throttled to 256 KiB/s, so each 512 KiB shard of tiny
+/// rows takes two seconds) the first samples do not wait for the first whole shard: past the
+/// first 64, samples go on being read one by one while it downloads, and every sample still
+/// comes exactly once.
+#[test]
+fn on_a_slow_link_samples_are_read_one_by_one_until_the_first_shard_arrives() {
+    s3();
+    let url = s3_prefix("slow");
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("rows.jsonl");
+    let rows: String = (0..20_000)
+        .map(|i| format!("{{\"id\": {i}, \"text\": \"row {i}\"}}\n"))
+        .collect();
+    std::fs::write(&src, rows).unwrap();
+    ramjet_ok(&["pack", src.to_str().unwrap(), &url, "--shard-size", "512KiB"]);
+    let proxy = FaultProxy::start(&upstream(), Fault::Throttle(256 << 10), usize::MAX);
+    let o = ramjet(
+        &["stream", &url, "--shuffle", "none", "--json"],
+        &[("AWS_ENDPOINT_URL", &proxy.url)],
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let m = json_of(&out);
+    assert_eq!(m["samples"], 20_000u64, "{t}");
+    let ranged = m["ranged_samples"].as_u64().unwrap();
+    assert!(
+        ranged > 64,
+        "only {ranged} samples were read one by one before the first shard: {t}"
+    );
+}
+
+/// A stream opens its first batch's connections while it reads the manifest: 8 HEADs of the
+/// manifest go out (RAMJET_PRECONNECT), none with RAMJET_PRECONNECT=0, and none for commands
+/// that do not stream.
+#[test]
+fn a_stream_opens_its_connections_while_it_reads_the_manifest() {
+    let (url, _) = packed("preconnect");
+    let proxy = CountingProxy::start(&upstream());
+    let heads = |env: &[(&str, &str)], args: &[&str]| {
+        proxy.reset();
+        let mut e = vec![("AWS_ENDPOINT_URL", proxy.url.as_str())];
+        e.extend_from_slice(env);
+        let o = ramjet(args, &e);
+        assert!(o.status.success(), "{}", text(&o));
+        // The HEADs run in the background: give the last of them a moment to be counted.
+        let t0 = Instant::now();
+        while proxy.count("HEAD", "manifest.json") < 8 && t0.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (
+            proxy.count("HEAD", "manifest.json"),
+            proxy.count("GET", "manifest.json"),
+        )
+    };
+    let stream = ["stream", &url, "--limit", "8", "--json"];
+    assert_eq!(heads(&[], &stream), (8, 1));
+    assert_eq!(heads(&[("RAMJET_PRECONNECT", "0")], &stream), (0, 1));
+    assert_eq!(heads(&[], &["inspect", &url]), (0, 1));
+}
+
 fn verify_fails_naming(url: &str, needles: &[&str]) {
     let o = ramjet(&["verify", url], &[]);
     let t = text(&o);
@@ -40,7 +156,7 @@ fn pack_multipart_then_verify_and_inspect_on_s3() {
     let (url, m) = packed("ok");
     assert_eq!(m.samples, N as u64);
     assert!(
-        m.shards().any(|s| s.bytes > 5 << 20),
+        m.shards().map(Result::unwrap).any(|s| s.bytes > 5 << 20),
         "no shard large enough to be multipart"
     );
     let out = ramjet_ok(&["verify", &url]);
@@ -62,7 +178,7 @@ fn pack_multipart_then_verify_and_inspect_on_s3() {
 fn a_flipped_byte_in_an_s3_object_is_named_by_shard_and_sample() {
     let (url, m) = packed("flip");
     let store = Store::open(&url).unwrap();
-    let key = &m.shard(0).key;
+    let key = &m.shard(0).unwrap().key;
     let mut b = block_on(store.get(key)).unwrap().to_vec();
     let view = ShardView::parse(&b, key).unwrap();
     let rec = view.record(5).unwrap();
@@ -83,7 +199,7 @@ fn a_flipped_byte_in_an_s3_object_is_named_by_shard_and_sample() {
 fn a_truncated_s3_object_is_named() {
     let (url, m) = packed("trunc");
     let store = Store::open(&url).unwrap();
-    let key = &m.shard(1).key;
+    let key = &m.shard(1).unwrap().key;
     let b = block_on(store.get(key)).unwrap();
     block_on(store.put(key, b.slice(..b.len() - 1000))).unwrap();
     verify_fails_naming(&url, &[key, "truncated"]);
@@ -93,7 +209,7 @@ fn a_truncated_s3_object_is_named() {
 fn a_missing_s3_object_is_named() {
     let (url, m) = packed("missing");
     let store = Store::open(&url).unwrap();
-    let key = &m.shard(0).key;
+    let key = &m.shard(0).unwrap().key;
     block_on(store.delete(key)).unwrap();
     verify_fails_naming(&url, &["missing object", &format!("{url}/{key}")]);
 }

@@ -345,6 +345,23 @@ fn the_cache_budget_holds_and_a_stable_subset_stays_resident() {
     );
 }
 
+/// Flips a byte in the middle of the first shard file in the cache at `cache`; returns its path
+/// and its bytes before.
+fn flip_a_cached_shard(cache: &Path) -> (std::path::PathBuf, Vec<u8>) {
+    let shard = std::fs::read_dir(cache.join("shards"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let good = std::fs::read(&shard).unwrap();
+    let mut b = good.clone();
+    let mid = b.len() / 2;
+    b[mid] ^= 0x08;
+    std::fs::write(&shard, b).unwrap();
+    (shard, good)
+}
+
 #[test]
 fn a_flipped_byte_in_a_cached_shard_is_refetched_never_yielded() {
     let url = dataset();
@@ -358,16 +375,7 @@ fn a_flipped_byte_in_a_cached_shard_is_refetched_never_yielded() {
         (out, s.metrics().cache_corrupt)
     };
     let (first, _) = records(cache.path());
-    let shard = std::fs::read_dir(cache.path().join("shards"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    let mut b = std::fs::read(&shard).unwrap();
-    let mid = b.len() / 2;
-    b[mid] ^= 0x08;
-    std::fs::write(&shard, b).unwrap();
+    flip_a_cached_shard(cache.path());
     let (second, corrupt) = records(cache.path());
     assert_eq!(corrupt, 1, "the corruption was not detected");
     assert_eq!(first, second, "a corrupted record was yielded");
@@ -426,6 +434,8 @@ fn the_first_samples_are_read_ahead_together_and_shards_then_deliver_the_rest_on
     let run = |ranged: usize| {
         let mut c = config(url, Topology::default(), None);
         c.first_ranged_samples_max = ranged;
+        // The budget alone: no reading on while the first shard downloads (s3.rs tests that).
+        c.ranged_until_shard_bytes_max = 0;
         let mut s = Stream::open(c).unwrap();
         let first = s.next_sample().unwrap().unwrap();
         let at_first = s.metrics().ranged_samples;
@@ -462,6 +472,8 @@ fn samples_read_one_by_one_share_their_requests() {
         ..Default::default()
     };
     c.first_ranged_samples_max = 8;
+    // One batch exactly: no reading on while the first shard downloads (s3.rs tests that).
+    c.ranged_until_shard_bytes_max = 0;
     let mut s = Stream::open(c).unwrap();
     let mut ids = Vec::new();
     while let Some(x) = s.next_sample().unwrap() {
@@ -491,20 +503,28 @@ fn samples_read_one_by_one_share_their_requests() {
 fn global_shuffle_reads_every_sample_once_cold_and_warm() {
     let url = dataset();
     let cache = tempfile::tempdir().unwrap();
-    let read = |shuffle: Shuffle, held: u64| -> Vec<(SampleRef, Vec<u8>)> {
+    let read = |shuffle: Shuffle, held: u64, indexes: u64| -> (Vec<(SampleRef, Vec<u8>)>, u64) {
         let mut c = config(url, Topology::default(), Some(cache.path()));
         c.order.shuffle = shuffle;
         c.resident_bytes_max = held;
-        Stream::open(c)
-            .unwrap()
-            .map(|x| x.map(|x| (x.id, x.record.to_vec())))
-            .collect::<Result<_, _>>()
-            .unwrap()
+        c.index_bytes_max = indexes;
+        let mut s = Stream::open(c).unwrap();
+        let mut out = Vec::new();
+        while let Some(x) = s.next_sample().unwrap() {
+            out.push((x.id, x.record.to_vec()));
+        }
+        (out, s.metrics().cache_corrupt)
     };
-    let mut plain = read(Shuffle::None, 0);
-    // Every sample read one by one (no shard held), then warm shards held whole and sliced.
-    for (pass, held) in [("cold", 0), ("warm", 0), ("warm, shards held", 1 << 30)] {
-        let shuffled = read(Shuffle::Global, held);
+    let mut plain = read(Shuffle::None, 0, 1 << 30).0;
+    // Every sample read one by one (no shard held): cold, then warm with the shards' indexes
+    // held (one read a sample) and without (two); then warm shards held whole and sliced.
+    for (pass, held, indexes) in [
+        ("cold", 0, 1 << 30),
+        ("warm", 0, 1 << 30),
+        ("warm, every entry read", 0, 0),
+        ("warm, shards held", 1 << 30, 1 << 30),
+    ] {
+        let shuffled = read(Shuffle::Global, held, indexes).0;
         assert_ne!(
             shuffled.iter().map(|x| x.0).collect::<Vec<_>>(),
             plain.iter().map(|x| x.0).collect::<Vec<_>>()
@@ -517,6 +537,21 @@ fn global_shuffle_reads_every_sample_once_cold_and_warm() {
             "{pass}: the global shuffle lost, repeated or changed samples"
         );
     }
+    // A flipped byte in a record of a cached shard, read one sample at a time through its held
+    // index: the sample comes from the origin, and the damaged copy is removed, to be fetched
+    // again by the next epoch (a warm shard is not read whole to warm it, so only its samples'
+    // checks can find the damage).
+    let (shard, good) = flip_a_cached_shard(cache.path());
+    let (shuffled, corrupt) = read(Shuffle::Global, 0, 1 << 30);
+    let mut sorted = shuffled;
+    sorted.sort();
+    assert_eq!(sorted, plain, "a damaged cached record was yielded");
+    assert_eq!(corrupt, 1, "the damaged copy was not removed");
+    assert!(!shard.exists(), "the damaged copy was not removed");
+    // The next epoch's warming fetches it again, sound.
+    let (again, corrupt) = read(Shuffle::Global, 0, 1 << 30);
+    assert_eq!((again.len(), corrupt), (plain.len(), 0));
+    assert_eq!(std::fs::read(&shard).unwrap(), good, "the shard was not fetched again");
 }
 
 #[test]

@@ -62,7 +62,7 @@ fn a_manifest_whose_sample_counts_disagree_with_the_shard_headers_is_corrupt() {
     assert_eq!((n, e.is_none()), (N, true), "the untouched set must stream whole");
     let m = Manifest::parse(&fs::read(dir.join("manifest.json")).unwrap(), "m").unwrap();
     assert!(m.shard_count() >= 2, "the test needs two shards");
-    let key = m.shard(0).key.clone();
+    let key = m.shard(0).unwrap().key.clone();
     tamper(&dir, |m| {
         m.shards_mut()[0].samples -= 1;
         m.shards_mut()[1].samples += 1;
@@ -85,7 +85,7 @@ fn a_manifest_shard_smaller_than_its_footer_is_an_error_not_an_overflow() {
     let d = tempfile::tempdir().unwrap();
     let dir = packed(d.path());
     tamper(&dir, |m| {
-        m.bytes = m.bytes - m.shard(0).bytes + 5;
+        m.bytes = m.bytes - m.shard(0).unwrap().bytes + 5;
         m.shards_mut()[0].bytes = 5;
     });
     let (_, e) = drain(&dir);
@@ -103,7 +103,7 @@ fn a_manifest_whose_counts_overflow_or_exceed_the_shard_limit_is_refused() {
     let good = Manifest::parse(&fs::read(&p).unwrap(), "m").unwrap();
     let mut m = good.clone();
     m.shards_mut()[0].samples = u64::MAX;
-    m.samples = good.samples.wrapping_add(u64::MAX - good.shard(0).samples);
+    m.samples = good.samples.wrapping_add(u64::MAX - good.shard(0).unwrap().samples);
     m.version = m.compute_version();
     let e = Manifest::parse(&m.to_bytes(), "m").unwrap_err().to_string();
     assert!(e.contains("overflow"), "{e}");

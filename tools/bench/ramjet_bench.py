@@ -5,8 +5,10 @@ Run it through `tools/ramjet-bench` (it builds ramjet, makes the peers' venv and
 local S3 server); `tools/ramjet-bench --help` lists the options. docs/benchmarks.md explains
 every figure.
 
-Each loader runs in its own process (so no loader inherits another's warm state) and reports
-rows: scenario, time to first batch, epoch wall time, samples/s, origin bytes, cache hit rate.
+Each loader runs in its own process (so no loader inherits another's warm state), a fresh one
+for every cold round; the parent drives their cold, warm and step epochs in interleaved rounds
+(benches/python/measure.py) and each answer is a row: scenario, time to first batch, epoch
+wall time, samples/s, CPU seconds per 1,000 images, steal share, origin bytes, cache hit rate.
 Every loader yields the same thing: batches of 8 uint8 images, 3x224x224, RandomResizedCrop
 (scale 0.08-1, ratio 3/4-4/3) plus a random horizontal flip, from the same synthetic JPEGs.
 """
@@ -14,16 +16,20 @@ Every loader yields the same thing: batches of 8 uint8 images, 3x224x224, Random
 import argparse
 import concurrent.futures as cf
 import datetime
+import gc
 import io
 import json
 import multiprocessing as mp
 import os
 import platform
+import select
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(os.environ.get("RAMJET_ROOT", Path(__file__).resolve().parents[2]))
@@ -33,6 +39,9 @@ RAMJET = Path(os.environ.get("RAMJET_BIN", ROOT / "target/release/ramjet"))
 BATCH = 8
 OUT = 224
 MIB = 1 << 20
+
+sys.path.insert(0, str(ROOT / "benches/python"))
+import measure  # noqa: E402 - the shared measuring rules of every benchmark (benches/python/measure.py)
 
 # The WAN-like origin: a second SeaweedFS inside this network namespace, reached over a veth
 # pair whose namespace end is shaped (never the host's own interfaces).
@@ -86,20 +95,33 @@ def split_url(url):
 class Link:
     """An S3 origin: the local server on loopback, or the WAN-like one in a namespace."""
 
-    def __init__(self, name, endpoint, detail):
-        self.name, self.endpoint, self.detail = name, endpoint, detail
+    def __init__(self, name, endpoint, detail, port):
+        self.name, self.endpoint, self.detail, self.port = name, endpoint, detail, port
         self.relay = None
+
+    def origin_pids(self):
+        """The S3 server's process (and the relay's): their CPU serves the measured work."""
+        pids = []
+        try:
+            pids.append(int((STATE / f"s3-{self.port}" / "weed.pid").read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass
+        if self.relay is not None:
+            pids.append(self.relay.pid)
+        return pids
 
     def env(self):
         e = dict(os.environ)
         e["AWS_ENDPOINT_URL"] = self.endpoint
+        e["RAMJET_BENCH_ORIGIN_PIDS"] = ",".join(str(p) for p in self.origin_pids())
         e["S3_ENDPOINT_URL"] = self.endpoint  # MosaicML Streaming's name for it
         return e
 
 
 def loopback_link():
     endpoint = os.environ["AWS_ENDPOINT_URL"]
-    return Link("loopback", endpoint, f"SeaweedFS on {endpoint.split('//')[1]}, no shaping")
+    return Link("loopback", endpoint, f"SeaweedFS on {endpoint.split('//')[1]}, no shaping",
+                os.environ.get("RAMJET_S3_PORT", "8333"))
 
 
 def wan_env():
@@ -148,7 +170,8 @@ def wan_up(rate, rtt_ms):
         sh(*ns, "tc", "qdisc", "add", "dev", VETH_NS, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "50ms")
         shaper, relay_rtt = f"tc tbf rate {rate} + delay relay RTT {rtt_ms} ms (no sch_netem in this kernel)", rtt_ms
     sh(str(ROOT / "tools/s3-server.sh"), "start", env=wan_env())
-    link = Link("wan", f"http://{IP_NS}:{WAN_PORT}", f"SeaweedFS in netns {NETNS} over veth, {shaper}")
+    link = Link("wan", f"http://{IP_NS}:{WAN_PORT}", f"SeaweedFS in netns {NETNS} over veth, {shaper}",
+                WAN_INNER_PORT)
     link.relay = subprocess.Popen(
         [*ns, sys.executable, str(Path(__file__).with_name("delay_relay.py")), "--listen", f"{IP_NS}:{WAN_PORT}",
          "--to", f"127.0.0.1:{WAN_INNER_PORT}", "--rtt-ms", str(relay_rtt)],
@@ -260,6 +283,42 @@ class Data:
             for fmt in sorted({j[0] for j in jobs}):
                 mark(fmt)
 
+    def warm_origin(self, link):
+        """Reads the first byte of every object of every copy, untimed: a server just started
+        (the WAN-like one starts with its link) answers its first requests for each object
+        slowly, or not at all until it has registered their volumes, and whichever loader came
+        first in cold round 1 paid for it (1.8 s instead of 0.13 s for ramjet's first sample).
+        A real S3 endpoint is always warm."""
+        from tqdm import tqdm
+
+        c = s3_client(link.endpoint)
+        keys = []
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=self.prefix + "/"):
+            keys += [o["Key"] for o in page.get("Contents", []) if o["Size"] > 0]
+        def touch(k):
+            # A server just started may not have registered every volume yet ("volume not
+            # found"): retry for up to 30 s. Past that the failure is the origin's, and shows
+            # again in the timed runs.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    c.get_object(Bucket=BUCKET, Key=k, Range="bytes=0-0")["Body"].read()
+                    return None
+                except Exception as e:  # noqa: BLE001
+                    if time.monotonic() > deadline:
+                        return f"{k}: {e}"
+                    time.sleep(0.5)
+
+        failed = []
+        with cf.ThreadPoolExecutor(32) as ex, tqdm(total=len(keys), desc=f"warm the origin ({link.name})",
+                                                   unit="obj", file=sys.stderr, leave=False) as bar:
+            for err in ex.map(touch, keys):
+                bar.update(1)
+                if err:
+                    failed.append(err)
+        if failed:
+            log(f"warming the origin: {len(failed)} of {len(keys)} reads failed, e.g. {failed[0]}")
+
     def bytes_of(self, fmt):
         if fmt == "ramjet":
             return None  # read from the manifest by the child
@@ -289,10 +348,19 @@ def images_of(batch):
     return batch["image"] if isinstance(batch, dict) else batch
 
 
-def epoch(batches, *, desc, total, step_ms=0.0, t0=None):
-    """Consumes one epoch; returns time to first batch, wall time and samples."""
+def Meter():
+    """A measure.Meter that does not count the origin's processes (the local S3 server, the
+    WAN-like link's relay: RAMJET_BENCH_ORIGIN_PIDS) as other load: they serve the work."""
+    pids = [int(p) for p in os.environ.get("RAMJET_BENCH_ORIGIN_PIDS", "").split(",") if p.strip().isdigit()]
+    return measure.Meter(origin=pids)
+
+
+def epoch(batches, *, desc, total, step_ms=0.0, t0=None, meter=None):
+    """Consumes one epoch; returns time to first batch, wall time and samples, and the CPU
+    seconds of this process and its workers with the machine's steal share over it."""
     from tqdm import tqdm
 
+    meter = meter or Meter().__enter__()
     t0 = now() if t0 is None else t0
     first, n = None, 0
     with tqdm(total=total, desc=desc, unit="img", file=sys.stderr, leave=False, mininterval=0.5) as bar:
@@ -307,20 +375,19 @@ def epoch(batches, *, desc, total, step_ms=0.0, t0=None):
             bar.update(img.shape[0])
             if step_ms:
                 time.sleep(step_ms / 1000)
+    meter.__exit__(None, None, None)
     if n != total:
         raise RuntimeError(f"{desc}: {n} samples, expected {total}")
-    return {"ttfb_s": first, "wall_s": now() - t0, "samples": n}
+    return {"ttfb_s": first, "wall_s": now() - t0, "samples": n, "cpu_s": meter.cpu_s, "steal": meter.steal,
+            "others": meter.others}
 
 
 def row(loader, scenario, r, *, origin, total_bytes, step_ms=0.0, **extra):
     out = {"loader": loader, "scenario": scenario, "step_ms": step_ms, "origin_bytes": origin, **r, **extra}
     out["samples_per_s"] = r["samples"] / r["wall_s"] if r.get("samples") else None
+    out["cpu_per_1000"] = r["cpu_s"] / r["samples"] * 1000 if r.get("samples") and "cpu_s" in r else None
     out["hit_rate"] = None if total_bytes is None or not r.get("samples") else max(0.0, 1 - origin / total_bytes)
     return out
-
-
-def median_row(rows):
-    return sorted(rows, key=lambda r: r["wall_s"])[len(rows) // 2] | {"rounds_wall_s": [r["wall_s"] for r in rows]}
 
 
 def export(url, dest, endpoint, desc):
@@ -350,6 +417,14 @@ def export(url, dest, endpoint, desc):
     return total
 
 
+def timed_export(url, dest, endpoint, desc, loader, total_bytes, r):
+    with Meter() as m:
+        got = export(url, dest, endpoint, desc)
+    res = {"ttfb_s": None, "wall_s": m.wall_s, "samples": 0, "cpu_s": m.cpu_s, "steal": m.steal, "others": m.others}
+    return row(loader, "P2 export (S3 -> local disk)", res, origin=got, total_bytes=total_bytes, phase="export",
+               round=r)
+
+
 class Counter:
     """Bytes fetched from the origin, summed across DataLoader worker processes."""
 
@@ -365,230 +440,298 @@ class Counter:
         return self.v.value
 
 
-def run_ramjet(a, link_env):
-    import ramjet
+class Contender:
+    """One loader, alive in its own process for the whole run: the parent asks it for a cold
+    epoch (every state rebuilt from empty), warm epochs and the epoch with a training step, in
+    turns with the other loaders. Each answer is a list of rows."""
 
-    rows = []
-    work = Path(a.work)
-    cache = work / "ramjet-cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    n = a.samples
+    def __init__(self, a, link_env):
+        self.a, self.env, self.dl = a, link_env, None
+
+    def close(self):
+        self.dl = None
+        gc.collect()
+        return []
+
+
+class Ramjet(Contender):
     common = dict(batch_size=BATCH, shuffle=True, seed=0, image_size=OUT, augment="train")
-    t0 = now()
-    ds = ramjet.StreamingDataset(a.url, local=str(cache), cache_limit="64GiB", **common)
-    r = epoch(ds, desc="ramjet P3 cold", total=n, t0=t0)
-    total_bytes = a.ramjet_bytes
-    origin = ds.metrics()["origin_bytes"]
-    rows.append(row("ramjet", "P3 streaming, cold", r, origin=origin, total_bytes=total_bytes, phase="cold"))
-    # P2: export the shards, then read them from local disk; alternate with P3 warm epochs.
-    local = work / "ramjet-p2"
-    t = now()
-    got = export(a.url, local, link_env["AWS_ENDPOINT_URL"], "ramjet P2 export")
-    exp = now() - t
-    rows.append(row("ramjet", "P2 export (S3 -> local disk)", {"ttfb_s": None, "wall_s": exp, "samples": 0},
-                    origin=got, total_bytes=total_bytes, phase="export"))
-    warm, p2_rows, p2 = [], [], None
-    for k in range(a.rounds):
-        ep = 1 + k
-        before = ds.metrics()["origin_bytes"]
-        ds.set_epoch(ep)
-        r = epoch(ds, desc=f"ramjet P3 warm {k + 1}/{a.rounds}", total=n)
-        warm.append(row("ramjet", "P3 streaming, warm", r, origin=ds.metrics()["origin_bytes"] - before,
-                        total_bytes=total_bytes, phase="warm"))
+
+    def __init__(self, a, link_env):
+        super().__init__(a, link_env)
+        self.p2 = None
+
+    def cold(self, r):
+        import ramjet
+
+        self.dl = None
+        gc.collect()
+        cache = Path(self.a.work) / "ramjet-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        m = Meter().__enter__()
         t0 = now()
-        if p2 is None:
-            p2 = ramjet.StreamingDataset(str(local), local=None, **common)
-        p2.set_epoch(ep)
-        r = epoch(p2, desc=f"ramjet P2 epoch {k + 1}/{a.rounds}", total=n, t0=t0)
-        if k == 0:
-            r["ttfb_s"] += exp  # time to first step includes the export
-        p2_rows.append(row("ramjet", "P2 epoch from local disk", r, origin=0, total_bytes=total_bytes, phase="p2"))
-    rows += [median_row(warm), median_row(p2_rows) | {"ttfb_s": p2_rows[0]["ttfb_s"]}]
-    if a.step_ms:
-        before = ds.metrics()["origin_bytes"]
-        ds.set_epoch(a.rounds + 1)
-        r = epoch(ds, desc=f"ramjet P3 warm, step {a.step_ms:g} ms", total=n, step_ms=a.step_ms)
-        rows.append(row("ramjet", f"P3 streaming, warm, step {a.step_ms:g} ms", r,
-                        origin=ds.metrics()["origin_bytes"] - before, total_bytes=total_bytes, step_ms=a.step_ms,
-                        phase="step"))
-    return rows
+        self.dl = ramjet.StreamingDataset(self.a.url, local=str(cache), cache_limit="64GiB", **self.common)
+        res = epoch(self.dl, desc=f"ramjet P3 cold {r + 1}", total=self.a.samples, t0=t0, meter=m)
+        out = [row("ramjet", "P3 streaming, cold", res, origin=self.dl.metrics()["origin_bytes"],
+                   total_bytes=self.a.ramjet_bytes, phase="cold", round=r)]
+        if self.p2 is None:
+            # P2, once: export the shards to local disk, then a first epoch from there. Its
+            # time to first step is the export's plus the first batch's.
+            local = Path(self.a.work) / "ramjet-p2"
+            exp = timed_export(self.a.url, local, self.env["AWS_ENDPOINT_URL"], "ramjet P2 export", "ramjet",
+                               self.a.ramjet_bytes, r)
+            m = Meter().__enter__()
+            t0 = now()
+            self.p2 = ramjet.StreamingDataset(str(local), local=None, **self.common)
+            res = epoch(self.p2, desc="ramjet P2 first epoch", total=self.a.samples, t0=t0, meter=m)
+            res["ttfb_s"] += exp["wall_s"]
+            out += [exp, row("ramjet", "P2 first epoch from local disk", res, origin=0,
+                             total_bytes=self.a.ramjet_bytes, phase="p2-first", round=r)]
+        return out
+
+    def warm(self, r, phase, ep):
+        if phase == "warm":
+            before = self.dl.metrics()["origin_bytes"]
+            self.dl.set_epoch(ep)
+            res = epoch(self.dl, desc=f"ramjet P3 warm {r + 1}", total=self.a.samples)
+            return [row("ramjet", "P3 streaming, warm", res, origin=self.dl.metrics()["origin_bytes"] - before,
+                        total_bytes=self.a.ramjet_bytes, phase="warm", round=r)]
+        # P2: epochs from the local copy, on the same epoch numbers (same order, same crops).
+        self.p2.set_epoch(ep)
+        res = epoch(self.p2, desc=f"ramjet P2 epoch {r + 1}", total=self.a.samples)
+        return [row("ramjet", "P2 epoch from local disk", res, origin=0, total_bytes=self.a.ramjet_bytes,
+                    phase="p2", round=r)]
+
+    def step(self, ep):
+        before = self.dl.metrics()["origin_bytes"]
+        self.dl.set_epoch(ep)
+        a = self.a
+        res = epoch(self.dl, desc=f"ramjet P3 warm, step {a.step_ms:g} ms", total=a.samples, step_ms=a.step_ms)
+        return [row("ramjet", f"P3 streaming, warm, step {a.step_ms:g} ms", res,
+                    origin=self.dl.metrics()["origin_bytes"] - before, total_bytes=a.ramjet_bytes,
+                    step_ms=a.step_ms, phase="step", round=0)]
+
+    def close(self):
+        self.p2 = None
+        return super().close()
 
 
-def peer_epochs(name, a, make_loader, origin_now, total_bytes, cold_label="cold", t0=None):
-    """Cold epoch, `rounds` warm epochs (median) and one with the training step, for a peer."""
-    rows = []
-    t0 = now() if t0 is None else t0
-    dl = make_loader()
-    r = epoch(dl, desc=f"{name} cold", total=a.samples, t0=t0)
-    o = origin_now()
-    rows.append(row(name, f"streaming, {cold_label}", r, origin=o, total_bytes=total_bytes, phase="cold"))
-    warm = []
-    for k in range(a.rounds):
-        before = origin_now()
-        r = epoch(dl, desc=f"{name} warm {k + 1}/{a.rounds}", total=a.samples)
-        warm.append(row(name, "streaming, warm", r, origin=origin_now() - before, total_bytes=total_bytes,
-                        phase="warm"))
-    rows.append(median_row(warm))
-    if a.step_ms:
-        before = origin_now()
-        r = epoch(dl, desc=f"{name} warm, step {a.step_ms:g} ms", total=a.samples, step_ms=a.step_ms)
-        rows.append(row(name, f"streaming, warm, step {a.step_ms:g} ms", r, origin=origin_now() - before,
-                        total_bytes=total_bytes, step_ms=a.step_ms, phase="step"))
-    return rows
+class Peer(Contender):
+    """A peer: a torch DataLoader (2 workers, persistent) over its own dataset."""
+
+    name, cold_scenario, warm_scenario = "", "streaming, cold", "streaming, warm"
+
+    def make(self):
+        raise NotImplementedError
+
+    def origin(self):
+        return 0
+
+    def fresh(self, r):
+        """Clears every state a cold epoch must not find (caches, exports); returns rows."""
+        return []
+
+    def cold(self, r):
+        self.dl = None
+        gc.collect()
+        out = self.fresh(r)
+        m = Meter().__enter__()
+        t0 = now()
+        before = self.origin()
+        self.dl = self.make()
+        res = epoch(self.dl, desc=f"{self.name} cold {r + 1}", total=self.a.samples, t0=t0, meter=m)
+        if out:  # P2: the time to first step includes the export
+            res["ttfb_s"] += out[0]["wall_s"]
+        return [row(self.name, self.cold_scenario, res, origin=self.origin() - before,
+                    total_bytes=self.a.format_bytes, phase="cold", round=r)] + out
+
+    def warm(self, r, phase, ep):
+        before = self.origin()
+        res = epoch(self.dl, desc=f"{self.name} warm {r + 1}", total=self.a.samples)
+        return [row(self.name, self.warm_scenario, res, origin=self.origin() - before,
+                    total_bytes=self.a.format_bytes, phase="warm", round=r)]
+
+    def step(self, ep):
+        a = self.a
+        before = self.origin()
+        res = epoch(self.dl, desc=f"{self.name} warm, step {a.step_ms:g} ms", total=a.samples, step_ms=a.step_ms)
+        return [row(self.name, f"{self.warm_scenario}, step {a.step_ms:g} ms", res, origin=self.origin() - before,
+                    total_bytes=a.format_bytes, step_ms=a.step_ms, phase="step", round=0)]
+
+    def loader(self, ds, shuffle):
+        import torch
+
+        return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=shuffle, num_workers=self.a.workers,
+                                           persistent_workers=self.a.workers > 0)
 
 
-def torch_loader(ds, a, shuffle):
-    import torch
+class TorchFiles(Peer):
+    name = "torch-files"
+    cold_scenario, warm_scenario = "P2 epoch from local disk, cold", "P2 epoch from local disk, warm"
 
-    return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=shuffle, num_workers=a.workers,
-                                       persistent_workers=a.workers > 0)
+    def fresh(self, r):
+        self.local = Path(self.a.work) / "files-p2"
+        return [timed_export(self.a.url, self.local, self.env["AWS_ENDPOINT_URL"], "torch-files P2 export",
+                             self.name, self.a.format_bytes, r)]
 
+    def make(self):
+        import torch
 
-def run_torch_files(a, link_env):
-    import torch
+        class Files(torch.utils.data.Dataset):
+            def __init__(self, paths):
+                self.paths = paths
 
-    class Files(torch.utils.data.Dataset):
-        def __init__(self, paths):
-            self.paths = paths
+            def __len__(self):
+                return len(self.paths)
 
-        def __len__(self):
-            return len(self.paths)
+            def __getitem__(self, i):
+                return decode(self.paths[i].read_bytes())
 
-        def __getitem__(self, i):
-            return decode(self.paths[i].read_bytes())
-
-    local = Path(a.work) / "files-p2"
-    t = now()
-    got = export(a.url, local, link_env["AWS_ENDPOINT_URL"], "torch-files P2 export")
-    exp = now() - t
-    rows = [row("torch-files", "P2 export (S3 -> local disk)", {"ttfb_s": None, "wall_s": exp, "samples": 0},
-                origin=got, total_bytes=a.format_bytes, phase="export")]
-    paths = sorted(p for p in local.rglob("*.jpg"))
-    t0 = now()
-    peer = peer_epochs("torch-files", a, lambda: torch_loader(Files(paths), a, True), lambda: 0, a.format_bytes,
-                       t0=t0)
-    for r in peer:
-        r["scenario"] = r["scenario"].replace("streaming", "P2 epoch from local disk")
-        r["phase"] = {"cold": "p2", "warm": "p2-warm", "step": "step"}[r["phase"]]
-        r["hit_rate"] = 1.0
-    peer[0]["ttfb_s"] += exp
-    return rows + peer
+        return self.loader(Files(sorted(self.local.rglob("*.jpg"))), True)
 
 
-def run_mosaicml(a, link_env):
-    import torch  # noqa: F401 - before streaming, which imports it too
-    from streaming import StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
+class MosaicML(Peer):
+    name = "mosaicml"
 
-    clean_stale_shared_memory()
-    local = Path(a.work) / "mds-cache"
-    shutil.rmtree(local, ignore_errors=True)
+    def fresh(self, r):
+        from streaming.base.util import clean_stale_shared_memory
 
-    class Mds(StreamingDataset):
-        def __getitem__(self, i):
-            return decode(super().__getitem__(i)["image"])
+        clean_stale_shared_memory()
+        self.local = Path(self.a.work) / "mds-cache"
+        shutil.rmtree(self.local, ignore_errors=True)
+        return []
 
-    def origin():
-        return sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    def origin(self):
+        return sum(p.stat().st_size for p in self.local.rglob("*") if p.is_file())
 
-    def make():
-        ds = Mds(remote=a.url, local=str(local), shuffle=True, shuffle_seed=0, batch_size=BATCH)
+    def make(self):
+        import torch  # noqa: F401 - before streaming, which imports it too
+        from streaming import StreamingDataset
+
+        class Mds(StreamingDataset):
+            def __getitem__(self, i):
+                return decode(super().__getitem__(i)["image"])
+
+        ds = Mds(remote=self.a.url, local=str(self.local), shuffle=True, shuffle_seed=0, batch_size=BATCH)
         # The constructor fetched index.json with a boto3 client that the DataLoader's forked
         # workers would inherit and share: interleaved responses on one pooled connection
         # silently corrupted shards here (MDS carries no hashes by default). Each worker gets
         # its own client instead.
         for s in ds.streams:
             s._downloader.clean_up()
-        return torch_loader(ds, a, False)
-
-    t0 = now()
-    return peer_epochs("mosaicml", a, make, origin, a.format_bytes, t0=t0)
+        return self.loader(ds, False)
 
 
-def run_webdataset(a, link_env):
-    import webdataset as wds
+class WebDataset(Peer):
+    name = "webdataset"
 
-    counter = Counter()
-    clients = {}
-    endpoint = link_env["AWS_ENDPOINT_URL"]
+    def __init__(self, a, link_env):
+        super().__init__(a, link_env)
+        import webdataset as wds
 
-    class Body(io.RawIOBase):
-        def __init__(self, body):
-            self.body = body
+        counter = self.counter = Counter()
+        clients = {}
+        endpoint = link_env["AWS_ENDPOINT_URL"]
 
-        def readable(self):
-            return True
+        class Body(io.RawIOBase):
+            def __init__(self, body):
+                self.body = body
 
-        def readinto(self, b):
-            data = self.body.read(len(b))
-            counter.add(len(data))
-            b[: len(data)] = data
-            return len(data)
+            def readable(self):
+                return True
 
-    def s3_open(url, mode="rb", bufsize=8192, **kw):
-        pid = os.getpid()
-        if pid not in clients:
-            clients[pid] = s3_client(endpoint)
-        bucket, key = split_url(url)
-        return io.BufferedReader(Body(clients[pid].get_object(Bucket=bucket, Key=key)["Body"]), 1 << 20)
+            def readinto(self, b):
+                data = self.body.read(len(b))
+                counter.add(len(data))
+                b[: len(data)] = data
+                return len(data)
 
-    wds.gopen_schemes["s3"] = s3_open
-    tars = sorted(p.name for p in Path(a.local_copy).glob("*.tar"))
-    urls = [f"{a.url}/{t}" for t in tars]
+        def s3_open(url, mode="rb", bufsize=8192, **kw):
+            pid = os.getpid()
+            if pid not in clients:
+                clients[pid] = s3_client(endpoint)
+            bucket, key = split_url(url)
+            return io.BufferedReader(Body(clients[pid].get_object(Bucket=bucket, Key=key)["Body"]), 1 << 20)
 
-    def make():
+        wds.gopen_schemes["s3"] = s3_open
+
+    def origin(self):
+        return self.counter.value
+
+    def make(self):
+        import webdataset as wds
+
+        urls = [f"{self.a.url}/{p.name}" for p in sorted(Path(self.a.local_copy).glob("*.tar"))]
         ds = wds.WebDataset(urls, shardshuffle=len(urls), seed=0, empty_check=False).shuffle(1000).map(
             lambda s: decode(s["jpg"]))
-        return torch_loader(ds, a, False)
-
-    t0 = now()
-    return peer_epochs("webdataset", a, make, lambda: counter.value, a.format_bytes, t0=t0)
+        return self.loader(ds, False)
 
 
-def run_boto3(a, link_env):
-    import torch
+class Boto3(Peer):
+    name = "boto3"
 
-    counter = Counter()
-    endpoint = link_env["AWS_ENDPOINT_URL"]
-    bucket, prefix = split_url(a.url)
-    names = sorted(p.name for p in Path(a.local_copy).glob("*.jpg"))  # an index, as a user would keep
+    def __init__(self, a, link_env):
+        super().__init__(a, link_env)
+        self.counter = Counter()
 
-    class Objects(torch.utils.data.Dataset):
-        def __init__(self):
-            self.client, self.pid = None, None
+    def origin(self):
+        return self.counter.value
 
-        def __len__(self):
-            return len(names)
+    def make(self):
+        import torch
 
-        def __getitem__(self, i):
-            if self.pid != os.getpid():
-                self.client, self.pid = s3_client(endpoint, pool=4), os.getpid()
-            blob = self.client.get_object(Bucket=bucket, Key=f"{prefix}/{names[i]}")["Body"].read()
-            counter.add(len(blob))
-            return decode(blob)
+        counter, endpoint = self.counter, self.env["AWS_ENDPOINT_URL"]
+        bucket, prefix = split_url(self.a.url)
+        names = sorted(p.name for p in Path(self.a.local_copy).glob("*.jpg"))  # an index, as a user would keep
 
-    t0 = now()
-    return peer_epochs("boto3", a, lambda: torch_loader(Objects(), a, True), lambda: counter.value, a.format_bytes,
-                       t0=t0)
+        class Objects(torch.utils.data.Dataset):
+            def __init__(self):
+                self.client, self.pid = None, None
+
+            def __len__(self):
+                return len(names)
+
+            def __getitem__(self, i):
+                if self.pid != os.getpid():
+                    self.client, self.pid = s3_client(endpoint, pool=4), os.getpid()
+                blob = self.client.get_object(Bucket=bucket, Key=f"{prefix}/{names[i]}")["Body"].read()
+                counter.add(len(blob))
+                return decode(blob)
+
+        return self.loader(Objects(), True)
 
 
-RUNNERS = {"ramjet": run_ramjet, "torch-files": run_torch_files, "mosaicml": run_mosaicml,
-           "webdataset": run_webdataset, "boto3": run_boto3}
+CONTENDERS = {"ramjet": Ramjet, "torch-files": TorchFiles, "mosaicml": MosaicML, "webdataset": WebDataset,
+              "boto3": Boto3}
 
 
 def child(argv):
+    """A contender's process: answers the parent's requests, one JSON line each, until `close`."""
     p = argparse.ArgumentParser()
-    for k in ["loader", "url", "work", "json_out", "local_copy"]:
+    for k in ["loader", "url", "work", "local_copy"]:
         p.add_argument("--" + k.replace("_", "-"))
-    for k in ["samples", "rounds", "workers", "format_bytes", "ramjet_bytes"]:
+    for k in ["samples", "workers", "format_bytes", "ramjet_bytes", "cmd_fd", "res_fd"]:
         p.add_argument("--" + k.replace("_", "-"), type=int, default=0)
     p.add_argument("--step-ms", type=float, default=0.0)
     a = p.parse_args(argv)
     import torch
 
     torch.manual_seed(0)
-    rows = RUNNERS[a.loader](a, dict(os.environ))
-    Path(a.json_out).write_text(json.dumps(rows))
+    cmds, res = os.fdopen(a.cmd_fd, "r"), os.fdopen(a.res_fd, "w")
+    c = CONTENDERS[a.loader](a, dict(os.environ))
+    res.write(json.dumps({"rows": []}) + "\n")  # ready: imports done
+    res.flush()
+    for line in cmds:
+        req = json.loads(line)
+        op = req.pop("op")
+        try:
+            out = {"rows": getattr(c, op)(**req)}
+        except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
+            out = {"error": traceback.format_exc()}
+        res.write(json.dumps(out) + "\n")
+        res.flush()
+        if op == "close" or "error" in out:
+            break
 
 
 # ----- orchestration -----------------------------------------------------------------------
@@ -610,101 +753,258 @@ def fmt_pct(x):
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def table(rows):
-    out = ["| link | loader | scenario | time to first batch (s) | epoch wall (s) | samples/s | origin (MiB) | "
-           "cache hit rate |", "|---|---|---|---|---|---|---|---|"]
+def aggregate(rows):
+    """One row per link, loader and scenario: the medians over its rounds, with every round's
+    samples/s, CPU per 1,000 images and steal share kept beside them."""
+    groups = {}
     for r in rows:
-        out.append(f"| {r['link']} | {TITLES[r['loader']]} | {r['scenario']} | {fmt_s(r['ttfb_s'])} | "
-                   f"{fmt_s(r['wall_s'])} | {fmt_rate(r['samples_per_s'])} | {fmt_mib(r['origin_bytes'])} | "
-                   f"{fmt_pct(r['hit_rate'])} |")
+        groups.setdefault((r["link"], r["loader"], r["scenario"]), []).append(r)
+    out = []
+    for (link, loader, scenario), rs in groups.items():
+        def med(k):
+            xs = [x[k] for x in rs if x.get(k) is not None]
+            return statistics.median(xs) if xs else None
+
+        m = dict(rs[0])
+        for k in ("ttfb_s", "wall_s", "samples_per_s", "cpu_s", "cpu_per_1000", "origin_bytes", "hit_rate", "steal",
+                  "others"):
+            m[k] = med(k)
+        m["rounds"] = len(rs)
+        m["rounds_samples_per_s"] = [x["samples_per_s"] for x in rs]
+        m["rounds_ttfb_s"] = [x["ttfb_s"] for x in rs]
+        m["rounds_cpu_per_1000"] = [x.get("cpu_per_1000") for x in rs]
+        m["rounds_steal"] = [x.get("steal") for x in rs]
+        out.append(m)
+    return out
+
+
+def table(agg):
+    out = ["| link | loader | scenario | rounds | time to first batch (s) | epoch wall (s) | samples/s | "
+           "CPU s / 1,000 img | origin (MiB) | cache hit rate | steal | other load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in agg:
+        cpu = "-" if r.get("cpu_per_1000") is None else f"{r['cpu_per_1000']:.2f}"
+        steal = "-" if r.get("steal") is None else measure.fmt_steal(r["steal"])
+        others = "-" if r.get("others") is None else measure.fmt_others(r["others"])
+        out.append(f"| {r['link']} | {TITLES[r['loader']]} | {r['scenario']} | {r['rounds']} | {fmt_s(r['ttfb_s'])} | "
+                   f"{fmt_s(r['wall_s'])} | {fmt_rate(r['samples_per_s'])} | {cpu} | {fmt_mib(r['origin_bytes'])} | "
+                   f"{fmt_pct(r['hit_rate'])} | {steal} | {others} |")
     return "\n".join(out)
 
 
+def per_round(rows, phase="warm"):
+    """The warm rounds side by side: each contender's samples/s and CPU per 1,000 images, the
+    steal share, in the order they ran."""
+    out = []
+    for link in sorted({r["link"] for r in rows}, key=["loopback", "wan"].index):
+        lr = [r for r in rows if r["link"] == link and r["phase"] in (phase, "p2")]
+        names = list(dict.fromkeys(f"{TITLES[r['loader']]}{' P2' if r['phase'] == 'p2' else ''}" for r in lr))
+        if not lr:
+            continue
+        out += [f"{link}, warm rounds (samples/s, CPU s per 1,000 images, steal share, other processes' load; "
+                f"! = above {measure.STEAL_FLAG:.0%}):", "",
+                "| round | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for k in sorted({r["round"] for r in lr}):
+            cells = []
+            for nm in names:
+                got = [r for r in lr if r["round"] == k and
+                       f"{TITLES[r['loader']]}{' P2' if r['phase'] == 'p2' else ''}" == nm]
+                cells.append("-" if not got else f"{got[0]['samples_per_s']:,.0f}/s, "
+                             f"{got[0]['cpu_per_1000']:.2f} s, {measure.fmt_steal(got[0]['steal'])}, "
+                             f"{measure.fmt_others(got[0].get('others', 0.0))}")
+            out.append(f"| {k + 1} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+BEST_PEERS = ["torch-files", "mosaicml", "webdataset"]  # the issue's "best peer" candidates
+
+
 def checks(rows):
-    """The issue's three targets, per link, from the rows."""
+    """The targets, per link, from every round's rows. A verdict needs measure.VERDICT_ROUNDS
+    interleaved rounds; below that the check shows its figures and ratios only."""
     out = []
     for link in sorted({r["link"] for r in rows}, key=["loopback", "wan"].index):
         lr = [r for r in rows if r["link"] == link]
 
-        def pick(loader, phase):
-            got = [r for r in lr if r["loader"] == loader and r["phase"] == phase]
-            return got[0] if got else None
+        def rounds_of(loader, phase):
+            return {r["round"]: r for r in lr if r["loader"] == loader and r["phase"] == phase}
 
-        warm, p2, cold = pick("ramjet", "warm"), pick("ramjet", "p2"), pick("ramjet", "cold")
+        def med(xs):
+            return statistics.median(xs) if xs else None
+
+        def flagged(phases, loaders):
+            """Rounds in which a measurement of these loaders and phases was under steal or another
+            process's load."""
+            return len({r["round"] for r in lr if r["phase"] in phases and r["loader"] in loaders
+                        and measure.flagged_row(r)})
+
+        def add(target, measured, met, n, nflag):
+            v = None if n < measure.VERDICT_ROUNDS or nflag else ("met" if met else "missed")
+            out.append(dict(link=link, target=target, measured=measured, verdict=v, rounds=n, flagged=nflag,
+                            met=None if v is None else v == "met"))
+
+        warm, p2, cold = rounds_of("ramjet", "warm"), rounds_of("ramjet", "p2"), rounds_of("ramjet", "cold")
         peers = [p for p in LOADERS[1:] if any(r["loader"] == p for r in lr)]
-        if warm and p2:
-            ratio = warm["wall_s"] / p2["wall_s"]
-            out.append(dict(link=link, target="ramjet warm streaming epoch within 5% of its P2 local-disk epoch",
-                            measured=f"{warm['wall_s']:.2f} s vs {p2['wall_s']:.2f} s = {ratio:.3f}x",
-                            met=ratio <= 1.05))
+        both = sorted(set(warm) & set(p2))
+        if both:
+            ratios = [warm[k]["wall_s"] / p2[k]["wall_s"] for k in both]
+            m = med(ratios)
+            add("ramjet warm streaming epoch within 5% of its P2 local-disk epoch",
+                f"median {med([warm[k]['wall_s'] for k in both]):.2f} s vs {med([p2[k]['wall_s'] for k in both]):.2f} s"
+                f" = {m:.3f}x; per round {', '.join(f'{x:.3f}' for x in ratios)}", m <= 1.05, len(both),
+                flagged({"warm", "p2"}, {"ramjet"}))
         if cold and peers:
-            peer_ttfb = {p: (pick(p, "cold") or pick(p, "p2"))["ttfb_s"] for p in peers}
-            best = min(peer_ttfb, key=peer_ttfb.get)
-            ratio = peer_ttfb[best] / cold["ttfb_s"]
-            out.append(dict(link=link, target="cold time to first batch at least 10x shorter than every peer's",
-                            measured=f"ramjet {cold['ttfb_s']:.3f} s; fastest peer {TITLES[best]} "
-                                     f"{peer_ttfb[best]:.3f} s = {ratio:.1f}x", met=ratio >= 10))
-        if warm and peers:
-            peer_rate = {p: (pick(p, "warm") or pick(p, "p2-warm"))["samples_per_s"] for p in peers}
-            best = max(peer_rate, key=peer_rate.get)
-            ratio = warm["samples_per_s"] / peer_rate[best]
-            out.append(dict(link=link, target="warm loader-only samples/s at least 2x the best peer's",
-                            measured=f"ramjet {warm['samples_per_s']:,.0f}/s; best peer {TITLES[best]} "
-                                     f"{peer_rate[best]:,.0f}/s = {ratio:.2f}x", met=ratio >= 2))
+            per, fastest = [], []
+            for k in sorted(cold):
+                peer_ttfb = {p: rounds_of(p, "cold")[k]["ttfb_s"] for p in peers if k in rounds_of(p, "cold")}
+                if len(peer_ttfb) == len(peers):
+                    best = min(peer_ttfb, key=peer_ttfb.get)
+                    per.append(peer_ttfb[best] / cold[k]["ttfb_s"])
+                    fastest.append(best)
+            if per:
+                best = max(set(fastest), key=fastest.count)
+                add("cold time to first batch at least 10x shorter than every peer's, in every round",
+                    f"ramjet median {med([c['ttfb_s'] for c in cold.values()]):.3f} s; fastest peer mostly "
+                    f"{TITLES[best]}; per round {', '.join(f'{x:.1f}x' for x in per)} (lowest {min(per):.1f}x)",
+                    min(per) >= 10, len(per), flagged({"cold"}, set(LOADERS)))
+        cands = [p for p in BEST_PEERS if p in peers and rounds_of(p, "warm")]
+        if warm and cands:
+            rate = {p: med([r["samples_per_s"] for r in rounds_of(p, "warm").values()]) for p in cands}
+            cpu = {p: med([r["cpu_per_1000"] for r in rounds_of(p, "warm").values()]) for p in cands}
+            best, frugal = max(rate, key=rate.get), min(cpu, key=cpu.get)
+            r_rate = med([r["samples_per_s"] for r in warm.values()])
+            r_cpu = med([r["cpu_per_1000"] for r in warm.values()])
+            br = rounds_of(best, "warm")
+            per = [warm[k]["samples_per_s"] / br[k]["samples_per_s"] for k in sorted(warm) if k in br]
+            ratio, cpu_ratio = r_rate / rate[best], cpu[frugal] / r_cpu
+            add("warm loader-only at least 3x the best peer, by median samples/s and by CPU per image",
+                f"ramjet {r_rate:,.0f}/s, {r_cpu:.2f} CPU s/1000; best peer {TITLES[best]} {rate[best]:,.0f}/s = "
+                f"{ratio:.2f}x (per round {', '.join(f'{x:.2f}' for x in per)}); least CPU {TITLES[frugal]} "
+                f"{cpu[frugal]:.2f} s/1000 = {cpu_ratio:.2f}x", ratio >= 3 and cpu_ratio >= 3, len(per),
+                flagged({"warm"}, {"ramjet", *cands}))
     return out
 
 
 def checks_md(cs):
-    out = ["| link | target | measured | |", "|---|---|---|---|"]
-    out += [f"| {c['link']} | {c['target']} | {c['measured']} | {'**met**' if c['met'] else '**missed**'} |"
-            for c in cs]
+    out = ["| link | target | measured | rounds | |", "|---|---|---|---|---|"]
+    out += [f"| {c['link']} | {c['target']} | {c['measured']} | {c['rounds']} | "
+            f"**{measure.verdict_text(c['verdict'], c['rounds'], c.get('flagged', 0))}** |" for c in cs]
     return "\n".join(out)
 
 
-def chart(rows, path):
+def chart(rows, agg, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    links = sorted({r["link"] for r in rows}, key=["loopback", "wan"].index)
-    fig, axes = plt.subplots(len(links), 2, figsize=(13, 4.2 * len(links)), squeeze=False)
+    links = sorted({r["link"] for r in agg}, key=["loopback", "wan"].index)
+    fig, axes = plt.subplots(len(links), 3, figsize=(19, 4.4 * len(links)), squeeze=False)
     for i, link in enumerate(links):
-        lr = [r for r in rows if r["link"] == link]
+        lr = [r for r in agg if r["link"] == link]
         loaders = [lo for lo in LOADERS if any(r["loader"] == lo for r in lr)]
+        labels = [TITLES[lo].replace(", ", ",\n").replace(" (", "\n(") for lo in loaders]
         ax = axes[i][0]
         phases = [("cold", "cold (P2: first epoch)"), ("warm", "warm, step 0"), ("step", "warm, with step")]
         w = 0.26
         for j, (ph, label) in enumerate(phases):
             vals = []
             for lo in loaders:
-                alias = {"cold": ["cold", "p2"], "warm": ["warm", "p2-warm"], "step": ["step"]}[ph]
-                got = [r for r in lr if r["loader"] == lo and r["phase"] in alias]
+                got = [r for r in lr if r["loader"] == lo and r["phase"] == ph]
                 vals.append(got[0]["samples_per_s"] if got else 0)
             ax.bar([k + (j - 1) * w for k in range(len(loaders))], vals, w, label=label)
-        ax.set_xticks(range(len(loaders)), [TITLES[lo].replace(", ", ",\n").replace(" (", "\n(") for lo in loaders],
-                      fontsize=8)
-        ax.set_ylabel("samples/s")
-        ax.set_title(f"{link}: loader throughput (batch {BATCH}, 224x224 RandomResizedCrop)")
+        ax.set_xticks(range(len(loaders)), labels, fontsize=8)
+        ax.set_ylabel("samples/s (median of rounds)")
+        ax.set_title(f"{link}: loader throughput (batch {BATCH}, 224x224 RandomResizedCrop)", fontsize=10)
         ax.legend(fontsize=8)
         ax = axes[i][1]
-        vals = []
-        for lo in loaders:
-            got = [r for r in lr if r["loader"] == lo and r["phase"] in ("cold", "p2")]
-            if lo == "ramjet":
-                got = [r for r in lr if r["loader"] == lo and r["phase"] == "cold"]
-            vals.append(got[0]["ttfb_s"] if got else 0)
+        vals = [next((r["ttfb_s"] for r in lr if r["loader"] == lo and r["phase"] == "cold"), 0) for lo in loaders]
         bars = ax.bar(range(len(loaders)), vals, color=["tab:green" if lo == "ramjet" else "tab:gray" for lo in loaders])
         for b, v in zip(bars, vals):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom", fontsize=8)
         ax.set_yscale("log")
-        ax.set_xticks(range(len(loaders)), [TITLES[lo].replace(", ", ",\n").replace(" (", "\n(") for lo in loaders],
-                      fontsize=8)
-        ax.set_ylabel("seconds (log)")
-        ax.set_title(f"{link}: cold time to first batch (P2 includes the export)")
+        ax.set_xticks(range(len(loaders)), labels, fontsize=8)
+        ax.set_ylabel("seconds (log), median of cold rounds")
+        ax.set_title(f"{link}: cold time to first batch (P2 includes the export)", fontsize=10)
+        ax = axes[i][2]
+        wr = [r for r in rows if r["link"] == link and r["phase"] in ("warm", "p2")]
+        for lo in loaders:
+            for ph in ("warm", "p2"):
+                xs = sorted((r["round"] + 1, r["samples_per_s"]) for r in wr if r["loader"] == lo and r["phase"] == ph)
+                if xs:
+                    ax.plot(*zip(*xs), marker="o", label=TITLES[lo] + (" P2" if ph == "p2" else ""))
+        ax2 = ax.twinx()
+        st = {}
+        for r in wr:
+            st.setdefault(r["round"] + 1, []).append(r.get("steal") or 0)
+        if st:
+            ks = sorted(st)
+            ax2.bar(ks, [100 * max(st[k]) for k in ks], 0.4, color="tab:red", alpha=0.15)
+            ax2.set_ylabel("highest steal share in the round (%)", color="tab:red", fontsize=8)
+        ax.set_xticks(sorted(st))
+        ax.set_xlabel("warm round (contenders interleaved)")
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"{link}: every warm round", fontsize=10)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class Child:
+    """A contender's process and its two pipes: one JSON request, one JSON answer."""
+
+    def __init__(self, loader, args, env):
+        cr, cw = os.pipe()
+        rr, rw = os.pipe()
+        self.loader = loader
+        self.proc = subprocess.Popen([sys.executable, __file__, "_run", "--loader", loader, *args, "--cmd-fd", str(cr),
+                                      "--res-fd", str(rw)], pass_fds=(cr, rw), env=env)
+        os.close(cr)
+        os.close(rw)
+        self.cmds, self.res = os.fdopen(cw, "w"), rr
+
+    def _read(self):
+        buf = b""
+        while not buf.endswith(b"\n"):
+            # A dead contender's workers may hold the pipe open: poll its exit as well.
+            ready, _, _ = select.select([self.res], [], [], 1.0)
+            if ready:
+                chunk = os.read(self.res, 1 << 20)
+                if not chunk:
+                    break
+                buf += chunk
+            elif self.proc.poll() is not None:
+                break
+        if not buf.endswith(b"\n"):
+            raise SystemExit(f"ramjet-bench: {TITLES[self.loader]} exited ({self.proc.wait()}) without an answer")
+        out = json.loads(buf)
+        if "error" in out:
+            raise SystemExit(f"ramjet-bench: {TITLES[self.loader]} failed:\n{out['error']}")
+        return out["rows"]
+
+    def ready(self):
+        return self._read()
+
+    def call(self, op, **args):
+        self.cmds.write(json.dumps({"op": op, **args}) + "\n")
+        self.cmds.flush()
+        return self._read()
+
+    def close(self):
+        try:
+            if self.proc.poll() is None:
+                self.call("close")
+        except SystemExit:
+            pass
+        finally:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            os.close(self.res)
 
 
 def machine():
@@ -722,14 +1022,17 @@ def main():
     p = argparse.ArgumentParser(prog="ramjet-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="under 3 minutes: 1,000 samples, 16 MiB shards, one warm round, loopback only")
+                   help="1,000 samples, 16 MiB shards, 3 warm rounds and 1 cold round, loopback only")
     p.add_argument("--samples", type=int, help="dataset size (default 5315; --quick: 1000)")
     p.add_argument("--shard-mib", type=int, help="shard size of every format, MiB (default 64; --quick: 16)")
     p.add_argument("--link", choices=["loopback", "wan", "both"], help="origin link (default both; --quick: loopback)")
     p.add_argument("--rate", default="200mbit", help="WAN-like link rate (tc syntax, default 200mbit)")
     p.add_argument("--rtt-ms", type=float, default=20.0, help="WAN-like link round-trip time (default 20 ms)")
     p.add_argument("--step-ms", type=float, default=50.0, help="simulated training step, ms (0: loader only)")
-    p.add_argument("--rounds", type=int, help="warm epochs per loader, median reported (default 3; --quick: 1)")
+    p.add_argument("--rounds", type=int,
+                   help="interleaved warm rounds, one epoch of every loader each (default 5; --quick: 3)")
+    p.add_argument("--cold-rounds", type=int,
+                   help="interleaved cold rounds, every state rebuilt from empty each (default 3; --quick: 1)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers of the peers")
     p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
     p.add_argument("--out", default=str(ROOT / "target/bench/ramjet-bench"), help="folder for table, JSON and chart")
@@ -737,7 +1040,8 @@ def main():
     a = p.parse_args()
     samples = a.samples or (1000 if a.quick else 5315)
     shard_mib = a.shard_mib or (16 if a.quick else 64)
-    rounds = a.rounds or (1 if a.quick else 3)
+    rounds = a.rounds or (3 if a.quick else 5)
+    cold_rounds = a.cold_rounds or (1 if a.quick else 3)
     links = {"loopback": ["loopback"], "wan": ["wan"], "both": ["loopback", "wan"]}[a.link or
                                                                                    ("loopback" if a.quick else "both")]
     loaders = [x for x in a.loaders.split(",") if x]
@@ -754,48 +1058,84 @@ def main():
     for link_name in links:
         link = loopback_link() if link_name == "loopback" else wan_up(a.rate, a.rtt_ms)
         details[link_name] = link.detail
+        children = {}
         try:
             data.upload(link)
+            data.warm_origin(link)
             ramjet_bytes = data_bytes_of_ramjet(data, link)
-            for k, loader in enumerate(loaders):
-                log(f"[{link_name} {k + 1}/{len(loaders)}] {TITLES[loader]}")
-                fmt = {"ramjet": "ramjet", "torch-files": "objects", "mosaicml": "mds", "webdataset": "wds",
-                       "boto3": "objects"}[loader]
-                local_copy = {"wds": data.dir / "wds", "objects": data.synth / "images"}.get(fmt, data.dir)
-                shutil.rmtree(work, ignore_errors=True)
-                work.mkdir(parents=True)
-                res = work.parent / "result.json"
-                res.unlink(missing_ok=True)
-                cmd = [sys.executable, __file__, "_run", "--loader", loader, "--url", data.url(fmt), "--work",
-                       str(work), "--json-out", str(res), "--local-copy", str(local_copy), "--samples", str(samples),
-                       "--rounds", str(rounds), "--workers", str(a.workers), "--step-ms", str(a.step_ms),
-                       "--format-bytes", str(data.bytes_of(fmt) or ramjet_bytes), "--ramjet-bytes", str(ramjet_bytes)]
-                rc = subprocess.run(cmd, env=link.env()).returncode
-                if rc != 0:
-                    raise SystemExit(f"ramjet-bench: {TITLES[loader]} on {link_name} failed (exit {rc})")
-                for r in json.loads(res.read_text()):
+            shutil.rmtree(work, ignore_errors=True)
+            # Every loader's process stays alive from its last cold round to the end of the
+            # link: its warm state is its own, and its epochs run in turns with the others'.
+            # Each cold round starts every loader in a fresh process, so none brings a warm
+            # connection pool, runtime or worker into it (the work folders are kept: each
+            # loader's cold step empties its own cache and export).
+            def spawn():
+                for c in children.values():
+                    c.close()
+                for loader in loaders:
+                    fmt = {"ramjet": "ramjet", "torch-files": "objects", "mosaicml": "mds", "webdataset": "wds",
+                           "boto3": "objects"}[loader]
+                    local_copy = {"wds": data.dir / "wds", "objects": data.synth / "images"}.get(fmt, data.dir)
+                    (work / loader).mkdir(parents=True, exist_ok=True)
+                    children[loader] = Child(loader, [
+                        "--url", data.url(fmt), "--work", str(work / loader), "--local-copy", str(local_copy),
+                        "--samples", str(samples), "--workers", str(a.workers), "--step-ms", str(a.step_ms),
+                        "--format-bytes", str(data.bytes_of(fmt) or ramjet_bytes), "--ramjet-bytes",
+                        str(ramjet_bytes)], link.env())
+                for c in children.values():
+                    c.ready()
+
+            def turn(what, loader, **req):
+                got = children[loader].call(what, **req)
+                for r in got:
                     rows.append({"link": link_name, **r})
+                lead = got[0]
+                if lead.get("samples_per_s"):
+                    log(f"  {TITLES[loader]} {lead['scenario']}: {lead['samples_per_s']:,.0f}/s, "
+                        f"first batch {lead['ttfb_s']:.3f} s, {lead['cpu_per_1000']:.2f} CPU s/1000, "
+                        f"steal {measure.fmt_steal(lead['steal'])}, other load {measure.fmt_others(lead['others'])}")
+
+            for r in range(cold_rounds):
+                log(f"[{link_name}] cold round {r + 1}/{cold_rounds}")
+                spawn()
+                for loader in measure.order(loaders, r):
+                    turn("cold", loader, r=r)
+            contenders = [(lo, "warm") for lo in loaders]
+            if "ramjet" in loaders:
+                contenders.insert(1, ("ramjet", "p2"))
+            for r in range(rounds):
+                log(f"[{link_name}] warm round {r + 1}/{rounds}")
+                for loader, phase in measure.order(contenders, r):
+                    turn("warm", loader, r=r, phase=phase, ep=1 + r)
+            if a.step_ms:
+                log(f"[{link_name}] warm epochs with a {a.step_ms:g} ms training step")
+                for loader in loaders:
+                    turn("step", loader, ep=1 + rounds)
         finally:
+            for c in children.values():
+                c.close()
             if link_name == "wan":
                 wan_down(link)
     shutil.rmtree(work, ignore_errors=True)
+    agg = aggregate(rows)
     cs = checks(rows)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "tools/ramjet-bench " + " ".join(sys.argv[1:]),
         "machine": machine(),
-        "samples": samples, "batch": BATCH, "shard_mib": shard_mib, "rounds": rounds, "step_ms": a.step_ms,
-        "peer_workers": a.workers, "links": details, "seconds": round(time.time() - started, 1),
+        "samples": samples, "batch": BATCH, "shard_mib": shard_mib, "rounds": rounds, "cold_rounds": cold_rounds,
+        "step_ms": a.step_ms, "peer_workers": a.workers, "links": details, "seconds": round(time.time() - started, 1),
     }
     md = "\n".join([
         f"ramjet-bench, {meta['date']}: {samples} samples, batch {BATCH}, {shard_mib} MiB shards, "
-        f"{rounds} warm round(s) (median), peers with {a.workers} DataLoader workers; {meta['machine']}",
-        *[f"- {k}: {v}" for k, v in details.items()], "", table(rows), "", checks_md(cs), "",
+        f"{cold_rounds} cold and {rounds} warm interleaved round(s) (medians), peers with {a.workers} DataLoader "
+        f"workers; {meta['machine']}",
+        *[f"- {k}: {v}" for k, v in details.items()], "", table(agg), "", per_round(rows), checks_md(cs), "",
         f"({meta['seconds']:.0f} s; chart: {out / 'chart.png'})"])
     (out / "results.md").write_text(md + "\n")
-    doc = {"meta": meta, "rows": rows, "checks": cs}
+    doc = {"meta": meta, "rows": rows, "medians": agg, "checks": cs}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
-    chart(rows, out / "chart.png")
+    chart(rows, agg, out / "chart.png")
     print(md)
     if a.json == "-":
         print(json.dumps(doc, indent=1))

@@ -180,12 +180,14 @@ def run_child(scenario, a, link, data):
     env["YOLO_CONFIG_DIR"] = str(work / "yolo-config")
     env.pop("RAMJET_SOCKET", None)  # each P3 run gets its own embedded daemon and empty cache
     env["RAMJET_SOCKET"] = str(work / "daemon.sock")
+    st = rb.measure.proc_stat()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    steal = rb.measure.steal_share(st, rb.measure.proc_stat())
     shutil.rmtree(work, ignore_errors=True)
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
         raise RuntimeError(f"{scenario} run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):]) | {"steal": steal}
 
 
 # ----- statistics and output ---------------------------------------------------------------
@@ -223,6 +225,7 @@ def summarise(run):
         "it_s": steps / wall if wall else float("nan"),
         "warm_wait_pct": 100 * sum(e["wait_s"] for e in warm) / max(sum(e["wall_s"] for e in warm), 1e-9),
         "cpu_s_per_image": run["cpu_s"] / max(run["images_per_epoch"] * len(ep), 1),
+        "steal": run.get("steal", 0.0),
     }
 
 
@@ -275,15 +278,23 @@ def report(a, link, rounds, out_dir):
     if a.first_step_only:
         rows = rows[:2]
     md += [f"| {name} | {f(x)} | {f(y)} |" for name, x, y in rows]
+    n = len(rounds)
+
+    def verdict(ok):
+        v = None if n < rb.measure.VERDICT_ROUNDS else ("met" if ok else "missed")
+        return rb.measure.verdict_text(v, n)
+
     md += [
         "",
         f"- time to first step, P2 / P3, per round: {', '.join(f'{r:.2f}x' for r in ttfs_ratio)} "
-        f"(median {med(ttfs_ratio):.2f}x; target at least 9x)",
+        f"(median {med(ttfs_ratio):.2f}x; target at least 9x: **{verdict(med(ttfs_ratio) >= 9)}**)",
+        f"- steal share per round, P2 / P3 (! above {rb.measure.STEAL_FLAG:.0%}): "
+        + ", ".join(f"{rb.measure.fmt_steal(x['steal'])} / {rb.measure.fmt_steal(y['steal'])}" for x, y in zip(p2, p3)),
     ]
     if not a.first_step_only:
         md += [
         f"- warm epoch, P3 / P2, per round: {', '.join(f'{r:.3f}x' for r in warm_ratio)} "
-        f"(median {med(warm_ratio):.3f}x; target at most 1.05x)",
+        f"(median {med(warm_ratio):.3f}x; target at most 1.05x: **{verdict(med(warm_ratio) <= 1.05)}**)",
         f"- first epoch, P3 cold / P2, per round: {', '.join(f'{r:.3f}x' for r in cold_ratio)} "
         f"(median {med(cold_ratio):.3f}x)",
         f"- loss per step, P2 vs P3 (first round): {len(l2)} and {len(l3)} steps; mean loss per epoch "

@@ -175,7 +175,7 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
         let t = ShardTable::build(&shards).map_err(|why| Error::invalid("shard table", why))?;
         let key = format!("tables/{:016x}.rjt", t.checksum());
         // The table goes up before any manifest that names it.
-        rt.block_on(store.put(&key, t.as_bytes().clone()))?;
+        rt.block_on(store.put(&key, t.as_bytes().expect("built in memory").clone()))?;
         Manifest::with_table(kind.name(), schema, meta, t, key)
     } else {
         Manifest::new(kind.name(), schema, meta, shards)
@@ -196,8 +196,21 @@ pub fn pack(src: &Path, dst: &str, opts: &PackOptions, progress: &indicatif::Pro
     })
 }
 
-/// The files of an image folder or a YOLO layout: scanned, planned into shards, and built and
-/// uploaded in parallel. Returns the schema, metadata, shards and input bytes read.
+/// Inputs scanned at a time (file sizes, YOLO labels), in parallel.
+const SCAN_CHUNK: usize = 4096;
+
+/// One input found by the walk of a folder: a file (with its class for an image folder), or
+/// one that is refused as found (a loose file in an image folder).
+enum Found {
+    File(PathBuf, i64),
+    Bad(String, Error),
+}
+
+/// The files of an image folder or a YOLO layout, as a stream: walked in path order, scanned
+/// a chunk at a time, planned into shards as they come, and each shard built and uploaded by
+/// a worker while the walk goes on. Memory holds the directories on the walk's current path,
+/// one chunk of scanned inputs, and the shards being built (one per worker, one queued), not
+/// the listing. Returns the schema, metadata, shards and input bytes read.
 fn pack_files(
     src: &Path,
     kind: SourceKind,
@@ -207,102 +220,204 @@ fn pack_files(
     progress: &indicatif::ProgressBar,
     skipped: &mut Skipped,
 ) -> Result<Packed> {
-    // Phase 1: scan.
-    let (schema, meta, items) = match kind {
-        SourceKind::Yolo => scan_yolo(src, opts.skip_bad, skipped)?,
-        SourceKind::Imagefolder => scan_imagefolder(src, opts.skip_bad, skipped)?,
+    let (schema, meta, found): Layout = match kind {
+        SourceKind::Yolo => yolo_layout(src)?,
+        SourceKind::Imagefolder => imagefolder_layout(src)?,
         SourceKind::Jsonl => unreachable!("JSONL is packed as a stream (pack_jsonl)"),
     };
-    if items.is_empty() {
+    let (images, labels) = (src.join("images"), src.join("labels"));
+    let scan = |f: &Found| -> (String, Result<Item>) {
+        match f {
+            Found::Bad(rel, e) => (rel.clone(), Err(e.clone())),
+            Found::File(p, class) => {
+                let rel = rel_of(src, p);
+                let item = match kind {
+                    SourceKind::Yolo => scan_yolo_file(p, &rel, &images, &labels),
+                    _ => file_size(p).map(|size| Item {
+                        size: size + rel.len() as u64 + 64,
+                        rel: rel.clone(),
+                        path: p.clone(),
+                        extra: Extra::Label(*class),
+                    }),
+                };
+                (rel, item)
+            }
+        }
+    };
+    let side_schema = schema.without_bytes();
+    let mut found_any = false;
+    let done = with_workers(
+        |(idx, items): (usize, Vec<Item>)| {
+            let outcome = build_shard(
+                idx,
+                &items,
+                kind,
+                &schema,
+                side_schema.as_ref(),
+                store,
+                rt,
+                opts,
+                progress,
+            )?;
+            Ok((idx, outcome))
+        },
+        |send| {
+            let mut found = found;
+            let (mut plan, mut acc, mut idx): (Vec<Item>, u64, usize) = (Vec::new(), 0, 0);
+            loop {
+                let chunk: Vec<Found> = found.by_ref().take(SCAN_CHUNK).collect::<Result<_>>()?;
+                if chunk.is_empty() {
+                    break;
+                }
+                found_any = true;
+                let scanned: Vec<(String, Result<Item>)> = chunk.par_iter().map(&scan).collect();
+                for it in gather(scanned, opts.skip_bad, skipped)? {
+                    progress.inc_length(it.size);
+                    if acc > 0 && acc + it.size > opts.shard_bytes_target {
+                        if !send((idx, std::mem::take(&mut plan))) {
+                            return Ok(());
+                        }
+                        idx += 1;
+                        acc = 0;
+                    }
+                    acc += it.size;
+                    plan.push(it);
+                }
+            }
+            if !plan.is_empty() {
+                send((idx, plan));
+            }
+            Ok(())
+        },
+    );
+    progress.finish_and_clear();
+    let mut done = done?;
+    if !found_any {
         return Err(Error::invalid(src.display().to_string(), "no samples found"));
     }
-
-    // Phase 2: plan.
-    let mut plans: Vec<std::ops::Range<usize>> = Vec::new();
-    let (mut start, mut acc) = (0usize, 0u64);
-    for (i, it) in items.iter().enumerate() {
-        if acc > 0 && acc + it.size > opts.shard_bytes_target {
-            plans.push(start..i);
-            start = i;
-            acc = 0;
-        }
-        acc += it.size;
-    }
-    plans.push(start..items.len());
-    let total: u64 = items.iter().map(|i| i.size).sum();
-    progress.set_length(total);
-
-    // Phase 3: build and upload.
-    let built: Vec<ShardOutcome> = plans
-        .par_iter()
-        .enumerate()
-        .map(|(idx, range)| {
-            let mut b = ShardBuilder::new(schema.clone());
-            let side_schema = schema.without_bytes();
-            let mut side = side_schema.clone().map(ShardBuilder::new);
-            let est: u64 = items[range.clone()].iter().map(|i| i.size).sum();
-            b.reserve(est as usize);
-            let mut skipped = Vec::new();
-            let mut read = 0u64;
-            for it in &items[range.clone()] {
-                match load(it, kind) {
-                    Ok((vals, n)) => {
-                        read += n;
-                        b.push(&vals, &it.rel)?;
-                        if let Some(side) = side.as_mut() {
-                            let small: Vec<Value> = vals
-                                .iter()
-                                .filter(|v| v.column_type() != ColumnType::Bytes)
-                                .cloned()
-                                .collect();
-                            side.push(&small, &it.rel)?;
-                        }
-                    }
-                    Err(e) if opts.skip_bad => skipped.push((it.rel.clone(), reason_of(&e))),
-                    Err(e) => return Err(e),
-                }
-                progress.inc(it.size);
-            }
-            if b.samples() == 0 {
-                return Ok((None, skipped, read));
-            }
-            let shard = b.finish();
-            let key = shard_key(idx, shard.checksum);
-            // The sidecar goes up first: a shard listed with a sidecar always has it.
-            let columns = match side {
-                Some(side) => {
-                    let built = side.finish();
-                    let c = ColumnsInfo {
-                        key: columns_key(idx, built.checksum),
-                        bytes: built.bytes.len() as u64,
-                        checksum: format!("{:016x}", built.checksum),
-                    };
-                    rt.block_on(store.put(&c.key, Bytes::from(built.bytes)))?;
-                    Some(c)
-                }
-                None => None,
-            };
-            let info = ShardInfo {
-                key: key.clone(),
-                bytes: shard.bytes.len() as u64,
-                samples: shard.samples,
-                checksum: format!("{:016x}", shard.checksum),
-                columns,
-            };
-            rt.block_on(store.put(&key, Bytes::from(shard.bytes)))?;
-            Ok((Some(info), skipped, read))
-        })
-        .collect::<Result<_>>()?;
-    progress.finish_and_clear();
-
+    done.sort_by_key(|(i, _)| *i);
     let mut shards = Vec::new();
     let mut input_bytes = 0;
-    for (info, sk, read) in built {
+    for (_, (info, sk, read)) in done {
         shards.extend(info);
         skipped.extend(sk);
         input_bytes += read;
     }
     Ok((schema, meta, shards, input_bytes))
+}
+
+/// Runs `produce` on this thread while as many workers as the rayon pool has threads take the
+/// jobs it sends (a queue of one, so memory holds the jobs being worked on and one more) and
+/// run `work` on each. `send` returns false once a job has failed (then `produce` should stop;
+/// the workers still take and drop what it sends, so it never blocks). Returns every job's
+/// result, in no order, or the first failed job's error, else `produce`'s.
+fn with_workers<J: Send, T: Send>(
+    work: impl Fn(J) -> Result<T> + Sync,
+    produce: impl FnOnce(&mut dyn FnMut(J) -> bool) -> Result<()>,
+) -> Result<Vec<T>> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    let (tx, rx) = std::sync::mpsc::sync_channel::<J>(1);
+    let rx = Mutex::new(rx);
+    let done: Mutex<Vec<T>> = Mutex::new(Vec::new());
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    let stop = AtomicBool::new(false);
+    let produced = std::thread::scope(|scope| {
+        for _ in 0..rayon::current_num_threads().max(1) {
+            scope.spawn(|| loop {
+                let Ok(job) = rx.lock().expect("not poisoned").recv() else {
+                    return;
+                };
+                if stop.load(Ordering::Relaxed) {
+                    continue;
+                }
+                match work(job) {
+                    Ok(t) => done.lock().expect("not poisoned").push(t),
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        failed.lock().expect("not poisoned").get_or_insert(e);
+                    }
+                }
+            });
+        }
+        // Dropped when `produce` returns, which ends the workers.
+        let tx = tx;
+        produce(&mut |job| tx.send(job).is_ok() && !stop.load(Ordering::Relaxed))
+    });
+    if let Some(e) = failed.into_inner().expect("not poisoned") {
+        return Err(e);
+    }
+    produced?;
+    Ok(done.into_inner().expect("not poisoned"))
+}
+
+/// Builds and uploads shard `idx` of `items` (and its columns sidecar, first): an input that
+/// cannot be read or decoded is skipped with `--skip-bad`, else fails the pack.
+#[allow(clippy::too_many_arguments)]
+fn build_shard(
+    idx: usize,
+    items: &[Item],
+    kind: SourceKind,
+    schema: &Schema,
+    side_schema: Option<&Schema>,
+    store: &Store,
+    rt: &tokio::runtime::Runtime,
+    opts: &PackOptions,
+    progress: &indicatif::ProgressBar,
+) -> Result<ShardOutcome> {
+    let mut b = ShardBuilder::new(schema.clone());
+    let mut side = side_schema.cloned().map(ShardBuilder::new);
+    b.reserve(items.iter().map(|i| i.size).sum::<u64>() as usize);
+    let mut skipped = Vec::new();
+    let mut read = 0u64;
+    for it in items {
+        match load(it, kind) {
+            Ok((vals, n)) => {
+                read += n;
+                b.push(&vals, &it.rel)?;
+                if let Some(side) = side.as_mut() {
+                    let small: Vec<Value> = vals
+                        .iter()
+                        .filter(|v| v.column_type() != ColumnType::Bytes)
+                        .cloned()
+                        .collect();
+                    side.push(&small, &it.rel)?;
+                }
+            }
+            Err(e) if opts.skip_bad => skipped.push((it.rel.clone(), reason_of(&e))),
+            Err(e) => return Err(e),
+        }
+        progress.inc(it.size);
+    }
+    if b.samples() == 0 {
+        return Ok((None, skipped, read));
+    }
+    let shard = b.finish();
+    let key = shard_key(idx, shard.checksum);
+    // The sidecar goes up first: a shard listed with a sidecar always has it.
+    let columns = match side {
+        Some(side) => {
+            let built = side.finish();
+            let c = ColumnsInfo {
+                key: columns_key(idx, built.checksum),
+                bytes: built.bytes.len() as u64,
+                checksum: format!("{:016x}", built.checksum),
+            };
+            rt.block_on(store.put(&c.key, Bytes::from(built.bytes)))?;
+            Some(c)
+        }
+        None => None,
+    };
+    let info = ShardInfo {
+        key: key.clone(),
+        bytes: shard.bytes.len() as u64,
+        samples: shard.samples,
+        checksum: format!("{:016x}", shard.checksum),
+        columns,
+    };
+    rt.block_on(store.put(&key, Bytes::from(shard.bytes)))?;
+    Ok((Some(info), skipped, read))
 }
 
 /// Opens the destination, creating a local folder if needed.
@@ -348,28 +463,71 @@ fn load(it: &Item, kind: SourceKind) -> Result<(Vec<Value>, u64)> {
     Ok((vals, n))
 }
 
-/// Files under `dir`, recursively, sorted by path; hidden entries are ignored.
-fn walk_sorted(dir: &Path) -> Result<Vec<PathBuf>> {
+/// Deepest folder nesting a pack walks.
+const WALK_DEPTH_MAX: usize = 64;
+
+/// The entries of `d` that are not hidden, sorted by name, each with whether it is a folder.
+fn list_sorted(d: &Path) -> Result<Vec<(PathBuf, bool)>> {
     let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let rd = fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?;
-        for e in rd {
-            let e = e.map_err(|e| Error::io(d.display(), e))?;
-            if e.file_name().to_string_lossy().starts_with('.') {
-                continue;
-            }
-            let p = e.path();
-            let ft = e.file_type().map_err(|err| Error::io(p.display(), err))?;
-            if ft.is_dir() {
-                stack.push(p);
-            } else {
-                out.push(p);
+    let rd = fs::read_dir(d).map_err(|e| Error::io(d.display(), e))?;
+    for e in rd {
+        let e = e.map_err(|e| Error::io(d.display(), e))?;
+        if e.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let p = e.path();
+        let ft = e.file_type().map_err(|err| Error::io(p.display(), err))?;
+        // A link to a folder is walked as the folder.
+        let is_dir = ft.is_dir() || (ft.is_symlink() && p.is_dir());
+        out.push((p, is_dir));
+    }
+    out.sort_by(|a, b| a.0.file_name().cmp(&b.0.file_name()));
+    Ok(out)
+}
+
+/// Files under a folder, recursively, in path order, found as they are walked: each folder's
+/// entries are listed and sorted when the walk enters it (the same order as sorting the whole
+/// listing, as paths compare component by component), so memory holds the folders on the
+/// current path, not the tree. Hidden entries are ignored; a folder that cannot be listed, or
+/// folders nested deeper than [`WALK_DEPTH_MAX`] (a link loop), are an error.
+struct SortedWalk {
+    stack: Vec<std::vec::IntoIter<(PathBuf, bool)>>,
+}
+
+impl SortedWalk {
+    fn new(dir: &Path) -> Result<SortedWalk> {
+        Ok(SortedWalk {
+            stack: vec![list_sorted(dir)?.into_iter()],
+        })
+    }
+}
+
+impl Iterator for SortedWalk {
+    type Item = Result<PathBuf>;
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            match self.stack.last_mut()?.next() {
+                None => {
+                    self.stack.pop();
+                }
+                Some((p, true)) if self.stack.len() >= WALK_DEPTH_MAX => {
+                    self.stack.clear();
+                    return Some(Err(Error::invalid(
+                        p.display().to_string(),
+                        format!("folders nested over {WALK_DEPTH_MAX} deep (a link loop?)"),
+                    )));
+                }
+                Some((p, true)) => match list_sorted(&p) {
+                    Ok(v) => self.stack.push(v.into_iter()),
+                    Err(e) => {
+                        self.stack.clear();
+                        return Some(Err(e));
+                    }
+                },
+                Some((p, false)) => return Some(Ok(p)),
             }
         }
     }
-    out.sort();
-    Ok(out)
 }
 
 fn rel_of(base: &Path, p: &Path) -> String {
@@ -393,34 +551,11 @@ fn gather<T>(results: Vec<(String, Result<T>)>, skip_bad: bool, skipped: &mut Sk
     Ok(out)
 }
 
-fn scan_yolo(src: &Path, skip_bad: bool, skipped: &mut Skipped) -> Result<(Schema, Map<String, Json>, Vec<Item>)> {
-    let images = src.join("images");
-    let labels = src.join("labels");
-    let files = walk_sorted(&images)?;
-    let results: Vec<(String, Result<Item>)> = files
-        .par_iter()
-        .map(|p| {
-            let rel = rel_of(src, p);
-            let r = (|| {
-                let size = file_size(p)?;
-                let label = labels.join(p.strip_prefix(&images).unwrap_or(p)).with_extension("txt");
-                let boxes = match fs::read_to_string(&label) {
-                    Ok(t) => parse_yolo_labels(&t, &label)?,
-                    // No label file is YOLO's way of saying "no objects".
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => "[]".to_owned(),
-                    Err(e) => return Err(Error::io(label.display(), e)),
-                };
-                Ok(Item {
-                    size: size + boxes.len() as u64 + rel.len() as u64 + 64,
-                    rel: rel.clone(),
-                    path: p.clone(),
-                    extra: Extra::Boxes(boxes),
-                })
-            })();
-            (rel, r)
-        })
-        .collect();
-    let items = gather(results, skip_bad, skipped)?;
+/// A YOLO layout's schema and metadata, and its images as they are walked.
+type Layout = (Schema, Map<String, Json>, Box<dyn Iterator<Item = Result<Found>>>);
+
+fn yolo_layout(src: &Path) -> Result<Layout> {
+    let walk = SortedWalk::new(&src.join("images"))?.map(|p| Ok(Found::File(p?, -1)));
     let schema = Schema::new([
         ("image", ColumnType::Bytes),
         ("path", ColumnType::Str),
@@ -436,7 +571,25 @@ fn scan_yolo(src: &Path, skip_bad: bool, skipped: &mut Skipped) -> Result<(Schem
         "boxes_format".into(),
         Json::from("[[class, cx, cy, w, h], ...] normalised to [0, 1]"),
     );
-    Ok((schema, meta, items))
+    Ok((schema, meta, Box::new(walk)))
+}
+
+/// One YOLO image: its size and its label file's boxes (none when it has no label file).
+fn scan_yolo_file(p: &Path, rel: &str, images: &Path, labels: &Path) -> Result<Item> {
+    let size = file_size(p)?;
+    let label = labels.join(p.strip_prefix(images).unwrap_or(p)).with_extension("txt");
+    let boxes = match fs::read_to_string(&label) {
+        Ok(t) => parse_yolo_labels(&t, &label)?,
+        // No label file is YOLO's way of saying "no objects".
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "[]".to_owned(),
+        Err(e) => return Err(Error::io(label.display(), e)),
+    };
+    Ok(Item {
+        size: size + boxes.len() as u64 + rel.len() as u64 + 64,
+        rel: rel.to_owned(),
+        path: p.to_path_buf(),
+        extra: Extra::Boxes(boxes),
+    })
 }
 
 /// Parses YOLO label text into compact JSON `[[class, cx, cy, w, h], ...]`.
@@ -504,62 +657,42 @@ fn read_yolo_names(path: &Path) -> Option<Vec<String>> {
     None
 }
 
-fn scan_imagefolder(
-    src: &Path,
-    skip_bad: bool,
-    skipped: &mut Skipped,
-) -> Result<(Schema, Map<String, Json>, Vec<Item>)> {
+/// An image folder's schema and metadata (its classes: the top-level folders, sorted), and its
+/// inputs as they are walked: files loose at the top level first (each refused), then each
+/// class's files.
+fn imagefolder_layout(src: &Path) -> Result<Layout> {
     let mut classes: Vec<String> = Vec::new();
     let mut loose = Vec::new();
-    let mut entries: Vec<_> = fs::read_dir(src)
-        .map_err(|e| Error::io(src.display(), e))?
-        .collect::<std::io::Result<_>>()
-        .map_err(|e| Error::io(src.display(), e))?;
-    entries.sort_by_key(|e| e.file_name());
-    for e in entries {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
-            continue;
-        }
-        if e.path().is_dir() {
+    for (p, is_dir) in list_sorted(src)? {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if is_dir {
             classes.push(name);
         } else {
-            loose.push(e.path());
+            loose.push(p);
         }
     }
-    let mut results = Vec::new();
-    for p in loose {
-        let rel = rel_of(src, &p);
-        results.push((
-            rel.clone(),
-            Err(Error::invalid(
-                p.display().to_string(),
-                "file is not inside a class folder",
-            )),
-        ));
-    }
-    let mut files = Vec::new();
-    for (ci, c) in classes.iter().enumerate() {
-        for p in walk_sorted(&src.join(c))? {
-            files.push((ci as i64, p));
-        }
-    }
-    results.extend(
-        files
-            .par_iter()
-            .map(|(ci, p)| {
-                let rel = rel_of(src, p);
-                let r = file_size(p).map(|size| Item {
-                    size: size + rel.len() as u64 + 64,
-                    rel: rel.clone(),
-                    path: p.clone(),
-                    extra: Extra::Label(*ci),
-                });
-                (rel, r)
-            })
-            .collect::<Vec<_>>(),
-    );
-    let items = gather(results, skip_bad, skipped)?;
+    let src_owned = src.to_path_buf();
+    let refused = loose.into_iter().map(move |p| {
+        Ok(Found::Bad(
+            rel_of(&src_owned, &p),
+            Error::invalid(p.display().to_string(), "file is not inside a class folder"),
+        ))
+    });
+    let dirs: Vec<(i64, PathBuf)> = classes
+        .iter()
+        .enumerate()
+        .map(|(ci, c)| (ci as i64, src.join(c)))
+        .collect();
+    let files = dirs.into_iter().flat_map(|(ci, d)| {
+        let walk: Box<dyn Iterator<Item = Result<PathBuf>>> = match SortedWalk::new(&d) {
+            Ok(w) => Box::new(w),
+            Err(e) => Box::new(std::iter::once(Err(e))),
+        };
+        walk.map(move |p| Ok(Found::File(p?, ci)))
+    });
     let schema = Schema::new([
         ("image", ColumnType::Bytes),
         ("label", ColumnType::Int64),
@@ -569,7 +702,7 @@ fn scan_imagefolder(
     ])?;
     let mut meta = Map::new();
     meta.insert("classes".into(), Json::from(classes));
-    Ok((schema, meta, items))
+    Ok((schema, meta, Box::new(refused.chain(files))))
 }
 
 fn json_type(v: &Json) -> ColumnType {
@@ -599,133 +732,109 @@ fn pack_jsonl(
     skipped: &mut Skipped,
 ) -> Result<Packed> {
     use std::io::BufRead;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Mutex;
 
     let io = |e: std::io::Error| Error::io(src.display(), e);
     let file = fs::File::open(src).map_err(io)?;
     progress.set_length(file.metadata().map(|m| m.len()).unwrap_or(0));
     let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
-    let threads = rayon::current_num_threads().max(1);
-    let (jobs_tx, jobs_rx) = std::sync::mpsc::sync_channel::<(usize, ShardBuilder)>(1);
-    let jobs_rx = Mutex::new(jobs_rx);
-    let done: Mutex<Vec<(usize, ShardInfo)>> = Mutex::new(Vec::new());
-    let failed: Mutex<Option<Error>> = Mutex::new(None);
-    let stop = AtomicBool::new(false);
     let mut schema: Option<Schema> = None;
     let mut input_bytes = 0u64;
-    let produced = std::thread::scope(|scope| -> Result<()> {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let job = jobs_rx.lock().expect("not poisoned").recv();
-                let Ok((idx, b)) = job else { return };
-                // After a failure, jobs are still taken (and dropped) so the reader never blocks.
-                if stop.load(Ordering::Relaxed) {
-                    continue;
-                }
-                let shard = b.finish();
-                let key = shard_key(idx, shard.checksum);
-                let info = ShardInfo {
-                    key: key.clone(),
-                    bytes: shard.bytes.len() as u64,
-                    samples: shard.samples,
-                    checksum: format!("{:016x}", shard.checksum),
-                    columns: None,
-                };
-                match rt.block_on(store.put(&key, Bytes::from(shard.bytes))) {
-                    Ok(()) => done.lock().expect("not poisoned").push((idx, info)),
-                    Err(e) => {
-                        stop.store(true, Ordering::Relaxed);
-                        failed.lock().expect("not poisoned").get_or_insert(e);
+    let done = with_workers(
+        |(idx, b): (usize, ShardBuilder)| {
+            let shard = b.finish();
+            let key = shard_key(idx, shard.checksum);
+            let info = ShardInfo {
+                key: key.clone(),
+                bytes: shard.bytes.len() as u64,
+                samples: shard.samples,
+                checksum: format!("{:016x}", shard.checksum),
+                columns: None,
+            };
+            rt.block_on(store.put(&key, Bytes::from(shard.bytes)))?;
+            Ok((idx, info))
+        },
+        |send| {
+            let mut line_no = 0usize;
+            let (mut builder, mut acc, mut idx): (Option<ShardBuilder>, u64, usize) = (None, 0, 0);
+            loop {
+                let mut lines: Vec<(usize, String)> = Vec::new();
+                let mut chunk = 0usize;
+                while chunk < JSONL_CHUNK_BYTES {
+                    let mut l = String::new();
+                    let n = reader.read_line(&mut l).map_err(io)?;
+                    if n == 0 {
+                        break;
+                    }
+                    line_no += 1;
+                    chunk += n;
+                    if !l.trim().is_empty() {
+                        lines.push((line_no, l));
                     }
                 }
-            });
-        }
-        let jobs_tx = jobs_tx;
-        let mut line_no = 0usize;
-        let (mut builder, mut acc, mut idx): (Option<ShardBuilder>, u64, usize) = (None, 0, 0);
-        loop {
-            let mut lines: Vec<(usize, String)> = Vec::new();
-            let mut chunk = 0usize;
-            while chunk < JSONL_CHUNK_BYTES {
-                let mut l = String::new();
-                let n = reader.read_line(&mut l).map_err(io)?;
-                if n == 0 {
+                progress.inc(chunk as u64);
+                if lines.is_empty() && chunk == 0 {
                     break;
                 }
-                line_no += 1;
-                chunk += n;
-                if !l.trim().is_empty() {
-                    lines.push((line_no, l));
+                let what = |n: usize| format!("{}:{}", src.display(), n);
+                if schema.is_none() {
+                    // The first JSON object defines the schema.
+                    schema = lines
+                        .iter()
+                        .find_map(|(_, l)| match serde_json::from_str::<Json>(l) {
+                            Ok(Json::Object(m)) if !m.is_empty() => {
+                                Some(Schema::new(m.iter().map(|(k, v)| (k.clone(), json_type(v)))))
+                            }
+                            _ => None,
+                        })
+                        .transpose()?;
                 }
-            }
-            progress.inc(chunk as u64);
-            if lines.is_empty() && chunk == 0 {
-                break;
-            }
-            let what = |n: usize| format!("{}:{}", src.display(), n);
-            if schema.is_none() {
-                // The first JSON object defines the schema.
-                schema = lines
-                    .iter()
-                    .find_map(|(_, l)| match serde_json::from_str::<Json>(l) {
-                        Ok(Json::Object(m)) if !m.is_empty() => {
-                            Some(Schema::new(m.iter().map(|(k, v)| (k.clone(), json_type(v)))))
-                        }
-                        _ => None,
+                let rows: Vec<Result<(Vec<Value>, u64)>> = lines
+                    .par_iter()
+                    .map(|(n, l)| {
+                        let w = what(*n);
+                        let m = match serde_json::from_str::<Json>(l) {
+                            Ok(Json::Object(m)) if !m.is_empty() => m,
+                            Ok(_) => return Err(Error::invalid(w, "line is not a non-empty JSON object")),
+                            Err(e) => return Err(Error::invalid(w, format!("invalid JSON: {e}"))),
+                        };
+                        jsonl_row(schema.as_ref().expect("an object was found above"), &m, &w)
                     })
-                    .transpose()?;
-            }
-            let rows: Vec<Result<(Vec<Value>, u64)>> = lines
-                .par_iter()
-                .map(|(n, l)| {
-                    let w = what(*n);
-                    let m = match serde_json::from_str::<Json>(l) {
-                        Ok(Json::Object(m)) if !m.is_empty() => m,
-                        Ok(_) => return Err(Error::invalid(w, "line is not a non-empty JSON object")),
-                        Err(e) => return Err(Error::invalid(w, format!("invalid JSON: {e}"))),
+                    .collect();
+                for ((n, _), r) in lines.iter().zip(rows) {
+                    let (vals, size) = match r {
+                        Ok(v) => v,
+                        Err(e) if opts.skip_bad => {
+                            skipped.push((what(*n), reason_of(&e)));
+                            continue;
+                        }
+                        Err(e) => return Err(e),
                     };
-                    jsonl_row(schema.as_ref().expect("an object was found above"), &m, &w)
-                })
-                .collect();
-            for ((n, _), r) in lines.iter().zip(rows) {
-                let (vals, size) = match r {
-                    Ok(v) => v,
-                    Err(e) if opts.skip_bad => {
-                        skipped.push((what(*n), reason_of(&e)));
-                        continue;
+                    if acc > 0 && acc + size > opts.shard_bytes_target {
+                        let full = builder.take().expect("a shard is filling");
+                        if !send((idx, full)) {
+                            return Ok(());
+                        }
+                        idx += 1;
+                        acc = 0;
                     }
-                    Err(e) => return Err(e),
-                };
-                if acc > 0 && acc + size > opts.shard_bytes_target {
-                    let full = builder.take().expect("a shard is filling");
-                    if jobs_tx.send((idx, full)).is_err() || stop.load(Ordering::Relaxed) {
-                        return Ok(());
-                    }
-                    idx += 1;
-                    acc = 0;
+                    let schema = schema.as_ref().expect("rows have a schema");
+                    builder
+                        .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
+                        .push(&vals, &what(*n))?;
+                    acc += size;
+                    input_bytes += size;
                 }
-                let schema = schema.as_ref().expect("rows have a schema");
-                builder
-                    .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
-                    .push(&vals, &what(*n))?;
-                acc += size;
-                input_bytes += size;
             }
-        }
-        if let Some(last) = builder.take() {
-            let _ = jobs_tx.send((idx, last));
-        }
-        Ok(())
-    });
-    if let Some(e) = failed.into_inner().expect("not poisoned") {
-        return Err(e);
-    }
-    produced?;
+            if let Some(last) = builder.take() {
+                send((idx, last));
+            }
+            Ok(())
+        },
+    );
+    let mut done = done?;
     let Some(schema) = schema else {
         return Err(Error::invalid(src.display().to_string(), "no JSON objects found"));
     };
-    let mut done = done.into_inner().expect("not poisoned");
     done.sort_by_key(|(i, _)| *i);
     let mut meta = Map::new();
     meta.insert(
@@ -772,4 +881,47 @@ fn jsonl_row(schema: &Schema, m: &Map<String, Json>, what: &str) -> Result<(Vec<
         vals.push(val);
     }
     Ok((vals, size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The walk yields what sorting the whole listing gives (paths compare component by
+    /// component, so "a/z" comes before "a.jpg" and "a-b"), skips hidden entries, follows a
+    /// link to a folder, and names a link loop instead of walking it forever.
+    #[test]
+    fn the_walk_is_in_path_order_without_listing_the_tree() {
+        let t = tempfile::tempdir().unwrap();
+        let r = t.path();
+        for f in [
+            "a/z",
+            "a/b/c",
+            "a.jpg",
+            "a-b",
+            "B",
+            "b/x",
+            "\u{e9}",
+            "a/.hidden",
+            ".h/x",
+            "c/d/e/f",
+        ] {
+            let p = r.join(f);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(&p, b"x").unwrap();
+        }
+        let walked: Vec<PathBuf> = SortedWalk::new(r).unwrap().map(|p| p.unwrap()).collect();
+        let mut want: Vec<PathBuf> = ["a/b/c", "a/z", "a-b", "a.jpg", "B", "b/x", "c/d/e/f", "\u{e9}"]
+            .iter()
+            .map(|f| r.join(f))
+            .collect();
+        want.sort();
+        assert_eq!(walked, want);
+        std::os::unix::fs::symlink(r.join("c"), r.join("c/d/loop")).unwrap();
+        let e = SortedWalk::new(r)
+            .unwrap()
+            .find_map(|p| p.err())
+            .expect("the loop is named");
+        assert!(e.to_string().contains("loop"), "{e}");
+    }
 }

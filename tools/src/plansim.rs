@@ -6,7 +6,7 @@
 //! (same size and checksum, its own key), and a stub [`ShardProvider`] serves it for any
 //! shard: planning, the manifest and the order are exercised at full size, the shard data is
 //! not. It then opens a [`Stream`] and reads the first sample, timing it and reading the
-//! process's peak RSS.
+//! process's peak RSS and how many blocks of the shard table were read.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -55,6 +55,10 @@ pub struct PlanSim {
     pub rss_peak_mb: f64,
     /// Resident memory at the first sample (VmRSS), MB.
     pub rss_mb: f64,
+    /// Blocks of the shard table read by the first sample (of `table_blocks`).
+    pub table_blocks_read: u64,
+    /// Blocks in the shard table.
+    pub table_blocks: u64,
 }
 
 /// Writes (once; kept under `dir`) the manifest, table and shard of a simulated dataset of
@@ -95,7 +99,7 @@ pub fn prepare(dir: &Path, samples: u64, shard_samples: u64) -> Result<(String, 
     let key = format!("tables/{:016x}.rjt", table.checksum());
     std::fs::create_dir_all(root.join("tables")).map_err(io)?;
     std::fs::create_dir_all(root.join("shards")).map_err(io)?;
-    std::fs::write(root.join(&key), table.as_bytes()).map_err(io)?;
+    std::fs::write(root.join(&key), table.as_bytes().expect("built in memory")).map_err(io)?;
     std::fs::write(root.join(shard_key(0, shard.checksum)), &bytes).map_err(io)?;
     let m = Manifest::with_table("simulated", schema, Default::default(), table, key);
     std::fs::write(root.join("manifest.json"), m.to_bytes()).map_err(io)?;
@@ -123,6 +127,8 @@ pub fn first_sample(url: &str, shard: Bytes, shuffle: Shuffle) -> Result<PlanSim
     let m = s.dataset(0).manifest();
     let (samples, shards) = (m.samples, m.shard_count() as u64);
     let table_bytes = m.shard_table.as_ref().map_or(0, |t| t.bytes);
+    let table_blocks_read = m.table().map_or(0, |t| t.loaded_blocks() as u64);
+    let table_blocks = shards.div_ceil(ramjet_engine::format::SHARD_TABLE_BLOCK_RECORDS as u64);
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let kb = |field: &str| {
         status
@@ -141,5 +147,7 @@ pub fn first_sample(url: &str, shard: Bytes, shuffle: Shuffle) -> Result<PlanSim
         open_s,
         rss_peak_mb: kb("VmHWM:") / 1024.0,
         rss_mb: kb("VmRSS:") / 1024.0,
+        table_blocks_read,
+        table_blocks,
     })
 }

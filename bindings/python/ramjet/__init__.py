@@ -176,8 +176,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         augment: ``"train"`` (RandomResizedCrop + horizontal flip), ``"eval"`` (resize +
             center crop) or ``"resize"``.
         normalize: yield float32 images normalised with ``mean``/``std`` instead of uint8.
-        dct_scaling: let JPEG decode at a reduced scale when the crop is much larger than
-            the output.
+        dct_scaling: let JPEG decode at a reduced DCT scale (1/2, 1/4, 1/8) when the crop is at
+            least twice the output: the smallest that keeps the crop at least the output size.
         image_column / boxes_column: column names.
         num_threads: this dataset's batches decoding at once on the process's shared decode pool
             (default: one per core, divided among DataLoader workers).

@@ -237,6 +237,19 @@ impl Cache {
         }
     }
 
+    /// Deletes the copy `shard` has open, which a reader found corrupt, so it is fetched again;
+    /// unless the file at its path is another copy by now (a sound one fetched since by a
+    /// reader of the whole shard, which must not be deleted).
+    pub fn remove_copy(&self, shard: &CachedShard) {
+        use std::os::unix::fs::MetadataExt;
+        let (Ok(open), Ok(now)) = (shard.file().metadata(), fs::metadata(&shard.path)) else {
+            return;
+        };
+        if (open.dev(), open.ino()) == (now.dev(), now.ino()) {
+            self.remove(shard.id);
+        }
+    }
+
     /// Whether a shard is present (not verified).
     pub fn contains(&self, id: ShardId) -> bool {
         self.path_of(id).exists()

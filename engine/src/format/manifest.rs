@@ -1,14 +1,16 @@
 //! The dataset manifest: schema, shard list and a content-derived version id.
 //!
 //! A manifest lists its shards in the JSON, or, for a large dataset, names a binary shard
-//! table beside it (`ShardTable`: 48 bytes a shard, read as is, no per-shard objects), whose
-//! checksum the JSON carries, so the version covers the table too.
+//! table beside it (`ShardTable`: 48 bytes a shard in blocks of 1,024, read a block at a time
+//! when first used, no per-shard objects). The JSON carries the checksum of the table's head,
+//! whose directory carries each block's, so the version covers the whole table.
 //!
 //! The version is the xxh3-128 of the manifest's canonical JSON with the `version` field
 //! empty, so two manifests share a version exactly when they describe the same bytes.
 //! Packing writes `manifests/<version>.json` and then, last, `manifest.json`: a reader that
 //! finds `manifest.json` finds every shard it lists already in place.
 
+use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
@@ -130,38 +132,131 @@ pub struct ShardTableRef {
 }
 
 /// Magic of a binary shard table.
-pub const SHARD_TABLE_MAGIC: &[u8; 8] = b"RJSTAB01";
+pub const SHARD_TABLE_MAGIC: &[u8; 8] = b"RJSTAB02";
 /// Bytes of the shard table's header.
-pub const SHARD_TABLE_HEADER_LEN: usize = 32;
+pub const SHARD_TABLE_HEADER_LEN: usize = 48;
 /// Bytes of one shard's record in the table.
 pub const SHARD_TABLE_RECORD_LEN: usize = 48;
-/// Largest shard table a reader will download (about 44 million shards).
+/// Bytes of one block's entry in the table's directory.
+pub const SHARD_TABLE_DIR_ENTRY_LEN: usize = 32;
+/// Records per block of the table: a block is read and checked as a whole, on first use.
+pub const SHARD_TABLE_BLOCK_RECORDS: usize = 1024;
+/// Largest shard table a manifest may name (about 44 million shards).
 pub const SHARD_TABLE_BYTES_MAX: u64 = 2 << 30;
 /// Pack lists more shards than this in a binary table rather than in the JSON.
 pub const SHARD_TABLE_AUTO_MIN: usize = 4096;
 
-/// A binary shard table: the shards of a large dataset, 48 bytes each, read in place
-/// (`docs/format.md`). Keys are not stored: shard `i` is `shards/<k:06>-<checksum:016x>.rjs`
-/// for its stored key index `k`, and its sidecar `columns/<k:06>-<sidecar checksum>.rjs`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Blocks of a table of `count` shards.
+fn table_blocks(count: u64) -> u64 {
+    count.div_ceil(SHARD_TABLE_BLOCK_RECORDS as u64)
+}
+
+/// Bytes of the head (header and directory) of a table of `count` shards.
+pub fn shard_table_head_len(count: u64) -> u64 {
+    SHARD_TABLE_HEADER_LEN as u64 + table_blocks(count) * SHARD_TABLE_DIR_ENTRY_LEN as u64
+}
+
+/// Bytes of a whole table of `count` shards.
+pub fn shard_table_len(count: u64) -> u64 {
+    shard_table_head_len(count) + count * SHARD_TABLE_RECORD_LEN as u64
+}
+
+/// Reads byte ranges of a stored shard table. Called on first use of each block, from wherever
+/// the order or a reader needs it, so it blocks (a dataset's reader runs the store's request to
+/// completion on its own).
+pub trait TableReader: Send + Sync + std::fmt::Debug {
+    /// The bytes of `range` (exactly its length, or an error).
+    fn read(&self, range: Range<u64>) -> Result<Bytes>;
+}
+
+/// A table held whole in memory (built by pack, or read whole).
+#[derive(Debug)]
+struct WholeTable(Bytes);
+
+impl TableReader for WholeTable {
+    fn read(&self, r: Range<u64>) -> Result<Bytes> {
+        Ok(self.0.slice(r.start as usize..(r.end as usize).min(self.0.len())))
+    }
+}
+
+/// One block of records, checked, with its shards' sample counts summed.
+#[derive(Debug)]
+struct TableBlock {
+    records: Bytes,
+    /// `ends[j]`: samples in the block's records `0..=j`.
+    ends: Vec<u64>,
+}
+
+impl TableBlock {
+    fn field(&self, j: usize, f: usize) -> u64 {
+        let o = j * SHARD_TABLE_RECORD_LEN + f * 8;
+        u64::from_le_bytes(self.records[o..o + 8].try_into().expect("8 bytes"))
+    }
+}
+
+/// A binary shard table (`docs/format.md`): the shards of a large dataset, 48 bytes each, in
+/// blocks of [`SHARD_TABLE_BLOCK_RECORDS`] behind a directory. Opening it reads and checks the
+/// header and directory only; a block is read and checked the first time one of its shards is
+/// asked for, so opening a table costs the same for a thousand shards or a million. Keys are not
+/// stored: shard `i` is `shards/<k:06>-<checksum:016x>.rjs` for its stored key index `k`, and its
+/// sidecar `columns/<k:06>-<sidecar checksum>.rjs`.
+#[derive(Clone)]
 pub struct ShardTable {
-    bytes: Bytes,
+    /// Header and directory, checked against the manifest.
+    head: Bytes,
     count: usize,
+    samples: u64,
+    bytes: u64,
     columns: bool,
+    /// The whole table, when it is held in memory.
+    whole: Option<Bytes>,
+    reader: Arc<dyn TableReader>,
+    /// The table's object, for errors.
+    object: String,
+    blocks: Box<[OnceLock<Arc<TableBlock>>]>,
+    /// Held while a block is read.
+    loading: Arc<std::sync::Mutex<()>>,
+}
+
+impl std::fmt::Debug for ShardTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardTable")
+            .field("object", &self.object)
+            .field("shards", &self.count)
+            .field("samples", &self.samples)
+            .field("bytes", &self.bytes)
+            .field("columns", &self.columns)
+            .field(
+                "loaded_blocks",
+                &self.blocks.iter().filter(|b| b.get().is_some()).count(),
+            )
+            .finish()
+    }
+}
+
+impl PartialEq for ShardTable {
+    /// The head's checksum covers the blocks' checksums, so equal heads mean equal tables.
+    fn eq(&self, o: &ShardTable) -> bool {
+        self.head == o.head
+    }
+}
+
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
 }
 
 impl ShardTable {
     /// The table of `shards`, whose keys must be pack's (`shards/<k>-<checksum>.rjs`, key
-    /// indices rising), and which all have a sidecar or none does.
+    /// indices rising), and which all have a sidecar or none does. Held in memory.
     pub fn build(shards: &[ShardInfo]) -> std::result::Result<ShardTable, String> {
         let columns = shards.first().is_some_and(|s| s.columns.is_some());
-        let mut b = Vec::with_capacity(SHARD_TABLE_HEADER_LEN + shards.len() * SHARD_TABLE_RECORD_LEN);
-        b.extend_from_slice(SHARD_TABLE_MAGIC);
-        b.extend_from_slice(&(shards.len() as u64).to_le_bytes());
-        b.extend_from_slice(&(SHARD_TABLE_RECORD_LEN as u32).to_le_bytes());
-        b.extend_from_slice(&(columns as u32).to_le_bytes());
-        b.extend_from_slice(&0u64.to_le_bytes());
+        let mut records = Vec::with_capacity(shards.len() * SHARD_TABLE_RECORD_LEN);
         let mut prev: Option<u64> = None;
+        let (mut samples, mut bytes) = (0u64, 0u64);
         for s in shards {
             let checksum = s
                 .checksum_u64()
@@ -185,51 +280,148 @@ impl ShardTable {
                 (None, false) => (0, 0),
                 _ => return Err("some shards have a columns sidecar and some do not".into()),
             };
+            samples = samples.checked_add(s.samples).ok_or("sample counts overflow 64 bits")?;
+            bytes = bytes.checked_add(s.bytes).ok_or("byte counts overflow 64 bits")?;
             for v in [s.samples, s.bytes, checksum, k, cb, cc] {
-                b.extend_from_slice(&v.to_le_bytes());
+                records.extend_from_slice(&v.to_le_bytes());
             }
         }
-        Ok(ShardTable {
-            bytes: Bytes::from(b),
-            count: shards.len(),
-            columns,
+        let count = shards.len() as u64;
+        let mut b = Vec::with_capacity(shard_table_len(count) as usize);
+        b.extend_from_slice(SHARD_TABLE_MAGIC);
+        for v in [count, samples, bytes] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [
+            SHARD_TABLE_RECORD_LEN as u32,
+            columns as u32,
+            SHARD_TABLE_BLOCK_RECORDS as u32,
+            0,
+        ] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        let mut first = 0u64;
+        for (blk, chunk) in records
+            .chunks(SHARD_TABLE_BLOCK_RECORDS * SHARD_TABLE_RECORD_LEN)
+            .enumerate()
+        {
+            let s = &shards[blk * SHARD_TABLE_BLOCK_RECORDS..];
+            let n = chunk.len() / SHARD_TABLE_RECORD_LEN;
+            let key = u64_at(chunk, 24);
+            let block_bytes: u64 = s[..n].iter().map(|x| x.bytes).sum();
+            for v in [first, key, block_bytes, xxh3_64(chunk)] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            first += s[..n].iter().map(|x| x.samples).sum::<u64>();
+        }
+        b.extend_from_slice(&records);
+        let whole = Bytes::from(b);
+        ShardTable::open(
+            whole.slice(..shard_table_head_len(count) as usize),
+            Arc::new(WholeTable(whole.clone())),
+            "shard table",
+        )
+        .map(|mut t| {
+            t.whole = Some(whole);
+            t
         })
     }
 
-    /// Reads a table's header and checks its length (the records are checked by
-    /// [`Manifest::attach_table`]).
+    /// Reads a whole table held in memory, checking its header, directory and length (the
+    /// blocks are checked on first use).
     pub fn parse(bytes: Bytes) -> std::result::Result<ShardTable, String> {
-        if bytes.len() < SHARD_TABLE_HEADER_LEN || &bytes[..8] != SHARD_TABLE_MAGIC {
+        if bytes.len() < SHARD_TABLE_HEADER_LEN {
+            return Err("shorter than its header".into());
+        }
+        let count = u64_at(&bytes, 8);
+        if shard_table_len(count) != bytes.len() as u64 {
+            return Err(format!(
+                "{} bytes, but its header says {count} shards ({} bytes)",
+                bytes.len(),
+                shard_table_len(count)
+            ));
+        }
+        let head = bytes.slice(..shard_table_head_len(count) as usize);
+        let mut t = ShardTable::open(head, Arc::new(WholeTable(bytes.clone())), "shard table")?;
+        t.whole = Some(bytes);
+        Ok(t)
+    }
+
+    /// A table from its `head` (header and directory), whose blocks `reader` reads on demand.
+    /// Checks the header and the directory: block sample starts rising from 0 within the total,
+    /// first key indices rising, block byte sums adding up to the total.
+    pub fn open(head: Bytes, reader: Arc<dyn TableReader>, object: &str) -> std::result::Result<ShardTable, String> {
+        if head.starts_with(b"RJSTAB01") {
+            return Err("a shard table of the first layout (RJSTAB01, before blocks): pack the dataset again".into());
+        }
+        if head.len() < SHARD_TABLE_HEADER_LEN || &head[..8] != SHARD_TABLE_MAGIC {
             return Err("not a shard table (bad magic or shorter than its header)".into());
         }
-        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
-        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
-        let (count, record, flags) = (u64_at(8), u32_at(16) as usize, u32_at(20));
-        if record != SHARD_TABLE_RECORD_LEN || flags > 1 || u64_at(24) != 0 {
-            return Err(format!("unsupported header (record length {record}, flags {flags})"));
-        }
-        let want = (count as u128) * SHARD_TABLE_RECORD_LEN as u128 + SHARD_TABLE_HEADER_LEN as u128;
-        if want != bytes.len() as u128 {
+        let (count, samples, bytes) = (u64_at(&head, 8), u64_at(&head, 16), u64_at(&head, 24));
+        let (record, flags, per_block, reserved) = (
+            u32_at(&head, 32) as usize,
+            u32_at(&head, 36),
+            u32_at(&head, 40) as usize,
+            u32_at(&head, 44),
+        );
+        if record != SHARD_TABLE_RECORD_LEN || flags > 1 || per_block != SHARD_TABLE_BLOCK_RECORDS || reserved != 0 {
             return Err(format!(
-                "{} bytes, but its header says {count} shards ({want} bytes)",
-                bytes.len()
+                "unsupported header (record length {record}, flags {flags}, block records {per_block})"
+            ));
+        }
+        if count > u32::MAX as u64 || shard_table_len(count) > SHARD_TABLE_BYTES_MAX {
+            return Err(format!("{count} shards is over the table limit"));
+        }
+        if head.len() as u64 != shard_table_head_len(count) {
+            return Err(format!(
+                "its head is {} bytes, but {count} shards need {}",
+                head.len(),
+                shard_table_head_len(count)
+            ));
+        }
+        let blocks = table_blocks(count) as usize;
+        let dir = |b: usize, f: usize| u64_at(&head, SHARD_TABLE_HEADER_LEN + b * SHARD_TABLE_DIR_ENTRY_LEN + f * 8);
+        let mut byte_sum = 0u64;
+        for b in 0..blocks {
+            let first = dir(b, 0);
+            let end = if b + 1 < blocks { dir(b + 1, 0) } else { samples };
+            let n = (SHARD_TABLE_BLOCK_RECORDS as u64).min(count - (b * SHARD_TABLE_BLOCK_RECORDS) as u64);
+            if (b == 0 && first != 0) || end < first || end - first > n * crate::format::SHARD_SAMPLES_MAX {
+                return Err(format!("directory entry {b}: sample start {first} out of order"));
+            }
+            if b > 0 && dir(b, 1) <= dir(b - 1, 1) {
+                return Err(format!("directory entry {b}: key index {} does not rise", dir(b, 1)));
+            }
+            byte_sum = byte_sum.checked_add(dir(b, 2)).ok_or("byte counts overflow 64 bits")?;
+        }
+        if byte_sum != bytes || (count == 0 && samples != 0) {
+            return Err(format!(
+                "its blocks hold {byte_sum} bytes, its header says {bytes} (or samples without shards)"
             ));
         }
         Ok(ShardTable {
+            head,
             count: count as usize,
-            columns: flags == 1,
+            samples,
             bytes,
+            columns: flags == 1,
+            whole: None,
+            reader,
+            object: object.to_owned(),
+            blocks: (0..blocks).map(|_| OnceLock::new()).collect(),
+            loading: Default::default(),
         })
     }
 
-    /// The table's bytes, as stored.
-    pub fn as_bytes(&self) -> &Bytes {
-        &self.bytes
+    /// The table's bytes, when held in memory (built or parsed whole).
+    pub fn as_bytes(&self) -> Option<&Bytes> {
+        self.whole.as_ref()
     }
 
-    /// xxh3-64 of the whole table (what the manifest records).
+    /// xxh3-64 of the table's head (header and directory): what the manifest records. The
+    /// directory holds each block's checksum, so it covers every record.
     pub fn checksum(&self) -> u64 {
-        xxh3_64(&self.bytes)
+        xxh3_64(&self.head)
     }
 
     /// Number of shards.
@@ -242,27 +434,188 @@ impl ShardTable {
         self.count == 0
     }
 
-    fn field(&self, i: usize, f: usize) -> u64 {
-        let o = SHARD_TABLE_HEADER_LEN + i * SHARD_TABLE_RECORD_LEN + f * 8;
-        u64::from_le_bytes(self.bytes[o..o + 8].try_into().expect("8 bytes"))
+    /// Total samples (from the header, checked against the manifest and every block).
+    pub fn samples(&self) -> u64 {
+        self.samples
     }
 
-    fn info(&self, i: usize) -> ShardInfo {
-        let (samples, bytes, checksum, k) = (self.field(i, 0), self.field(i, 1), self.field(i, 2), self.field(i, 3));
-        ShardInfo {
+    /// Blocks read so far.
+    pub fn loaded_blocks(&self) -> usize {
+        self.blocks.iter().filter(|b| b.get().is_some()).count()
+    }
+
+    fn dir(&self, b: usize, f: usize) -> u64 {
+        u64_at(
+            &self.head,
+            SHARD_TABLE_HEADER_LEN + b * SHARD_TABLE_DIR_ENTRY_LEN + f * 8,
+        )
+    }
+
+    fn bad(&self, reason: String) -> Error {
+        Error::Manifest {
+            object: self.object.clone(),
+            reason,
+        }
+    }
+
+    /// Block `b`, read and checked on first use: its checksum, each shard's sample count
+    /// against the shard limit and their sum against the directory, key indices rising from the
+    /// directory's first one and below the next block's, and the byte sum. A failed read is not
+    /// kept: the next use reads again.
+    fn block(&self, b: usize) -> Result<&TableBlock> {
+        if let Some(t) = self.blocks[b].get() {
+            return Ok(t);
+        }
+        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
+        let n = SHARD_TABLE_BLOCK_RECORDS.min(self.count - lo);
+        let at = self.head.len() as u64 + (lo * SHARD_TABLE_RECORD_LEN) as u64;
+        // One read per block: a second user waits for the first's (loads are rare, so one lock
+        // per table serves; nothing else takes it).
+        let _loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = self.blocks[b].get() {
+            return Ok(t);
+        }
+        let records = self.reader.read(at..at + (n * SHARD_TABLE_RECORD_LEN) as u64)?;
+        let what = format!("block {b} (shards {lo}..{})", lo + n);
+        if records.len() != n * SHARD_TABLE_RECORD_LEN {
+            return Err(self.bad(format!(
+                "{what}: {} bytes, expected {}",
+                records.len(),
+                n * SHARD_TABLE_RECORD_LEN
+            )));
+        }
+        let sum = xxh3_64(&records);
+        if sum != self.dir(b, 3) {
+            return Err(self.bad(format!(
+                "{what}: checksum {sum:016x}, the directory says {:016x}: the table was edited or damaged",
+                self.dir(b, 3)
+            )));
+        }
+        let mut t = TableBlock {
+            records,
+            ends: Vec::with_capacity(n),
+        };
+        let (mut acc, mut bytes, mut prev) = (0u64, 0u64, None::<u64>);
+        for j in 0..n {
+            let (samples, k) = (t.field(j, 0), t.field(j, 3));
+            if samples > crate::format::SHARD_SAMPLES_MAX {
+                return Err(self.bad(format!(
+                    "shard {} claims {samples} samples, over the shard limit of {}",
+                    lo + j,
+                    crate::format::SHARD_SAMPLES_MAX
+                )));
+            }
+            let rises = match prev {
+                None => k == self.dir(b, 1),
+                Some(p) => k > p,
+            };
+            if !rises {
+                return Err(self.bad(format!("shard {}: key index {k} does not rise", lo + j)));
+            }
+            prev = Some(k);
+            acc += samples;
+            bytes = bytes.saturating_add(t.field(j, 1));
+            t.ends.push(acc);
+        }
+        let last = b + 1 == self.blocks.len();
+        let span = if last { self.samples } else { self.dir(b + 1, 0) } - self.dir(b, 0);
+        if acc != span || bytes != self.dir(b, 2) || (!last && prev.is_some_and(|p| p >= self.dir(b + 1, 1))) {
+            return Err(self.bad(format!(
+                "{what}: its shards hold {acc} samples in {bytes} bytes; the directory says {span} in {}",
+                self.dir(b, 2)
+            )));
+        }
+        let _ = self.blocks[b].set(Arc::new(t));
+        Ok(self.blocks[b].get().expect("set above"))
+    }
+
+    fn record(&self, i: usize) -> Result<(&TableBlock, usize)> {
+        if i >= self.count {
+            return Err(self.bad(format!("no shard {i}: the table lists {}", self.count)));
+        }
+        Ok((
+            self.block(i / SHARD_TABLE_BLOCK_RECORDS)?,
+            i % SHARD_TABLE_BLOCK_RECORDS,
+        ))
+    }
+
+    /// Samples of shard `i`.
+    pub fn shard_samples(&self, i: usize) -> Result<u64> {
+        let (t, j) = self.record(i)?;
+        Ok(t.field(j, 0))
+    }
+
+    /// Bytes and checksum of shard `i`.
+    pub fn shard_bytes_checksum(&self, i: usize) -> Result<(u64, u64)> {
+        let (t, j) = self.record(i)?;
+        Ok((t.field(j, 1), t.field(j, 2)))
+    }
+
+    /// Global index of shard `i`'s first sample.
+    pub fn shard_start(&self, i: usize) -> Result<u64> {
+        let (t, j) = self.record(i)?;
+        let before = if j == 0 { 0 } else { t.ends[j - 1] };
+        Ok(self.dir(i / SHARD_TABLE_BLOCK_RECORDS, 0) + before)
+    }
+
+    /// Shard `i` as the JSON would list it.
+    pub fn info(&self, i: usize) -> Result<ShardInfo> {
+        let (t, j) = self.record(i)?;
+        let (samples, bytes, checksum, k) = (t.field(j, 0), t.field(j, 1), t.field(j, 2), t.field(j, 3));
+        Ok(ShardInfo {
             key: super::shard_key(k as usize, checksum),
             bytes,
             samples,
             checksum: format!("{checksum:016x}"),
             columns: self.columns.then(|| {
-                let cc = self.field(i, 5);
+                let cc = t.field(j, 5);
                 ColumnsInfo {
                     key: super::columns_key(k as usize, cc),
-                    bytes: self.field(i, 4),
+                    bytes: t.field(j, 4),
                     checksum: format!("{cc:016x}"),
                 }
             }),
+        })
+    }
+
+    /// The shard holding global sample `g`, and the sample's index in it (`None` past the
+    /// end): a binary search of the directory, then of one block.
+    pub fn locate(&self, g: u64) -> Result<Option<(usize, u64)>> {
+        if g >= self.samples {
+            return Ok(None);
         }
+        let (mut lo, mut hi) = (0usize, self.blocks.len());
+        // The last block whose first sample is at or before g (empty blocks come before it).
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if self.dir(mid, 0) <= g {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let t = self.block(lo)?;
+        let local = g - self.dir(lo, 0);
+        let j = t.ends.partition_point(|&e| e <= local);
+        let before = if j == 0 { 0 } else { t.ends[j - 1] };
+        Ok(Some((lo * SHARD_TABLE_BLOCK_RECORDS + j, local - before)))
+    }
+}
+
+impl crate::order::ShardCounts for ShardTable {
+    fn shards(&self) -> u64 {
+        self.count as u64
+    }
+    fn total(&self) -> u64 {
+        self.samples
+    }
+    fn samples(&self, shard: u64) -> Result<u64> {
+        self.shard_samples(shard as usize)
+    }
+    fn locate(&self, o: u64) -> Result<(u64, u64)> {
+        let (s, i) = ShardTable::locate(self, o)?
+            .ok_or_else(|| self.bad(format!("no sample {o}: it holds {}", self.samples)))?;
+        Ok((s as u64, i))
     }
 }
 
@@ -312,9 +665,6 @@ impl Manifest {
         table: ShardTable,
         key: impl Into<String>,
     ) -> Self {
-        let (samples, bytes) = (0..table.len()).fold((0u64, 0u64), |(n, b), i| {
-            (n.saturating_add(table.field(i, 0)), b.saturating_add(table.field(i, 1)))
-        });
         let mut m = Manifest {
             format: MANIFEST_FORMAT.into(),
             format_version: MANIFEST_VERSION_TABLE,
@@ -322,12 +672,12 @@ impl Manifest {
             source: source.into(),
             schema,
             meta,
-            samples,
-            bytes,
+            samples: table.samples,
+            bytes: table.bytes,
             shards: Vec::new(),
             shard_table: Some(ShardTableRef {
                 key: key.into(),
-                bytes: table.bytes.len() as u64,
+                bytes: shard_table_len(table.len() as u64),
                 checksum: format!("{:016x}", table.checksum()),
                 shards: table.len() as u64,
             }),
@@ -347,27 +697,33 @@ impl Manifest {
         }
     }
 
-    /// Shard `i` (panics past the end, as indexing does; see [`Manifest::get_shard`]).
-    pub fn shard(&self, i: usize) -> ShardInfo {
-        self.get_shard(i)
-            .unwrap_or_else(|| panic!("shard {i} of {}", self.shard_count()))
-    }
-
-    /// Shard `i`, or `None` past the end (or while the shard table is not loaded).
-    pub fn get_shard(&self, i: usize) -> Option<ShardInfo> {
-        match &self.table {
-            Some(t) => (i < t.len()).then(|| t.info(i)),
-            None => self.shards.get(i).cloned(),
+    fn no_table(&self) -> Error {
+        Error::Manifest {
+            object: self.shard_table.as_ref().map_or_else(String::new, |r| r.key.clone()),
+            reason: "the shard table is not loaded".into(),
         }
     }
 
-    /// The shards in order.
-    pub fn shards(&self) -> impl ExactSizeIterator<Item = ShardInfo> + '_ {
-        let n = match &self.table {
-            Some(t) => t.len(),
-            None => self.shards.len(),
-        };
-        (0..n).map(|i| self.shard(i))
+    fn listed(&self, i: usize) -> Result<&ShardInfo> {
+        self.shards.get(i).ok_or_else(|| Error::Manifest {
+            object: format!("manifest {}", self.version),
+            reason: format!("no shard {i}: it lists {}", self.shards.len()),
+        })
+    }
+
+    /// Shard `i`. With a shard table, the first use of a block of shards reads and checks it,
+    /// which can fail (`docs/format.md`); past the end is an error too.
+    pub fn shard(&self, i: usize) -> Result<ShardInfo> {
+        match (&self.table, &self.shard_table) {
+            (Some(t), _) => t.info(i),
+            (None, Some(_)) => Err(self.no_table()),
+            (None, None) => self.listed(i).cloned(),
+        }
+    }
+
+    /// The shards in order (each as [`Manifest::shard`]).
+    pub fn shards(&self) -> impl ExactSizeIterator<Item = Result<ShardInfo>> + '_ {
+        (0..self.shard_count()).map(|i| self.shard(i))
     }
 
     /// The listed shards, to edit (tools and tests that write a manifest by hand; the
@@ -378,18 +734,35 @@ impl Manifest {
     }
 
     /// Samples of shard `i`, without building its [`ShardInfo`].
-    pub fn shard_samples(&self, i: usize) -> u64 {
-        match &self.table {
-            Some(t) => t.field(i, 0),
-            None => self.shards[i].samples,
+    pub fn shard_samples(&self, i: usize) -> Result<u64> {
+        match (&self.table, &self.shard_table) {
+            (Some(t), _) => t.shard_samples(i),
+            (None, Some(_)) => Err(self.no_table()),
+            (None, None) => Ok(self.listed(i)?.samples),
         }
     }
 
     /// Bytes and checksum of shard `i`, without building its [`ShardInfo`].
-    pub fn shard_bytes_checksum(&self, i: usize) -> (u64, u64) {
-        match &self.table {
-            Some(t) => (t.field(i, 1), t.field(i, 2)),
-            None => (self.shards[i].bytes, self.shards[i].checksum_u64().expect("validated")),
+    pub fn shard_bytes_checksum(&self, i: usize) -> Result<(u64, u64)> {
+        match (&self.table, &self.shard_table) {
+            (Some(t), _) => t.shard_bytes_checksum(i),
+            (None, Some(_)) => Err(self.no_table()),
+            (None, None) => {
+                let s = self.listed(i)?;
+                Ok((s.bytes, s.checksum_u64().expect("validated")))
+            }
+        }
+    }
+
+    /// Global index of shard `i`'s first sample.
+    pub fn shard_start(&self, i: usize) -> Result<u64> {
+        match (&self.table, &self.shard_table) {
+            (Some(t), _) => t.shard_start(i),
+            (None, Some(_)) => Err(self.no_table()),
+            (None, None) => {
+                self.listed(i)?;
+                Ok(self.listed_starts()[i])
+            }
         }
     }
 
@@ -412,11 +785,23 @@ impl Manifest {
         self.table.as_deref()
     }
 
-    /// Checks `bytes`, read from `object`, against the table the manifest names, and attaches
-    /// it: its size and checksum, its header, and every record (sample counts within the shard
-    /// limit, key indices rising, totals equal to the manifest's, sidecars only where the
-    /// schema has columns for them).
-    pub fn attach_table(&mut self, bytes: Bytes, object: &str) -> Result<()> {
+    /// The shards' sample counts as the order reads them: the shard table itself, or the
+    /// listed shards' counts.
+    pub fn shard_counts(&self) -> Arc<dyn crate::order::ShardCounts> {
+        match &self.table {
+            Some(t) => t.clone(),
+            None => Arc::new(crate::order::CountList::new(
+                self.shards.iter().map(|s| s.samples).collect(),
+            )),
+        }
+    }
+
+    /// Reads the head (header and directory) of the table the manifest names through
+    /// `reader`, checks it, and attaches the table: the head's size and checksum against the
+    /// manifest, the header, the directory, the shard count and totals against the manifest's,
+    /// and sidecars only where the schema has columns for them. Blocks are read and checked on
+    /// first use. `object` names the table in errors.
+    pub fn attach_table(&mut self, reader: Arc<dyn TableReader>, object: &str) -> Result<()> {
         let bad = |reason: String| Error::Manifest {
             object: object.to_owned(),
             reason,
@@ -425,45 +810,30 @@ impl Manifest {
             .shard_table
             .as_ref()
             .ok_or_else(|| bad("the manifest names no shard table".into()))?;
-        if bytes.len() as u64 != r.bytes {
-            return Err(bad(format!("{} bytes, the manifest says {}", bytes.len(), r.bytes)));
+        let head = reader.read(0..shard_table_head_len(r.shards))?;
+        if head.len() as u64 != shard_table_head_len(r.shards) {
+            return Err(bad(format!(
+                "its head is {} bytes, {} shards need {}",
+                head.len(),
+                r.shards,
+                shard_table_head_len(r.shards)
+            )));
         }
-        let sum = xxh3_64(&bytes);
+        let sum = xxh3_64(&head);
         if Some(sum) != hex16(&r.checksum) {
             return Err(bad(format!(
                 "checksum {sum:016x}, the manifest says {}: the table was edited or damaged",
                 r.checksum
             )));
         }
-        let t = ShardTable::parse(bytes).map_err(bad)?;
+        let t = ShardTable::open(head, reader, object).map_err(bad)?;
         if t.len() as u64 != r.shards {
             return Err(bad(format!("{} shards, the manifest says {}", t.len(), r.shards)));
         }
-        let (mut samples, mut total) = (0u64, 0u64);
-        let mut prev: Option<u64> = None;
-        for i in 0..t.len() {
-            let (n, b, k) = (t.field(i, 0), t.field(i, 1), t.field(i, 3));
-            if n > crate::format::SHARD_SAMPLES_MAX {
-                return Err(bad(format!(
-                    "shard {i} claims {n} samples, over the shard limit of {}",
-                    crate::format::SHARD_SAMPLES_MAX
-                )));
-            }
-            if prev.is_some_and(|p| k <= p) {
-                return Err(bad(format!("shard {i}: key index {k} does not rise")));
-            }
-            prev = Some(k);
-            samples = samples
-                .checked_add(n)
-                .ok_or_else(|| bad("sample counts overflow 64 bits".into()))?;
-            total = total
-                .checked_add(b)
-                .ok_or_else(|| bad("byte counts overflow 64 bits".into()))?;
-        }
-        if samples != self.samples || total != self.bytes {
+        if t.samples != self.samples || t.bytes != self.bytes {
             return Err(bad(format!(
-                "its shards hold {samples} samples in {total} bytes; the manifest says {} in {}",
-                self.samples, self.bytes
+                "its shards hold {} samples in {} bytes; the manifest says {} in {}",
+                t.samples, t.bytes, self.samples, self.bytes
             )));
         }
         if t.columns && self.schema.without_bytes().is_none() {
@@ -535,7 +905,7 @@ impl Manifest {
             if r.shards > u32::MAX as u64 {
                 return Err(bad(format!("{} shards exceeds the limit of {}", r.shards, u32::MAX)));
             }
-            let want = SHARD_TABLE_HEADER_LEN as u64 + r.shards * SHARD_TABLE_RECORD_LEN as u64;
+            let want = shard_table_len(r.shards);
             if r.bytes != want || r.bytes > SHARD_TABLE_BYTES_MAX {
                 return Err(bad(format!(
                     "its shard table of {} shards must be {want} bytes (at most {SHARD_TABLE_BYTES_MAX}), not {}",
@@ -604,32 +974,31 @@ impl Manifest {
         Ok(m)
     }
 
-    /// Index of the shard holding global sample `index`, and the sample's index inside it:
-    /// a binary search of the shards' prefix sums (built once), `O(log shards)`.
-    pub fn locate(&self, index: u64) -> Option<(usize, u64)> {
-        let starts = self.starts_with_total();
-        if index >= *starts.last().expect("at least the total") {
-            return None;
+    /// Index of the shard holding global sample `index`, and the sample's index inside it
+    /// (`None` past the end): a binary search of the shards' prefix sums, `O(log shards)`.
+    pub fn locate(&self, index: u64) -> Result<Option<(usize, u64)>> {
+        match (&self.table, &self.shard_table) {
+            (Some(t), _) => t.locate(index),
+            (None, Some(_)) => Err(self.no_table()),
+            (None, None) => {
+                let starts = self.listed_starts();
+                if index >= *starts.last().expect("at least the total") {
+                    return Ok(None);
+                }
+                let i = starts.partition_point(|&s| s <= index) - 1;
+                Ok(Some((i, index - starts[i])))
+            }
         }
-        let i = starts.partition_point(|&s| s <= index) - 1;
-        Some((i, index - starts[i]))
     }
 
-    /// Global index of each shard's first sample.
-    pub fn shard_starts(&self) -> Vec<u64> {
-        let s = self.starts_with_total();
-        s[..s.len() - 1].to_vec()
-    }
-
-    /// Each shard's first global sample, then the total (`shards + 1` entries).
-    fn starts_with_total(&self) -> &Arc<Vec<u64>> {
+    /// Each listed shard's first global sample, then the total (`shards + 1` entries).
+    fn listed_starts(&self) -> &Arc<Vec<u64>> {
         self.starts.get_or_init(|| {
-            let n = self.shard_count();
-            let mut v = Vec::with_capacity(n + 1);
+            let mut v = Vec::with_capacity(self.shards.len() + 1);
             let mut acc = 0u64;
             v.push(0);
-            for i in 0..n {
-                acc += self.shard_samples(i);
+            for s in &self.shards {
+                acc += s.samples;
                 v.push(acc);
             }
             Arc::new(v)
@@ -709,24 +1078,38 @@ mod tests {
         Schema::new([("x".to_string(), ColumnType::Int64)]).unwrap()
     }
 
+    fn whole(t: &ShardTable) -> Arc<dyn TableReader> {
+        Arc::new(WholeTable(t.as_bytes().unwrap().clone()))
+    }
+
     /// Built, stored and attached, a table gives back the shards it was built from, and a
-    /// manifest with it answers like the listed one.
+    /// manifest with it answers like the listed one; blocks are read only when used.
     #[test]
     fn a_shard_table_round_trips() {
-        let shards = infos(50);
+        let shards = infos(2500);
         let listed = Manifest::new("t", schema(), Default::default(), shards.clone());
         let t = ShardTable::build(&shards).unwrap();
+        assert_eq!(t.as_bytes().unwrap().len() as u64, shard_table_len(2500));
         let m = Manifest::with_table("t", schema(), Default::default(), t.clone(), "tables/x.rjt");
         let mut read = Manifest::parse(&m.to_bytes(), "m").unwrap();
-        assert_eq!(read.shard_count(), 50);
-        assert!(read.get_shard(0).is_none(), "not attached yet");
-        read.attach_table(t.as_bytes().clone(), "tables/x.rjt").unwrap();
-        assert_eq!(read.shards().collect::<Vec<_>>(), shards);
+        assert_eq!(read.shard_count(), 2500);
+        assert!(read.shard(0).is_err(), "not attached yet");
+        read.attach_table(whole(&t), "tables/x.rjt").unwrap();
+        assert_eq!(read.table().unwrap().loaded_blocks(), 0, "the head alone");
+        assert_eq!(read.shard(2100).unwrap(), shards[2100]);
+        assert_eq!(read.table().unwrap().loaded_blocks(), 1);
+        assert_eq!(read.shards().map(|s| s.unwrap()).collect::<Vec<_>>(), shards);
         assert_eq!((read.samples, read.bytes), (listed.samples, listed.bytes));
-        for g in 0..listed.samples + 1 {
-            assert_eq!(read.locate(g), listed.locate(g));
+        for g in (0..listed.samples + 1)
+            .step_by(7)
+            .chain([listed.samples - 1, listed.samples])
+        {
+            assert_eq!(read.locate(g).unwrap(), listed.locate(g).unwrap(), "{g}");
         }
-        assert_eq!(read.shard_starts(), listed.shard_starts());
+        for i in [0, 1023, 1024, 2499] {
+            assert_eq!(read.shard_start(i).unwrap(), listed.shard_start(i).unwrap());
+        }
+        assert!(read.shard(2500).is_err() && listed.shard(2500).is_err());
     }
 
     /// Keys not named as pack names them, and key indices that do not rise, cannot be put in
@@ -741,33 +1124,64 @@ mod tests {
         assert!(ShardTable::build(&s).unwrap_err().contains("rise"));
     }
 
-    /// A table whose records contradict the manifest (totals), exceed the shard limit, or
-    /// whose header lies about its length, is refused with the reason.
+    /// A table whose totals contradict the manifest, whose head or a block was changed, or
+    /// whose records exceed the shard limit (checksums made to agree), is refused with the
+    /// reason: the head when attached, a block when first used.
     #[test]
     fn a_table_that_contradicts_its_manifest_is_refused() {
-        let shards = infos(4);
+        let shards = infos(1500);
         let t = ShardTable::build(&shards).unwrap();
         let mut m = Manifest::with_table("t", schema(), Default::default(), t.clone(), "t.rjt");
         m.samples += 1;
         m.version = m.compute_version();
         let mut m = Manifest::parse(&m.to_bytes(), "m").unwrap();
-        let e = m.attach_table(t.as_bytes().clone(), "t.rjt").unwrap_err().to_string();
+        let e = m.attach_table(whole(&t), "t.rjt").unwrap_err().to_string();
         assert!(e.contains("the manifest says"), "{e}");
-        // A record claiming too many samples, with the manifest made to agree.
-        let mut raw = t.as_bytes().to_vec();
-        raw[SHARD_TABLE_HEADER_LEN..SHARD_TABLE_HEADER_LEN + 8].copy_from_slice(&u64::MAX.to_le_bytes());
-        let bad = ShardTable::parse(Bytes::from(raw)).unwrap();
-        let mut m = Manifest::with_table("t", schema(), Default::default(), bad.clone(), "t.rjt");
-        m.samples = 0;
-        m.version = m.compute_version();
+        // A flipped byte in a record of block 1: the head is sound, the block is refused.
+        let ok = Manifest::with_table("t", schema(), Default::default(), t.clone(), "t.rjt");
+        let head = shard_table_head_len(1500) as usize;
+        let mut raw = t.as_bytes().unwrap().to_vec();
+        raw[head + 1100 * SHARD_TABLE_RECORD_LEN] ^= 1;
+        let mut m = Manifest::parse(&ok.to_bytes(), "m").unwrap();
+        m.attach_table(Arc::new(WholeTable(Bytes::from(raw))), "t.rjt").unwrap();
+        assert_eq!(m.shard(5).unwrap(), shards[5]);
+        let e = m.shard(1100).unwrap_err().to_string();
+        assert!(
+            e.contains("t.rjt") && e.contains("block 1") && e.contains("checksum"),
+            "{e}"
+        );
+        // A flipped byte in the directory: refused when attached.
+        let mut raw = t.as_bytes().unwrap().to_vec();
+        raw[SHARD_TABLE_HEADER_LEN + 2] ^= 1;
+        let mut m = Manifest::parse(&ok.to_bytes(), "m").unwrap();
+        let e = m
+            .attach_table(Arc::new(WholeTable(Bytes::from(raw))), "t.rjt")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("checksum") && e.contains("t.rjt"), "{e}");
+        // A record claiming too many samples (its block's checksum and the totals agree).
+        let mut s = infos(3);
+        s[0].samples = crate::format::SHARD_SAMPLES_MAX + 1;
+        let bad = ShardTable::build(&s).unwrap();
+        let m = Manifest::with_table("t", schema(), Default::default(), bad.clone(), "t.rjt");
         let mut m = Manifest::parse(&m.to_bytes(), "m").unwrap();
-        let e = m.attach_table(bad.as_bytes().clone(), "t.rjt").unwrap_err().to_string();
+        m.attach_table(whole(&bad), "t.rjt").unwrap();
+        let e = m.shard(2).unwrap_err().to_string();
         assert!(e.contains("over the shard limit"), "{e}");
+        // A directory whose block claims more than its shards could hold.
+        s[1].samples = u64::MAX / 4;
+        assert!(ShardTable::build(&s).unwrap_err().contains("out of order"));
         // A header that counts one shard more than the bytes hold.
-        let mut raw = t.as_bytes().to_vec();
-        raw[8..16].copy_from_slice(&5u64.to_le_bytes());
+        let mut raw = t.as_bytes().unwrap().to_vec();
+        raw[8..16].copy_from_slice(&1501u64.to_le_bytes());
         assert!(ShardTable::parse(Bytes::from(raw))
             .unwrap_err()
-            .contains("header says 5"));
+            .contains("header says 1501"));
+        // The first layout is named, not misread.
+        let mut raw = t.as_bytes().unwrap().to_vec();
+        raw[..8].copy_from_slice(b"RJSTAB01");
+        assert!(ShardTable::parse(Bytes::from(raw))
+            .unwrap_err()
+            .contains("pack the dataset again"));
     }
 }

@@ -6,8 +6,9 @@ mod schema;
 mod shard;
 
 pub use manifest::{
-    validate_key, ColumnsInfo, Manifest, ShardInfo, ShardTable, ShardTableRef, MANIFEST_BYTES_MAX, MANIFEST_FORMAT,
-    MANIFEST_NAME, MANIFEST_VERSION, MANIFEST_VERSION_TABLE, SHARD_TABLE_AUTO_MIN, SHARD_TABLE_HEADER_LEN,
+    shard_table_head_len, shard_table_len, validate_key, ColumnsInfo, Manifest, ShardInfo, ShardTable, ShardTableRef,
+    TableReader, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, MANIFEST_VERSION_TABLE,
+    SHARD_TABLE_AUTO_MIN, SHARD_TABLE_BLOCK_RECORDS, SHARD_TABLE_DIR_ENTRY_LEN, SHARD_TABLE_HEADER_LEN,
     SHARD_TABLE_MAGIC, SHARD_TABLE_RECORD_LEN,
 };
 pub use schema::{decode_record, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef, COLUMNS_MAX};

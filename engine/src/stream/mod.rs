@@ -101,6 +101,11 @@ pub struct StreamConfig {
     /// At most this many samples are fetched individually (ranged GETs, merged per shard)
     /// while the first shards download, so the first batch costs a few GET latencies.
     pub first_ranged_samples_max: usize,
+    /// After those, samples go on being fetched individually while no whole shard has
+    /// arrived yet, up to this many bytes of records: on a slow link the consumer is fed
+    /// while the first shard downloads instead of waiting for it (0: stop after
+    /// `first_ranged_samples_max`).
+    pub ranged_until_shard_bytes_max: u64,
     /// Epochs to run; `None` runs until dropped.
     pub epochs: Option<u64>,
     /// Where to start: the job's progress in some epoch (see [`StreamState::job_progress`]).
@@ -123,6 +128,11 @@ pub struct StreamConfig {
     /// cache) holds the whole shards it warms the cache with, up to this many bytes, for the
     /// epoch, and slices their samples from memory instead of reading them one by one.
     pub resident_bytes_max: u64,
+    /// Samples read one by one from the disk cache (the global shuffle beyond
+    /// `resident_bytes_max`): their shards' indexes (24 bytes a sample) are held in memory, so
+    /// a sample costs one read instead of two, when the indexes of all the sources fit in this
+    /// many bytes. Otherwise every sample reads its entry too.
+    pub index_bytes_max: u64,
 }
 
 impl StreamConfig {
@@ -154,12 +164,14 @@ impl Default for StreamConfig {
             ranges_in_flight_max: 4,
             shards_in_flight_max: 4,
             first_ranged_samples_max: 64,
+            ranged_until_shard_bytes_max: 32 << 20,
             epochs: Some(1),
             resume: None,
             resume_consumer: None,
             first_epoch: 0,
             provider: None,
             resident_bytes_max: 1 << 30,
+            index_bytes_max: 256 << 20,
         }
     }
 }
@@ -193,9 +205,23 @@ impl Sample {
 
 struct Source {
     ds: Dataset,
-    starts: Vec<u64>,
-    ids: Vec<ShardId>,
     schema: Arc<Schema>,
+}
+
+impl Source {
+    /// Shard `shard`'s identity in the cache (its size and checksum).
+    fn id(&self, shard: usize) -> Result<ShardId> {
+        let (bytes, checksum) = self.ds.manifest().shard_bytes_checksum(shard)?;
+        Ok(ShardId { checksum, bytes })
+    }
+
+    /// URL of shard `shard` at the origin (the dataset's URL when the shard table cannot say).
+    fn shard_url(&self, shard: usize) -> String {
+        match self.ds.manifest().shard(shard) {
+            Ok(info) => self.ds.store().url(&info.key),
+            Err(_) => format!("{} shard {shard}", self.ds.manifest_url()),
+        }
+    }
 }
 
 /// Unit of the pending-insert budget (a semaphore permit per MiB).
@@ -218,9 +244,45 @@ struct Shared {
     /// same chain (streams that stand for different hosts, as in the cluster benchmark, never
     /// share one).
     chain: u64,
+    /// Indexes of cached shards read one sample at a time, when every source's fits in
+    /// `index_bytes_max` (`None` otherwise).
+    indexes: Option<std::sync::Mutex<HeldIndexes>>,
 }
 
 type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
+
+/// Indexes of cached shards held by a stream, by (stream, shard).
+type HeldIndexes = HashMap<(u32, u32), Arc<Vec<u8>>>;
+
+/// Hashes the consumer's `(epoch, position)` keys (a million an epoch under the global shuffle,
+/// where SipHash was 4% of the CPU): positions are the stream's own, not an attacker's, so a
+/// bijective mix is enough.
+#[derive(Default, Clone, Copy)]
+struct PositionHash;
+
+impl std::hash::BuildHasher for PositionHash {
+    type Hasher = PositionHasher;
+    fn build_hasher(&self) -> PositionHasher {
+        PositionHasher(0)
+    }
+}
+
+/// See [`PositionHash`].
+struct PositionHasher(u64);
+
+impl std::hash::Hasher for PositionHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = crate::order::mix64(self.0 ^ *b as u64);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = crate::order::mix64(self.0.rotate_left(29) ^ v);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
 
 /// What the prefetcher sends the consumer, in this order for each epoch: the plan, then (at
 /// the start of a stream) samples read one by one, then whole shards.
@@ -239,6 +301,9 @@ enum Msg {
         uses: u64,
         bytes: Result<Bytes>,
     },
+    /// The prefetcher cannot go on (the order could not be computed: a shard table block
+    /// could not be read or failed its check).
+    Failed(Error),
 }
 
 #[derive(Clone)]
@@ -292,7 +357,7 @@ pub struct Stream {
     live: HashMap<ShardKey, Live>,
     /// Samples the prefetcher read one by one (at the start, and all of them under the global
     /// shuffle), by (epoch, position).
-    ranged_ready: HashMap<(u64, u64), Result<Bytes>>,
+    ranged_ready: HashMap<(u64, u64), Result<Bytes>, PositionHash>,
     prefetch: tokio::task::JoinHandle<()>,
     /// Open readers of cached shard files, for samples read one by one (global shuffle,
     /// random access): a sample then costs its two reads, not three more to open the shard.
@@ -375,29 +440,19 @@ impl Stream {
         };
         let mut sources = Vec::new();
         for sc in &cfg.sources {
-            let ds = rt.block_on(Dataset::open(&sc.url))?;
-            let m = ds.manifest();
-            let ids = (0..m.shard_count())
-                .map(|i| {
-                    let (bytes, checksum) = m.shard_bytes_checksum(i);
-                    ShardId { checksum, bytes }
-                })
-                .collect();
+            let ds = rt.block_on(Dataset::open_to_stream(&sc.url))?;
             sources.push(Source {
-                starts: m.shard_starts(),
-                ids,
-                schema: Arc::new(m.schema.clone()),
+                schema: Arc::new(ds.manifest().schema.clone()),
                 ds,
             });
         }
+        // Nothing here is per shard: the order reads the shards' counts as it reaches them.
         let shapes: Vec<StreamShape> = sources
             .iter()
             .zip(&cfg.sources)
             .map(|(s, sc)| StreamShape {
                 version: s.ds.manifest().version.clone(),
-                shard_samples: (0..s.ds.manifest().shard_count())
-                    .map(|i| s.ds.manifest().shard_samples(i))
-                    .collect(),
+                counts: s.ds.manifest().shard_counts(),
                 weight: sc.weight,
             })
             .collect();
@@ -437,13 +492,8 @@ impl Stream {
         };
         checked_epoch_positions(&shapes)?;
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
-        let largest = sources
-            .iter()
-            .flat_map(|s| s.ids.iter().map(|i| i.bytes))
-            .max()
-            .unwrap_or(0);
-        let insert_permits =
-            (cfg.prefetch_bytes_max.max(largest) / INSERT_PERMIT_BYTES + 1).min(u32::MAX as u64) as u32;
+        // A shard larger than the whole budget takes all of it (permits are clamped).
+        let insert_permits = (cfg.prefetch_bytes_max / INSERT_PERMIT_BYTES + 1).min(u32::MAX as u64) as u32;
         let chain = {
             let provider = cfg
                 .provider
@@ -452,7 +502,15 @@ impl Stream {
             let dir = cfg.cache.as_ref().map(|c| c.dir.clone());
             xxhash_rust::xxh3::xxh3_64(format!("{provider}\0{dir:?}").as_bytes())
         };
+        // 24 bytes of index per sample: held for every shard read one sample at a time from the
+        // cache, when they all fit.
+        let index_bytes = sources
+            .iter()
+            .map(|s| s.ds.manifest().samples.saturating_mul(crate::format::INDEX_ENTRY_LEN))
+            .fold(0u64, u64::saturating_add);
+        let indexes = (index_bytes <= cfg.index_bytes_max).then(Default::default);
         let shared = Arc::new(Shared {
+            indexes,
             chain,
             inserts: Arc::new(tokio::sync::Semaphore::new(insert_permits as usize)),
             insert_permits,
@@ -469,9 +527,15 @@ impl Stream {
         let avg_shard = shared
             .sources
             .iter()
-            .flat_map(|s| s.ids.iter().map(|i| i.bytes))
+            .map(|s| s.ds.manifest().bytes)
             .sum::<u64>()
-            .checked_div(shared.sources.iter().map(|s| s.ids.len() as u64).sum::<u64>())
+            .checked_div(
+                shared
+                    .sources
+                    .iter()
+                    .map(|s| s.ds.manifest().shard_count() as u64)
+                    .sum::<u64>(),
+            )
             .unwrap_or(1)
             .max(1);
         let ahead = (cfg.prefetch_bytes_max / avg_shard).clamp(1, 64) as usize;
@@ -492,10 +556,7 @@ impl Stream {
         // ahead` large (the channel then holds about `prefetch_bytes_max`).
         let per_sample = per_sample.then(|| {
             let (bytes, samples) = shared.sources.iter().fold((0u64, 0u64), |(b, n), s| {
-                (
-                    b + s.ids.iter().map(|i| i.bytes).sum::<u64>(),
-                    n + s.starts.last().copied().unwrap_or(0),
-                )
+                (b + s.ds.manifest().bytes, n + s.ds.manifest().samples)
             });
             let avg = bytes.checked_div(samples).unwrap_or(1).max(1);
             (cfg.prefetch_bytes_max / ahead as u64 / avg).clamp(8, SAMPLE_BATCH_MAX as u64) as usize
@@ -511,7 +572,7 @@ impl Stream {
             cursor: 0,
             order_cursor: None,
             live: HashMap::new(),
-            ranged_ready: HashMap::new(),
+            ranged_ready: HashMap::default(),
             prefetch,
             readers: Default::default(),
             resident: Default::default(),
@@ -544,8 +605,7 @@ impl Stream {
 
     /// URL of a shard of a source.
     pub fn shard_url(&self, stream: u32, shard: u32) -> String {
-        let ds = &self.shared.sources[stream as usize].ds;
-        ds.store().url(&ds.manifest().shard(shard as usize).key)
+        self.shared.sources[stream as usize].shard_url(shard as usize)
     }
 
     /// Counters so far.
@@ -603,14 +663,14 @@ impl Stream {
                 self.ranged_ready
                     .extend(samples.into_iter().map(|(position, r)| ((epoch, position), r)));
             }
+            Msg::Failed(e) => return Err(e),
             Msg::Shard { key, uses, bytes } => {
                 let bytes = bytes?;
                 if let Some(live) = self.live.get_mut(&key) {
                     // The shard is used again in a later group of the order while still held.
                     live.uses_left += uses;
                 } else if uses > 0 {
-                    let src = &self.shared.sources[key.1 as usize];
-                    let url = src.ds.store().url(&src.ds.manifest().shard(key.2 as usize).key);
+                    let url = self.shared.sources[key.1 as usize].shard_url(key.2 as usize);
                     let header = crate::format::Header::parse(&bytes[..64], &url)?;
                     self.live.insert(
                         key,
@@ -652,7 +712,7 @@ impl Stream {
         }
         let plan = self.plan.clone().expect("plan set above");
         let position = plan.deal.position(self.cursor as u64);
-        let (id, _) = self.order_cursor.as_mut().expect("set with the plan").at(position);
+        let (id, _) = self.order_cursor.as_mut().expect("set with the plan").at(position)?;
         let key = (plan.epoch, id.stream, id.shard);
         // Take messages up to the one that holds this sample (they come in the order the
         // consumer needs them), and no further: shards held here are outside the channel's
@@ -685,7 +745,7 @@ impl Stream {
             epoch: plan.epoch,
             position,
             id,
-            global_index: src.starts[id.shard as usize] + id.index as u64,
+            global_index: src.ds.manifest().shard_start(id.shard as usize)? + id.index as u64,
             record,
             schema: src.schema.clone(),
         }))
@@ -706,8 +766,7 @@ fn slice_record(live: &Live, id: SampleRef, shared: &Shared) -> Result<Bytes> {
     let o = crate::format::Header::entry_offset(id.index as u64) as usize;
     let e = IndexEntry::parse(&live.bytes[o..o + INDEX_ENTRY_LEN as usize]);
     if let Err(err) = e.check_bounds(&live.header, live.bytes.len() as u64, &Location::sample("", 0)) {
-        let src = &shared.sources[id.stream as usize];
-        let url = src.ds.store().url(&src.ds.manifest().shard(id.shard as usize).key);
+        let url = shared.sources[id.stream as usize].shard_url(id.shard as usize);
         return Err(Error::corrupt(Location::sample(url, id.index as u64), err.to_string()));
     }
     Ok(live.bytes.slice(e.offset as usize..(e.offset + e.len) as usize))

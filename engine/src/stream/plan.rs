@@ -1,5 +1,6 @@
 //! The plan: pure functions of the manifests, the order settings, the epoch and the resume
-//! point. No I/O, and nothing per sample: positions and samples are computed as they are read.
+//! point. Nothing per sample or per shard (a shard table's block of counts is read when the
+//! order first reaches it): positions and samples are computed as they are read.
 
 use super::*;
 use crate::order::{Deal, EpochOrder};
@@ -23,8 +24,8 @@ impl EpochPlan {
     }
 }
 
-pub(super) fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress, skip: usize) -> EpochPlan {
-    let order = Arc::new(EpochOrder::new(&shared.shapes, &shared.cfg.order, epoch));
+pub(super) fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress, skip: usize) -> Result<EpochPlan> {
+    let order = Arc::new(EpochOrder::new(&shared.shapes, &shared.cfg.order, epoch)?);
     let topo = shared.cfg.topology;
     let len = effective_len(order.len(), topo.consumers() as u64, shared.cfg.order.tail);
     let deal = if order.is_empty() {
@@ -32,12 +33,12 @@ pub(super) fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress, skip:
     } else {
         base.deal(len, topo.consumer(), topo.consumers())
     };
-    EpochPlan {
+    Ok(EpochPlan {
         epoch,
         order,
         len,
         skip: skip.min(deal.len() as usize),
         base,
         deal,
-    }
+    })
 }

@@ -27,7 +27,13 @@ pub(super) async fn prefetcher(
         if shared.cfg.epochs.is_some_and(|n| epoch >= n) {
             return;
         }
-        let plan = Arc::new(plan_epoch(&shared, epoch, base, std::mem::take(&mut skip)));
+        let plan = match plan_epoch(&shared, epoch, base, std::mem::take(&mut skip)) {
+            Ok(p) => Arc::new(p),
+            Err(e) => {
+                let _ = tx.send(Msg::Failed(e)).await;
+                return;
+            }
+        };
         if tx.send(Msg::Epoch(plan.clone())).await.is_err() {
             return;
         }
@@ -69,11 +75,12 @@ impl ShardUses {
 }
 
 impl Iterator for ShardUses {
-    type Item = ((u32, u32), u64);
+    /// A shard and its uses; an error (the order could not be computed) ends the walk.
+    type Item = Result<((u32, u32), u64)>;
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             if let Some(x) = self.pending.pop_front() {
-                return Some(x);
+                return Some(Ok(x));
             }
             let n = self.plan.deal.len();
             if self.k >= n {
@@ -83,7 +90,13 @@ impl Iterator for ShardUses {
             let mut first_use: Vec<(u32, u32)> = Vec::new();
             let mut uses: HashMap<(u32, u32), u64> = HashMap::new();
             while self.k < n {
-                let (id, g) = self.cursor.at(self.plan.deal.position(self.k));
+                let (id, g) = match self.cursor.at(self.plan.deal.position(self.k)) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        self.k = n;
+                        return Some(Err(e));
+                    }
+                };
                 if group.is_some_and(|x| x != g) {
                     break;
                 }
@@ -117,7 +130,7 @@ impl FirstTouch {
             seen: shared
                 .sources
                 .iter()
-                .map(|s| vec![0u64; s.ids.len().div_ceil(64)])
+                .map(|s| vec![0u64; s.ds.manifest().shard_count().div_ceil(64)])
                 .collect(),
             plan,
         }
@@ -125,18 +138,26 @@ impl FirstTouch {
 }
 
 impl Iterator for FirstTouch {
-    type Item = (u32, u32);
+    /// A shard; an error (the order could not be computed) ends the walk.
+    type Item = Result<(u32, u32)>;
     fn next(&mut self) -> Option<Self::Item> {
         while self.k < self.plan.deal.len() {
-            let (id, _) = self.cursor.at(self.plan.deal.position(self.k));
+            let at = self.cursor.at(self.plan.deal.position(self.k));
             self.k += 1;
+            let id = match at {
+                Ok((id, _)) => id,
+                Err(e) => {
+                    self.k = self.plan.deal.len();
+                    return Some(Err(e));
+                }
+            };
             let (word, bit) = (
                 &mut self.seen[id.stream as usize][id.shard as usize / 64],
                 id.shard % 64,
             );
             if *word & (1 << bit) == 0 {
                 *word |= 1 << bit;
-                return Some((id.stream, id.shard));
+                return Some(Ok((id.stream, id.shard)));
             }
         }
         None
@@ -157,9 +178,12 @@ async fn shard_epoch(
     let (sh, uses) = (shared.clone(), ShardUses::new(plan.clone()));
     let mut start_fetches = Some(move || {
         stream::iter(uses)
-            .map(move |((s, shard), n)| {
+            .map(move |u| {
                 let shared = sh.clone();
-                async move { ((s, shard), n, fetch_shard(shared, s as usize, shard as usize).await) }
+                async move {
+                    let ((s, shard), n) = u?;
+                    Ok(((s, shard), n, fetch_shard(shared, s as usize, shard as usize).await))
+                }
             })
             .buffered(in_flight)
     });
@@ -168,7 +192,12 @@ async fn shard_epoch(
     let (mut ranged_left, head) = match ranged {
         0 => (HashMap::new(), None),
         n => {
-            let first = FirstSamples { plan, budget: n, gate };
+            let first = FirstSamples {
+                plan,
+                budget: n,
+                bytes_max: shared.cfg.ranged_until_shard_bytes_max,
+                gate,
+            };
             match first.run(shared, tx, &mut start_fetches, &mut fetched).await {
                 Some(r) => r,
                 None => return false,
@@ -185,7 +214,14 @@ async fn shard_epoch(
             Some(item) => item,
             None => fetched.next().await,
         };
-        let Some(((s, sh), mut uses, res)) = item else { break };
+        let Some(item) = item else { break };
+        let ((s, sh), mut uses, res) = match item {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = tx.send(Msg::Failed(e)).await;
+                return false;
+            }
+        };
         // Samples already delivered one by one come first in the deal: they take off the
         // shard's earliest groups.
         if let Some(left) = ranged_left.get_mut(&(s, sh)) {
@@ -232,9 +268,13 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
     let h = held.clone();
     let mut reads = stream::iter(ranges).map(move |range| {
         let positions: Vec<u64> = range.map(|k| p.deal.position(k)).collect();
-        let ids: Vec<SampleRef> = positions.iter().map(|&g| cursor.at(g).0).collect();
+        let ids: Result<Vec<SampleRef>> = positions.iter().map(|&g| Ok(cursor.at(g)?.0)).collect();
         let (shared, held) = (sh.clone(), h.clone());
         async move {
+            let ids = match ids {
+                Ok(ids) => ids,
+                Err(e) => return Msg::Failed(e),
+            };
             let mut sliced: Vec<Option<Result<Bytes>>> = Vec::with_capacity(ids.len());
             {
                 let held = held.lock().expect("not poisoned");
@@ -267,7 +307,9 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
     });
     // The first batch alone, so the larger ones behind it do not compete for its reads.
     if let Some(first) = reads.next().await {
-        if tx.send(first.await).await.is_err() {
+        let msg = first.await;
+        let failed = matches!(msg, Msg::Failed(_));
+        if tx.send(msg).await.is_err() || failed {
             return false;
         }
     }
@@ -280,11 +322,30 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
         .then(|| FirstTouch::new(plan.clone(), shared))
         .into_iter()
         .flatten();
+    // A shard that will not be held and is in the cache already needs no warming: reading it
+    // whole would only check it (its samples are checked as they are read, and a damaged one
+    // is removed then, to be fetched again by the next epoch's warming).
+    let mut planned = 0u64;
+    let sh = shared.clone();
+    let warm_list = warm_list.filter(move |t| {
+        let Ok((s, shard)) = t else { return true };
+        let Ok(id) = sh.sources[*s as usize].id(*shard as usize) else {
+            return true;
+        };
+        if planned.saturating_add(id.bytes) <= sh.cfg.resident_bytes_max {
+            planned += id.bytes;
+            return true;
+        }
+        !sh.cache.as_ref().is_some_and(|c| c.contains(id))
+    });
     let sh = shared.clone();
     let mut warm = stream::iter(warm_list)
-        .map(move |(s, shard)| {
+        .map(move |t| {
             let shared = sh.clone();
-            async move { ((s, shard), fetch_shard(shared, s as usize, shard as usize).await) }
+            async move {
+                let (s, shard) = t?;
+                Ok(((s, shard), fetch_shard(shared, s as usize, shard as usize).await))
+            }
         })
         .buffered(shared.cfg.shards_in_flight_max.max(1));
     let mut warming = true;
@@ -294,8 +355,7 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
         if held_bytes + len > shared.cfg.resident_bytes_max || bytes.len() < 64 {
             return;
         }
-        let src = &shared.sources[s as usize];
-        let url = src.ds.store().url(&src.ds.manifest().shard(sh as usize).key);
+        let url = shared.sources[s as usize].shard_url(sh as usize);
         if let Ok(header) = crate::format::Header::parse(&bytes[..64], &url) {
             held_bytes += len;
             let live = Live {
@@ -314,19 +374,24 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
             b = batches.next(), if reading => match b {
                 None => reading = false,
                 Some(msg) => {
-                    if tx.send(msg).await.is_err() {
+                    let failed = matches!(msg, Msg::Failed(_));
+                    if tx.send(msg).await.is_err() || failed {
                         return false;
                     }
                 }
             },
             w = warm.next(), if warming => match w {
                 None => warming = false,
-                Some((key, Ok(bytes))) => {
+                Some(Ok((key, Ok(bytes)))) => {
                     if reading {
                         hold(key, bytes);
                     }
                 }
-                Some(((s, sh), Err(e))) => {
+                Some(Err(e)) => {
+                    let _ = tx.send(Msg::Failed(e)).await;
+                    return false;
+                }
+                Some(Ok(((s, sh), Err(e)))) => {
                     let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e) }).await;
                     return false;
                 }
@@ -343,17 +408,20 @@ struct FirstSamples<'a> {
     plan: &'a EpochPlan,
     /// Samples that may be read this way.
     budget: usize,
+    /// Then, bytes of records that may be read this way while no whole shard has arrived.
+    bytes_max: u64,
     /// Held by a consumer with work of its own before its first output (the loader decodes
     /// its first batch): whole-shard fetches wait until it opens, at most [`FIRST_GATE_MAX`].
     gate: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl FirstSamples<'_> {
-    /// Sends batches of samples read one by one, from the cursor on, until the budget is
-    /// spent or the first whole shard arrives (it is then returned, to be sent next, and a
-    /// batch still being read is dropped: its samples come with their shards). Whole
-    /// shards start after the first batch (once the gate, if any, opens). Returns the uses of
-    /// each shard delivered this way; `None` when the consumer went away.
+    /// Sends batches of samples read one by one, from the cursor on, until the sample budget
+    /// and then the byte budget are spent, or the first whole shard arrives (it is then
+    /// returned, to be sent next, and a batch still being read is dropped: its samples come
+    /// with their shards). Whole shards start after the first batch (once the gate, if any,
+    /// opens; at the latest when the sample budget is spent). Returns the uses of each shard
+    /// delivered this way; `None` when the consumer went away.
     async fn run<F, S>(
         self,
         shared: &Arc<Shared>,
@@ -371,18 +439,35 @@ impl FirstSamples<'_> {
         let deadline = tokio::time::Instant::now() + FIRST_GATE_MAX;
         let mut gate = self.gate;
         let mut budget = self.budget;
+        let mut bytes_left = self.bytes_max;
         let mut taken = 0;
         let mut ranged_uses: HashMap<(u32, u32), u64> = HashMap::new();
         let mut head = None;
-        while budget > 0 && taken < dealt && head.is_none() {
+        while (budget > 0 || bytes_left > 0) && taken < dealt && head.is_none() {
+            if fetched.is_none() && budget == 0 {
+                // Past the first samples only while the first shard downloads: it must start.
+                if let Some(g) = gate.as_mut() {
+                    let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
+                }
+                *fetched = start_fetches.take().map(|f| f());
+            }
             if fetched.is_none() && taken > 0 && gate_open(&gate, deadline) {
                 *fetched = start_fetches.take().map(|f| f());
             }
-            let n = RANGED_AHEAD_MAX.min(budget).min(dealt - taken);
+            let n = RANGED_AHEAD_MAX
+                .min(if budget > 0 { budget } else { usize::MAX })
+                .min(dealt - taken);
             let batch: Vec<u64> = (plan.skip + taken..plan.skip + taken + n)
                 .map(|k| plan.deal.position(k as u64))
                 .collect();
-            let ids: Vec<SampleRef> = batch.iter().map(|&p| cursor.at(p).0).collect();
+            let ids: Result<Vec<SampleRef>> = batch.iter().map(|&p| Ok(cursor.at(p)?.0)).collect();
+            let ids = match ids {
+                Ok(ids) => ids,
+                Err(e) => {
+                    let _ = tx.send(Msg::Failed(e)).await;
+                    return None;
+                }
+            };
             let read = read_samples(shared, &ids);
             tokio::pin!(read);
             let got = match fetched.as_mut() {
@@ -401,6 +486,7 @@ impl FirstSamples<'_> {
                 None => Some(read.await),
             };
             let Some((records, from_origin)) = got else { break };
+            let got_bytes: u64 = records.iter().map(|r| r.as_ref().map_or(0, |b| b.len() as u64)).sum();
             for id in &ids {
                 *ranged_uses.entry((id.stream, id.shard)).or_default() += 1;
             }
@@ -412,7 +498,12 @@ impl FirstSamples<'_> {
             if tx.send(msg).await.is_err() {
                 return None;
             }
-            budget -= n;
+            if budget > 0 {
+                budget -= n;
+            } else {
+                // At least a page a sample, so failing reads cannot go on for ever.
+                bytes_left = bytes_left.saturating_sub(got_bytes.max(n as u64 * 4096));
+            }
             taken += n;
         }
         if fetched.is_none() {

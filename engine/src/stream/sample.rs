@@ -47,7 +47,7 @@ impl Stream {
             .sources
             .get(stream)
             .ok_or_else(|| Error::invalid(format!("stream {stream}"), "no such stream"))?;
-        let (shard, index) = src.ds.manifest().locate(global_index).ok_or_else(|| {
+        let (shard, index) = src.ds.manifest().locate(global_index)?.ok_or_else(|| {
             Error::invalid(
                 format!("{} sample {global_index}", src.ds.manifest_url()),
                 format!("the dataset has {} samples", src.ds.manifest().samples),
@@ -93,8 +93,10 @@ impl Stream {
     /// than the budget. At most `shards_in_flight_max` load at once.
     pub(super) fn load_in_background(&self, key: (u32, u32)) {
         let max = self.shared.cfg.resident_bytes_max;
-        let size = self.shared.sources[key.0 as usize].ids[key.1 as usize].bytes;
-        if size > max {
+        let Ok(id) = self.shared.sources[key.0 as usize].id(key.1 as usize) else {
+            return;
+        };
+        if id.bytes > max {
             return;
         }
         {
@@ -107,8 +109,7 @@ impl Stream {
         self.rt.spawn(async move {
             let _slot = slots.acquire_owned().await.expect("semaphore open");
             let got = fetch_shard(shared.clone(), key.0 as usize, key.1 as usize).await;
-            let src = &shared.sources[key.0 as usize];
-            let url = src.ds.store().url(&src.ds.manifest().shard(key.1 as usize).key);
+            let url = shared.sources[key.0 as usize].shard_url(key.1 as usize);
             let live = got.and_then(|bytes| {
                 let head = bytes
                     .get(..64)
@@ -154,7 +155,7 @@ impl Stream {
             return Some(r.clone());
         }
         let cache = self.shared.cache.as_ref()?;
-        let sid = self.shared.sources[id.stream as usize].ids[id.shard as usize];
+        let sid = self.shared.sources[id.stream as usize].id(id.shard as usize).ok()?;
         // Pinned against eviction while this stream holds it (at most `OPEN_READERS_MAX`).
         let shard = cache.shard(sid).ok()??;
         let reader = shard.records().ok()?;

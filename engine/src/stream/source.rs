@@ -17,22 +17,49 @@ pub(super) async fn read_samples(shared: &Arc<Shared>, ids: &[SampleRef]) -> (Ve
         Some(cache) => {
             let (sh, want) = (shared.clone(), ids.to_vec());
             blocking("cache task", move || {
-                let mut open: HashMap<(u32, u32), Option<CachedReader>> = HashMap::new();
-                Ok(want
-                    .iter()
-                    .map(|id| {
-                        let r = open.entry((id.stream, id.shard)).or_insert_with(|| {
-                            let sid = sh.sources[id.stream as usize].ids[id.shard as usize];
-                            let shard = cache.shard(sid).ok()??;
-                            let reader = shard.records().ok()?;
-                            Some(Arc::new((shard, reader)))
-                        });
-                        // A damaged record is read from the origin instead.
-                        let rec = r.as_ref()?.1.read_record(id.index as u64).ok()?;
-                        Metrics::add(&sh.metrics.cache_bytes, rec.len() as u64);
-                        Some(Bytes::from(rec))
-                    })
-                    .collect())
+                // Read in shard and index order (near one another in each file), each shard
+                // opened once; the results go back to their places.
+                let mut order: Vec<usize> = (0..want.len()).collect();
+                order.sort_unstable_by_key(|&k| want[k]);
+                let mut open: HashMap<(u32, u32), Option<OpenCached>> = HashMap::new();
+                let mut out: Vec<Option<Bytes>> = vec![None; want.len()];
+                let mut damaged = Vec::new();
+                for k in order {
+                    let id = want[k];
+                    let r = open.entry((id.stream, id.shard)).or_insert_with(|| {
+                        let sid = sh.sources[id.stream as usize].id(id.shard as usize).ok()?;
+                        let shard = cache.shard(sid).ok()??;
+                        let reader = shard.records().ok()?;
+                        let index = shard_index(&sh, (id.stream, id.shard), &reader);
+                        Some((Arc::new((shard, reader)), index))
+                    });
+                    let Some((reader, index)) = r.as_ref() else {
+                        continue;
+                    };
+                    let rec = match index {
+                        Some(ix) => reader.1.read_record_indexed(ix, id.index as u64),
+                        None => reader.1.read_record(id.index as u64),
+                    };
+                    match rec {
+                        Ok(rec) => {
+                            Metrics::add(&sh.metrics.cache_bytes, rec.len() as u64);
+                            out[k] = Some(Bytes::from(rec));
+                        }
+                        // A damaged record is read from the origin instead, and the damaged
+                        // copy is removed (the next epoch's warming fetches it again).
+                        Err(Error::Corrupt { .. }) => damaged.push(((id.stream, id.shard), reader.clone())),
+                        Err(_) => {}
+                    }
+                }
+                damaged.dedup_by_key(|d| d.0);
+                for (key, reader) in damaged {
+                    // The held index may be what is damaged: it is read again with the copy.
+                    if let Some(held) = &sh.indexes {
+                        held.lock().expect("not poisoned").remove(&key);
+                    }
+                    cache.remove_copy(&reader.0);
+                }
+                Ok(out)
             })
             .await
             .unwrap_or_else(|_| vec![None; ids.len()])
@@ -54,6 +81,22 @@ pub(super) async fn read_samples(shared: &Arc<Shared>, ids: &[SampleRef]) -> (Ve
         })
         .collect();
     (records, remote.len() as u64)
+}
+
+/// A cached shard open for reading samples one by one: its reader and its held index (if any).
+type OpenCached = (CachedReader, Option<Arc<Vec<u8>>>);
+
+/// The held index of a cached shard read one sample at a time, read whole the first time (one
+/// read, the shard's every entry), when the stream holds indexes (`index_bytes_max`).
+fn shard_index(sh: &Shared, key: (u32, u32), reader: &ShardReader<std::fs::File>) -> Option<Arc<Vec<u8>>> {
+    let held = sh.indexes.as_ref()?;
+    if let Some(ix) = held.lock().expect("not poisoned").get(&key) {
+        return Some(ix.clone());
+    }
+    // Read without the lock: another batch may read the same index meanwhile (once, rarely).
+    let ix = Arc::new(reader.read_index().ok()?);
+    held.lock().expect("not poisoned").insert(key, ix.clone());
+    Some(ix)
 }
 
 /// Index entries this close together (in entries) are read with one ranged GET.
@@ -91,7 +134,11 @@ async fn fetch_samples_ranged(shared: &Shared, ids: &[SampleRef]) -> Vec<Result<
 async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>) -> Vec<(usize, Result<Bytes>)> {
     let first = ids[slots[0]];
     let src = &shared.sources[first.stream as usize];
-    let info = &src.ds.manifest().shard(first.shard as usize);
+    let info = match src.ds.manifest().shard(first.shard as usize) {
+        Ok(info) => info,
+        Err(e) => return slots.into_iter().map(|s| (s, Err(e.clone()))).collect(),
+    };
+    let info = &info;
     let store = src.ds.store();
     let m = &shared.metrics;
     // One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
@@ -202,13 +249,13 @@ async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>)
 
 /// Checks that sample `index`'s entry points inside shard `shard`'s records.
 fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result<()> {
-    let (bytes, _) = src.ds.manifest().shard_bytes_checksum(shard);
-    let data_offset = src.ds.data_offset(shard);
+    let (bytes, _) = src.ds.manifest().shard_bytes_checksum(shard)?;
+    let data_offset = src.ds.data_offset(shard)?;
     let end = e.offset.checked_add(e.len);
     // Saturating: a manifest may claim a shard smaller than its footer.
     if e.offset < data_offset || end.is_none_or(|x| x > bytes.saturating_sub(crate::format::FOOTER_LEN)) {
         return Err(Error::corrupt(
-            Location::sample(src.ds.store().url(&src.ds.manifest().shard(shard).key), index),
+            Location::sample(src.shard_url(shard), index),
             format!("index entry points at [{}, +{}) outside the records", e.offset, e.len),
         ));
     }
@@ -219,7 +266,7 @@ fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result
 /// read; the caller counts it as a ranged sample when it delivers it).
 pub(super) async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Result<Bytes> {
     let src = &shared.sources[id.stream as usize];
-    let info = &src.ds.manifest().shard(id.shard as usize);
+    let info = &src.ds.manifest().shard(id.shard as usize)?;
     let store = src.ds.store();
     let url = store.url(&info.key);
     let at = Location::sample(&url, id.index as u64);
@@ -267,7 +314,7 @@ impl Upstream for HostDaemon<'_> {
                 p.fetch(&ShardRequest {
                     manifest_url: src.ds.manifest_url(),
                     shard: shard as u32,
-                    id: src.ids[shard],
+                    id: src.id(shard)?,
                 })
             })
             .await?;
@@ -306,7 +353,7 @@ pub(super) static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<ShardFlights>> = crat
 /// first starts the flight ([`fetch_shard_once`]), the others join it.
 pub(super) async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
     let flights = SHARD_FLIGHTS.get(|| Ok(Arc::default()))?;
-    let id = shared.sources[stream].ids[shard];
+    let id = shared.sources[stream].id(shard)?;
     let sh = shared.clone();
     let key = (id, shared.chain);
     let (flight, joined) = flights.join_or_start(
@@ -334,7 +381,7 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: 
     let at = ShardAt {
         ds: &src.ds,
         shard,
-        id: src.ids[shard],
+        id: src.id(shard)?,
         range_bytes: shared.cfg.range_bytes,
         ranges_in_flight: shared.cfg.ranges_in_flight_max,
     };

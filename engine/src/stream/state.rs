@@ -10,9 +10,7 @@ pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
         let ds = Dataset::open(&sc.url).await?;
         shapes.push(StreamShape {
             version: ds.manifest().version.clone(),
-            shard_samples: (0..ds.manifest().shard_count())
-                .map(|i| ds.manifest().shard_samples(i))
-                .collect(),
+            counts: ds.manifest().shard_counts(),
             weight: sc.weight,
         });
     }

@@ -242,6 +242,18 @@ struct StreamArgs {
     /// Bytes of shards prefetched ahead.
     #[arg(long, default_value = "512MiB", value_parser = parse_size)]
     prefetch: u64,
+    /// Bytes of whole shards the global shuffle holds in memory (beyond them, samples are
+    /// read one by one from the cache).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    resident: u64,
+    /// Record bytes read one sample at a time, past the first 64, while no whole shard has
+    /// arrived yet (a slow link: the consumer is fed while the first shard downloads).
+    #[arg(long, default_value = "32MiB", value_parser = parse_size)]
+    ranged_bytes: u64,
+    /// Bytes of shard indexes held for samples read one by one from the cache (one read a
+    /// sample instead of two, when every source's index fits).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    index_bytes: u64,
     /// Whole shards are fetched as parallel ranged GETs of this size.
     #[arg(long, default_value = "32MiB", value_parser = parse_size)]
     range_size: u64,
@@ -345,6 +357,9 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     cfg.topology = topology;
     cfg.epochs = Some(a.epochs);
     cfg.prefetch_bytes_max = a.prefetch;
+    cfg.resident_bytes_max = a.resident;
+    cfg.index_bytes_max = a.index_bytes;
+    cfg.ranged_until_shard_bytes_max = a.ranged_bytes;
     cfg.range_bytes = a.range_size;
     cfg.cache = a.cache_dir.as_ref().map(|d| CacheConfig::new(d, a.cache_limit));
     cfg.provider = a.daemon.as_ref().map(|p| {

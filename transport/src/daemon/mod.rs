@@ -125,11 +125,10 @@ struct Req {
 
 impl Req {
     fn describe(&self) -> String {
-        format!(
-            "shard {} ({})",
-            self.shard,
-            self.ds.store().url(&self.ds.manifest().shard(self.shard).key)
-        )
+        match self.ds.manifest().shard(self.shard) {
+            Ok(info) => format!("shard {} ({})", self.shard, self.ds.store().url(&info.key)),
+            Err(_) => format!("shard {} of {}", self.shard, self.ds.manifest_url()),
+        }
     }
 }
 

@@ -32,15 +32,22 @@ impl Inner {
         let (mut ds, fresh) = self.dataset(manifest_url, false).await?;
         let matches = |ds: &Dataset| {
             let m = ds.manifest();
-            (shard as usize) < m.shard_count() && m.shard_bytes_checksum(shard as usize) == (bytes, checksum)
+            (shard as usize) < m.shard_count()
+                && m.shard_bytes_checksum(shard as usize)
+                    .is_ok_and(|x| x == (bytes, checksum))
         };
         if !fresh && !matches(&ds) {
             // The requester may hold a newer manifest (re-packed under the same URL).
             ds = self.dataset(manifest_url, true).await?.0;
         }
-        let Some(info) = ds.manifest().get_shard(shard as usize) else {
+        if shard as usize >= ds.manifest().shard_count() {
             return bad("no such shard in the manifest");
-        };
+        }
+        // A damaged block of the dataset's shard table: refused, naming the table.
+        let info = ds
+            .manifest()
+            .shard(shard as usize)
+            .map_err(|e| Error::Refused(format!("refused {manifest_url:?} shard {shard}: {e}")))?;
         let id = ShardId {
             checksum: info.checksum_u64().ok_or_else(|| {
                 Error::Refused(format!(

@@ -1,0 +1,98 @@
+"""The benchmarks' measuring rules (benches/python/measure.py): CPU of a process tree with its
+workers, the steal share, rotation of the contenders, and no verdict below three rounds."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHES = Path(__file__).resolve().parents[2] / "benches/python"
+sys.path.insert(0, str(BENCHES))
+import measure  # noqa: E402
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+
+
+TREE = r"""
+import multiprocessing as mp, os, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import measure
+
+def burn(seconds):
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+
+outsider = subprocess.Popen([sys.executable, "-c", sys.argv[2]])  # a sibling tree, not counted
+with measure.Meter() as m:
+    ctx = mp.get_context("fork")
+    done = ctx.Event()
+    live = ctx.Process(target=lambda: (burn(0.4), done.set(), time.sleep(30)))
+    live.start()
+    reaped = ctx.Process(target=burn, args=(0.4,))
+    reaped.start()
+    reaped.join()
+    assert done.wait(30)
+    with_live = measure.tree_cpu_s(os.getpid()) - m._c
+live.kill()
+live.join()
+outsider.wait()
+print(with_live, m.cpu_s, m.steal, m.others)
+"""
+
+
+def test_tree_cpu_counts_live_and_reaped_workers():
+    # A live worker (like a DataLoader's persistent one) and one that exits and is joined both
+    # count; a process outside the tree does not. Run in a fresh process, so that nothing of
+    # this test session (its threads, its other children) is in the tree.
+    out = subprocess.run([sys.executable, "-c", TREE, str(BENCHES), BURN.format(s=0.6)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with_live, total, steal, others = (float(x) for x in out.stdout.split())
+    assert 0.75 <= with_live < 1.3, with_live
+    assert total >= 0.75
+    assert 0.0 <= steal <= 1.0
+    # The sibling's 0.6 CPU s are the load of another process, not the tree's.
+    assert others > measure.OTHERS_FLAG, others
+
+
+def test_run_reports_the_child_cpu_and_fails_loudly():
+    out, wall, cpu, steal, rss = measure.run([sys.executable, "-c", BURN.format(s=0.3) + "print('done')"])
+    assert out.strip() == "done"
+    assert cpu >= 0.3 and wall >= 0.3 and rss > 1 and 0.0 <= steal <= 1.0
+    with pytest.raises(RuntimeError, match="exit 3.*boom"):
+        measure.run([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"])
+
+
+def test_steal_share_reads_proc_stat():
+    steal, total, busy = measure.proc_stat()
+    assert 0 <= steal <= total and 0 <= busy <= total
+    assert measure.steal_share((10, 1000), (30, 1100)) == pytest.approx(0.2)
+    assert measure.fmt_steal(0.2) == "20%!" and measure.fmt_steal(0.05) == "5%"
+
+
+def test_rounds_rotate_ratio_and_verdict_only_from_three():
+    assert [measure.order("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+    res = measure.Rounds("images")
+    for r in range(2):
+        res.add(r, "ramjet", wall_s=1.0, units=900, cpu_s=0.9, steal=0.0)
+        res.add(r, "peer", wall_s=1.0, units=300, cpu_s=1.5, steal=0.2 * r)
+    assert res.ratios("ramjet", "peer") == [3.0, 3.0]
+    assert res.median("peer", "cpu_per_1000") == pytest.approx(5.0)
+    assert res.flagged() == [1]
+    assert res.verdict(True) is None
+    assert measure.verdict_text(res.verdict(True), res.rounds()) == "no verdict (2 rounds; 3 needed)"
+    res.add(2, "ramjet", wall_s=1.0, units=900, cpu_s=0.9, steal=0.0)
+    assert res.rounds() == 2  # the peer has only two rounds: still no verdict
+    res.add(2, "peer", wall_s=1.0, units=300, cpu_s=1.5, steal=0.0)
+    # Round 1's steal share (20%) is above the flag: no verdict while a flagged round counts.
+    assert res.verdict(True) is None
+    assert "1 of 3 rounds under steal" in measure.verdict_text(None, 3, len(res.flagged()))
+    clean = measure.Rounds("images")
+    for r in range(3):
+        clean.add(r, "ramjet", wall_s=1.0, units=900, cpu_s=0.9, steal=0.0)
+        clean.add(r, "peer", wall_s=1.0, units=300, cpu_s=1.5, steal=0.0, others=0.05)
+    assert clean.verdict(True) == "met" and clean.verdict(False) == "missed"
+    clean.add(3, "peer", wall_s=1.0, units=300, cpu_s=1.5, steal=0.0, others=0.4)  # a build ran beside it
+    assert clean.flagged() == [3] and clean.verdict(True) is None
