@@ -67,7 +67,7 @@ target/debug/ramjet synth "$ci/synth" --samples 400 >/dev/null
 url="s3://$RAMJET_S3_BUCKET/ci/synth-400-$(date +%s)"
 target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
 "$py" examples/train_cnn.py --remote "$url" --steps 200
-"$RAMJET_VENV/bin/torchrun" --nproc_per_node 2 examples/ddp_torchrun.py --remote "$url" 2>&1 | grep -v "^W.*torch/distributed"
+"$RAMJET_VENV/bin/torchrun" --nproc_per_node 2 examples/ddp_train.py --remote "$url" --epochs 2 2>&1 | grep -v "^W.*torch/distributed"
 
 step "examples: Ultralytics YOLO streamed from S3 (train + val, offline), and the YOLO P2/P3 bench in quick mode"
 RAMJET_BIN=target/debug/ramjet "$py" examples/yolo_streaming.py --epochs 1 --imgsz 96 --workers 1

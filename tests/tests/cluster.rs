@@ -742,3 +742,82 @@ fn a_daemon_without_a_key_stays_on_loopback_and_bounds_datasets_and_connections(
     );
     assert!(r.ends_with("ok\n"), "{r}");
 }
+
+fn ready(n: &Node) -> (bool, serde_json::Value) {
+    let r = http(&n.http, "GET /ready HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+    let (head, body) = r.split_once("\r\n\r\n").expect("an HTTP answer");
+    (
+        head.starts_with("HTTP/1.1 200"),
+        serde_json::from_str(body).expect("ReadyDoc JSON"),
+    )
+}
+
+fn stats_wait(hosts: &[&str], timeout_s: &str) -> std::process::Output {
+    Command::new(ramjet_bin())
+        .args(["stats", "--wait", "--timeout", timeout_s])
+        .args(hosts)
+        .output()
+        .expect("run ramjet stats --wait")
+}
+
+/// `/ready` and `ramjet stats --wait` (what the Slurm launcher waits on): a member that is not
+/// up and a member with another key are each named, and the wait ends once every daemon has
+/// completed an authenticated handshake with every other.
+#[test]
+fn ready_names_a_missing_peer_and_a_wrong_key_and_the_wait_ends_when_the_ring_is_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(3, 31);
+    let origin = s3().endpoint.clone();
+    let key = [("RAMJET_API_KEY", "alpha")];
+    let a = start_node(dir.path(), &members[0], &members, &origin, &key);
+    let b = start_node(dir.path(), &members[1], &members, &origin, &key);
+
+    // The third member is not up.
+    let (ok, doc) = ready(&a);
+    assert!(!ok, "{doc}");
+    assert_eq!(doc["peers"][&members[1]], serde_json::Value::Null, "{doc}");
+    let why = doc["peers"][&members[2]].as_str().unwrap_or("");
+    assert!(why.contains("connect"), "{doc}");
+    let nobody = format!("127.0.0.33:{}", free_port("127.0.0.33"));
+    let out = stats_wait(&[&a.http, &b.http, &nobody], "1");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("gave up") && err.contains(&nobody) && err.contains("not answering"),
+        "{err}"
+    );
+    assert!(err.contains(&format!("peer {}", members[2])), "{err}");
+
+    // It comes up with another key: named as refused, on both sides.
+    let c = start_node(
+        dir.path(),
+        &members[2],
+        &members,
+        &origin,
+        &[("RAMJET_API_KEY", "bravo")],
+    );
+    let (ok, doc) = ready(&a);
+    assert!(!ok, "{doc}");
+    let why = doc["peers"][&members[2]].as_str().unwrap_or("");
+    assert!(why.contains("refused") || why.contains("API key"), "{doc}");
+    let out = stats_wait(&[&a.http, &b.http, &c.http], "1");
+    assert!(!out.status.success());
+    drop(c);
+
+    // With the right key the ring is complete, and the wait ends (the same members and version
+    // everywhere, as many as the daemons named).
+    let c = start_node(dir.path(), &members[2], &members, &origin, &key);
+    let out = stats_wait(&[&a.http, &b.http, &c.http], "30");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("ring ready") && err.contains("3 members"), "{err}");
+    for n in [&a, &b, &c] {
+        let (ok, doc) = ready(n);
+        assert!(ok, "{doc}");
+        assert_eq!(doc["members"].as_array().unwrap().len(), 3);
+    }
+    // Two daemons named for a ring of three is not complete.
+    let out = stats_wait(&[&a.http, &b.http], "1");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("3 members"), "{err}");
+}

@@ -21,4 +21,4 @@ pub use daemon::{read_members, Daemon, DaemonConfig, TransportKind};
 pub use error::Error;
 pub use peer::{PeerTransport, ShardGet, TcpTransport};
 pub use ring::{Membership, Ring};
-pub use stats::StatsDoc;
+pub use stats::{ReadyDoc, StatsDoc};

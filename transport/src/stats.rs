@@ -109,6 +109,24 @@ pub struct PeerHealth {
     pub last_error: Option<String>,
 }
 
+/// The `/ready` document: whether this daemon can serve its share of the ring now.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ReadyDoc {
+    /// This daemon's ring name.
+    pub node: String,
+    /// Ring version.
+    pub ring_version: u64,
+    /// Ring members.
+    pub members: Vec<String>,
+    /// This daemon is a member and every other member completed an authenticated handshake.
+    pub ready: bool,
+    /// Every other member: `null` when it completed the handshake just now, else why it did
+    /// not (connection refused, timed out, a different key).
+    pub peers: BTreeMap<String, Option<String>>,
+    /// Why not ready, in words (empty when ready).
+    pub problems: Vec<String>,
+}
+
 /// The `/stats` document.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct StatsDoc {

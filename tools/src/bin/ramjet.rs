@@ -107,6 +107,15 @@ enum Cmd {
         /// Print the raw JSON documents.
         #[arg(long)]
         json: bool,
+        /// First wait until the ring is complete: every daemon answers /ready (it is a member
+        /// and has completed an authenticated handshake with every other member), all report
+        /// the same members and ring version, and the members are as many as HOSTS. Exits 1
+        /// after --timeout, naming each daemon that is not ready and why.
+        #[arg(long)]
+        wait: bool,
+        /// Seconds --wait waits.
+        #[arg(long, default_value_t = 120.0)]
+        timeout: f64,
     },
     /// Re-read every shard and check every checksum. Exits 1 and names each bad shard and sample.
     Verify {
@@ -520,22 +529,101 @@ fn hostname() -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
-/// GET over plain HTTP/1.1 (the daemons' stats port).
-fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
+/// Waits until every daemon at `hosts` (HTTP addresses) is ready and they agree on one ring of
+/// `hosts.len()` members. Prints progress on stderr whenever the picture changes. False on
+/// timeout, after naming what is missing.
+fn wait_ready(hosts: &[String], timeout: std::time::Duration) -> anyhow::Result<bool> {
+    let t0 = std::time::Instant::now();
+    let mut last = String::new();
+    loop {
+        let mut problems = Vec::new();
+        let mut rings = std::collections::BTreeSet::new();
+        let mut not_ready = 0;
+        for h in hosts {
+            let seen = problems.len();
+            match http_get_any(h, "/ready")
+                .and_then(|(_, b)| Ok(serde_json::from_str::<ramjet_transport::ReadyDoc>(&b)?))
+            {
+                Ok(d) => {
+                    if !d.ready {
+                        problems.push(format!("{h} ({}): {}", d.node, d.problems.join("; ")));
+                    } else if d.members.len() != hosts.len() {
+                        problems.push(format!(
+                            "{h} ({}): {} members {:?}, but {} daemons were named",
+                            d.node,
+                            d.members.len(),
+                            d.members,
+                            hosts.len()
+                        ));
+                    }
+                    rings.insert((d.ring_version, d.members));
+                }
+                Err(e) => problems.push(format!("{h}: not answering ({e:#})")),
+            }
+            not_ready += usize::from(problems.len() > seen);
+        }
+        if rings.len() > 1 {
+            problems.push(format!("the daemons disagree on the ring: {rings:?}"));
+        }
+        if problems.is_empty() {
+            let (version, members) = rings.into_iter().next().expect("one ring");
+            eprintln!(
+                "ramjet stats --wait: ring ready after {:.1} s: {} members, version {version}: {}",
+                t0.elapsed().as_secs_f64(),
+                members.len(),
+                members.join(" ")
+            );
+            return Ok(true);
+        }
+        let now = format!(
+            "{} of {} daemons ready: {}",
+            hosts.len() - not_ready,
+            hosts.len(),
+            problems.join(" | ")
+        );
+        if t0.elapsed() >= timeout {
+            eprintln!(
+                "ramjet stats --wait: gave up after {:.0} s: {now}",
+                timeout.as_secs_f64()
+            );
+            return Ok(false);
+        }
+        if now != last {
+            eprintln!("ramjet stats --wait: {:.1} s: {now}", t0.elapsed().as_secs_f64());
+            last = now;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+}
+
+/// GET over plain HTTP/1.1 (the daemons' stats port): the status code and body.
+fn http_get_any(host: &str, path: &str) -> anyhow::Result<(u16, String)> {
     use std::io::{Read, Write};
     let addr = host.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = std::net::TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
-    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    let sock = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .with_context(|| format!("resolve {addr}"))?
+        .next()
+        .with_context(|| format!("resolve {addr}: no address"))?;
+    let mut s = std::net::TcpStream::connect_timeout(&sock, std::time::Duration::from_secs(5))
+        .with_context(|| format!("connect {addr}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
     write!(s, "GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n")?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
     let (head, body) = resp.split_once("\r\n\r\n").context("malformed HTTP response")?;
-    anyhow::ensure!(
-        head.starts_with("HTTP/1.1 200"),
-        "{addr}{path}: {}",
-        head.lines().next().unwrap_or("")
-    );
-    Ok(body.to_owned())
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("malformed HTTP status line")?;
+    Ok((code, body.to_owned()))
+}
+
+/// GET over plain HTTP/1.1 (the daemons' stats port); an error unless it answers 200.
+fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
+    let (code, body) = http_get_any(host, path)?;
+    anyhow::ensure!(code == 200, "{host}{path}: HTTP {code}: {}", body.trim());
+    Ok(body)
 }
 
 fn stats_cmd(hosts: &[String], json: bool) -> anyhow::Result<ExitCode> {
@@ -757,7 +845,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Stream(a) => return stream_cmd(*a),
         Cmd::Serve(a) => return serve_cmd(*a),
-        Cmd::Stats { hosts, json } => return stats_cmd(&hosts, json),
+        Cmd::Stats {
+            hosts,
+            json,
+            wait,
+            timeout,
+        } => {
+            if wait && !wait_ready(&hosts, std::time::Duration::from_secs_f64(timeout))? {
+                return Ok(ExitCode::FAILURE);
+            }
+            return stats_cmd(&hosts, json);
+        }
         Cmd::Verify { url, parallel } => {
             let rt = runtime()?;
             let t0 = std::time::Instant::now();

@@ -1,9 +1,11 @@
-//! `/stats`, `/metrics` and `/health` over hyper (HTTP/1.1), read-only.
+//! `/stats`, `/metrics`, `/health` and `/ready` over hyper (HTTP/1.1), read-only.
 
 use super::*;
 
-/// Serves `/stats`, `/metrics` and `/health` with hyper (HTTP/1.1). Read-only: the ring is
-/// frozen and unfrozen over the Unix socket, which only this user can reach.
+/// Serves `/stats`, `/metrics`, `/health` and `/ready` with hyper (HTTP/1.1). Read-only: the
+/// ring is frozen and unfrozen over the Unix socket, which only this user can reach. `/ready`
+/// answers 200 when this daemon is a member and has just completed an authenticated handshake
+/// with every other member, else 503; both with a [`ReadyDoc`](crate::ReadyDoc).
 pub(super) async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     loop {
@@ -18,9 +20,26 @@ pub(super) async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
         inner.spawn(async move {
             let inner = inner2;
             let _permit = permit;
-            let svc = hyper::service::service_fn(move |req| {
-                let r = http_route(&inner, &req);
-                async move { Ok::<_, std::convert::Infallible>(r) }
+            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let inner = inner.clone();
+                async move {
+                    let r = if req.method() == hyper::Method::GET && req.uri().path() == "/ready" {
+                        let d = inner.ready_doc().await;
+                        let status = if d.ready {
+                            hyper::StatusCode::OK
+                        } else {
+                            hyper::StatusCode::SERVICE_UNAVAILABLE
+                        };
+                        response(
+                            status,
+                            "application/json",
+                            serde_json::to_string_pretty(&d).expect("json"),
+                        )
+                    } else {
+                        http_route(&inner, &req)
+                    };
+                    Ok::<_, std::convert::Infallible>(r)
+                }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -55,6 +74,10 @@ pub(super) fn http_route<B>(inner: &Inner, req: &hyper::Request<B>) -> hyper::Re
         ),
         _ => (StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
     };
+    response(status, ctype, body)
+}
+
+fn response(status: hyper::StatusCode, ctype: &str, body: String) -> hyper::Response<http_body_util::Full<Bytes>> {
     hyper::Response::builder()
         .status(status)
         .header("content-type", ctype)

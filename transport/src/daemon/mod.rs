@@ -52,6 +52,7 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use crate::error::Error;
 use crate::peer::{LinkConfig, PeerTransport, ShardGet, TcpTransport};
 use crate::ring::{Membership, VNODES_DEFAULT};
+use crate::stats::ReadyDoc;
 use crate::stats::{PeerHealth, Stats, StatsDoc};
 use crate::sys;
 use crate::wire::{self, ApiKey, HandshakeError, Msg, SHARD_MAX, URL_MAX};
@@ -78,6 +79,8 @@ struct Inner {
     conns: Arc<tokio::sync::Semaphore>,
     peers: Mutex<HashMap<String, PeerState>>,
     transport: Box<dyn PeerTransport>,
+    /// Peer link settings, for the readiness probe's handshakes.
+    link: LinkConfig,
     /// The device this owner writes shards from, when it runs the RDMA transport.
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
@@ -195,10 +198,10 @@ impl Daemon {
             }
         };
         let transport: Box<dyn PeerTransport> = match &cfg.transport {
-            TransportKind::Tcp => Box::new(TcpTransport::new(link)),
+            TransportKind::Tcp => Box::new(TcpTransport::new(link.clone())),
             #[cfg(feature = "rdma")]
             TransportKind::Rdma { .. } => Box::new(crate::rdma::RdmaTransport::new(
-                link,
+                link.clone(),
                 rdma.clone().expect("opened above"),
             )),
             #[cfg(not(feature = "rdma"))]
@@ -219,6 +222,7 @@ impl Daemon {
             conns: Arc::new(tokio::sync::Semaphore::new(cfg.connections_max.max(1))),
             peers: Mutex::default(),
             transport,
+            link,
             #[cfg(feature = "rdma")]
             rdma,
             started: Instant::now(),
@@ -398,6 +402,42 @@ impl Inner {
             }
         }
         d
+    }
+}
+
+impl Inner {
+    /// `/ready`: this daemon is in its own member list, and every other member completes an
+    /// authenticated handshake now (all at once, each within the peer timeout). A member that
+    /// does not is named with the reason. The probe leaves the peers' health in `/stats` as
+    /// the fetches set it.
+    async fn ready_doc(self: &Arc<Self>) -> ReadyDoc {
+        let (ring_version, members) = {
+            let m = self.membership.read().expect("membership lock");
+            (m.ring().version(), m.ring().members().to_vec())
+        };
+        let mut problems = Vec::new();
+        if !members.contains(&self.me) {
+            problems.push(format!("{} is not in its own member list {members:?}", self.me));
+        }
+        let probes = members.iter().filter(|m| **m != self.me).map(|peer| async move {
+            let r = crate::peer::connect(&self.link, peer).await.map(drop);
+            (peer.clone(), r.err().map(|e| e.to_string()))
+        });
+        let mut peers = std::collections::BTreeMap::new();
+        for (peer, err) in futures::future::join_all(probes).await {
+            if let Some(e) = &err {
+                problems.push(format!("peer {peer}: {e}"));
+            }
+            peers.insert(peer, err);
+        }
+        ReadyDoc {
+            node: self.me.clone(),
+            ring_version,
+            members,
+            ready: problems.is_empty(),
+            peers,
+            problems,
+        }
     }
 }
 

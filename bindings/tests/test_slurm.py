@@ -1,0 +1,187 @@
+"""ramjet under a real three-node Slurm cluster (tools/slurm/testcluster.sh: Debian's slurm-wlm
+and munge, each node a network, UTS and mount namespace with its own slurmd).
+
+`sbatch -N 3` runs the sbatch template (tools/slurm/ramjet.sbatch) with the launcher
+(tools/slurm/ramjet-slurm) and the 3-rank DDP example (gloo), streaming the synthetic set from
+the local S3 server through a counting proxy on the cluster's bridge. Needs root (namespaces, a
+bridge, slurmd); RAMJET_SKIP_SLURM=1 skips it, visibly.
+"""
+
+import json
+import os
+import re
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from counting_proxy import CountingProxy
+
+ROOT = Path(__file__).resolve().parents[2]
+RAMJET = os.path.abspath(os.environ.get("RAMJET_BIN") or ROOT / "target/debug/ramjet")
+BUCKET = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
+NODES = 3
+SAMPLES = 480  # 3 ranks x 10 batches of 16: every epoch divides evenly, nothing is dropped
+
+if os.environ.get("RAMJET_SKIP_SLURM") == "1":
+    pytest.skip("RAMJET_SKIP_SLURM=1: the Slurm cluster test is skipped on request", allow_module_level=True)
+
+
+def sh(*args, env=None, check=True, timeout=120):
+    out = subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=timeout)
+    if check:
+        assert out.returncode == 0, f"{args}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.geteuid() != 0:
+        pytest.fail("the Slurm test needs root (network namespaces, a bridge, slurmd); "
+                    "RAMJET_SKIP_SLURM=1 skips it")
+    script = str(ROOT / "tools/slurm/testcluster.sh")
+    sh("bash", script, "start", timeout=600)
+    env = dict(os.environ)
+    for line in sh("bash", script, "env").stdout.splitlines():
+        k, v = line.removeprefix("export ").split("=", 1)
+        env[k] = v
+    try:
+        yield env
+    finally:
+        sh("bash", script, "stop", check=False)
+
+
+@pytest.fixture(scope="module")
+def dataset(cluster, tmp_path_factory):
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    d = tmp_path_factory.mktemp("slurm-synth")
+    sh(RAMJET, "synth", str(d / "synth"), "--samples", str(SAMPLES))
+    url = f"s3://{BUCKET}/pytest-slurm/synth-{uuid.uuid4().hex[:8]}"
+    sh(RAMJET, "pack", str(d / "synth"), url, "--shard-size", "1MiB")
+    info = json.loads(sh(RAMJET, "inspect", url, "--json").stdout)
+    return url, info
+
+
+def job_state(env, jid):
+    out = sh("scontrol", "show", "job", str(jid), env=env, check=False).stdout
+    state = re.search(r"JobState=(\S+)", out)
+    code = re.search(r"ExitCode=(\S+)", out)
+    return (state.group(1) if state else "?"), (code.group(1) if code else "?")
+
+
+def wait_gone(env, jid, timeout):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not sh("squeue", "-h", "-j", str(jid), env=env, check=False).stdout.strip():
+            return
+        time.sleep(0.5)
+    sh("scancel", str(jid), env=env, check=False)
+    pytest.fail(f"job {jid} still running after {timeout} s")
+
+
+def submit(cluster, dataset, proxy, work, train_args):
+    url, _ = dataset
+    env = dict(cluster)
+    env.update(
+        RAMJET_HOME=str(ROOT),
+        RAMJET_BIN=RAMJET,
+        RAMJET_RUN_ROOT=str(work / "run"),
+        DATASET=url,
+        PYTHON=str(Path(os.environ.get("RAMJET_VENV", ROOT / ".venv")) / "bin/python"),
+        TRAIN_ARGS=train_args,
+        AWS_ENDPOINT_URL=f"http://{proxy.address}",
+    )
+    env.pop("RAMJET_API_KEY", None)  # the launcher makes one for the job
+    (work / "run").mkdir(parents=True, exist_ok=True)
+    out = sh("sbatch", "--parsable", "-N", str(NODES), "--chdir", str(work), "-o", str(work / "job-%j.out"),
+             str(ROOT / "tools/slurm/ramjet.sbatch"), env=env)
+    return int(out.stdout.strip().split(";")[0]), env
+
+
+def assert_nothing_left(cluster, work, jid):
+    """No ramjet process, socket, listening port or file of the job on any node."""
+    procs = [line for line in sh("ps", "-eo", "pid,args").stdout.splitlines()
+             if str(work) in line or "slurm/ramjet-slurm " in line or "ddp_train.py" in line
+             or re.search(r"ramjet serve .*ramjet-%d-" % jid, line)]
+    assert not procs, f"processes left after job {jid}:\n" + "\n".join(procs)
+    left = sorted(str(p) for p in (work / "run").rglob("*"))
+    assert not left, f"files left after job {jid}: {left}"
+    base = 20000 + (jid % 4000) * 4
+    inst = int(os.environ.get("RAMJET_S3_PORT", "8333")) // 100 % 200
+    for i in range(1, NODES + 1):
+        ports = sh("nsenter", f"--net=/var/run/netns/rj{inst}-node{i}", "ss", "-Hltnx").stdout
+        mine = [line for line in ports.splitlines()
+                if re.search(r":(%d|%d|%d)\b" % (base, base + 1, base + 2), line) or "ramjet" in line]
+        assert not mine, f"node{i}: listening after job {jid}: {mine}"
+
+
+def test_three_node_job_trains_covers_every_epoch_once_and_leaves_nothing(cluster, dataset, tmp_path):
+    url, info = dataset
+    proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
+    try:
+        record = tmp_path / "record.json"
+        jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {record}")
+        wait_gone(env, jid, 600)
+        out = (tmp_path / f"job-{jid}.out").read_text()
+        state, code = job_state(env, jid)
+        assert (state, code) == ("COMPLETED", "0:0"), f"job {jid}: {state} {code}\n{out}"
+
+        # The ring: three daemons, one per node, agreed on one ring of all three.
+        m = re.search(r"ring ready after [\d.]+ s: 3 members, version \d+: (.*)", out)
+        assert m, out
+        assert sorted(n.split(":")[0] for n in m.group(1).split()) == ["node1", "node2", "node3"]
+        for i in range(1, NODES + 1):
+            assert re.search(rf"^rank \d/3 on node{i}, daemon {tmp_path}/run/ramjet-{jid}-node{i}/ramjet.sock",
+                             out, re.M), out
+
+        # Every epoch: the ranks' samples, reassembled, are every sample exactly once.
+        rec = json.loads(record.read_text())
+        assert rec["world"] == 3 and rec["num_samples"] == SAMPLES
+        for e in rec["epochs"]:
+            flat = [i for rank in e["indices"] for i in rank]
+            assert sorted(flat) == list(range(SAMPLES))
+            assert all(len(rank) == SAMPLES // 3 for rank in e["indices"])
+        # The loss falls.
+        first, last = rec["epochs"][0]["mean_loss"], rec["epochs"][-1]["mean_loss"]
+        assert last < 0.8 * first, (first, last)
+
+        # The origin saw each shard once: a miss is fetched once per cluster, by its owner.
+        reqs = proxy.requests()
+        shard_gets = [p for (meth, p, _) in reqs if meth == "GET" and "/shards/" in p]
+        shards = {p for p in shard_gets}
+        assert len(shards) == info["shards"], (len(shards), info["shards"], reqs)
+        assert len(shard_gets) == info["shards"], sorted(shard_gets)
+        assert_nothing_left(cluster, tmp_path, jid)
+    finally:
+        proxy.close()
+
+
+def test_a_cancelled_job_leaves_nothing_on_any_node(cluster, dataset, tmp_path):
+    proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
+    try:
+        jid, env = submit(cluster, dataset, proxy, tmp_path, "--step-ms 300")
+        out_file = tmp_path / f"job-{jid}.out"
+        t0 = time.monotonic()
+        while not (out_file.exists() and "epoch 0 step 3 " in out_file.read_text()):
+            assert time.monotonic() - t0 < 300, f"job {jid} did not start training:\n" + (
+                out_file.read_text() if out_file.exists() else "(no output)")
+            time.sleep(0.25)
+        sh("scancel", str(jid), env=env)
+        wait_gone(env, jid, 120)
+        state, _ = job_state(env, jid)
+        assert state == "CANCELLED", state
+        # The steps' processes end with the job; give the nodes' slurmstepd a moment.
+        t0 = time.monotonic()
+        while True:
+            try:
+                assert_nothing_left(cluster, tmp_path, jid)
+                break
+            except AssertionError:
+                if time.monotonic() - t0 > 30:
+                    raise
+                time.sleep(0.5)
+    finally:
+        proxy.close()
