@@ -82,14 +82,13 @@ def wait_gone(env, jid, timeout):
     pytest.fail(f"job {jid} still running after {timeout} s")
 
 
-def submit(cluster, dataset, proxy, work, train_args):
-    url, _ = dataset
+def submit(cluster, dataset, proxy, work, train_args, url=None):
     env = dict(cluster)
     env.update(
         RAMJET_HOME=str(ROOT),
         RAMJET_BIN=RAMJET,
         RAMJET_RUN_ROOT=str(work / "run"),
-        DATASET=url,
+        DATASET=url or dataset[0],
         PYTHON=str(Path(os.environ.get("RAMJET_VENV", ROOT / ".venv")) / "bin/python"),
         TRAIN_ARGS=train_args,
         AWS_ENDPOINT_URL=f"http://{proxy.address}",
@@ -101,21 +100,51 @@ def submit(cluster, dataset, proxy, work, train_args):
     return int(out.stdout.strip().split(";")[0]), env
 
 
-def assert_nothing_left(cluster, work, jid):
-    """No ramjet process, socket, listening port or file of the job on any node."""
+def assert_nothing_left(work, jid, marker):
+    """No process, socket, listening port or file of job `jid` on any node. `marker` is a
+    string in the command line of the job's ranks."""
     procs = [line for line in sh("ps", "-eo", "pid,args").stdout.splitlines()
-             if str(work) in line or "slurm/ramjet-slurm " in line or "ddp_train.py" in line
-             or re.search(r"ramjet serve .*ramjet-%d-" % jid, line)]
+             if marker in line or f"ramjet-{jid}-node" in line or f"job{jid:05d}" in line]
     assert not procs, f"processes left after job {jid}:\n" + "\n".join(procs)
-    left = sorted(str(p) for p in (work / "run").rglob("*"))
+    left = sorted(str(p) for p in (work / "run").glob(f"ramjet-{jid}-*"))
     assert not left, f"files left after job {jid}: {left}"
     base = 20000 + (jid % 4000) * 4
     inst = int(os.environ.get("RAMJET_S3_PORT", "8333")) // 100 % 200
     for i in range(1, NODES + 1):
         ports = sh("nsenter", f"--net=/var/run/netns/rj{inst}-node{i}", "ss", "-Hltnx").stdout
         mine = [line for line in ports.splitlines()
-                if re.search(r":(%d|%d|%d)\b" % (base, base + 1, base + 2), line) or "ramjet" in line]
+                if re.search(r":(%d|%d|%d)\b" % (base, base + 1, base + 2), line) or f"ramjet-{jid}-" in line]
         assert not mine, f"node{i}: listening after job {jid}: {mine}"
+
+
+def eventually_nothing_left(work, jid, marker):
+    # A cancelled job's steps end with it; give each node's slurmstepd a moment.
+    t0 = time.monotonic()
+    while True:
+        try:
+            return assert_nothing_left(work, jid, marker)
+        except AssertionError:
+            if time.monotonic() - t0 > 30:
+                raise
+            time.sleep(0.5)
+
+
+def output(work, jid):
+    f = work / f"job-{jid}.out"
+    return f.read_text() if f.exists() else ""
+
+
+def check_record(path):
+    """Every epoch: the three ranks' samples, reassembled, are every sample exactly once; the
+    loss falls."""
+    rec = json.loads(path.read_text())
+    assert rec["world"] == 3 and rec["num_samples"] == SAMPLES
+    for e in rec["epochs"]:
+        flat = [i for rank in e["indices"] for i in rank]
+        assert sorted(flat) == list(range(SAMPLES))
+        assert all(len(rank) == SAMPLES // 3 for rank in e["indices"])
+    first, last = rec["epochs"][0]["mean_loss"], rec["epochs"][-1]["mean_loss"]
+    assert last < 0.8 * first, (first, last)
 
 
 def test_three_node_job_trains_covers_every_epoch_once_and_leaves_nothing(cluster, dataset, tmp_path):
@@ -125,63 +154,81 @@ def test_three_node_job_trains_covers_every_epoch_once_and_leaves_nothing(cluste
         record = tmp_path / "record.json"
         jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {record}")
         wait_gone(env, jid, 600)
-        out = (tmp_path / f"job-{jid}.out").read_text()
+        out = output(tmp_path, jid)
         state, code = job_state(env, jid)
         assert (state, code) == ("COMPLETED", "0:0"), f"job {jid}: {state} {code}\n{out}"
 
-        # The ring: three daemons, one per node, agreed on one ring of all three.
+        # The ring: three daemons, one per node, agreed on one ring of all three, and each rank
+        # read through its own node's daemon.
         m = re.search(r"ring ready after [\d.]+ s: 3 members, version \d+: (.*)", out)
         assert m, out
         assert sorted(n.split(":")[0] for n in m.group(1).split()) == ["node1", "node2", "node3"]
         for i in range(1, NODES + 1):
             assert re.search(rf"^rank \d/3 on node{i}, daemon {tmp_path}/run/ramjet-{jid}-node{i}/ramjet.sock",
                              out, re.M), out
-
-        # Every epoch: the ranks' samples, reassembled, are every sample exactly once.
-        rec = json.loads(record.read_text())
-        assert rec["world"] == 3 and rec["num_samples"] == SAMPLES
-        for e in rec["epochs"]:
-            flat = [i for rank in e["indices"] for i in rank]
-            assert sorted(flat) == list(range(SAMPLES))
-            assert all(len(rank) == SAMPLES // 3 for rank in e["indices"])
-        # The loss falls.
-        first, last = rec["epochs"][0]["mean_loss"], rec["epochs"][-1]["mean_loss"]
-        assert last < 0.8 * first, (first, last)
+        check_record(record)
 
         # The origin saw each shard once: a miss is fetched once per cluster, by its owner.
         reqs = proxy.requests()
         shard_gets = [p for (meth, p, _) in reqs if meth == "GET" and "/shards/" in p]
-        shards = {p for p in shard_gets}
-        assert len(shards) == info["shards"], (len(shards), info["shards"], reqs)
+        assert len(set(shard_gets)) == info["shards"], (len(set(shard_gets)), info["shards"], reqs)
         assert len(shard_gets) == info["shards"], sorted(shard_gets)
-        assert_nothing_left(cluster, tmp_path, jid)
+        assert_nothing_left(tmp_path, jid, str(record))
     finally:
         proxy.close()
 
 
-def test_a_cancelled_job_leaves_nothing_on_any_node(cluster, dataset, tmp_path):
+def test_two_jobs_share_the_nodes_and_a_cancelled_one_leaves_nothing(cluster, dataset, tmp_path):
+    # Two jobs on the same three nodes at once, with the same run root: their daemons,
+    # sockets, ports and files are keyed by job id and node, so neither disturbs the other.
+    # One is cancelled mid-epoch; the other trains to the end, covering every epoch exactly once.
     proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
     try:
-        jid, env = submit(cluster, dataset, proxy, tmp_path, "--step-ms 300")
-        out_file = tmp_path / f"job-{jid}.out"
+        slow_out, done_out = tmp_path / "slow.json", tmp_path / "done.json"
+        slow, env = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 300 --out {slow_out}")
+        done, _ = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 800 --out {done_out}")
+
+        def wait_for(text, jid):
+            t0 = time.monotonic()
+            while text not in output(tmp_path, jid):
+                assert time.monotonic() - t0 < 300, f"job {jid} never printed {text!r}:\n" + output(tmp_path, jid)
+                time.sleep(0.1)
+
+        # Both train at once (the second job's 20 steps take at least 16 s).
         t0 = time.monotonic()
-        while not (out_file.exists() and "epoch 0 step 3 " in out_file.read_text()):
-            assert time.monotonic() - t0 < 300, f"job {jid} did not start training:\n" + (
-                out_file.read_text() if out_file.exists() else "(no output)")
-            time.sleep(0.25)
-        sh("scancel", str(jid), env=env)
-        wait_gone(env, jid, 120)
-        state, _ = job_state(env, jid)
-        assert state == "CANCELLED", state
-        # The steps' processes end with the job; give the nodes' slurmstepd a moment.
-        t0 = time.monotonic()
-        while True:
-            try:
-                assert_nothing_left(cluster, tmp_path, jid)
-                break
-            except AssertionError:
-                if time.monotonic() - t0 > 30:
-                    raise
-                time.sleep(0.5)
+        while not all("epoch 0 step 0 " in output(tmp_path, j) for j in (slow, done)):
+            assert time.monotonic() - t0 < 300, "the jobs did not both start:\n" + output(
+                tmp_path, slow) + output(tmp_path, done)
+            time.sleep(0.1)
+        running = sh("squeue", "-h", "-t", "R", "-o", "%i %N", env=env).stdout.split("\n")
+        assert f"{slow} node[1-3]" in running and f"{done} node[1-3]" in running, running
+        wait_for("epoch 0 step 3 ", slow)
+        sh("scancel", str(slow), env=env)
+        wait_gone(env, slow, 120)
+        assert job_state(env, slow)[0] == "CANCELLED"
+        eventually_nothing_left(tmp_path, slow, str(slow_out))
+
+        wait_gone(env, done, 600)
+        state, code = job_state(env, done)
+        assert (state, code) == ("COMPLETED", "0:0"), f"job {done}: {state} {code}\n{output(tmp_path, done)}"
+        check_record(done_out)
+        assert_nothing_left(tmp_path, done, str(done_out))
+    finally:
+        proxy.close()
+
+
+def test_a_job_whose_ranks_fail_names_the_dataset_and_leaves_nothing(cluster, dataset, tmp_path):
+    proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
+    try:
+        missing = f"s3://{BUCKET}/pytest-slurm/no-such-dataset-{uuid.uuid4().hex[:8]}"
+        marker = tmp_path / "never.json"
+        jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {marker}", url=missing)
+        wait_gone(env, jid, 300)
+        state, code = job_state(env, jid)
+        out = output(tmp_path, jid)
+        assert state == "FAILED" and code != "0:0", f"{state} {code}\n{out}"
+        assert missing in out, out
+        assert re.search(r"torn down \(exit [1-9]", out), out
+        assert_nothing_left(tmp_path, jid, str(marker))
     finally:
         proxy.close()

@@ -42,21 +42,29 @@ EOF
 }
 
 stop() {
+  local pids=() f p i
   for f in "$dir"/run/slurmd-*.pid "$dir"/run/slurmctld.pid "$dir"/munge/munged.pid; do
-    [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+    [ -f "$f" ] && pids+=("$(cat "$f")")
   done
   for i in $(seq 1 "$nodes"); do
-    if ip netns list 2>/dev/null | grep -qw "$(ns "$i")"; then
-      # Anything still running in the node (a step slurmd left behind) goes with it.
-      for p in $(ip netns pids "$(ns "$i")" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
-      ip netns del "$(ns "$i")" 2>/dev/null || true
-    fi
+    # Everything running in a node (slurmd, a step it left behind) goes with it.
+    pids+=($(ip netns pids "$(ns "$i")" 2>/dev/null || true))
+  done
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 1 20); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" -eq 0 ] && break
+    sleep 0.25
+  done
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  for i in $(seq 1 "$nodes"); do
+    ip netns del "$(ns "$i")" 2>/dev/null || true
+    # The root end of the node's link: deleting it removes both ends, even while a process
+    # that was in the namespace is still being reaped.
+    ip link del "rj${inst}v$i" 2>/dev/null || true
   done
   ip link del "$bridge" 2>/dev/null || true
-  sleep 0.5
-  for f in "$dir"/run/slurmctld.pid "$dir"/munge/munged.pid; do
-    [ -f "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null || true
-  done
   rm -rf "$dir"
 }
 
