@@ -82,8 +82,8 @@ def wait_gone(env, jid, timeout):
     pytest.fail(f"job {jid} still running after {timeout} s")
 
 
-def submit(cluster, dataset, proxy, work, train_args, url=None):
-    env = dict(cluster)
+def submit(cluster, dataset, proxy, work, train_args, url=None, **extra_env):
+    env = dict(cluster, **extra_env)
     env.update(
         RAMJET_HOME=str(ROOT),
         RAMJET_BIN=RAMJET,
@@ -152,7 +152,8 @@ def test_three_node_job_trains_covers_every_epoch_once_and_leaves_nothing(cluste
     proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
     try:
         record = tmp_path / "record.json"
-        jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {record}")
+        # RAMJET_SRUN_ARGS reaches the ranks' step.
+        jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {record}", RAMJET_SRUN_ARGS="--cpus-per-task=1")
         wait_gone(env, jid, 600)
         out = output(tmp_path, jid)
         state, code = job_state(env, jid)
@@ -166,6 +167,7 @@ def test_three_node_job_trains_covers_every_epoch_once_and_leaves_nothing(cluste
         for i in range(1, NODES + 1):
             assert re.search(rf"^rank \d/3 on node{i}, daemon {tmp_path}/run/ramjet-{jid}-node{i}/ramjet.sock",
                              out, re.M), out
+        assert re.search(r"^ramjet-slurm: ranks: srun .*--cpus-per-task=1 ", out, re.M), out
         check_record(record)
 
         # The origin saw each shard once: a miss is fetched once per cluster, by its owner.
