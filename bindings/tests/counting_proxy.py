@@ -33,6 +33,15 @@ def _headers(lines):
     return h
 
 
+def _copy(src, dst, n):
+    while n:
+        b = src.read(min(n, 1 << 16))
+        if not b:
+            raise EOFError
+        dst.write(b)
+        n -= len(b)
+
+
 def _relay_body(src, dst, h, *, response_to_head=False, status=200):
     if response_to_head or status in (204, 304) or 100 <= status < 200:
         return
@@ -48,20 +57,8 @@ def _relay_body(src, dst, h, *, response_to_head=False, status=200):
                     if t in (b"\r\n", b"\n", b""):
                         break
                 return
-            left = size + 2  # the chunk and its CRLF
-            while left:
-                b = src.read(min(left, 1 << 16))
-                if not b:
-                    raise EOFError
-                dst.write(b)
-                left -= len(b)
-    n = int(h.get("content-length", "0") or 0)
-    while n:
-        b = src.read(min(n, 1 << 16))
-        if not b:
-            raise EOFError
-        dst.write(b)
-        n -= len(b)
+            _copy(src, dst, size + 2)  # the chunk and its CRLF
+    _copy(src, dst, int(h.get("content-length", "0") or 0))
 
 
 class CountingProxy:
