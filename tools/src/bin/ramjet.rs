@@ -851,7 +851,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             wait,
             timeout,
         } => {
-            if wait && !wait_ready(&hosts, std::time::Duration::from_secs_f64(timeout))? {
+            let timeout = std::time::Duration::try_from_secs_f64(timeout)
+                .map_err(|e| anyhow::anyhow!("--timeout {timeout}: {e}"))?;
+            if wait && !wait_ready(&hosts, timeout)? {
                 return Ok(ExitCode::FAILURE);
             }
             return stats_cmd(&hosts, json);
