@@ -328,6 +328,8 @@ fn the_cache_budget_holds_and_a_stable_subset_stays_resident() {
             epoch = x.epoch;
         }
     }
+    let end = s.metrics();
+    hits_per_epoch.push((end.cache_hits - last.0, end.cache_misses - last.1));
     stop.store(true, Ordering::SeqCst);
     sampler.join().unwrap();
     assert!(
@@ -335,13 +337,19 @@ fn the_cache_budget_holds_and_a_stable_subset_stays_resident() {
         "cache reached {} > budget {limit}",
         max_seen.load(Ordering::SeqCst)
     );
-    // After the first epochs the resident subset is stable: later epochs hit about
-    // budget/dataset of their shards instead of thrashing to zero.
-    let (h, m) = hits_per_epoch[2];
+    // After the first epoch the resident subset is stable: the later epochs hit about
+    // budget/dataset of their shards instead of thrashing to zero. Taken over epochs 1-3
+    // together: counts land where shards are fetched, a shard or so ahead of the consumer, so
+    // on a loaded machine one epoch's count can shift into the next (regression: a CI run
+    // beside a build saw epochs 1 and 2 counted as 6 and 10 fetches of 12 each, and epoch 2's
+    // own rate alone fell to 0.20).
+    let (h, m) = hits_per_epoch[1..]
+        .iter()
+        .fold((0, 0), |(h, m), (eh, em)| (h + eh, m + em));
     let rate = h as f64 / (h + m) as f64;
     assert!(
         rate >= 0.25,
-        "warm hit rate {rate:.2} with half the dataset cached ({hits_per_epoch:?})"
+        "warm hit rate {rate:.2} over epochs 1-3 with half the dataset cached ({hits_per_epoch:?})"
     );
 }
 
