@@ -187,7 +187,7 @@ def test_two_jobs_share_the_nodes_and_a_cancelled_one_leaves_nothing(cluster, da
     proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
     try:
         slow_out, done_out = tmp_path / "slow.json", tmp_path / "done.json"
-        slow, env = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 300 --out {slow_out}")
+        slow, env = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 2000 --out {slow_out}")
         done, _ = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 800 --out {done_out}")
 
         def wait_for(text, jid):
@@ -196,7 +196,8 @@ def test_two_jobs_share_the_nodes_and_a_cancelled_one_leaves_nothing(cluster, da
                 assert time.monotonic() - t0 < 300, f"job {jid} never printed {text!r}:\n" + output(tmp_path, jid)
                 time.sleep(0.1)
 
-        # Both train at once (the second job's 20 steps take at least 16 s).
+        # Both train at once: the first job alone would take 40 s of steps (it is cancelled at
+        # step 3), the second at least 16 s.
         t0 = time.monotonic()
         while not all("epoch 0 step 0 " in output(tmp_path, j) for j in (slow, done)):
             assert time.monotonic() - t0 < 300, "the jobs did not both start:\n" + output(
