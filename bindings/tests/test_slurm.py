@@ -65,6 +65,15 @@ def dataset(cluster, tmp_path_factory):
     return url, info
 
 
+@pytest.fixture
+def proxy(cluster):
+    """A request-counting proxy to the S3 server on the cluster's bridge (the nodes cannot
+    reach the root namespace's loopback)."""
+    p = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
+    yield p
+    p.close()
+
+
 def job_state(env, jid):
     out = sh("scontrol", "show", "job", str(jid), env=env, check=False).stdout
     state = re.search(r"JobState=(\S+)", out)
@@ -147,91 +156,79 @@ def check_record(path):
     assert last < 0.8 * first, (first, last)
 
 
-def test_three_node_job_trains_covers_every_epoch_once_and_leaves_nothing(cluster, dataset, tmp_path):
+def test_three_node_job_trains_covers_every_epoch_once_and_leaves_nothing(cluster, dataset, proxy, tmp_path):
     url, info = dataset
-    proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
-    try:
-        record = tmp_path / "record.json"
-        # RAMJET_SRUN_ARGS reaches the ranks' step.
-        jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {record}", RAMJET_SRUN_ARGS="--cpus-per-task=1")
-        wait_gone(env, jid, 600)
-        out = output(tmp_path, jid)
-        state, code = job_state(env, jid)
-        assert (state, code) == ("COMPLETED", "0:0"), f"job {jid}: {state} {code}\n{out}"
+    record = tmp_path / "record.json"
+    # RAMJET_SRUN_ARGS reaches the ranks' step.
+    jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {record}", RAMJET_SRUN_ARGS="--cpus-per-task=1")
+    wait_gone(env, jid, 600)
+    out = output(tmp_path, jid)
+    state, code = job_state(env, jid)
+    assert (state, code) == ("COMPLETED", "0:0"), f"job {jid}: {state} {code}\n{out}"
 
-        # The ring: three daemons, one per node, agreed on one ring of all three, and each rank
-        # read through its own node's daemon.
-        m = re.search(r"ring ready after [\d.]+ s: 3 members, version \d+: (.*)", out)
-        assert m, out
-        assert sorted(n.split(":")[0] for n in m.group(1).split()) == ["node1", "node2", "node3"]
-        for i in range(1, NODES + 1):
-            assert re.search(rf"^rank \d/3 on node{i}, daemon {tmp_path}/run/ramjet-{jid}-node{i}/ramjet.sock",
-                             out, re.M), out
-        assert re.search(r"^ramjet-slurm: ranks: srun .*--cpus-per-task=1 ", out, re.M), out
-        check_record(record)
+    # The ring: three daemons, one per node, agreed on one ring of all three, and each rank
+    # read through its own node's daemon.
+    m = re.search(r"ring ready after [\d.]+ s: 3 members, version \d+: (.*)", out)
+    assert m, out
+    assert sorted(n.split(":")[0] for n in m.group(1).split()) == ["node1", "node2", "node3"]
+    for i in range(1, NODES + 1):
+        assert re.search(rf"^rank \d/3 on node{i}, daemon {tmp_path}/run/ramjet-{jid}-node{i}/ramjet.sock",
+                         out, re.M), out
+    assert re.search(r"^ramjet-slurm: ranks: srun .*--cpus-per-task=1 ", out, re.M), out
+    check_record(record)
 
-        # The origin saw each shard once: a miss is fetched once per cluster, by its owner.
-        reqs = proxy.requests()
-        shard_gets = [p for (meth, p, _) in reqs if meth == "GET" and "/shards/" in p]
-        assert len(set(shard_gets)) == info["shards"], (len(set(shard_gets)), info["shards"], reqs)
-        assert len(shard_gets) == info["shards"], sorted(shard_gets)
-        assert_nothing_left(tmp_path, jid, str(record))
-    finally:
-        proxy.close()
+    # The origin saw each shard once: a miss is fetched once per cluster, by its owner.
+    reqs = proxy.requests()
+    shard_gets = [p for (meth, p, _) in reqs if meth == "GET" and "/shards/" in p]
+    assert len(set(shard_gets)) == info["shards"], (len(set(shard_gets)), info["shards"], reqs)
+    assert len(shard_gets) == info["shards"], sorted(shard_gets)
+    assert_nothing_left(tmp_path, jid, str(record))
 
 
-def test_two_jobs_share_the_nodes_and_a_cancelled_one_leaves_nothing(cluster, dataset, tmp_path):
+def test_two_jobs_share_the_nodes_and_a_cancelled_one_leaves_nothing(cluster, dataset, proxy, tmp_path):
     # Two jobs on the same three nodes at once, with the same run root: their daemons,
     # sockets, ports and files are keyed by job id and node, so neither disturbs the other.
     # One is cancelled mid-epoch; the other trains to the end, covering every epoch exactly once.
-    proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
-    try:
-        slow_out, done_out = tmp_path / "slow.json", tmp_path / "done.json"
-        slow, env = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 2000 --out {slow_out}")
-        done, _ = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 800 --out {done_out}")
+    slow_out, done_out = tmp_path / "slow.json", tmp_path / "done.json"
+    slow, env = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 2000 --out {slow_out}")
+    done, _ = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 800 --out {done_out}")
 
-        def wait_for(text, jid):
-            t0 = time.monotonic()
-            while text not in output(tmp_path, jid):
-                assert time.monotonic() - t0 < 300, f"job {jid} never printed {text!r}:\n" + output(tmp_path, jid)
-                time.sleep(0.1)
-
-        # Both train at once: the first job alone would take 40 s of steps (it is cancelled at
-        # step 3), the second at least 16 s.
+    def wait_for(text, jid):
         t0 = time.monotonic()
-        while not all("epoch 0 step 0 " in output(tmp_path, j) for j in (slow, done)):
-            assert time.monotonic() - t0 < 300, "the jobs did not both start:\n" + output(
-                tmp_path, slow) + output(tmp_path, done)
+        while text not in output(tmp_path, jid):
+            assert time.monotonic() - t0 < 300, f"job {jid} never printed {text!r}:\n" + output(tmp_path, jid)
             time.sleep(0.1)
-        running = sh("squeue", "-h", "-t", "R", "-o", "%i %N", env=env).stdout.split("\n")
-        assert f"{slow} node[1-3]" in running and f"{done} node[1-3]" in running, running
-        wait_for("epoch 0 step 3 ", slow)
-        sh("scancel", str(slow), env=env)
-        wait_gone(env, slow, 120)
-        assert job_state(env, slow)[0] == "CANCELLED"
-        eventually_nothing_left(tmp_path, slow, str(slow_out))
 
-        wait_gone(env, done, 600)
-        state, code = job_state(env, done)
-        assert (state, code) == ("COMPLETED", "0:0"), f"job {done}: {state} {code}\n{output(tmp_path, done)}"
-        check_record(done_out)
-        assert_nothing_left(tmp_path, done, str(done_out))
-    finally:
-        proxy.close()
+    # Both train at once: the first job alone would take 40 s of steps (it is cancelled at
+    # step 3), the second at least 16 s.
+    t0 = time.monotonic()
+    while not all("epoch 0 step 0 " in output(tmp_path, j) for j in (slow, done)):
+        assert time.monotonic() - t0 < 300, "the jobs did not both start:\n" + output(
+            tmp_path, slow) + output(tmp_path, done)
+        time.sleep(0.1)
+    running = sh("squeue", "-h", "-t", "R", "-o", "%i %N", env=env).stdout.split("\n")
+    assert f"{slow} node[1-3]" in running and f"{done} node[1-3]" in running, running
+    wait_for("epoch 0 step 3 ", slow)
+    sh("scancel", str(slow), env=env)
+    wait_gone(env, slow, 120)
+    assert job_state(env, slow)[0] == "CANCELLED"
+    eventually_nothing_left(tmp_path, slow, str(slow_out))
+
+    wait_gone(env, done, 600)
+    state, code = job_state(env, done)
+    assert (state, code) == ("COMPLETED", "0:0"), f"job {done}: {state} {code}\n{output(tmp_path, done)}"
+    check_record(done_out)
+    assert_nothing_left(tmp_path, done, str(done_out))
 
 
-def test_a_job_whose_ranks_fail_names_the_dataset_and_leaves_nothing(cluster, dataset, tmp_path):
-    proxy = CountingProxy(cluster["RAMJET_SLURM_GATEWAY"], ("127.0.0.1", int(os.environ["RAMJET_S3_PORT"])))
-    try:
-        missing = f"s3://{BUCKET}/pytest-slurm/no-such-dataset-{uuid.uuid4().hex[:8]}"
-        marker = tmp_path / "never.json"
-        jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {marker}", url=missing)
-        wait_gone(env, jid, 300)
-        state, code = job_state(env, jid)
-        out = output(tmp_path, jid)
-        assert state == "FAILED" and code != "0:0", f"{state} {code}\n{out}"
-        assert missing in out, out
-        assert re.search(r"torn down \(exit [1-9]", out), out
-        assert_nothing_left(tmp_path, jid, str(marker))
-    finally:
-        proxy.close()
+def test_a_job_whose_ranks_fail_names_the_dataset_and_leaves_nothing(cluster, dataset, proxy, tmp_path):
+    missing = f"s3://{BUCKET}/pytest-slurm/no-such-dataset-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "never.json"
+    jid, env = submit(cluster, dataset, proxy, tmp_path, f"--out {marker}", url=missing)
+    wait_gone(env, jid, 300)
+    state, code = job_state(env, jid)
+    out = output(tmp_path, jid)
+    assert state == "FAILED" and code != "0:0", f"{state} {code}\n{out}"
+    assert missing in out, out
+    assert re.search(r"torn down \(exit [1-9]", out), out
+    assert_nothing_left(tmp_path, jid, str(marker))
