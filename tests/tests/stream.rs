@@ -546,16 +546,20 @@ fn global_shuffle_reads_every_sample_once_cold_and_warm() {
         );
     }
     // A flipped byte in a record of a cached shard, read one sample at a time through its held
-    // index: the sample comes from the origin, and the damaged copy is removed, to be fetched
-    // again by the next epoch (a warm shard is not read whole to warm it, so only its samples'
-    // checks can find the damage).
+    // index: the sample comes from the origin, and the damaged copy is removed (a warm shard is
+    // not read whole to warm it, so only its samples' checks can find the damage). The cache
+    // warming then fetches it again: in this same pass when the warming reaches the shard after
+    // the removal (its check is lazy), else in the next one. Either way the damaged bytes never
+    // stay.
     let (shard, good) = flip_a_cached_shard(cache.path());
     let (shuffled, corrupt) = read(Shuffle::Global, 0, 1 << 30);
     let mut sorted = shuffled;
     sorted.sort();
     assert_eq!(sorted, plain, "a damaged cached record was yielded");
-    assert_eq!(corrupt, 1, "the damaged copy was not removed");
-    assert!(!shard.exists(), "the damaged copy was not removed");
+    assert_eq!(corrupt, 1, "the damage was not found");
+    if let Ok(now) = std::fs::read(&shard) {
+        assert_eq!(now, good, "the damaged copy was not removed");
+    }
     // The next epoch's warming fetches it again, sound.
     let (again, corrupt) = read(Shuffle::Global, 0, 1 << 30);
     assert_eq!((again.len(), corrupt), (plain.len(), 0));
