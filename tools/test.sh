@@ -57,6 +57,10 @@ RAMJET_EXPECT_IO_URING=1 cargo test --workspace --all-targets --locked
 step "python package (maturin develop --release) and pytest"
 # No debug info in this wheel (the release profile keeps line tables for profiling): 0.5 GB less.
 CARGO_PROFILE_RELEASE_DEBUG=0 VIRTUAL_ENV="$RAMJET_VENV" "$RAMJET_VENV/bin/maturin" develop --release --quiet -m bindings/Cargo.toml
+# The peers' venv (MosaicML Streaming, WebDataset): the foreign-format tests write their golden
+# fixtures with the real writers there, never in the core venv.
+RAMJET_BENCH_PYTHON="$(tools/bench-venv.sh)"
+export RAMJET_BENCH_PYTHON
 RAMJET_BIN="$RAMJET_ROOT/target/debug/ramjet" "$RAMJET_VENV/bin/python" -m pytest -q bindings/tests
 
 step "examples: CNN training on CPU, 2-process torchrun (gloo)"

@@ -5,7 +5,8 @@ use futures::stream::{self, StreamExt, TryStreamExt};
 
 use crate::error::{Error, Result};
 use crate::format::{
-    verify_shard_bytes, ColumnType, Manifest, ShardExpect, ShardView, TableReader, Value, MANIFEST_BYTES_MAX,
+    foreign, verify_shard_bytes, ColumnType, Manifest, ShardExpect, ShardInfo, ShardView, TableReader, Value,
+    MANIFEST_BYTES_MAX,
 };
 use crate::metrics::Metrics;
 use crate::store::{DatasetUrl, Store};
@@ -212,7 +213,23 @@ impl Dataset {
         let manifest_url = store.url(manifest_key);
         // One request, not a HEAD then a GET: on a 20 ms link every round trip before the
         // first batch shows.
-        let bytes = match store.get_at_most(manifest_key, MANIFEST_BYTES_MAX).await? {
+        let got = match store.get_at_most(manifest_key, MANIFEST_BYTES_MAX).await {
+            Err(Error::NotFound { key }) if manifest_key == crate::format::MANIFEST_NAME => {
+                // A MosaicML dataset without its ramjet index: say how to read it.
+                if store.size("index.json").await.is_ok() {
+                    return Err(Error::NotFound {
+                        key: format!(
+                            "{key} (an MDS dataset, {}: run `ramjet index {}` once to read it in place; docs/format.md)",
+                            store.url("index.json"),
+                            store.url("").trim_end_matches('/')
+                        ),
+                    });
+                }
+                return Err(Error::NotFound { key });
+            }
+            other => other?,
+        };
+        let bytes = match got {
             Ok(b) => b,
             Err(size) => {
                 return Err(Error::Manifest {
@@ -268,9 +285,34 @@ impl Dataset {
     /// Downloads shard `i` whole and checks it (see [`Dataset::check_shard`]). Returns the
     /// bytes only when they are sound.
     pub async fn fetch_shard(&self, i: usize) -> Result<Bytes> {
-        let bytes = self.store.get(&self.manifest.shard(i)?.key).await?;
-        self.check_shard(i, &bytes)?;
+        let info = self.manifest.shard(i)?;
+        let stored = self.store.get(&info.key).await?;
+        let (bytes, hashed) = self.as_ramjet_shard(&info, stored)?;
+        self.check_shard_hashed(i, &bytes, hashed)?;
         Ok(bytes)
+    }
+
+    /// A shard object as stored, as a ramjet shard: itself, or, for a foreign shard (MDS,
+    /// WebDataset), the ramjet shard it transcodes to once its size and xxh3 are checked
+    /// against the manifest (`crate::format::foreign`), with that shard's checksum. The
+    /// result is for [`Dataset::check_shard`] to check, as any ramjet shard.
+    pub fn as_ramjet_shard(&self, info: &ShardInfo, stored: Bytes) -> Result<(Bytes, Option<u64>)> {
+        let (Some(obj), Some(spec)) = (&info.foreign, &self.manifest.foreign) else {
+            return Ok((stored, None));
+        };
+        let url = self.store.url(&info.key);
+        foreign::check_object(&stored, obj, &url)?;
+        let plain;
+        let data: &[u8] = match &obj.compression {
+            Some(c) => {
+                plain = foreign::decompress(&stored, Some(c), &url)?;
+                &plain
+            }
+            None => &stored,
+        };
+        let built = foreign::transcode(spec, &self.manifest.schema, data, &url)?;
+        let sum = built.checksum;
+        Ok((Bytes::from(built.bytes), Some(sum)))
     }
 
     /// Downloads shard `i` as parallel ranged GETs of `range_bytes` (`in_flight` at once),
@@ -284,6 +326,8 @@ impl Dataset {
         metrics: &Metrics,
     ) -> Result<Bytes> {
         let info = &self.manifest.shard(i)?;
+        // A foreign shard is fetched as stored, then transcoded (`as_ramjet_shard`).
+        let stored_bytes = info.foreign.as_ref().map_or(info.bytes, |f| f.bytes);
         let part = range_bytes.max(1 << 16);
         let mut attempt = 0;
         loop {
@@ -293,11 +337,11 @@ impl Dataset {
             // SAFETY: every range's bytes are written by `get_range_into`, which fails unless it
             // filled its whole slice; the ranges cover [0, bytes), so on success every byte was
             // written, and on failure the buffer is dropped unread.
-            let mut buf = unsafe { crate::cache::io::BufPool::global().take(info.bytes as usize) };
+            let mut buf = unsafe { crate::cache::io::BufPool::global().take(stored_bytes as usize) };
             // The checksum is computed as the bytes arrive, while they are in the CPU's cache,
             // as far as they arrive in order (all of a shard fetched as one range); the rest
             // is hashed when every range is in.
-            let hash = std::sync::Mutex::new(InOrderHash::new(info.bytes as usize));
+            let hash = std::sync::Mutex::new(InOrderHash::new(stored_bytes as usize));
             let mut gets = Vec::new();
             for (n, dst) in buf.as_mut_slice().chunks_mut(part as usize).enumerate() {
                 let at = (n as u64 * part) as usize;
@@ -315,11 +359,17 @@ impl Dataset {
                 .try_collect::<()>()
                 .await?;
             Metrics::add(&metrics.origin_requests, requests);
-            Metrics::add(&metrics.origin_bytes, info.bytes);
+            Metrics::add(&metrics.origin_bytes, stored_bytes);
             let bytes = buf.into_bytes();
-            let sum = hash.into_inner().expect("hash lock").finish(&bytes);
-            match self.check_shard_hashed(i, &bytes, sum) {
-                Ok(()) => return Ok(bytes),
+            let checked = if info.foreign.is_some() {
+                self.as_ramjet_shard(info, bytes)
+                    .and_then(|(b, sum)| self.check_shard_hashed(i, &b, sum).map(|()| b))
+            } else {
+                let sum = hash.into_inner().expect("hash lock").finish(&bytes);
+                self.check_shard_hashed(i, &bytes, sum).map(|()| bytes)
+            };
+            match checked {
+                Ok(bytes) => return Ok(bytes),
                 Err(e) if attempt < 2 && e.is_data_error() => {
                     tracing::warn!(error = %e, "shard from origin failed verification; fetching again");
                 }
@@ -522,11 +572,23 @@ impl Dataset {
                         global_sample: sample.map(|s| start + s),
                         message,
                     };
-                    let bytes = match self.store.get(&info.key).await {
+                    let stored = match self.store.get(&info.key).await {
                         Ok(b) => b,
                         Err(e) => return (i, vec![problem(None, e.to_string())], 0),
                     };
-                    progress(bytes.len() as u64);
+                    progress(stored.len() as u64);
+                    // A foreign shard is checked as stored, then as the ramjet shard it
+                    // transcodes to.
+                    let bytes = match self.as_ramjet_shard(&info, stored) {
+                        Ok((b, _)) => b,
+                        Err(e) => {
+                            let sample = match &e {
+                                Error::Corrupt { at, .. } => at.sample,
+                                _ => None,
+                            };
+                            return (i, vec![problem(sample, e.to_string())], 0);
+                        }
+                    };
                     let expect = ShardExpect {
                         bytes: info.bytes,
                         samples: info.samples,

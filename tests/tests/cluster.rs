@@ -821,3 +821,103 @@ fn ready_names_a_missing_peer_and_a_wrong_key_and_the_wait_ends_when_the_ring_is
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("3 members"), "{err}");
 }
+
+/// An MDS dataset (`index.json` version 2, uncompressed `.mds` shards of a `jpeg` and an
+/// `int` column, the layout MosaicML's MDSWriter writes) of the synthetic images, on S3,
+/// indexed in place by `ramjet index`. Returns its URL and its shard count.
+fn mds_dataset() -> (String, usize) {
+    let url = s3_prefix("cluster-mds");
+    let store = ramjet_engine::Store::open(&url).unwrap();
+    let mut images: Vec<PathBuf> = std::fs::read_dir(synth_dataset(N).join("images"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    images.sort();
+    let config = br#"{"column_encodings":["jpeg","int"],"column_names":["image","label"],"column_sizes":[null,8],"compression":null,"format":"mds","hashes":[],"size_limit":67108864,"version":2}"#;
+    let mut shards = Vec::new();
+    for (k, chunk) in images.chunks(10).enumerate() {
+        let samples: Vec<Vec<u8>> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let img = std::fs::read(p).unwrap();
+                let mut s = (img.len() as u32).to_le_bytes().to_vec();
+                s.extend_from_slice(&img);
+                s.extend_from_slice(&((k * 10 + i) as i64).to_le_bytes());
+                s
+            })
+            .collect();
+        let n = samples.len();
+        let mut file = (n as u32).to_le_bytes().to_vec();
+        // Offsets: the start of every sample, then the end of the last.
+        let mut at = (4 + 4 * (n + 1) + config.len()) as u32;
+        for s in &samples {
+            file.extend_from_slice(&at.to_le_bytes());
+            at += s.len() as u32;
+        }
+        file.extend_from_slice(&at.to_le_bytes());
+        file.extend_from_slice(config);
+        for s in &samples {
+            file.extend_from_slice(s);
+        }
+        let name = format!("shard.{k:05}.mds");
+        shards.push(serde_json::json!({
+            "column_encodings": ["jpeg", "int"], "column_names": ["image", "label"], "column_sizes": [null, 8],
+            "compression": null, "format": "mds", "hashes": [], "samples": n, "size_limit": 67108864, "version": 2,
+            "raw_data": {"basename": name, "bytes": file.len(), "hashes": {}}, "zip_data": null,
+        }));
+        block_on(store.put(&name, file.into())).unwrap();
+    }
+    let index = serde_json::json!({"version": 2, "shards": shards});
+    block_on(store.put("index.json", serde_json::to_vec(&index).unwrap().into())).unwrap();
+    ramjet_ok(&["index", &url]);
+    (url, shards.len())
+}
+
+#[test]
+fn a_foreign_dataset_crosses_from_the_origin_once_through_the_ring() {
+    let (url, shards) = mds_dataset();
+    let d = tempfile::tempdir().unwrap();
+    let want_path = d.path().join("ref.txt");
+    ramjet_ok(&[
+        "stream",
+        &url,
+        "--shuffle",
+        "none",
+        "--out",
+        want_path.to_str().unwrap(),
+    ]);
+    let want = std::fs::read_to_string(&want_path).unwrap();
+    assert_eq!(want.lines().count(), N);
+    let proxy = CountingProxy::start(&s3_upstream());
+    let members = names(2, 40);
+    let nodes: Vec<Node> = members
+        .iter()
+        .map(|m| start_node(d.path(), m, &members, &proxy.url, &[]))
+        .collect();
+    proxy.reset();
+    let outs: Vec<PathBuf> = (0..2).map(|i| d.path().join(format!("out{i}"))).collect();
+    let readers: Vec<Child> = nodes
+        .iter()
+        .zip(&outs)
+        .map(|(n, o)| reader(&url, &n.sock, o, &proxy.url, 0))
+        .collect();
+    for m in readers.into_iter().map(finish) {
+        assert_eq!(u(&m["daemon_failures"]), 0, "{m}");
+    }
+    for o in &outs {
+        assert_eq!(
+            std::fs::read_to_string(o).unwrap(),
+            want,
+            "a reader delivered other samples"
+        );
+    }
+    // Every foreign shard crossed from the origin once for the cluster, and each daemon holds
+    // its ring share of them, transcoded.
+    assert_eq!(proxy.count("GET", ".mds"), shards, "origin GETs of {shards} MDS shards");
+    let held: u64 = nodes.iter().map(|n| u(&n.stats()["cache_shards"])).sum();
+    assert_eq!(held, shards as u64);
+    proxy.reset();
+    finish(reader(&url, &nodes[1].sock, &d.path().join("again"), &proxy.url, 0));
+    assert_eq!(proxy.count("GET", ".mds"), 0, "a warm cluster went to the origin");
+}

@@ -50,9 +50,13 @@ VETH_HOST, VETH_NS = "rjb0", "rjb1"
 IP_HOST, IP_NS = "10.77.0.1", "10.77.0.2"
 WAN_INNER_PORT, WAN_PORT = 8433, 8333
 
-LOADERS = ["ramjet", "torch-files", "mosaicml", "webdataset", "boto3"]
+LOADERS = ["ramjet", "ramjet-mds", "ramjet-wds", "torch-files", "mosaicml", "webdataset", "boto3"]
+# ramjet itself, and ramjet reading the peers' own copies in place (`ramjet index`).
+RAMJETS = ["ramjet", "ramjet-mds", "ramjet-wds"]
 TITLES = {
     "ramjet": "ramjet",
+    "ramjet-mds": "ramjet on the MDS copy (in place)",
+    "ramjet-wds": "ramjet on the WebDataset tars (in place)",
     "torch-files": "torch DataLoader, local files",
     "mosaicml": "MosaicML Streaming (MDS)",
     "webdataset": "WebDataset (tar)",
@@ -245,6 +249,11 @@ class Data:
                 w.write({"__key__": key, "jpg": img, "txt": lbl})
         (out / ".complete").touch()
 
+    def wds_pattern(self):
+        """The tars as a WebDataset brace pattern (what `ramjet index` is given)."""
+        n = len(list((self.dir / "wds").glob("*.tar")))
+        return f"shard-{{000000..{n - 1:06d}}}.tar"
+
     def upload(self, link):
         """Puts every copy on the link's server once (a `_complete` object marks each)."""
         c = s3_client(link.endpoint)
@@ -282,6 +291,13 @@ class Data:
                     bar.update(1)
             for fmt in sorted({j[0] for j in jobs}):
                 mark(fmt)
+        # ramjet reads the MDS and WebDataset copies in place, through its index of them.
+        for fmt, src in (("mds", self.url("mds")), ("wds", f"{self.url('wds')}/{self.wds_pattern()}")):
+            try:
+                c.head_object(Bucket=BUCKET, Key=f"{self.prefix}/{fmt}/manifest.json")
+            except Exception:  # noqa: BLE001 - absent
+                log(f"indexing the {fmt} copy in place ({link.name})")
+                subprocess.run([str(RAMJET), "index", src], check=True, env=env, stdout=subprocess.DEVNULL)
 
     def warm_origin(self, link):
         """Reads the first byte of every object of every copy, untimed: a server just started
@@ -516,6 +532,57 @@ class Ramjet(Contender):
         return super().close()
 
 
+class RamjetForeign(Ramjet):
+    """ramjet reading a peer's own copy (MDS or WebDataset tars) in place, through the ramjet
+    manifest `ramjet index` wrote beside it: the same loader, the same transform."""
+
+    loader = ""
+    image_column = "image"
+
+    def __init__(self, a, link_env):
+        super().__init__(a, link_env)
+        self.common = dict(Ramjet.common, image_column=self.image_column, boxes_column=None)
+
+    def cold(self, r):
+        import ramjet
+
+        self.dl = None
+        gc.collect()
+        cache = Path(self.a.work) / "ramjet-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        m = Meter().__enter__()
+        t0 = now()
+        self.dl = ramjet.StreamingDataset(self.a.url, local=str(cache), cache_limit="64GiB", **self.common)
+        res = epoch(self.dl, desc=f"{self.loader} cold {r + 1}", total=self.a.samples, t0=t0, meter=m)
+        return [row(self.loader, "streaming, cold", res, origin=self.dl.metrics()["origin_bytes"],
+                    total_bytes=self.a.format_bytes, phase="cold", round=r)]
+
+    def warm(self, r, phase, ep):
+        before = self.dl.metrics()["origin_bytes"]
+        self.dl.set_epoch(ep)
+        res = epoch(self.dl, desc=f"{self.loader} warm {r + 1}", total=self.a.samples)
+        return [row(self.loader, "streaming, warm", res, origin=self.dl.metrics()["origin_bytes"] - before,
+                    total_bytes=self.a.format_bytes, phase="warm", round=r)]
+
+    def step(self, ep):
+        before = self.dl.metrics()["origin_bytes"]
+        self.dl.set_epoch(ep)
+        a = self.a
+        res = epoch(self.dl, desc=f"{self.loader} warm, step {a.step_ms:g} ms", total=a.samples, step_ms=a.step_ms)
+        return [row(self.loader, f"streaming, warm, step {a.step_ms:g} ms", res,
+                    origin=self.dl.metrics()["origin_bytes"] - before, total_bytes=a.format_bytes,
+                    step_ms=a.step_ms, phase="step", round=0)]
+
+
+class RamjetMds(RamjetForeign):
+    loader = "ramjet-mds"
+
+
+class RamjetWds(RamjetForeign):
+    loader = "ramjet-wds"
+    image_column = "jpg"
+
+
 class Peer(Contender):
     """A peer: a torch DataLoader (2 workers, persistent) over its own dataset."""
 
@@ -701,8 +768,8 @@ class Boto3(Peer):
         return self.loader(Objects(), True)
 
 
-CONTENDERS = {"ramjet": Ramjet, "torch-files": TorchFiles, "mosaicml": MosaicML, "webdataset": WebDataset,
-              "boto3": Boto3}
+CONTENDERS = {"ramjet": Ramjet, "ramjet-mds": RamjetMds, "ramjet-wds": RamjetWds, "torch-files": TorchFiles,
+              "mosaicml": MosaicML, "webdataset": WebDataset, "boto3": Boto3}
 
 
 def child(argv):
@@ -845,7 +912,7 @@ def checks(rows):
                             met=None if v is None else v == "met"))
 
         warm, p2, cold = rounds_of("ramjet", "warm"), rounds_of("ramjet", "p2"), rounds_of("ramjet", "cold")
-        peers = [p for p in LOADERS[1:] if any(r["loader"] == p for r in lr)]
+        peers = [p for p in LOADERS if p not in RAMJETS and any(r["loader"] == p for r in lr)]
         both = sorted(set(warm) & set(p2))
         if both:
             ratios = [warm[k]["wall_s"] / p2[k]["wall_s"] for k in both]
@@ -883,6 +950,23 @@ def checks(rows):
                 f"{ratio:.2f}x (per round {', '.join(f'{x:.2f}' for x in per)}); least CPU {TITLES[frugal]} "
                 f"{cpu[frugal]:.2f} s/1000 = {cpu_ratio:.2f}x", ratio >= 3 and cpu_ratio >= 3, len(per),
                 flagged({"warm"}, {"ramjet", *cands}))
+        # ramjet reading the peers' formats in place: 3x the peer on its own format, and
+        # within 5% of ramjet on its own.
+        for mine, peer in (("ramjet-mds", "mosaicml"), ("ramjet-wds", "webdataset")):
+            fw, pw = rounds_of(mine, "warm"), rounds_of(peer, "warm")
+            ks = sorted(set(fw) & set(pw))
+            if ks:
+                per = [fw[k]["samples_per_s"] / pw[k]["samples_per_s"] for k in ks]
+                add(f"{TITLES[mine]}: warm loader-only at least 3x {TITLES[peer]} on its own format",
+                    f"{med([fw[k]['samples_per_s'] for k in ks]):,.0f}/s vs {med([pw[k]['samples_per_s'] for k in ks]):,.0f}/s"
+                    f" = {med(per):.2f}x; per round {', '.join(f'{x:.2f}' for x in per)}", med(per) >= 3, len(ks),
+                    flagged({"warm"}, {mine, peer}))
+            ks = sorted(set(fw) & set(warm))
+            if ks:
+                per = [fw[k]["samples_per_s"] / warm[k]["samples_per_s"] for k in ks]
+                add(f"{TITLES[mine]}: warm loader-only within 5% of ramjet on its own format",
+                    f"{med(per):.3f}x ramjet's rate; per round {', '.join(f'{x:.3f}' for x in per)}",
+                    med(per) >= 0.95, len(ks), flagged({"warm"}, {mine, "ramjet"}))
     return out
 
 
@@ -920,7 +1004,7 @@ def chart(rows, agg, path):
         ax.legend(fontsize=8)
         ax = axes[i][1]
         vals = [next((r["ttfb_s"] for r in lr if r["loader"] == lo and r["phase"] == "cold"), 0) for lo in loaders]
-        bars = ax.bar(range(len(loaders)), vals, color=["tab:green" if lo == "ramjet" else "tab:gray" for lo in loaders])
+        bars = ax.bar(range(len(loaders)), vals, color=["tab:green" if lo in RAMJETS else "tab:gray" for lo in loaders])
         for b, v in zip(bars, vals):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom", fontsize=8)
         ax.set_yscale("log")
@@ -1073,8 +1157,8 @@ def main():
                 for c in children.values():
                     c.close()
                 for loader in loaders:
-                    fmt = {"ramjet": "ramjet", "torch-files": "objects", "mosaicml": "mds", "webdataset": "wds",
-                           "boto3": "objects"}[loader]
+                    fmt = {"ramjet": "ramjet", "ramjet-mds": "mds", "ramjet-wds": "wds", "torch-files": "objects",
+                           "mosaicml": "mds", "webdataset": "wds", "boto3": "objects"}[loader]
                     local_copy = {"wds": data.dir / "wds", "objects": data.synth / "images"}.get(fmt, data.dir)
                     (work / loader).mkdir(parents=True, exist_ok=True)
                     children[loader] = Child(loader, [

@@ -415,6 +415,7 @@ fn build_shard(
         samples: shard.samples,
         checksum: format!("{:016x}", shard.checksum),
         columns,
+        foreign: None,
     };
     rt.block_on(store.put(&key, Bytes::from(shard.bytes)))?;
     Ok((Some(info), skipped, read))
@@ -749,6 +750,7 @@ fn pack_jsonl(
                 samples: shard.samples,
                 checksum: format!("{:016x}", shard.checksum),
                 columns: None,
+                foreign: None,
             };
             rt.block_on(store.put(&key, Bytes::from(shard.bytes)))?;
             Ok((idx, info))

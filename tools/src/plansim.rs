@@ -92,6 +92,7 @@ pub fn prepare(dir: &Path, samples: u64, shard_samples: u64) -> Result<(String, 
             samples: shard_samples,
             checksum: checksum.clone(),
             columns: None,
+            foreign: None,
         })
         .collect();
     let table = ShardTable::build(&infos).map_err(|why| Error::invalid("plan-sim table", why))?;

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
+use super::foreign::{ForeignObject, ForeignSpec};
 use super::schema::Schema;
 use crate::error::{Error, Result};
 
@@ -27,6 +28,9 @@ pub const MANIFEST_VERSION: u32 = 1;
 /// Manifest format version of a manifest whose shards are in a binary shard table (a reader
 /// from before tables refuses it by this number rather than misreading it).
 pub const MANIFEST_VERSION_TABLE: u32 = 2;
+/// Manifest format version of a manifest over foreign shards (`ramjet index`): a reader
+/// from before them refuses it by this number rather than reading a foreign shard as its own.
+pub const MANIFEST_VERSION_FOREIGN: u32 = 3;
 /// Object name of the current manifest, relative to the dataset prefix.
 pub const MANIFEST_NAME: &str = "manifest.json";
 /// Largest manifest a reader will download.
@@ -48,6 +52,11 @@ pub struct ShardInfo {
     /// before it existed, and when the schema has no `bytes` column or nothing else.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub columns: Option<ColumnsInfo>,
+    /// A foreign shard (MDS, WebDataset) read in place: the object as stored at `key`. Then
+    /// `bytes` and `checksum` are those of the ramjet shard it transcodes to (see
+    /// [`crate::format::foreign`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub foreign: Option<ForeignObject>,
 }
 
 /// A shard's columns sidecar (see [`ShardInfo::columns`]): itself a shard file.
@@ -110,6 +119,9 @@ pub struct Manifest {
     /// The binary shard table that lists the shards instead (large datasets).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard_table: Option<ShardTableRef>,
+    /// The layout of its shards, when they are foreign (MDS, WebDataset) and read in place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub foreign: Option<ForeignSpec>,
     /// The table's content, once loaded ([`Manifest::attach_table`]).
     #[serde(skip)]
     table: Option<Arc<ShardTable>>,
@@ -575,6 +587,7 @@ impl ShardTable {
                     checksum: format!("{cc:016x}"),
                 }
             }),
+            foreign: None,
         })
     }
 
@@ -650,9 +663,26 @@ impl Manifest {
             bytes: shards.iter().map(|s| s.bytes).sum(),
             shards,
             shard_table: None,
+            foreign: None,
             table: None,
             starts: OnceLock::new(),
         };
+        m.version = m.compute_version();
+        m
+    }
+
+    /// A manifest over foreign shards read in place (`ramjet index`): every shard has its
+    /// [`ShardInfo::foreign`], laid out as `spec` says.
+    pub fn new_foreign(
+        source: impl Into<String>,
+        schema: Schema,
+        meta: serde_json::Map<String, serde_json::Value>,
+        shards: Vec<ShardInfo>,
+        spec: ForeignSpec,
+    ) -> Self {
+        let mut m = Self::new(source, schema, meta, shards);
+        m.format_version = MANIFEST_VERSION_FOREIGN;
+        m.foreign = Some(spec);
         m.version = m.compute_version();
         m
     }
@@ -681,6 +711,7 @@ impl Manifest {
                 checksum: format!("{:016x}", table.checksum()),
                 shards: table.len() as u64,
             }),
+            foreign: None,
             table: Some(Arc::new(table)),
             starts: OnceLock::new(),
         };
@@ -870,16 +901,20 @@ impl Manifest {
         if m.format != MANIFEST_FORMAT {
             return Err(bad(format!("format is {:?}, expected {MANIFEST_FORMAT:?}", m.format)));
         }
-        let want_version = if m.shard_table.is_some() {
-            MANIFEST_VERSION_TABLE
-        } else {
-            MANIFEST_VERSION
+        let (want_version, kind) = match (&m.shard_table, &m.foreign) {
+            (Some(_), None) => (MANIFEST_VERSION_TABLE, "with a shard table"),
+            (None, None) => (MANIFEST_VERSION, "without a shard table"),
+            (None, Some(_)) => (MANIFEST_VERSION_FOREIGN, "over foreign shards"),
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "foreign shards are listed in the manifest, not in a shard table".into()
+                ))
+            }
         };
         if m.format_version != want_version {
             return Err(bad(format!(
-                "format_version {} is not supported for a manifest {} a shard table (this build reads {want_version})",
+                "format_version {} is not supported for a manifest {kind} (this build reads {want_version})",
                 m.format_version,
-                if m.shard_table.is_some() { "with" } else { "without" }
             )));
         }
         m.schema.validate().map_err(|r| bad(format!("schema: {r}")))?;
@@ -953,6 +988,32 @@ impl Manifest {
                     s.key, s.checksum
                 )));
             }
+            match (&s.foreign, &m.foreign) {
+                (Some(f), Some(_)) => {
+                    if f.checksum_u64().is_none() {
+                        return Err(bad(format!(
+                            "shard {:?} foreign checksum {:?} is not 16 hex digits",
+                            s.key, f.checksum
+                        )));
+                    }
+                    if let Some(c) = &f.compression {
+                        super::foreign::compression_name(c).map_err(|r| bad(format!("shard {:?}: {r}", s.key)))?;
+                    }
+                }
+                (None, None) => {}
+                (Some(_), None) => {
+                    return Err(bad(format!(
+                        "shard {:?} is foreign, but the manifest says no format",
+                        s.key
+                    )))
+                }
+                (None, Some(_)) => {
+                    return Err(bad(format!(
+                        "shard {:?} is not foreign, in a manifest over foreign shards",
+                        s.key
+                    )))
+                }
+            }
             if let Some(c) = &s.columns {
                 validate_key(&c.key).map_err(|r| bad(format!("columns key {:?}: {r}", c.key)))?;
                 if !keys.insert(c.key.as_str()) {
@@ -1019,6 +1080,7 @@ impl PartialEq for Manifest {
             self.bytes,
             &self.shards,
             &self.shard_table,
+            &self.foreign,
             &self.table,
         ) == (
             &o.format,
@@ -1031,6 +1093,7 @@ impl PartialEq for Manifest {
             o.bytes,
             &o.shards,
             &o.shard_table,
+            &o.foreign,
             &o.table,
         )
     }
@@ -1069,6 +1132,7 @@ mod tests {
                     samples: 3 + i as u64 % 5,
                     checksum: format!("{c:016x}"),
                     columns: None,
+                    foreign: None,
                 }
             })
             .collect()

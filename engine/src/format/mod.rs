@@ -1,15 +1,16 @@
 //! Shard layout, manifest and checksums: writers and readers. `docs/format.md` describes
 //! every byte.
 
+pub mod foreign;
 mod manifest;
 mod schema;
 mod shard;
 
 pub use manifest::{
     shard_table_head_len, shard_table_len, validate_key, ColumnsInfo, Manifest, ShardInfo, ShardTable, ShardTableRef,
-    TableReader, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, MANIFEST_VERSION_TABLE,
-    SHARD_TABLE_AUTO_MIN, SHARD_TABLE_BLOCK_RECORDS, SHARD_TABLE_DIR_ENTRY_LEN, SHARD_TABLE_HEADER_LEN,
-    SHARD_TABLE_MAGIC, SHARD_TABLE_RECORD_LEN,
+    TableReader, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, MANIFEST_VERSION_FOREIGN,
+    MANIFEST_VERSION_TABLE, SHARD_TABLE_AUTO_MIN, SHARD_TABLE_BLOCK_RECORDS, SHARD_TABLE_DIR_ENTRY_LEN,
+    SHARD_TABLE_HEADER_LEN, SHARD_TABLE_MAGIC, SHARD_TABLE_RECORD_LEN,
 };
 pub use schema::{decode_record, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef, COLUMNS_MAX};
 pub use shard::{

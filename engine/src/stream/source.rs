@@ -115,7 +115,7 @@ type RecordRun = (std::ops::Range<u64>, Vec<(u64, IndexEntry)>);
 /// (a sequential or block-shuffled order reads a batch with two requests instead of two per
 /// sample). Every record is checked against its index entry. Where a merged GET fails, each of
 /// its samples is read again on its own, so every error names its sample.
-async fn fetch_samples_ranged(shared: &Shared, ids: &[SampleRef]) -> Vec<Result<Bytes>> {
+async fn fetch_samples_ranged(shared: &Arc<Shared>, ids: &[SampleRef]) -> Vec<Result<Bytes>> {
     let mut by_shard: HashMap<(u32, u32), Vec<usize>> = HashMap::new();
     for (slot, id) in ids.iter().enumerate() {
         by_shard.entry((id.stream, id.shard)).or_default().push(slot);
@@ -131,13 +131,22 @@ async fn fetch_samples_ranged(shared: &Shared, ids: &[SampleRef]) -> Vec<Result<
 }
 
 /// The samples `slots` of `ids`, all of one shard (see [`fetch_samples_ranged`]).
-async fn fetch_from_shard(shared: &Shared, ids: &[SampleRef], slots: Vec<usize>) -> Vec<(usize, Result<Bytes>)> {
+async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<usize>) -> Vec<(usize, Result<Bytes>)> {
     let first = ids[slots[0]];
     let src = &shared.sources[first.stream as usize];
     let info = match src.ds.manifest().shard(first.shard as usize) {
         Ok(info) => info,
         Err(e) => return slots.into_iter().map(|s| (s, Err(e.clone()))).collect(),
     };
+    if info.foreign.is_some() {
+        // A foreign shard has no ramjet index to read ranges by: it comes whole (once, through
+        // the source chain, then from the cache), and its records are sliced out.
+        let got = foreign_records(shared, first.stream, first.shard).await;
+        return slots
+            .into_iter()
+            .map(|s| (s, got.clone().and_then(|r| r.record(ids[s].index as u64))))
+            .collect();
+    }
     let info = &info;
     let store = src.ds.store();
     let m = &shared.metrics;
@@ -264,9 +273,14 @@ fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result
 
 /// One sample with two ranged GETs: its index entry, then its record (counted as an origin
 /// read; the caller counts it as a ranged sample when it delivers it).
-pub(super) async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Result<Bytes> {
+pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> Result<Bytes> {
     let src = &shared.sources[id.stream as usize];
     let info = &src.ds.manifest().shard(id.shard as usize)?;
+    if info.foreign.is_some() {
+        return foreign_records(shared, id.stream, id.shard)
+            .await?
+            .record(id.index as u64);
+    }
     let store = src.ds.store();
     let url = store.url(&info.key);
     let at = Location::sample(&url, id.index as u64);
@@ -280,6 +294,30 @@ pub(super) async fn fetch_sample_ranged(shared: &Shared, id: SampleRef) -> Resul
     Metrics::add(&m.origin_requests, 2);
     Metrics::add(&m.origin_bytes, INDEX_ENTRY_LEN + e.len);
     Ok(rec)
+}
+
+/// A whole shard's records, sliced out of its verified bytes.
+#[derive(Clone)]
+struct ShardRecords {
+    bytes: Bytes,
+    url: String,
+}
+
+impl ShardRecords {
+    fn record(&self, i: u64) -> Result<Bytes> {
+        let view = crate::format::ShardView::parse(&self.bytes, &self.url)?;
+        Ok(self.bytes.slice_ref(view.record(i)?))
+    }
+}
+
+/// A foreign shard (`crate::format::foreign`), whole, through the source chain: the samples
+/// of a shard that has no ramjet index at the origin.
+async fn foreign_records(shared: &Arc<Shared>, stream: u32, shard: u32) -> Result<ShardRecords> {
+    let bytes = fetch_shard(shared.clone(), stream as usize, shard as usize).await?;
+    Ok(ShardRecords {
+        bytes,
+        url: shared.sources[stream as usize].shard_url(shard as usize),
+    })
 }
 
 /// The host daemon as the first step of a stream's source chain (`crate::source`). It is

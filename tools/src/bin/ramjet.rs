@@ -66,6 +66,15 @@ enum Cmd {
         #[arg(long, value_enum, default_value = "auto")]
         shard_table: ramjet_tools::pack::ShardTableMode,
     },
+    /// Index a MosaicML (MDS) or WebDataset dataset in place: writes a ramjet manifest beside
+    /// its shards (no copy), with every shard's size and checksum and every sample's checksum,
+    /// so that ramjet reads and verifies it as its own.
+    Index {
+        /// An MDS folder or prefix (holding index.json); a WebDataset brace pattern such as
+        /// s3://b/ds/train-{000000..000099}.tar, or one .tar; or a shard-list .txt file (one
+        /// tar per line, relative to its folder). The manifest goes into that folder.
+        src: String,
+    },
     /// Measure the cost of starting an epoch over a simulated dataset of any size: a real
     /// manifest and shard table, every shard served by a stub from one real tiny shard. Prints
     /// JSON: time to first sample and peak RSS (measured in a fresh child process).
@@ -809,6 +818,30 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     println!("  {what}: {why}");
                 }
             }
+        }
+        Cmd::Index { src } => {
+            let bar = bytes_bar("index");
+            let r = ramjet_tools::index::index(&src, &|n| bar.inc(n))?;
+            bar.finish_and_clear();
+            let secs = r.elapsed.as_secs_f64();
+            println!(
+                "index: {} samples in {} {} shards ({} read) in {:.2} s ({}/s) -> {}",
+                r.manifest.samples,
+                r.manifest.shard_count(),
+                r.manifest.source,
+                human_bytes(r.bytes_read),
+                secs,
+                human_bytes((r.bytes_read as f64 / secs.max(1e-9)) as u64),
+                r.manifest_url
+            );
+            println!("index: schema {}", r.manifest.schema.describe());
+            if r.foreign_hashes_checked > 0 {
+                println!(
+                    "index: {} of the dataset's own hashes checked",
+                    r.foreign_hashes_checked
+                );
+            }
+            println!("index: manifest version {}", r.manifest.version);
         }
         Cmd::Inspect { url, json } => {
             let ds = runtime()?.block_on(Dataset::open(&url))?;

@@ -1,0 +1,222 @@
+"""MosaicML (MDS) and WebDataset datasets read in place, through `ramjet index`.
+
+The golden fixtures are written at test time by the real writers, MosaicML Streaming's
+MDSWriter and webdataset's TarWriter, in the peers' venv (tools/bench-venv.sh), never in the
+core venv; ramjet must yield byte-identical samples."""
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import ramjet
+
+ROOT = Path(__file__).resolve().parents[2]
+RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/debug/ramjet")
+BUCKET = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
+N = 10
+MDS_SHAPES = ("mds-plain", "mds-zstd", "mds-gz")
+WDS_SOURCES = ("wds/train-{000..002}.tar", "wds/shards.txt", "wds-gz/train-{000..002}.tar.gz")
+
+
+def run(*args, ok=True):
+    out = subprocess.run([RAMJET, *args], capture_output=True, text=True)
+    if ok:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def bench_python():
+    py = os.environ.get("RAMJET_BENCH_PYTHON")
+    if not py:
+        py = subprocess.run(
+            ["bash", str(ROOT / "tools/bench-venv.sh")], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    return py
+
+
+@pytest.fixture(scope="session")
+def fixtures(tmp_path_factory, bench_python):
+    """The writers' datasets (each test copies what it changes), and what they stored."""
+    images = tmp_path_factory.mktemp("synth") / "ds"
+    run("synth", str(images), "--samples", str(N))
+    out = tmp_path_factory.mktemp("foreign") / "fx"
+    subprocess.run([bench_python, str(ROOT / "bindings/tests/foreign_fixtures.py"), str(images), str(out), str(N)], check=True)
+    return out, json.loads((out / "expected.json").read_text())
+
+
+def copy_of(fixtures, tmp_path, name):
+    src = fixtures[0] / name
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rows(url, **kw):
+    """Every sample of one epoch, in order, as {column: value} with bytes as bytes."""
+    ds = ramjet.StreamingDataset(url, image_size=None, batch_size=4, shuffle=False, cache_limit=None, **kw)
+    out = []
+    for b in ds:
+        n = len(next(iter(b.values())))
+        for i in range(n):
+            r = {}
+            for k, v in b.items():
+                x = v[i]
+                r[k] = x.item() if isinstance(x, torch.Tensor) else x
+            out.append(r)
+    return out
+
+
+def expect(v):
+    return base64.b64decode(v["b64"]) if isinstance(v, dict) and "b64" in v else v
+
+
+@pytest.mark.parametrize("shape", MDS_SHAPES)
+def test_mds_samples_are_the_writer_s_bytes(fixtures, tmp_path, shape):
+    d = copy_of(fixtures, tmp_path, shape)
+    out = run("index", str(d)).stdout
+    assert f"index: {N} samples" in out and "hashes checked" in out, out
+    got = rows(str(d))
+    want = fixtures[1]["mds"]
+    assert len(got) == N
+    for i, (g, w) in enumerate(zip(got, want)):
+        for col, v in w.items():
+            v = expect(v)
+            if col == "meta":
+                assert json.loads(g[col]) == v, (i, col)
+            elif isinstance(v, float):
+                assert g[col] == pytest.approx(v, rel=1e-6), (i, col)
+            else:
+                assert g[col] == v, (i, col, g[col][:20] if isinstance(g[col], bytes) else g[col])
+    assert run("verify", str(d)).returncode == 0
+
+
+@pytest.mark.parametrize("src", WDS_SOURCES)
+def test_webdataset_samples_are_the_writer_s_bytes(fixtures, tmp_path, src):
+    top = src.split("/")[0]
+    d = copy_of(fixtures, tmp_path, top)
+    run("index", str(tmp_path / src))
+    got = rows(str(d))
+    want = fixtures[1]["wds"]
+    assert [g["__key__"] for g in got] == [w["__key__"] for w in want]
+    for g, w in zip(got, want):
+        for ext in ("jpg", "cls", "json"):
+            assert g[ext] == expect(w[ext]), (w["__key__"], ext)
+
+
+def test_mds_from_s3_decodes_and_augments_in_rust(fixtures, tmp_path):
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    d = fixtures[0] / "mds-zstd"
+    url = f"s3://{BUCKET}/pytest-foreign/{uuid.uuid4().hex[:8]}"
+    for f in d.iterdir():
+        if f.name != "manifest.json" and f.is_file():
+            subprocess.run(
+                [str(ROOT / ".venv/bin/python"), "-c", "import boto3,sys; boto3.client('s3').upload_file(sys.argv[1], sys.argv[2], sys.argv[3])",
+                 str(f), BUCKET, url.split(f"s3://{BUCKET}/")[1] + "/" + f.name],
+                check=True,
+            )
+    run("index", url)
+    ds = ramjet.StreamingDataset(url, image_column="image", image_size=32, batch_size=5, boxes_column=None, cache_limit=None)
+    batches = list(ds)
+    assert sum(b["image"].shape[0] for b in batches) == N
+    assert batches[0]["image"].shape[1:] == (3, 32, 32)
+    assert sorted(int(x) for b in batches for x in b["label"]) == sorted(w["label"] for w in fixtures[1]["mds"])
+
+
+@pytest.mark.parametrize("name,src", [("mds-plain", "mds-plain"), ("wds", "wds/train-{000..002}.tar")])
+def test_order_and_exact_resume(fixtures, tmp_path, name, src):
+    copy_of(fixtures, tmp_path, name)
+    run("index", str(tmp_path / src))
+    url = str(tmp_path / name)
+    key = "__key__" if name == "wds" else "name"
+
+    def order(ds):
+        return [k for b in ds for k in b[key]]
+
+    kw = dict(image_size=None, batch_size=2, shuffle=True, seed=3, cache_limit=None)
+    full = order(ramjet.StreamingDataset(url, **kw))
+    assert sorted(full) == sorted(order(ramjet.StreamingDataset(url, **{**kw, "shuffle": False})))
+    assert full != sorted(full)
+    ds = ramjet.StreamingDataset(url, **kw)
+    it = iter(ds)
+    head = [k for _ in range(2) for k in next(it)[key]]
+    state = json.loads(json.dumps(ds.state_dict()))
+    resumed = ramjet.StreamingDataset(url, **kw)
+    resumed.load_state_dict(state)
+    assert head + order(resumed) == full
+    # Rank 0 and 1 of 2 split the epoch, every sample once.
+    ranks = [order(ramjet.StreamingDataset(url, **kw, rank=r, world_size=2)) for r in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == sorted(full)
+
+
+def test_pickled_columns_are_refused(fixtures, tmp_path):
+    d = copy_of(fixtures, tmp_path, "mds-pkl")
+    out = run("index", str(d), ok=False)
+    assert out.returncode != 0
+    assert '"pkl" is refused' in out.stderr and "arbitrary code" in out.stderr, out.stderr
+    assert not (d / "manifest.json").exists()
+
+
+def test_a_flipped_byte_in_a_foreign_shard_is_named(fixtures, tmp_path):
+    d = copy_of(fixtures, tmp_path, "mds-plain")
+    run("index", str(d))
+    shard = d / "shard.00001.mds"
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    shard.write_bytes(bytes(b))
+    v = run("verify", str(d), ok=False)
+    assert v.returncode == 1 and "shard.00001.mds" in v.stdout and "ramjet index" in v.stdout, v.stdout
+    with pytest.raises(ramjet.CorruptError, match="shard.00001.mds"):
+        rows(str(d))
+
+
+def test_a_damaged_foreign_shard_is_refused_at_index_time_naming_shard_and_sample(fixtures, tmp_path):
+    # MDS: an offset past the end (a truncated shard).
+    d = copy_of(fixtures, tmp_path, "mds-plain")
+    shard = d / "shard.00002.mds"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    out = run("index", str(d), ok=False)
+    assert out.returncode != 0 and "shard.00002.mds" in out.stderr, out.stderr
+    # MDS, same length: a sample's variable-column size points past its end (in a dataset
+    # written without hashes, so that ramjet's own structural checks are what find it).
+    d = copy_of(fixtures, tmp_path / "b", "mds-plain")
+    ix = json.loads((d / "index.json").read_text())
+    for s in ix["shards"]:
+        s["raw_data"]["hashes"] = {}
+    (d / "index.json").write_text(json.dumps(ix))
+    shard = d / "shard.00000.mds"
+    b = bytearray(shard.read_bytes())
+    n = int.from_bytes(b[0:4], "little")
+    first = int.from_bytes(b[4:8], "little")
+    b[first : first + 4] = (10**8).to_bytes(4, "little")
+    shard.write_bytes(bytes(b))
+    out = run("index", str(d), ok=False)
+    assert n >= 1 and "shard.00000.mds" in out.stderr and "sample 0" in out.stderr, out.stderr
+    # WebDataset: a truncated tar.
+    d = copy_of(fixtures, tmp_path, "wds")
+    tar = d / "train-001.tar"
+    tar.write_bytes(tar.read_bytes()[:3000])
+    out = run("index", str(d / "train-{000..002}.tar"), ok=False)
+    assert out.returncode != 0 and "train-001.tar" in out.stderr and "truncated" in out.stderr, out.stderr
+
+
+def test_mixing_a_foreign_dataset_with_a_ramjet_one(fixtures, tmp_path):
+    copy_of(fixtures, tmp_path, "wds")
+    run("index", str(tmp_path / "wds/shards.txt"))
+    packed = tmp_path / "packed"
+    images = tmp_path / "synth"
+    run("synth", str(images), "--samples", "6")
+    run("pack", str(images), str(packed))
+    out = tmp_path / "mixed.txt"
+    run("stream", str(tmp_path / "wds"), str(packed), "--shuffle", "global", "--out", str(out))
+    streams = [line.split()[2] for line in out.read_text().splitlines()]
+    assert (streams.count("0"), streams.count("1")) == (N, 6)
+    assert streams != sorted(streams), "the two datasets were not interleaved"
