@@ -220,3 +220,52 @@ def test_mixing_a_foreign_dataset_with_a_ramjet_one(fixtures, tmp_path):
     streams = [line.split()[2] for line in out.read_text().splitlines()]
     assert (streams.count("0"), streams.count("1")) == (N, 6)
     assert streams != sorted(streams), "the two datasets were not interleaved"
+
+
+def stream_json(*args):
+    return json.loads(run("stream", *args, "--json").stdout)
+
+
+@pytest.mark.parametrize("name,src", [("mds-plain", "mds-plain"), ("wds", "wds/train-{000..002}.tar")])
+def test_a_plain_foreign_shard_is_read_one_sample_at_a_time_by_its_sample_index(fixtures, tmp_path, name, src):
+    copy_of(fixtures, tmp_path, name)
+    run("index", str(tmp_path / src))
+    url = str(tmp_path / name)
+    assert len(list((tmp_path / name / "ramjet-index").iterdir())) == ramjet.inspect(url)["shards"]
+    # The global shuffle without a cache reads every sample alone: two ranged reads each (its
+    # sample index entry, then its bytes), merged where close; never a whole shard.
+    m = stream_json(url, "--shuffle", "global")
+    assert m["samples"] == N and m["ranged_samples"] == N and m["cache_misses"] == 0, m
+    # Each sample read alone is the one the whole shard holds.
+    a, b = tmp_path / "alone.txt", tmp_path / "whole.txt"
+    run("stream", url, "--shuffle", "global", "--out", str(a))
+    run("stream", url, "--shuffle", "global", "--cache-dir", str(tmp_path / "c"), "--resident", "1GiB", "--out", str(b))
+    assert a.read_text() == b.read_text()
+    # A flipped byte inside a sample is found by that sample's own checksum, naming it.
+    f = sorted(p for p in (tmp_path / name).iterdir() if p.suffix in (".mds", ".tar"))[1]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    out = run("stream", url, "--shuffle", "global", ok=False)
+    assert out.returncode != 0 and f.name in out.stderr and "sample index" in out.stderr, out.stderr
+    v = run("verify", url, ok=False)
+    assert v.returncode == 1 and f.name in v.stdout, v.stdout
+
+
+def test_a_compressed_foreign_shard_has_no_sample_index_and_is_read_whole(fixtures, tmp_path):
+    copy_of(fixtures, tmp_path, "mds-zstd")
+    run("index", str(tmp_path / "mds-zstd"))
+    assert not (tmp_path / "mds-zstd" / "ramjet-index").exists()
+    m = stream_json(str(tmp_path / "mds-zstd"), "--shuffle", "none")
+    assert m["samples"] == N and m["cache_misses"] >= 1, m
+
+
+def test_a_damaged_sample_index_is_named_by_verify(fixtures, tmp_path):
+    copy_of(fixtures, tmp_path, "mds-plain")
+    run("index", str(tmp_path / "mds-plain"))
+    ix = sorted((tmp_path / "mds-plain" / "ramjet-index").iterdir())[0]
+    b = bytearray(ix.read_bytes())
+    b[3] ^= 1
+    ix.write_bytes(bytes(b))
+    v = run("verify", str(tmp_path / "mds-plain"), ok=False)
+    assert v.returncode == 1 and ix.name in v.stdout and "sample index" in v.stdout, v.stdout

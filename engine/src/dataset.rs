@@ -532,6 +532,68 @@ impl Dataset {
         Ok(out)
     }
 
+    /// Checks a plain foreign shard's sample index (`crate::format::foreign::SampleIndexRef`)
+    /// against the shard: its size and checksum, and for every sample, that its span of the
+    /// object transcodes alone to the record the whole shard transcodes to. Returns each
+    /// problem, with its sample where it is one sample's.
+    async fn verify_sample_index(&self, info: &ShardInfo, stored: &[u8], rjs: &[u8]) -> Vec<(Option<u64>, String)> {
+        let (Some(ix), Some(spec)) = (
+            info.foreign.as_ref().and_then(|f| f.index.as_ref()),
+            self.manifest.foreign.as_ref(),
+        ) else {
+            return Vec::new();
+        };
+        let got = match self.store.get(&ix.key).await {
+            Ok(b) => b,
+            Err(e) => return vec![(None, e.to_string())],
+        };
+        let sum = xxhash_rust::xxh3::xxh3_64(&got);
+        if got.len() as u64 != ix.bytes || format!("{sum:016x}") != ix.checksum {
+            return vec![(
+                None,
+                format!(
+                    "sample index of {} bytes hashing to {sum:016x}; the manifest says {} bytes, {}",
+                    got.len(),
+                    ix.bytes,
+                    ix.checksum
+                ),
+            )];
+        }
+        let url = self.store.url(&info.key);
+        let mut out = Vec::new();
+        for (i, e) in got.chunks_exact(24).enumerate() {
+            let e = crate::format::IndexEntry::parse(e);
+            let at = crate::Location::sample(&url, i as u64);
+            let whole =
+                crate::format::IndexEntry::parse(&rjs[crate::format::Header::entry_offset(i as u64) as usize..][..24]);
+            let alone = e
+                .offset
+                .checked_add(e.len)
+                .filter(|&end| end <= stored.len() as u64)
+                .ok_or_else(|| format!("its span [{}, +{}) is outside the object", e.offset, e.len))
+                .and_then(|end| {
+                    foreign::transcode_sample(
+                        spec,
+                        &self.manifest.schema,
+                        &stored[e.offset as usize..end as usize],
+                        &at,
+                    )
+                    .map_err(|err| err.to_string())
+                });
+            match alone {
+                Ok(rec)
+                    if crate::format::sample_checksum(i as u64, &rec) == e.checksum && e.checksum == whole.checksum => {
+                }
+                Ok(_) => out.push((
+                    Some(i as u64),
+                    "its span does not read as the sample the shard holds".to_owned(),
+                )),
+                Err(m) => out.push((Some(i as u64), m)),
+            }
+        }
+        out
+    }
+
     /// Byte offset of the first record in every shard of this dataset: the header, the index
     /// and the schema (which every shard shares with the manifest) come first.
     pub fn data_offset(&self, shard: usize) -> Result<u64> {
@@ -579,6 +641,7 @@ impl Dataset {
                     progress(stored.len() as u64);
                     // A foreign shard is checked as stored, then as the ramjet shard it
                     // transcodes to.
+                    let stored_copy = stored.clone();
                     let bytes = match self.as_ramjet_shard(&info, stored) {
                         Ok((b, _)) => b,
                         Err(e) => {
@@ -609,6 +672,15 @@ impl Dataset {
                     .expect("verify task panicked");
                     let mut probs: Vec<ShardProblem> =
                         found.into_iter().map(|p| problem(p.sample, p.message)).collect();
+                    if let Some(ix) = info.foreign.as_ref().and_then(|f| f.index.as_ref()) {
+                        let ix_url = self.store.url(&ix.key);
+                        for (sample, p) in self.verify_sample_index(&info, &stored_copy, &bytes).await {
+                            probs.push(ShardProblem {
+                                url: ix_url.clone(),
+                                ..problem(sample, p)
+                            });
+                        }
+                    }
                     if let Some(c) = &info.columns {
                         let side_url = self.store.url(&c.key);
                         if let Some(p) = self.verify_sidecar(i, &bytes, &url).await {

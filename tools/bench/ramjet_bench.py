@@ -361,7 +361,10 @@ _TF = None
 
 
 def images_of(batch):
-    return batch["image"] if isinstance(batch, dict) else batch
+    if not isinstance(batch, dict):
+        return batch
+    # ramjet's batches: the image column is `image`, or `jpg` in a WebDataset read in place.
+    return batch["image"] if "image" in batch else batch["jpg"]
 
 
 def Meter():

@@ -17,7 +17,9 @@ use futures::stream::{self, StreamExt};
 use serde_json::{Map, Value as Json};
 use xxhash_rust::xxh3::xxh3_64;
 
-use ramjet_engine::format::foreign::{self, mds, wds, ForeignFormat, ForeignObject, ForeignSpec};
+use ramjet_engine::format::foreign::{
+    self, mds, sample_index_key, wds, ForeignFormat, ForeignObject, ForeignSpec, SampleIndexRef,
+};
 use ramjet_engine::format::{Manifest, Schema, ShardInfo, MANIFEST_NAME};
 use ramjet_engine::{Error, Result, Store};
 
@@ -237,23 +239,34 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
         };
         let hashes = std::sync::atomic::AtomicUsize::new(0);
         let (spec_r, schema_r, store_r, hashes_r) = (&spec, &schema, &store, &hashes);
-        let results: Vec<Result<(ShardInfo, u64)>> = stream::iter(jobs)
-            .map(|job| async move {
+        let results: Vec<Result<(ShardInfo, u64)>> = stream::iter(jobs.into_iter().enumerate())
+            .map(|(n, job)| async move {
                 let url = store_r.url(&job.key);
                 let stored = store_r.get(&job.key).await?;
                 progress(stored.len() as u64);
                 let (spec, schema) = (spec_r.clone(), schema_r.clone());
-                tokio::task::spawn_blocking(move || index_one(&job, stored, &spec, &schema, &url))
-                    .await
-                    .map_err(|e| Error::Internal {
-                        thread: "index".into(),
-                        reason: e.to_string(),
-                    })?
-                    .map(|(info, n)| {
-                        hashes_r.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                        let read = info.foreign.as_ref().map_or(0, |f| f.bytes);
-                        (info, read)
-                    })
+                let (mut info, checked, sample_index) =
+                    tokio::task::spawn_blocking(move || index_one(&job, stored, &spec, &schema, &url))
+                        .await
+                        .map_err(|e| Error::Internal {
+                            thread: "index".into(),
+                            reason: e.to_string(),
+                        })??;
+                hashes_r.fetch_add(checked, std::sync::atomic::Ordering::Relaxed);
+                // A plain shard's sample index goes up before the manifest that names it.
+                if let (Some(ix), Some(f)) = (sample_index, info.foreign.as_mut()) {
+                    let sum = xxh3_64(&ix);
+                    let key = sample_index_key(n, sum);
+                    let bytes = ix.len() as u64;
+                    store_r.put(&key, Bytes::from(ix)).await?;
+                    f.index = Some(SampleIndexRef {
+                        key,
+                        bytes,
+                        checksum: format!("{sum:016x}"),
+                    });
+                }
+                let read = info.foreign.as_ref().map_or(0, |f| f.bytes);
+                Ok((info, read))
             })
             .buffered(IN_FLIGHT)
             .collect()
@@ -288,9 +301,16 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
     })
 }
 
-/// Indexes one shard: checks, decompresses and transcodes it. Returns its manifest entry and
-/// the number of foreign hashes checked.
-fn index_one(job: &Job, stored: Bytes, spec: &ForeignSpec, schema: &Schema, url: &str) -> Result<(ShardInfo, usize)> {
+/// Indexes one shard: checks, decompresses and transcodes it. Returns its manifest entry, the
+/// number of foreign hashes checked, and (for a plain shard) its sample index
+/// (`ramjet_engine::format::foreign::SampleIndexRef`).
+fn index_one(
+    job: &Job,
+    stored: Bytes,
+    spec: &ForeignSpec,
+    schema: &Schema,
+    url: &str,
+) -> Result<(ShardInfo, usize, Option<Vec<u8>>)> {
     let mut checked = 0;
     if let Some(f) = &job.mds_file {
         if stored.len() as u64 != f.bytes {
@@ -303,7 +323,19 @@ fn index_one(job: &Job, stored: Bytes, spec: &ForeignSpec, schema: &Schema, url:
         checked += mds::check_hashes(f, &stored, url)?;
     }
     let data = foreign::decompress(&stored, job.compression.as_deref(), url)?;
-    let built = foreign::transcode(spec, schema, &data, url)?;
+    let (built, spans) = foreign::transcode_with_spans(spec, schema, &data, url)?;
+    // For a plain shard: each sample's span in the object and its record's checksum (the
+    // transcoded shard's index entry holds it, at byte 16 of 24).
+    let sample_index = job.compression.is_none().then(|| {
+        let mut ix = Vec::with_capacity(spans.len() * 24);
+        for (i, span) in spans.iter().enumerate() {
+            let e = ramjet_engine::format::Header::entry_offset(i as u64) as usize;
+            ix.extend_from_slice(&span.start.to_le_bytes());
+            ix.extend_from_slice(&(span.end - span.start).to_le_bytes());
+            ix.extend_from_slice(&built.bytes[e + 16..e + 24]);
+        }
+        ix
+    });
     if let Some(n) = job.samples {
         if n != built.samples {
             return Err(Error::corrupt(
@@ -323,9 +355,11 @@ fn index_one(job: &Job, stored: Bytes, spec: &ForeignSpec, schema: &Schema, url:
                 bytes: stored.len() as u64,
                 checksum: format!("{:016x}", xxh3_64(&stored)),
                 compression: job.compression.clone(),
+                index: None,
             }),
         },
         checked,
+        sample_index,
     ))
 }
 

@@ -71,6 +71,31 @@ pub struct ForeignObject {
     /// Its compression (`zstd`, `gz`), `None` when stored plain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<String>,
+    /// Its sample index (a plain object only): where each sample lies in the object, so a
+    /// sample can be read alone with one ranged GET.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<SampleIndexRef>,
+}
+
+/// A foreign shard's sample index (`.rjx`): for sample `i`, at byte `24 i`, three `u64`s (the
+/// layout of a ramjet index entry): the offset and length of the sample's bytes in the foreign
+/// object, and the [`crate::format::sample_checksum`] of the ramjet record it transcodes to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SampleIndexRef {
+    /// Object key relative to the dataset prefix.
+    pub key: String,
+    /// Size in bytes (24 a sample).
+    pub bytes: u64,
+    /// XXH3-64 of the whole index, 16 lowercase hex digits.
+    pub checksum: String,
+}
+
+/// Bytes of one sample index entry.
+pub const SAMPLE_INDEX_ENTRY_LEN: u64 = 24;
+
+/// The key of shard `n`'s sample index, whose XXH3-64 is `checksum`.
+pub fn sample_index_key(n: usize, checksum: u64) -> String {
+    format!("ramjet-index/{n:06}-{checksum:016x}.rjx")
 }
 
 impl ForeignObject {
@@ -154,14 +179,26 @@ pub fn check_object(bytes: &[u8], obj: &ForeignObject, object: &str) -> Result<(
 /// in order, as a ramjet record of `schema`. Every structural fault names the shard `object`
 /// and, where it is in one sample, that sample.
 pub fn transcode(spec: &ForeignSpec, schema: &Schema, data: &[u8], object: &str) -> Result<BuiltShard> {
+    Ok(transcode_with_spans(spec, schema, data, object)?.0)
+}
+
+/// [`transcode`], with where each sample lies in `data` (what a sample index records).
+pub fn transcode_with_spans(
+    spec: &ForeignSpec,
+    schema: &Schema,
+    data: &[u8],
+    object: &str,
+) -> Result<(BuiltShard, Vec<std::ops::Range<u64>>)> {
     let mut b = ShardBuilder::new(schema.clone());
     b.reserve(data.len() + data.len() / 16);
+    let mut spans = Vec::new();
     match spec.format {
         ForeignFormat::Mds => {
             let shard = mds::MdsShard::parse(data, object)?;
             for i in 0..shard.samples() {
                 let values = mds::sample_values(&spec.columns, shard.sample(i)?, &Location::sample(object, i))?;
                 b.push(&values, &format!("{object} sample {i}"))?;
+                spans.push(shard.span(i));
             }
         }
         ForeignFormat::Wds => {
@@ -169,10 +206,27 @@ pub fn transcode(spec: &ForeignSpec, schema: &Schema, data: &[u8], object: &str)
             for (i, s) in samples.iter().enumerate() {
                 let values = wds::sample_values(&spec.columns, s, data, &Location::sample(object, i as u64))?;
                 b.push(&values, &format!("{object} sample {i} ({})", s.key))?;
+                spans.push(s.span.start as u64..s.span.end as u64);
             }
         }
     }
-    Ok(b.finish())
+    Ok((b.finish(), spans))
+}
+
+/// One sample, read alone from its span of a plain foreign object (by its sample index), as
+/// the ramjet record it transcodes to. The caller checks the record against the index's
+/// checksum.
+pub fn transcode_sample(spec: &ForeignSpec, schema: &Schema, raw: &[u8], at: &Location) -> Result<Vec<u8>> {
+    let values = match spec.format {
+        ForeignFormat::Mds => mds::sample_values(&spec.columns, raw, at)?,
+        ForeignFormat::Wds => {
+            let s = wds::sample_in(raw, at)?;
+            wds::sample_values(&spec.columns, &s, raw, at)?
+        }
+    };
+    let mut rec = Vec::new();
+    crate::format::encode_record(schema, &values, &at.to_string(), &mut rec)?;
+    Ok(rec)
 }
 
 /// MosaicML Streaming's MDS format.
@@ -277,6 +331,11 @@ pub mod mds {
         /// Samples in the shard.
         pub fn samples(&self) -> u64 {
             self.offsets.len() as u64 - 1
+        }
+
+        /// Where sample `i` lies in the shard.
+        pub fn span(&self, i: u64) -> std::ops::Range<u64> {
+            self.offsets[i as usize] as u64..self.offsets[i as usize + 1] as u64
         }
 
         /// Sample `i`'s bytes (checked in bounds by [`MdsShard::parse`]).
@@ -555,6 +614,19 @@ pub mod wds {
         pub key: String,
         /// (extension, lowercased; range of the member's bytes in the tar), in tar order.
         pub members: Vec<(String, std::ops::Range<usize>)>,
+        /// The sample's bytes in the tar: from its first member's first header block (a pax
+        /// or long-name header included) to its last member's last byte.
+        pub span: std::ops::Range<usize>,
+    }
+
+    /// A regular member of a tar: its path, its data, and its first header block's offset.
+    pub struct Member {
+        /// Path (from a pax `path` record or GNU long name when present).
+        pub path: String,
+        /// Its data.
+        pub data: std::ops::Range<usize>,
+        /// Where its headers start.
+        pub start: usize,
     }
 
     fn octal(field: &[u8]) -> Option<u64> {
@@ -612,14 +684,23 @@ pub mod wds {
         }
     }
 
-    /// Every regular member of a (decompressed) tar: (path, byte range of its data). Checks
-    /// each header's checksum; reads ustar, GNU long names and pax `path` records.
-    pub fn members(tar: &[u8], object: &str) -> Result<Vec<(String, std::ops::Range<usize>)>> {
+    /// Every regular member of a (decompressed) tar. Checks each header's checksum; reads
+    /// ustar, GNU long names and pax `path` records. `whole`: the tar must end with its
+    /// end-of-archive block; otherwise (one sample's span) it ends after the last member's data.
+    pub fn members(tar: &[u8], object: &str) -> Result<Vec<Member>> {
+        members_of(tar, &Location::object(object), true)
+    }
+
+    fn members_of(tar: &[u8], at: &Location, whole: bool) -> Result<Vec<Member>> {
         let mut out = Vec::new();
         let mut pos = 0usize;
         let mut long_name: Option<String> = None;
-        let bad = |at: usize, r: String| Error::corrupt(Location::object(object), format!("tar byte {at}: {r}"));
+        let mut start: Option<usize> = None;
+        let bad = |pos: usize, r: String| Error::corrupt(at.clone(), format!("tar byte {pos}: {r}"));
         loop {
+            if !whole && pos >= tar.len() && start.is_none() {
+                return Ok(out);
+            }
             if pos + 512 > tar.len() {
                 // Every tar writer ends the archive with zero blocks: without one, the tar
                 // was cut short (perhaps between two members, which nothing else shows).
@@ -658,6 +739,7 @@ pub mod wds {
                 })? as usize;
             let next = data + (size as usize).div_ceil(512) * 512;
             let typ = h[156];
+            let first = *start.get_or_insert(pos);
             let name = || -> String {
                 let mut n = String::from_utf8_lossy(cstr(&h[0..100])).into_owned();
                 if &h[257..262] == b"ustar" {
@@ -678,10 +760,21 @@ pub mod wds {
                     }
                 }
                 b'0' | 0 | b'7' => {
-                    let n = long_name.take().unwrap_or_else(name);
-                    out.push((n, data..end));
+                    let path = long_name.take().unwrap_or_else(name);
+                    out.push(Member {
+                        path,
+                        data: data..end,
+                        start: first,
+                    });
+                    start = None;
                 }
-                _ => long_name = None,
+                _ => {
+                    long_name = None;
+                    start = None;
+                }
+            }
+            if !whole && end == tar.len() && start.is_none() {
+                return Ok(out);
             }
             pos = next;
         }
@@ -712,12 +805,32 @@ pub mod wds {
     /// the same key form a sample; extensions are lowercased; names without a dot and
     /// `__x__` metadata are skipped; an extension twice in one sample is an error.
     pub fn samples(tar: &[u8], object: &str) -> Result<Vec<TarSample>> {
+        group(members(tar, object)?, &|i| Location::sample(object, i))
+    }
+
+    /// The one sample a span of a tar holds (see [`TarSample::span`]); its member ranges are
+    /// relative to `span`.
+    pub fn sample_in(span: &[u8], at: &Location) -> Result<TarSample> {
+        let mut s = group(members_of(span, at, false)?, &|_| at.clone())?;
+        if s.len() != 1 {
+            return Err(Error::corrupt(
+                at.clone(),
+                format!(
+                    "its span holds {} samples, not one (the tar changed since `ramjet index`)",
+                    s.len()
+                ),
+            ));
+        }
+        Ok(s.remove(0))
+    }
+
+    fn group(members: Vec<Member>, at: &dyn Fn(u64) -> Location) -> Result<Vec<TarSample>> {
         let mut out: Vec<TarSample> = Vec::new();
-        for (path, range) in members(tar, object)? {
-            if is_meta(&path) {
+        for m in members {
+            if is_meta(&m.path) {
                 continue;
             }
-            let Some((key, ext)) = key_ext(&path) else {
+            let Some((key, ext)) = key_ext(&m.path) else {
                 continue;
             };
             let ext = ext.to_lowercase();
@@ -725,15 +838,17 @@ pub mod wds {
                 Some(s) if s.key == key => {
                     if s.members.iter().any(|(e, _)| *e == ext) {
                         return Err(Error::corrupt(
-                            Location::sample(object, out.len() as u64 - 1),
+                            at(out.len() as u64 - 1),
                             format!("sample {key:?} has two members with extension {ext:?}"),
                         ));
                     }
-                    s.members.push((ext, range));
+                    s.span.end = m.data.end;
+                    s.members.push((ext, m.data));
                 }
                 _ => out.push(TarSample {
                     key: key.to_owned(),
-                    members: vec![(ext, range)],
+                    span: m.start..m.data.end,
+                    members: vec![(ext, m.data)],
                 }),
             }
         }

@@ -999,6 +999,21 @@ impl Manifest {
                     if let Some(c) = &f.compression {
                         super::foreign::compression_name(c).map_err(|r| bad(format!("shard {:?}: {r}", s.key)))?;
                     }
+                    if let Some(ix) = &f.index {
+                        validate_key(&ix.key).map_err(|r| bad(format!("sample index key {:?}: {r}", ix.key)))?;
+                        if !keys.insert(ix.key.as_str()) {
+                            return Err(bad(format!("key {:?} listed twice", ix.key)));
+                        }
+                        if hex16(&ix.checksum).is_none()
+                            || Some(ix.bytes) != s.samples.checked_mul(super::foreign::SAMPLE_INDEX_ENTRY_LEN)
+                            || f.compression.is_some()
+                        {
+                            return Err(bad(format!(
+                                "shard {:?}: its sample index must be 24 bytes a sample with a 16-hex-digit checksum, of a plain object",
+                                s.key
+                            )));
+                        }
+                    }
                 }
                 (None, None) => {}
                 (Some(_), None) => {

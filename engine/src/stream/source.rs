@@ -138,23 +138,25 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         Ok(info) => info,
         Err(e) => return slots.into_iter().map(|s| (s, Err(e.clone()))).collect(),
     };
-    if info.foreign.is_some() {
-        // A foreign shard has no ramjet index to read ranges by: it comes whole (once, through
-        // the source chain, then from the cache), and its records are sliced out.
+    let Some(layout) = Ranged::of(&info) else {
+        // A compressed foreign shard has no sample index to read ranges by: it comes whole
+        // (once, through the source chain, then from the cache), and its records are sliced out.
         let got = foreign_records(shared, first.stream, first.shard).await;
         return slots
             .into_iter()
             .map(|s| (s, got.clone().and_then(|r| r.record(ids[s].index as u64))))
             .collect();
-    }
+    };
+    let layout = &layout;
     let info = &info;
     let store = src.ds.store();
     let m = &shared.metrics;
     // One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
-    let counted_get = |range: &std::ops::Range<u64>| {
+    let counted_get = |entries: bool, range: &std::ops::Range<u64>| {
         let range = range.clone();
+        let key = if entries { layout.entry_key } else { info.key.as_str() };
         async move {
-            let got = store.get_range(&info.key, range).await;
+            let got = store.get_range(key, range).await;
             Metrics::add(&m.origin_requests, 1);
             let b = got.ok()?;
             Metrics::add(&m.origin_bytes, b.len() as u64);
@@ -174,8 +176,8 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     }
     let entry_gets = clusters.iter().map(|c| async move {
         let (lo, hi) = (c[0], c[c.len() - 1]);
-        let range = crate::format::Header::entry_offset(lo)..crate::format::Header::entry_offset(hi) + INDEX_ENTRY_LEN;
-        let b = counted_get(&range).await?;
+        let range = layout.entry_at(lo)..layout.entry_at(hi) + INDEX_ENTRY_LEN;
+        let b = counted_get(true, &range).await?;
         Some(
             c.iter()
                 .map(|&i| {
@@ -193,7 +195,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let mut results: HashMap<u64, Result<Bytes>> = HashMap::new();
     let mut sound: Vec<(u64, IndexEntry)> = Vec::new();
     for (&i, e) in &entries {
-        match check_entry(src, first.shard as usize, i, e) {
+        match layout.check_entry(src, first.shard as usize, i, e) {
             Ok(()) => sound.push((i, *e)),
             Err(err) => {
                 results.insert(i, Err(err));
@@ -221,13 +223,12 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         let url = &url;
         async move {
             let start = span.start;
-            let b = counted_get(span).await?;
+            let b = counted_get(false, span).await?;
             Some(
                 r.iter()
                     .map(|(i, e)| {
                         let rec = b.slice((e.offset - start) as usize..(e.offset - start + e.len) as usize);
-                        let checked = e.check_record(*i, &rec, &Location::sample(url, *i)).map(|()| rec);
-                        (*i, checked)
+                        (*i, layout.record(src, *i, e, rec, &Location::sample(url, *i)))
                     })
                     .collect::<Vec<_>>(),
             )
@@ -256,6 +257,73 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     out
 }
 
+/// Where a shard's samples are read from one at a time: a ramjet shard's own index and
+/// records, or a plain foreign shard's sample index and its object
+/// (`crate::format::foreign`).
+struct Ranged<'a> {
+    /// The object holding the index entries.
+    entry_key: &'a str,
+    /// The foreign object's size, for a foreign shard.
+    foreign_bytes: Option<u64>,
+}
+
+impl<'a> Ranged<'a> {
+    /// How `info`'s samples are read alone; `None` for a foreign shard without a sample index
+    /// (a compressed one), which is read whole.
+    fn of(info: &'a crate::format::ShardInfo) -> Option<Ranged<'a>> {
+        match &info.foreign {
+            None => Some(Ranged {
+                entry_key: &info.key,
+                foreign_bytes: None,
+            }),
+            Some(f) => f.index.as_ref().map(|ix| Ranged {
+                entry_key: &ix.key,
+                foreign_bytes: Some(f.bytes),
+            }),
+        }
+    }
+
+    /// Where sample `i`'s entry is.
+    fn entry_at(&self, i: u64) -> u64 {
+        match self.foreign_bytes {
+            None => crate::format::Header::entry_offset(i),
+            Some(_) => i * crate::format::foreign::SAMPLE_INDEX_ENTRY_LEN,
+        }
+    }
+
+    /// Checks that an entry points inside the object's samples.
+    fn check_entry(&self, src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result<()> {
+        match self.foreign_bytes {
+            None => check_entry(src, shard, index, e),
+            Some(bytes) if e.offset.checked_add(e.len).is_some_and(|end| end <= bytes) => Ok(()),
+            Some(bytes) => Err(Error::corrupt(
+                Location::sample(src.shard_url(shard), index),
+                format!(
+                    "its sample index points at [{}, +{}), outside the {bytes}-byte object",
+                    e.offset, e.len
+                ),
+            )),
+        }
+    }
+
+    /// Sample `i`'s record from the bytes its entry points at, checked against the entry.
+    fn record(&self, src: &Source, i: u64, e: &IndexEntry, raw: Bytes, at: &Location) -> Result<Bytes> {
+        if self.foreign_bytes.is_none() {
+            return e.check_record(i, &raw, at).map(|()| raw);
+        }
+        let m = src.ds.manifest();
+        let spec = m.foreign.as_ref().expect("a foreign shard's manifest has its spec");
+        let rec = crate::format::foreign::transcode_sample(spec, &m.schema, &raw, at)?;
+        if crate::format::sample_checksum(i, &rec) != e.checksum {
+            return Err(Error::corrupt(
+                at.clone(),
+                "the sample does not match its checksum in the sample index (the object changed since `ramjet index`)",
+            ));
+        }
+        Ok(Bytes::from(rec))
+    }
+}
+
 /// Checks that sample `index`'s entry points inside shard `shard`'s records.
 fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result<()> {
     let (bytes, _) = src.ds.manifest().shard_bytes_checksum(shard)?;
@@ -276,20 +344,20 @@ fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result
 pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> Result<Bytes> {
     let src = &shared.sources[id.stream as usize];
     let info = &src.ds.manifest().shard(id.shard as usize)?;
-    if info.foreign.is_some() {
+    let Some(layout) = Ranged::of(info) else {
         return foreign_records(shared, id.stream, id.shard)
             .await?
             .record(id.index as u64);
-    }
+    };
     let store = src.ds.store();
     let url = store.url(&info.key);
     let at = Location::sample(&url, id.index as u64);
-    let eo = crate::format::Header::entry_offset(id.index as u64);
-    let eb = store.get_range(&info.key, eo..eo + INDEX_ENTRY_LEN).await?;
+    let eo = layout.entry_at(id.index as u64);
+    let eb = store.get_range(layout.entry_key, eo..eo + INDEX_ENTRY_LEN).await?;
     let e = IndexEntry::parse(&eb);
-    check_entry(src, id.shard as usize, id.index as u64, &e)?;
-    let rec = store.get_range(&info.key, e.offset..e.offset + e.len).await?;
-    e.check_record(id.index as u64, &rec, &at)?;
+    layout.check_entry(src, id.shard as usize, id.index as u64, &e)?;
+    let raw = store.get_range(&info.key, e.offset..e.offset + e.len).await?;
+    let rec = layout.record(src, id.index as u64, &e, raw, &at)?;
     let m = &shared.metrics;
     Metrics::add(&m.origin_requests, 2);
     Metrics::add(&m.origin_bytes, INDEX_ENTRY_LEN + e.len);
