@@ -291,13 +291,11 @@ class Data:
                     bar.update(1)
             for fmt in sorted({j[0] for j in jobs}):
                 mark(fmt)
-        # ramjet reads the MDS and WebDataset copies in place, through its index of them.
+        # ramjet reads the MDS and WebDataset copies in place, through its index of them
+        # (written each run, untimed: the same bytes for the same copy, in this build's form).
         for fmt, src in (("mds", self.url("mds")), ("wds", f"{self.url('wds')}/{self.wds_pattern()}")):
-            try:
-                c.head_object(Bucket=BUCKET, Key=f"{self.prefix}/{fmt}/manifest.json")
-            except Exception:  # noqa: BLE001 - absent
-                log(f"indexing the {fmt} copy in place ({link.name})")
-                subprocess.run([str(RAMJET), "index", src], check=True, env=env, stdout=subprocess.DEVNULL)
+            log(f"indexing the {fmt} copy in place ({link.name})")
+            subprocess.run([str(RAMJET), "index", src], check=True, env=env, stdout=subprocess.DEVNULL)
 
     def warm_origin(self, link):
         """Reads the first byte of every object of every copy, untimed: a server just started
