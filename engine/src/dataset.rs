@@ -305,7 +305,15 @@ impl Dataset {
         let plain;
         let data: &[u8] = match &obj.compression {
             Some(c) => {
-                plain = foreign::decompress(&stored, Some(c), &url)?;
+                // The transcoded shard holds every byte of every value: the decompressed one
+                // adds only its layout (MDS: a few bytes a sample and column, and the config;
+                // a tar: at most 4 KiB of headers and padding a member, pax ones included).
+                // That bounds what a damaged object may decompress to.
+                let layout = info
+                    .samples
+                    .saturating_mul(self.manifest.schema.columns.len() as u64 * 4096);
+                let max_out = info.bytes.saturating_add(layout).saturating_add(1 << 20);
+                plain = foreign::decompress(&stored, Some(c), max_out, &url)?;
                 &plain
             }
             None => &stored,

@@ -157,6 +157,8 @@ struct Job {
     compression: Option<String>,
     samples: Option<u64>,
     mds_file: Option<mds::IndexFile>,
+    /// MDS: the shard's size once decompressed.
+    mds_raw_bytes: Option<u64>,
 }
 
 /// Writes `manifest.json` over the foreign dataset `src` (see the module docs); `progress` is
@@ -181,6 +183,7 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                     .shards
                     .into_iter()
                     .map(|s| {
+                        let raw_bytes = s.raw_data.bytes;
                         let (key, file) = match (s.compression.as_ref(), s.zip_data) {
                             (Some(_), Some(z)) => (z.basename.clone(), z),
                             _ => (s.raw_data.basename.clone(), s.raw_data),
@@ -190,6 +193,7 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                             compression: s.compression.map(|c| c.split(':').next().unwrap_or(&c).to_owned()),
                             samples: Some(s.samples),
                             mds_file: Some(file),
+                            mds_raw_bytes: Some(raw_bytes),
                         }
                     })
                     .collect::<Vec<_>>();
@@ -213,6 +217,7 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                         compression: (t.ends_with(".gz") || t.ends_with(".tgz")).then(|| "gz".to_owned()),
                         samples: None,
                         mds_file: None,
+                        mds_raw_bytes: None,
                     })
                     .collect();
                 // The columns are the first tar's extensions; every other sample must have the
@@ -220,7 +225,12 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                 let first = &jobs[0];
                 let url = store.url(&first.key);
                 let stored = store.get(&first.key).await?;
-                let data = foreign::decompress(&stored, first.compression.as_deref(), &url)?;
+                let data = foreign::decompress(
+                    &stored,
+                    first.compression.as_deref(),
+                    foreign::FOREIGN_SHARD_BYTES_MAX,
+                    &url,
+                )?;
                 let samples = wds::samples(&data, &url)?;
                 let exts: BTreeSet<String> = samples
                     .iter()
@@ -322,7 +332,9 @@ fn index_one(
         }
         checked += mds::check_hashes(f, &stored, url)?;
     }
-    let data = foreign::decompress(&stored, job.compression.as_deref(), url)?;
+    // MDS says how large the shard is once decompressed; a tar may be up to the limit.
+    let max_out = job.mds_raw_bytes.unwrap_or(foreign::FOREIGN_SHARD_BYTES_MAX);
+    let data = foreign::decompress(&stored, job.compression.as_deref(), max_out, url)?;
     let (built, spans) = foreign::transcode_with_spans(spec, schema, &data, url)?;
     // For a plain shard: each sample's span in the object and its record's checksum (the
     // transcoded shard's index entry holds it, at byte 16 of 24).

@@ -123,17 +123,19 @@ pub fn compression_name(c: &str) -> std::result::Result<&str, String> {
     }
 }
 
-/// `bytes` decompressed with `compression` (`None`: returned as they are). `object` names the
-/// shard in errors.
-pub fn decompress(bytes: &[u8], compression: Option<&str>, object: &str) -> Result<Vec<u8>> {
+/// `bytes` decompressed with `compression` (`None`: returned as they are), at most `max_out`
+/// bytes of it (a bound on what a damaged or hostile stream can make us allocate; at most
+/// [`FOREIGN_SHARD_BYTES_MAX`]). `object` names the shard in errors.
+pub fn decompress(bytes: &[u8], compression: Option<&str>, max_out: u64, object: &str) -> Result<Vec<u8>> {
     use std::io::Read;
     let Some(c) = compression else {
         return Ok(bytes.to_vec());
     };
     let name = compression_name(c).map_err(|r| Error::invalid(object, r))?;
     let bad = |e: std::io::Error| Error::corrupt(Location::object(object), format!("{name} decompression failed: {e}"));
-    let mut out = Vec::with_capacity(bytes.len() * 3);
-    let limit = FOREIGN_SHARD_BYTES_MAX + 1;
+    let max_out = max_out.min(FOREIGN_SHARD_BYTES_MAX);
+    let mut out = Vec::with_capacity((bytes.len() as u64 * 3).min(max_out) as usize);
+    let limit = max_out + 1;
     match name {
         "zstd" => {
             let d = zstd::stream::read::Decoder::new(bytes).map_err(bad)?;
@@ -144,10 +146,10 @@ pub fn decompress(bytes: &[u8], compression: Option<&str>, object: &str) -> Resu
             d.take(limit).read_to_end(&mut out).map_err(bad)?;
         }
     }
-    if out.len() as u64 > FOREIGN_SHARD_BYTES_MAX {
+    if out.len() as u64 > max_out {
         return Err(Error::corrupt(
             Location::object(object),
-            format!("decompresses to more than {FOREIGN_SHARD_BYTES_MAX} bytes"),
+            format!("decompresses to more than the {max_out} bytes it may hold"),
         ));
     }
     Ok(out)
@@ -918,6 +920,18 @@ mod tests {
         assert_eq!(wds::key_ext("x.y/000.jpg"), Some(("x.y/000", "jpg")));
         assert_eq!(wds::key_ext("noext"), None);
         assert_eq!(wds::key_ext("dir/.hidden"), None);
+    }
+
+    #[test]
+    fn a_decompression_past_its_bound_is_refused_not_allocated() {
+        let zeros = vec![0u8; 8 << 20];
+        let z = zstd::encode_all(&zeros[..], 3).unwrap();
+        assert!(z.len() < 4096);
+        let e = decompress(&z, Some("zstd"), 1 << 20, "bomb.mds.zstd").unwrap_err().to_string();
+        assert!(e.contains("bomb.mds.zstd") && e.contains("more than"), "{e}");
+        assert_eq!(decompress(&z, Some("zstd:9"), 8 << 20, "x").unwrap(), zeros);
+        let e = decompress(&z, Some("br"), 8 << 20, "x.br").unwrap_err().to_string();
+        assert!(e.contains("not supported"), "{e}");
     }
 
     #[test]
