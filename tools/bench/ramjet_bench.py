@@ -51,6 +51,9 @@ IP_HOST, IP_NS = "10.77.0.1", "10.77.0.2"
 WAN_INNER_PORT, WAN_PORT = 8433, 8333
 
 LOADERS = ["ramjet", "ramjet-mds", "ramjet-wds", "torch-files", "mosaicml", "webdataset", "boto3"]
+# Shorter names for the charts' axes.
+SHORT = {"ramjet-mds": "ramjet on MDS", "ramjet-wds": "ramjet on tars", "torch-files": "torch, local files",
+         "mosaicml": "MosaicML (MDS)", "webdataset": "WebDataset (tar)", "boto3": "boto3 GETs"}
 # ramjet itself, and ramjet reading the peers' own copies in place (`ramjet index`).
 RAMJETS = ["ramjet", "ramjet-mds", "ramjet-wds"]
 TITLES = {
@@ -989,7 +992,7 @@ def chart(rows, agg, path):
     for i, link in enumerate(links):
         lr = [r for r in agg if r["link"] == link]
         loaders = [lo for lo in LOADERS if any(r["loader"] == lo for r in lr)]
-        labels = [TITLES[lo].replace(", ", ",\n").replace(" (", "\n(") for lo in loaders]
+        labels = [SHORT.get(lo, TITLES[lo]).replace(", ", ",\n").replace(" (", "\n(") for lo in loaders]
         ax = axes[i][0]
         phases = [("cold", "cold (P2: first epoch)"), ("warm", "warm, step 0"), ("step", "warm, with step")]
         w = 0.26
@@ -999,7 +1002,7 @@ def chart(rows, agg, path):
                 got = [r for r in lr if r["loader"] == lo and r["phase"] == ph]
                 vals.append(got[0]["samples_per_s"] if got else 0)
             ax.bar([k + (j - 1) * w for k in range(len(loaders))], vals, w, label=label)
-        ax.set_xticks(range(len(loaders)), labels, fontsize=8)
+        ax.set_xticks(range(len(loaders)), labels, fontsize=8, rotation=30, ha="right")
         ax.set_ylabel("samples/s (median of rounds)")
         ax.set_title(f"{link}: loader throughput (batch {BATCH}, 224x224 RandomResizedCrop)", fontsize=10)
         ax.legend(fontsize=8)
@@ -1009,7 +1012,7 @@ def chart(rows, agg, path):
         for b, v in zip(bars, vals):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom", fontsize=8)
         ax.set_yscale("log")
-        ax.set_xticks(range(len(loaders)), labels, fontsize=8)
+        ax.set_xticks(range(len(loaders)), labels, fontsize=8, rotation=30, ha="right")
         ax.set_ylabel("seconds (log), median of cold rounds")
         ax.set_title(f"{link}: cold time to first batch (P2 includes the export)", fontsize=10)
         ax = axes[i][2]
