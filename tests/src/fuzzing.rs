@@ -74,3 +74,54 @@ pub fn image(data: &[u8]) {
         );
     }
 }
+
+/// Feeds `data` to the foreign-shard readers (`ramjet_engine::format::foreign`): as an MDS
+/// shard of one column of each kind, as a WebDataset tar, as one sample's span of each (the
+/// ranged read through a sample index), and to both decompressors (bounded).
+pub fn foreign(data: &[u8]) {
+    use ramjet_engine::format::foreign::{
+        decompress, mds, transcode, transcode_sample, wds, ForeignColumn, ForeignFormat, ForeignSpec,
+    };
+    use ramjet_engine::Location;
+    // MDS column order is the names sorted, as MDSWriter writes them (the corpus's seeds).
+    let cols: Vec<ForeignColumn> = [
+        ("b", "bytes", None),
+        ("f", "float32", Some(4)),
+        ("h", "float16", Some(2)),
+        ("i", "int", Some(8)),
+        ("j", "json", None),
+        ("s", "str", None),
+        ("u", "uint8", Some(1)),
+    ]
+    .into_iter()
+    .map(|(n, e, s)| ForeignColumn {
+        name: n.into(),
+        encoding: e.into(),
+        size: s,
+    })
+    .collect();
+    let schema = Schema::new(
+        cols.iter()
+            .map(|c| (c.name.clone(), mds::column_type(&c.encoding).expect("known encoding"))),
+    )
+    .expect("valid schema");
+    let spec = ForeignSpec {
+        format: ForeignFormat::Mds,
+        columns: cols,
+    };
+    let _ = transcode(&spec, &schema, data, "fuzz.mds");
+    let _ = transcode_sample(&spec, &schema, data, &Location::sample("fuzz.mds", 0));
+    let exts = ["cls", "jpg"].into_iter().map(str::to_owned).collect();
+    let (columns, schema) = wds::columns(&exts).expect("valid columns");
+    let spec = ForeignSpec {
+        format: ForeignFormat::Wds,
+        columns,
+    };
+    let _ = transcode(&spec, &schema, data, "fuzz.tar");
+    let _ = transcode_sample(&spec, &schema, data, &Location::sample("fuzz.tar", 0));
+    for c in ["zstd", "gz"] {
+        if let Ok(plain) = decompress(data, Some(c), 1 << 20, "fuzz.z") {
+            assert!(plain.len() <= 1 << 20, "{c}: decompressed past its bound");
+        }
+    }
+}

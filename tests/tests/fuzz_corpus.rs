@@ -43,3 +43,73 @@ fn image_corpus_replays() {
     let n = replay("image", ramjet_tests::fuzzing::image);
     assert!(n >= 5, "image corpus has only {n} files");
 }
+
+#[test]
+fn foreign_corpus_replays() {
+    let n = replay("foreign", ramjet_tests::fuzzing::foreign);
+    assert!(n >= 5, "foreign corpus has only {n} files");
+}
+
+/// Without cargo-fuzz at hand, each foreign seed is also mutated here, deterministically:
+/// byte flips, random 32-bit words (MDS offsets and sizes), truncations and duplicated runs
+/// (tar headers out of place). None may panic.
+#[test]
+fn mutated_foreign_shards_never_panic() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/foreign");
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut tried = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let seed = std::fs::read(&p).unwrap();
+        if seed.is_empty() {
+            continue;
+        }
+        for _ in 0..2000 {
+            let mut d = seed.clone();
+            for _ in 0..1 + next() % 3 {
+                let at = (next() % d.len().max(1) as u64) as usize;
+                match next() % 4 {
+                    0 if !d.is_empty() => d[at] ^= 1 << (next() % 8),
+                    1 if d.len() >= 4 => {
+                        let at = at.min(d.len() - 4) & !3;
+                        d[at..at + 4].copy_from_slice(&(next() as u32).to_le_bytes());
+                    }
+                    2 => d.truncate(at),
+                    _ => {
+                        let run: Vec<u8> = d[at..(at + 600).min(d.len())].to_vec();
+                        d.splice(at..at, run);
+                    }
+                }
+            }
+            let r = std::panic::catch_unwind(|| ramjet_tests::fuzzing::foreign(&d));
+            assert!(r.is_ok(), "a mutation of {} panicked; input: {:?}", p.display(), d);
+            tried += 1;
+        }
+    }
+    assert!(tried >= 10_000, "only {tried} mutations");
+}
+
+/// The seeds the mutations start from are sound shards, so the mutations reach past the
+/// first check: the plain MDS shard and the tar transcode to their 3 samples each.
+#[test]
+fn the_foreign_seeds_are_sound_shards() {
+    use ramjet_engine::format::foreign::{mds, wds};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/foreign");
+    let m = std::fs::read(dir.join("mds-plain.mds")).unwrap();
+    assert_eq!(mds::MdsShard::parse(&m, "seed").unwrap().samples(), 3);
+    let t = std::fs::read(dir.join("wds.tar")).unwrap();
+    let s = wds::samples(&t, "seed").unwrap();
+    assert_eq!(s.len(), 3);
+    assert!(
+        s[2].key.ends_with(&"x".repeat(120)),
+        "the pax long name was not read: {}",
+        s[2].key
+    );
+    assert!(wds::samples(&std::fs::read(dir.join("wds-cut.tar")).unwrap(), "cut").is_err());
+}

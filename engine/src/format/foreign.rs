@@ -927,7 +927,9 @@ mod tests {
         let zeros = vec![0u8; 8 << 20];
         let z = zstd::encode_all(&zeros[..], 3).unwrap();
         assert!(z.len() < 4096);
-        let e = decompress(&z, Some("zstd"), 1 << 20, "bomb.mds.zstd").unwrap_err().to_string();
+        let e = decompress(&z, Some("zstd"), 1 << 20, "bomb.mds.zstd")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("bomb.mds.zstd") && e.contains("more than"), "{e}");
         assert_eq!(decompress(&z, Some("zstd:9"), 8 << 20, "x").unwrap(), zeros);
         let e = decompress(&z, Some("br"), 8 << 20, "x.br").unwrap_err().to_string();
