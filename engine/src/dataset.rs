@@ -109,6 +109,15 @@ impl InOrderHash {
         }
     }
 
+    /// One that hashes nothing (its `finish` is `None`).
+    fn off() -> Self {
+        InOrderHash {
+            hasher: Default::default(),
+            next: 0,
+            limit: None,
+        }
+    }
+
     /// Bytes `b`, written at `at`.
     fn seen(&mut self, at: usize, b: &[u8]) {
         let Some(limit) = self.limit else { return };
@@ -349,7 +358,12 @@ impl Dataset {
             // The checksum is computed as the bytes arrive, while they are in the CPU's cache,
             // as far as they arrive in order (all of a shard fetched as one range); the rest
             // is hashed when every range is in.
-            let hash = std::sync::Mutex::new(InOrderHash::new(stored_bytes as usize));
+            // (A foreign object is hashed whole when it is checked: nothing to hash here.)
+            let hash = std::sync::Mutex::new(if info.foreign.is_some() {
+                InOrderHash::off()
+            } else {
+                InOrderHash::new(stored_bytes as usize)
+            });
             let mut gets = Vec::new();
             for (n, dst) in buf.as_mut_slice().chunks_mut(part as usize).enumerate() {
                 let at = (n as u64 * part) as usize;

@@ -475,11 +475,16 @@ class Contender:
 
 
 class Ramjet(Contender):
+    """ramjet on its own shards: P3 streaming, and P2 (export, then epochs from local disk)."""
+
+    loader, scenario, image_column, boxes_column, p2_too = "ramjet", "P3 streaming", "image", "boxes", True
     common = dict(batch_size=BATCH, shuffle=True, seed=0, image_size=OUT, augment="train")
 
     def __init__(self, a, link_env):
         super().__init__(a, link_env)
         self.p2 = None
+        self.common = dict(Ramjet.common, image_column=self.image_column, boxes_column=self.boxes_column)
+        self.total_bytes = a.ramjet_bytes if self.loader == "ramjet" else a.format_bytes
 
     def cold(self, r):
         import ramjet
@@ -491,10 +496,10 @@ class Ramjet(Contender):
         m = Meter().__enter__()
         t0 = now()
         self.dl = ramjet.StreamingDataset(self.a.url, local=str(cache), cache_limit="64GiB", **self.common)
-        res = epoch(self.dl, desc=f"ramjet P3 cold {r + 1}", total=self.a.samples, t0=t0, meter=m)
-        out = [row("ramjet", "P3 streaming, cold", res, origin=self.dl.metrics()["origin_bytes"],
-                   total_bytes=self.a.ramjet_bytes, phase="cold", round=r)]
-        if self.p2 is None:
+        res = epoch(self.dl, desc=f"{self.loader} cold {r + 1}", total=self.a.samples, t0=t0, meter=m)
+        out = [row(self.loader, f"{self.scenario}, cold", res, origin=self.dl.metrics()["origin_bytes"],
+                   total_bytes=self.total_bytes, phase="cold", round=r)]
+        if self.p2_too and self.p2 is None:
             # P2, once: export the shards to local disk, then a first epoch from there. Its
             # time to first step is the export's plus the first batch's.
             local = Path(self.a.work) / "ramjet-p2"
@@ -509,13 +514,17 @@ class Ramjet(Contender):
                              total_bytes=self.a.ramjet_bytes, phase="p2-first", round=r)]
         return out
 
+    def _streamed(self, ep, desc, scenario, phase, r, step_ms=0.0):
+        """A warm streaming epoch, with its origin bytes."""
+        before = self.dl.metrics()["origin_bytes"]
+        self.dl.set_epoch(ep)
+        res = epoch(self.dl, desc=desc, total=self.a.samples, step_ms=step_ms)
+        return [row(self.loader, scenario, res, origin=self.dl.metrics()["origin_bytes"] - before,
+                    total_bytes=self.total_bytes, step_ms=step_ms, phase=phase, round=r)]
+
     def warm(self, r, phase, ep):
         if phase == "warm":
-            before = self.dl.metrics()["origin_bytes"]
-            self.dl.set_epoch(ep)
-            res = epoch(self.dl, desc=f"ramjet P3 warm {r + 1}", total=self.a.samples)
-            return [row("ramjet", "P3 streaming, warm", res, origin=self.dl.metrics()["origin_bytes"] - before,
-                        total_bytes=self.a.ramjet_bytes, phase="warm", round=r)]
+            return self._streamed(ep, f"{self.loader} warm {r + 1}", f"{self.scenario}, warm", "warm", r)
         # P2: epochs from the local copy, on the same epoch numbers (same order, same crops).
         self.p2.set_epoch(ep)
         res = epoch(self.p2, desc=f"ramjet P2 epoch {r + 1}", total=self.a.samples)
@@ -523,68 +532,26 @@ class Ramjet(Contender):
                     phase="p2", round=r)]
 
     def step(self, ep):
-        before = self.dl.metrics()["origin_bytes"]
-        self.dl.set_epoch(ep)
-        a = self.a
-        res = epoch(self.dl, desc=f"ramjet P3 warm, step {a.step_ms:g} ms", total=a.samples, step_ms=a.step_ms)
-        return [row("ramjet", f"P3 streaming, warm, step {a.step_ms:g} ms", res,
-                    origin=self.dl.metrics()["origin_bytes"] - before, total_bytes=a.ramjet_bytes,
-                    step_ms=a.step_ms, phase="step", round=0)]
+        ms = self.a.step_ms
+        return self._streamed(ep, f"{self.loader} warm, step {ms:g} ms", f"{self.scenario}, warm, step {ms:g} ms",
+                              "step", 0, step_ms=ms)
 
     def close(self):
         self.p2 = None
         return super().close()
 
 
-class RamjetForeign(Ramjet):
-    """ramjet reading a peer's own copy (MDS or WebDataset tars) in place, through the ramjet
-    manifest `ramjet index` wrote beside it: the same loader, the same transform."""
+class RamjetMds(Ramjet):
+    """ramjet on the MDS copy that MosaicML Streaming reads, in place, through the manifest
+    `ramjet index` wrote beside it: the same loader, the same transform, no P2."""
 
-    loader = ""
-    image_column = "image"
-
-    def __init__(self, a, link_env):
-        super().__init__(a, link_env)
-        self.common = dict(Ramjet.common, image_column=self.image_column, boxes_column=None)
-
-    def cold(self, r):
-        import ramjet
-
-        self.dl = None
-        gc.collect()
-        cache = Path(self.a.work) / "ramjet-cache"
-        shutil.rmtree(cache, ignore_errors=True)
-        m = Meter().__enter__()
-        t0 = now()
-        self.dl = ramjet.StreamingDataset(self.a.url, local=str(cache), cache_limit="64GiB", **self.common)
-        res = epoch(self.dl, desc=f"{self.loader} cold {r + 1}", total=self.a.samples, t0=t0, meter=m)
-        return [row(self.loader, "streaming, cold", res, origin=self.dl.metrics()["origin_bytes"],
-                    total_bytes=self.a.format_bytes, phase="cold", round=r)]
-
-    def warm(self, r, phase, ep):
-        before = self.dl.metrics()["origin_bytes"]
-        self.dl.set_epoch(ep)
-        res = epoch(self.dl, desc=f"{self.loader} warm {r + 1}", total=self.a.samples)
-        return [row(self.loader, "streaming, warm", res, origin=self.dl.metrics()["origin_bytes"] - before,
-                    total_bytes=self.a.format_bytes, phase="warm", round=r)]
-
-    def step(self, ep):
-        before = self.dl.metrics()["origin_bytes"]
-        self.dl.set_epoch(ep)
-        a = self.a
-        res = epoch(self.dl, desc=f"{self.loader} warm, step {a.step_ms:g} ms", total=a.samples, step_ms=a.step_ms)
-        return [row(self.loader, f"streaming, warm, step {a.step_ms:g} ms", res,
-                    origin=self.dl.metrics()["origin_bytes"] - before, total_bytes=a.format_bytes,
-                    step_ms=a.step_ms, phase="step", round=0)]
+    loader, scenario, boxes_column, p2_too = "ramjet-mds", "streaming", None, False
 
 
-class RamjetMds(RamjetForeign):
-    loader = "ramjet-mds"
+class RamjetWds(Ramjet):
+    """ramjet on the tars that WebDataset reads, in place (as RamjetMds)."""
 
-
-class RamjetWds(RamjetForeign):
-    loader = "ramjet-wds"
-    image_column = "jpg"
+    loader, scenario, image_column, boxes_column, p2_too = "ramjet-wds", "streaming", "jpg", None, False
 
 
 class Peer(Contender):

@@ -164,7 +164,8 @@ pub fn check_object(bytes: &[u8], obj: &ForeignObject, object: &str) -> Result<(
             actual: bytes.len() as u64,
         });
     }
-    let sum = xxh3_64(bytes);
+    // XXH3-64 as twox-hash computes it (AVX2 picked at run time; the same value as xxh3_64).
+    let sum = twox_hash::XxHash3_64::oneshot(bytes);
     if Some(sum) != obj.checksum_u64() {
         return Err(Error::corrupt(
             Location::object(object),
