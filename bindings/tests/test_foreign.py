@@ -269,3 +269,13 @@ def test_a_damaged_sample_index_is_named_by_verify(fixtures, tmp_path):
     ix.write_bytes(bytes(b))
     v = run("verify", str(tmp_path / "mds-plain"), ok=False)
     assert v.returncode == 1 and ix.name in v.stdout and "sample index" in v.stdout, v.stdout
+
+
+def test_an_index_naming_a_file_outside_its_folder_is_refused(fixtures, tmp_path):
+    d = copy_of(fixtures, tmp_path, "mds-plain")
+    ix = json.loads((d / "index.json").read_text())
+    ix["shards"][0]["raw_data"]["basename"] = "../outside.mds"
+    (d / "index.json").write_text(json.dumps(ix))
+    out = run("index", str(d), ok=False)
+    assert out.returncode != 0 and "outside.mds" in out.stderr and "shard key" in out.stderr, out.stderr
+    assert not (d / "manifest.json").exists()

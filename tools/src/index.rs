@@ -247,6 +247,11 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                 (spec, schema, jobs, Map::new())
             }
         };
+        // Keys a manifest may name (relative, inside the folder), checked before any read.
+        for j in &jobs {
+            ramjet_engine::format::validate_key(&j.key)
+                .map_err(|r| Error::invalid(store.url(&j.key), format!("as a shard key: {r}")))?;
+        }
         let hashes = std::sync::atomic::AtomicUsize::new(0);
         let (spec_r, schema_r, store_r, hashes_r) = (&spec, &schema, &store, &hashes);
         let results: Vec<Result<(ShardInfo, u64)>> = stream::iter(jobs.into_iter().enumerate())
