@@ -159,6 +159,8 @@ struct Job {
     mds_file: Option<mds::IndexFile>,
     /// MDS: the shard's size once decompressed.
     mds_raw_bytes: Option<u64>,
+    /// The object, when it was read already (the first tar, for the columns).
+    stored: Option<Bytes>,
 }
 
 /// Writes `manifest.json` over the foreign dataset `src` (see the module docs); `progress` is
@@ -194,6 +196,7 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                             samples: Some(s.samples),
                             mds_file: Some(file),
                             mds_raw_bytes: Some(raw_bytes),
+                            stored: None,
                         }
                     })
                     .collect::<Vec<_>>();
@@ -210,7 +213,7 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                 } else {
                     source.tars.clone()
                 };
-                let jobs: Vec<Job> = tars
+                let mut jobs: Vec<Job> = tars
                     .iter()
                     .map(|t| Job {
                         key: t.clone(),
@@ -218,15 +221,16 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
                         samples: None,
                         mds_file: None,
                         mds_raw_bytes: None,
+                        stored: None,
                     })
                     .collect();
                 // The columns are the first tar's extensions; every other sample must have the
                 // same (a sample that differs is an error naming it).
-                let first = &jobs[0];
+                let first = &mut jobs[0];
                 let url = store.url(&first.key);
-                let stored = store.get(&first.key).await?;
+                let stored = first.stored.insert(store.get(&first.key).await?);
                 let data = foreign::decompress(
-                    &stored,
+                    stored,
                     first.compression.as_deref(),
                     foreign::FOREIGN_SHARD_BYTES_MAX,
                     &url,
@@ -257,7 +261,10 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
         let results: Vec<Result<(ShardInfo, u64)>> = stream::iter(jobs.into_iter().enumerate())
             .map(|(n, job)| async move {
                 let url = store_r.url(&job.key);
-                let stored = store_r.get(&job.key).await?;
+                let stored = match job.stored.clone() {
+                    Some(b) => b,
+                    None => store_r.get(&job.key).await?,
+                };
                 progress(stored.len() as u64);
                 let (spec, schema) = (spec_r.clone(), schema_r.clone());
                 let (mut info, checked, sample_index) =

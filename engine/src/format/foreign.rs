@@ -101,9 +101,7 @@ pub fn sample_index_key(n: usize, checksum: u64) -> String {
 impl ForeignObject {
     /// The checksum as a number.
     pub fn checksum_u64(&self) -> Option<u64> {
-        (self.checksum.len() == 16)
-            .then(|| u64::from_str_radix(&self.checksum, 16).ok())
-            .flatten()
+        super::hex16(&self.checksum)
     }
 }
 
@@ -126,10 +124,15 @@ pub fn compression_name(c: &str) -> std::result::Result<&str, String> {
 /// `bytes` decompressed with `compression` (`None`: returned as they are), at most `max_out`
 /// bytes of it (a bound on what a damaged or hostile stream can make us allocate; at most
 /// [`FOREIGN_SHARD_BYTES_MAX`]). `object` names the shard in errors.
-pub fn decompress(bytes: &[u8], compression: Option<&str>, max_out: u64, object: &str) -> Result<Vec<u8>> {
+pub fn decompress<'a>(
+    bytes: &'a [u8],
+    compression: Option<&str>,
+    max_out: u64,
+    object: &str,
+) -> Result<std::borrow::Cow<'a, [u8]>> {
     use std::io::Read;
     let Some(c) = compression else {
-        return Ok(bytes.to_vec());
+        return Ok(std::borrow::Cow::Borrowed(bytes));
     };
     let name = compression_name(c).map_err(|r| Error::invalid(object, r))?;
     let bad = |e: std::io::Error| Error::corrupt(Location::object(object), format!("{name} decompression failed: {e}"));
@@ -152,7 +155,7 @@ pub fn decompress(bytes: &[u8], compression: Option<&str>, max_out: u64, object:
             format!("decompresses to more than the {max_out} bytes it may hold"),
         ));
     }
-    Ok(out)
+    Ok(std::borrow::Cow::Owned(out))
 }
 
 /// Checks a foreign object's bytes as stored against its manifest entry: size, then xxh3-64.
@@ -653,6 +656,17 @@ pub mod wds {
         u64::from_str_radix(std::str::from_utf8(&s).ok()?, 8).ok()
     }
 
+    /// A 512-byte tar header's checksum: the sum of its bytes, its checksum field counted as
+    /// spaces.
+    pub fn header_sum(h: &[u8]) -> u64 {
+        h[..148]
+            .iter()
+            .chain([b' '; 8].iter())
+            .chain(h[156..512].iter())
+            .map(|b| *b as u64)
+            .sum()
+    }
+
     fn cstr(field: &[u8]) -> &[u8] {
         let end = field.iter().position(|b| *b == 0).unwrap_or(field.len());
         &field[..end]
@@ -720,12 +734,7 @@ pub mod wds {
                 return Ok(out);
             }
             let want = octal(&h[148..156]).ok_or_else(|| bad(pos, "unreadable header checksum".into()))?;
-            let sum: u64 = h[..148]
-                .iter()
-                .chain([b' '; 8].iter())
-                .chain(h[156..].iter())
-                .map(|b| *b as u64)
-                .sum();
+            let sum = header_sum(h);
             if sum != want {
                 return Err(bad(pos, format!("header checksum {sum:o}, the header says {want:o}")));
             }
@@ -952,12 +961,7 @@ mod tests {
         t[124..135].copy_from_slice(b"00000000003");
         t[156] = b'0';
         t[257..263].copy_from_slice(b"ustar\0");
-        let sum: u64 = t[..148]
-            .iter()
-            .chain([b' '; 8].iter())
-            .chain(t[156..512].iter())
-            .map(|b| *b as u64)
-            .sum();
+        let sum = wds::header_sum(&t);
         t[148..155].copy_from_slice(format!("{sum:06o}\0").as_bytes());
         t[512..515].copy_from_slice(b"abc");
         let s = wds::samples(&t, "x.tar").unwrap();

@@ -71,7 +71,7 @@ pub struct ColumnsInfo {
 }
 
 /// A checksum written as 16 hex digits, as a number.
-fn hex16(s: &str) -> Option<u64> {
+pub(crate) fn hex16(s: &str) -> Option<u64> {
     if s.len() != 16 {
         return None;
     }

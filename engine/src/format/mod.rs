@@ -6,6 +6,7 @@ mod manifest;
 mod schema;
 mod shard;
 
+pub(crate) use manifest::hex16;
 pub use manifest::{
     shard_table_head_len, shard_table_len, validate_key, ColumnsInfo, Manifest, ShardInfo, ShardTable, ShardTableRef,
     TableReader, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, MANIFEST_VERSION_FOREIGN,

@@ -141,20 +141,17 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let Some(layout) = Ranged::of(&info) else {
         // A compressed foreign shard has no sample index to read ranges by: it comes whole
         // (once, through the source chain, then from the cache), and its records are sliced out.
-        let got = foreign_records(shared, first.stream, first.shard).await;
-        return slots
-            .into_iter()
-            .map(|s| (s, got.clone().and_then(|r| r.record(ids[s].index as u64))))
-            .collect();
+        let indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
+        let got = records_of_whole_shard(shared, first.stream, first.shard, &indices).await;
+        return slots.into_iter().zip(got).collect();
     };
     let layout = &layout;
     let info = &info;
     let store = src.ds.store();
     let m = &shared.metrics;
     // One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
-    let counted_get = |entries: bool, range: &std::ops::Range<u64>| {
+    let counted_get = |key, range: &std::ops::Range<u64>| {
         let range = range.clone();
-        let key = if entries { layout.entry_key } else { info.key.as_str() };
         async move {
             let got = store.get_range(key, range).await;
             Metrics::add(&m.origin_requests, 1);
@@ -177,7 +174,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let entry_gets = clusters.iter().map(|c| async move {
         let (lo, hi) = (c[0], c[c.len() - 1]);
         let range = layout.entry_at(lo)..layout.entry_at(hi) + INDEX_ENTRY_LEN;
-        let b = counted_get(true, &range).await?;
+        let b = counted_get(layout.entry_key, &range).await?;
         Some(
             c.iter()
                 .map(|&i| {
@@ -223,7 +220,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         let url = &url;
         async move {
             let start = span.start;
-            let b = counted_get(false, span).await?;
+            let b = counted_get(info.key.as_str(), span).await?;
             Some(
                 r.iter()
                     .map(|(i, e)| {
@@ -345,9 +342,8 @@ pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> 
     let src = &shared.sources[id.stream as usize];
     let info = &src.ds.manifest().shard(id.shard as usize)?;
     let Some(layout) = Ranged::of(info) else {
-        return foreign_records(shared, id.stream, id.shard)
-            .await?
-            .record(id.index as u64);
+        let mut got = records_of_whole_shard(shared, id.stream, id.shard, &[id.index as u64]).await;
+        return got.pop().expect("one record asked, one given");
     };
     let store = src.ds.store();
     let url = store.url(&info.key);
@@ -364,28 +360,25 @@ pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> 
     Ok(rec)
 }
 
-/// A whole shard's records, sliced out of its verified bytes.
-#[derive(Clone)]
-struct ShardRecords {
-    bytes: Bytes,
-    url: String,
-}
-
-impl ShardRecords {
-    fn record(&self, i: u64) -> Result<Bytes> {
-        let view = crate::format::ShardView::parse(&self.bytes, &self.url)?;
-        Ok(self.bytes.slice_ref(view.record(i)?))
+/// Records `indices` of a shard with no index to read one sample by at the origin (a
+/// compressed foreign shard, `crate::format::foreign`): the shard whole, through the source
+/// chain, its view parsed once, each record sliced out of its verified bytes.
+async fn records_of_whole_shard(shared: &Arc<Shared>, stream: u32, shard: u32, indices: &[u64]) -> Vec<Result<Bytes>> {
+    let url = shared.sources[stream as usize].shard_url(shard as usize);
+    let sliced = |bytes: Bytes| -> Result<Vec<Result<Bytes>>> {
+        let view = crate::format::ShardView::parse(&bytes, &url)?;
+        Ok(indices
+            .iter()
+            .map(|&i| view.record(i).map(|r| bytes.slice_ref(r)))
+            .collect())
+    };
+    match fetch_shard(shared.clone(), stream as usize, shard as usize)
+        .await
+        .and_then(sliced)
+    {
+        Ok(records) => records,
+        Err(e) => indices.iter().map(|_| Err(e.clone())).collect(),
     }
-}
-
-/// A foreign shard (`crate::format::foreign`), whole, through the source chain: the samples
-/// of a shard that has no ramjet index at the origin.
-async fn foreign_records(shared: &Arc<Shared>, stream: u32, shard: u32) -> Result<ShardRecords> {
-    let bytes = fetch_shard(shared.clone(), stream as usize, shard as usize).await?;
-    Ok(ShardRecords {
-        bytes,
-        url: shared.sources[stream as usize].shard_url(shard as usize),
-    })
 }
 
 /// The host daemon as the first step of a stream's source chain (`crate::source`). It is
