@@ -1,4 +1,5 @@
-"""MosaicML (MDS) and WebDataset datasets read in place, through `ramjet index`.
+"""MosaicML (MDS) and WebDataset datasets read in place: through `ramjet index`, or as they
+are, with the index learned on first read and kept in the host's index folder.
 
 The golden fixtures are written at test time by the real writers, MosaicML Streaming's
 MDSWriter and webdataset's TarWriter, in the peers' venv (tools/bench-venv.sh), never in the
@@ -78,13 +79,15 @@ def expect(v):
     return base64.b64decode(v["b64"]) if isinstance(v, dict) and "b64" in v else v
 
 
-@pytest.mark.parametrize("shape", MDS_SHAPES)
-def test_mds_samples_are_the_writer_s_bytes(fixtures, tmp_path, shape):
-    d = copy_of(fixtures, tmp_path, shape)
-    out = run("index", str(d)).stdout
-    assert f"index: {N} samples" in out and "hashes checked" in out, out
-    got = rows(str(d))
-    want = fixtures[1]["mds"]
+@pytest.fixture
+def index_dir(tmp_path, monkeypatch):
+    """This test's folder of learned indexes (for this process and the `ramjet` it runs)."""
+    d = tmp_path / "learned-indexes"
+    monkeypatch.setenv("RAMJET_INDEX_DIR", str(d))
+    return d
+
+
+def assert_mds_rows(got, want):
     assert len(got) == N
     for i, (g, w) in enumerate(zip(got, want)):
         for col, v in w.items():
@@ -95,6 +98,21 @@ def test_mds_samples_are_the_writer_s_bytes(fixtures, tmp_path, shape):
                 assert g[col] == pytest.approx(v, rel=1e-6), (i, col)
             else:
                 assert g[col] == v, (i, col, g[col][:20] if isinstance(g[col], bytes) else g[col])
+
+
+def assert_wds_rows(got, want):
+    assert [g["__key__"] for g in got] == [w["__key__"] for w in want]
+    for g, w in zip(got, want):
+        for ext in ("jpg", "cls", "json"):
+            assert g[ext] == expect(w[ext]), (w["__key__"], ext)
+
+
+@pytest.mark.parametrize("shape", MDS_SHAPES)
+def test_mds_samples_are_the_writer_s_bytes(fixtures, tmp_path, shape):
+    d = copy_of(fixtures, tmp_path, shape)
+    out = run("index", str(d)).stdout
+    assert f"index: {N} samples" in out and "hashes checked" in out, out
+    assert_mds_rows(rows(str(d)), fixtures[1]["mds"])
     assert run("verify", str(d)).returncode == 0
 
 
@@ -103,15 +121,28 @@ def test_webdataset_samples_are_the_writer_s_bytes(fixtures, tmp_path, src):
     top = src.split("/")[0]
     d = copy_of(fixtures, tmp_path, top)
     run("index", str(tmp_path / src))
-    got = rows(str(d))
-    want = fixtures[1]["wds"]
-    assert [g["__key__"] for g in got] == [w["__key__"] for w in want]
-    for g, w in zip(got, want):
-        for ext in ("jpg", "cls", "json"):
-            assert g[ext] == expect(w[ext]), (w["__key__"], ext)
+    assert_wds_rows(rows(str(d)), fixtures[1]["wds"])
 
 
-def test_mds_from_s3_decodes_and_augments_in_rust(fixtures, tmp_path):
+@pytest.mark.parametrize("src", [*MDS_SHAPES, "mds-plain/index.json", *WDS_SOURCES])
+def test_read_as_it_is_without_ramjet_index(fixtures, tmp_path, index_dir, src):
+    """No `ramjet index`: the first open learns the index into this host's index folder, and
+    writes nothing beside the data."""
+    top = src.split("/")[0]
+    d = copy_of(fixtures, tmp_path, top)
+    before = sorted(p.name for p in d.iterdir())
+    got = rows(str(tmp_path / src))
+    if top.startswith("mds"):
+        assert_mds_rows(got, fixtures[1]["mds"])
+    else:
+        assert_wds_rows(got, fixtures[1]["wds"])
+    assert sorted(p.name for p in d.iterdir()) == before, "something was written beside the data"
+    assert len(list(index_dir.iterdir())) == 1
+    assert run("verify", str(tmp_path / src)).returncode == 0
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "learned"])
+def test_mds_from_s3_decodes_and_augments_in_rust(fixtures, tmp_path, index_dir, indexed):
     if "AWS_ENDPOINT_URL" not in os.environ:
         pytest.fail("the local S3 server is not configured: run tools/test.sh")
     d = fixtures[0] / "mds-zstd"
@@ -123,7 +154,8 @@ def test_mds_from_s3_decodes_and_augments_in_rust(fixtures, tmp_path):
                  str(f), BUCKET, url.split(f"s3://{BUCKET}/")[1] + "/" + f.name],
                 check=True,
             )
-    run("index", url)
+    if indexed:
+        run("index", url)
     ds = ramjet.StreamingDataset(url, image_column="image", image_size=32, batch_size=5, boxes_column=None, cache_limit=None)
     batches = list(ds)
     assert sum(b["image"].shape[0] for b in batches) == N
@@ -131,11 +163,15 @@ def test_mds_from_s3_decodes_and_augments_in_rust(fixtures, tmp_path):
     assert sorted(int(x) for b in batches for x in b["label"]) == sorted(w["label"] for w in fixtures[1]["mds"])
 
 
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "learned"])
 @pytest.mark.parametrize("name,src", [("mds-plain", "mds-plain"), ("wds", "wds/train-{000..002}.tar")])
-def test_order_and_exact_resume(fixtures, tmp_path, name, src):
+def test_order_and_exact_resume(fixtures, tmp_path, index_dir, name, src, indexed):
     copy_of(fixtures, tmp_path, name)
-    run("index", str(tmp_path / src))
-    url = str(tmp_path / name)
+    if indexed:
+        run("index", str(tmp_path / src))
+        url = str(tmp_path / name)
+    else:
+        url = str(tmp_path / src)
     key = "__key__" if name == "wds" else "name"
 
     def order(ds):
@@ -173,7 +209,7 @@ def test_a_flipped_byte_in_a_foreign_shard_is_named(fixtures, tmp_path):
     b[len(b) // 2] ^= 0x10
     shard.write_bytes(bytes(b))
     v = run("verify", str(d), ok=False)
-    assert v.returncode == 1 and "shard.00001.mds" in v.stdout and "ramjet index" in v.stdout, v.stdout
+    assert v.returncode == 1 and "shard.00001.mds" in v.stdout and "since it was indexed" in v.stdout, v.stdout
     with pytest.raises(ramjet.CorruptError, match="shard.00001.mds"):
         rows(str(d))
 
@@ -279,3 +315,94 @@ def test_an_index_naming_a_file_outside_its_folder_is_refused(fixtures, tmp_path
     out = run("index", str(d), ok=False)
     assert out.returncode != 0 and "outside.mds" in out.stderr and "shard key" in out.stderr, out.stderr
     assert not (d / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("name,src", [("mds-plain", "mds-plain"), ("wds", "wds/train-{000..002}.tar")])
+def test_a_learned_index_is_kept_and_reads_sample_by_sample_verified(fixtures, tmp_path, index_dir, name, src):
+    copy_of(fixtures, tmp_path, name)
+    url = str(tmp_path / src)
+    first = run("inspect", url)
+    assert "ramjet: learned" in first.stderr and "learned on this host" in first.stdout, first
+    # Kept: later opens read no shard to learn it again.
+    again = run("inspect", url)
+    assert "ramjet: learned" not in again.stderr, again.stderr
+    # Random access needs no sequential scan: the global shuffle without a cache reads every
+    # sample alone through the learned sample index, never a whole shard.
+    m = stream_json(url, "--shuffle", "global")
+    assert m["samples"] == N and m["ranged_samples"] == N and m["cache_misses"] == 0, m
+    # Every read is checked against the checksums learned: a byte flipped since is named.
+    f = sorted(p for p in (tmp_path / name).iterdir() if p.suffix in (".mds", ".tar"))[1]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    out = run("stream", url, "--shuffle", "global", ok=False)
+    assert out.returncode != 0 and f.name in out.stderr and "sample index" in out.stderr, out.stderr
+    v = run("verify", url, ok=False)
+    assert v.returncode == 1 and f.name in v.stdout, v.stdout
+
+
+def test_processes_opening_one_source_at_once_learn_it_once(fixtures, tmp_path, index_dir):
+    copy_of(fixtures, tmp_path, "wds")
+    url = str(tmp_path / "wds/shards.txt")
+    procs = [subprocess.Popen([RAMJET, "inspect", url, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [(p.communicate(), p.returncode) for p in procs]
+    assert all(rc == 0 for _, rc in outs), outs
+    assert sum("ramjet: learned" in err for (_, err), _ in outs) == 1, outs
+    assert {json.loads(o)["version"] for (o, _), _ in outs} == {json.loads(outs[0][0][0])["version"]}
+    # A rewritten shard list is another source: learned again, with its own shards.
+    (tmp_path / "wds/shards.txt").write_text("train-000.tar\ntrain-001.tar\n")
+    r = run("inspect", url, "--json")
+    assert "ramjet: learned" in r.stderr and 0 < json.loads(r.stdout)["samples"] < N, r
+    assert len(list(index_dir.iterdir())) == 2
+
+
+def test_a_tampered_learned_index_is_refused_naming_it(fixtures, tmp_path, index_dir):
+    d = copy_of(fixtures, tmp_path, "mds-plain")
+    run("inspect", str(d))
+    [folder] = list(index_dir.iterdir())
+    # Its sample index: verify names the shard whose index it is.
+    rjx = sorted((folder / "ramjet-index").iterdir())[2]
+    b = bytearray(rjx.read_bytes())
+    b[5] ^= 0x01
+    rjx.write_bytes(bytes(b))
+    v = run("verify", str(d), ok=False)
+    assert v.returncode == 1 and "shard.00002.mds" in v.stdout and "sample index" in v.stdout, v.stdout
+    # Its manifest: refused naming the file and what to do, never used.
+    m = folder / "manifest.json"
+    m.write_text(m.read_text().replace('"samples": 2', '"samples": 3', 1))
+    out = run("inspect", str(d), ok=False)
+    assert out.returncode != 0 and str(m) in out.stderr and f"delete {folder}" in out.stderr, out.stderr
+    shutil.rmtree(folder)
+    assert_mds_rows(rows(str(d)), fixtures[1]["mds"])
+
+
+def test_a_learner_killed_half_way_leaves_nothing_that_is_used(fixtures, tmp_path, index_dir):
+    """What a learner killed before it wrote its manifest leaves (sample indexes, damaged ones
+    too, and its lock file) is never read: the next open waits for any learner holding the
+    lock, then learns again."""
+    import fcntl
+    import signal
+    import time
+
+    copy_of(fixtures, tmp_path, "wds")
+    url = str(tmp_path / "wds/train-{000..002}.tar")
+    run("inspect", url)
+    [folder] = list(index_dir.iterdir())
+    (folder / "manifest.json").unlink()
+    for rjx in (folder / "ramjet-index").iterdir():
+        rjx.write_bytes(b"\0" * 7)
+    with open(folder / ".learning", "r+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # A learner holds the lock: an open waits for it, and one killed while waiting leaves
+        # nothing either.
+        waiting = [subprocess.Popen([RAMJET, "inspect", url, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        time.sleep(1.5)
+        assert all(p.poll() is None for p in waiting), [p.communicate() for p in waiting]
+        waiting[0].send_signal(signal.SIGKILL)
+        waiting[0].wait()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    out, err = waiting[1].communicate(timeout=60)
+    assert waiting[1].returncode == 0 and "ramjet: learned" in err, err
+    assert json.loads(out)["samples"] == N
+    assert_wds_rows(rows(url), fixtures[1]["wds"])
+    assert run("verify", url).returncode == 0

@@ -149,6 +149,9 @@ pub struct Dataset {
     store: Store,
     manifest: Manifest,
     manifest_url: String,
+    /// A foreign dataset opened without `ramjet index`: the folder of its learned index
+    /// (`crate::index::open_learned`), where its sample indexes are.
+    learned: Option<Store>,
 }
 
 /// One problem found by [`Dataset::verify`].
@@ -201,7 +204,13 @@ impl VerifyReport {
 impl Dataset {
     /// Opens the dataset at `url` (a prefix, or a manifest `.json`), reading and validating
     /// its manifest.
+    /// A foreign dataset named itself (an MDS `index.json`, a tar, a brace pattern of tars or
+    /// a shard list), or an MDS folder without a ramjet manifest, is read in place through the
+    /// index this host learned on first open (`crate::index::open_learned`).
     pub async fn open(url: &str) -> Result<Dataset> {
+        if crate::index::names_foreign_source(url) {
+            return Self::open_learned(url).await;
+        }
         let loc = DatasetUrl::parse(url);
         let store = Store::open(&loc.prefix_url)?;
         Self::open_in(store, &loc.manifest_key).await
@@ -211,6 +220,9 @@ impl Dataset {
     /// manifest is read, connections for the first batch's reads are opened
     /// ([`Store::preconnect`]).
     pub async fn open_to_stream(url: &str) -> Result<Dataset> {
+        if crate::index::names_foreign_source(url) {
+            return Self::open_learned(url).await;
+        }
         let loc = DatasetUrl::parse(url);
         let store = Store::open(&loc.prefix_url)?;
         store.preconnect(&loc.manifest_key);
@@ -224,15 +236,9 @@ impl Dataset {
         // first batch shows.
         let got = match store.get_at_most(manifest_key, MANIFEST_BYTES_MAX).await {
             Err(Error::NotFound { key }) if manifest_key == crate::format::MANIFEST_NAME => {
-                // A MosaicML dataset without its ramjet index: say how to read it.
+                // A MosaicML dataset without its ramjet index: read in place, learned.
                 if store.size("index.json").await.is_ok() {
-                    return Err(Error::NotFound {
-                        key: format!(
-                            "{key} (an MDS dataset, {}: run `ramjet index {}` once to read it in place; docs/format.md)",
-                            store.url("index.json"),
-                            store.url("").trim_end_matches('/')
-                        ),
-                    });
+                    return Self::open_learned(&store.url("index.json")).await;
                 }
                 return Err(Error::NotFound { key });
             }
@@ -273,7 +279,32 @@ impl Dataset {
             store,
             manifest,
             manifest_url,
+            learned: None,
         })
+    }
+
+    async fn open_learned(url: &str) -> Result<Dataset> {
+        let l = crate::index::open_learned(url).await?;
+        Ok(Dataset {
+            store: l.store,
+            manifest: l.manifest,
+            manifest_url: l.url,
+            learned: Some(l.index),
+        })
+    }
+
+    /// Where the sample indexes of a plain foreign shard are: beside the shards (`ramjet
+    /// index`), or in this host's learned index.
+    pub fn index_store(&self) -> &Store {
+        self.learned.as_ref().unwrap_or(&self.store)
+    }
+
+    /// The folder of this host's learned index, for a foreign dataset opened without
+    /// `ramjet index`.
+    pub fn learned_index_url(&self) -> Option<String> {
+        self.learned
+            .as_ref()
+            .map(|s| s.url("").trim_end_matches('/').to_owned())
     }
 
     /// The manifest.
@@ -565,7 +596,7 @@ impl Dataset {
         ) else {
             return Vec::new();
         };
-        let got = match self.store.get(&ix.key).await {
+        let got = match self.index_store().get(&ix.key).await {
             Ok(b) => b,
             Err(e) => return vec![(None, e.to_string())],
         };
@@ -574,7 +605,8 @@ impl Dataset {
             return vec![(
                 None,
                 format!(
-                    "sample index of {} bytes hashing to {sum:016x}; the manifest says {} bytes, {}",
+                    "the sample index of {}: {} bytes hashing to {sum:016x}; the manifest says {} bytes, {}",
+                    info.key,
                     got.len(),
                     ix.bytes,
                     ix.checksum
@@ -695,7 +727,7 @@ impl Dataset {
                     let mut probs: Vec<ShardProblem> =
                         found.into_iter().map(|p| problem(p.sample, p.message)).collect();
                     if let Some(ix) = info.foreign.as_ref().and_then(|f| f.index.as_ref()) {
-                        let ix_url = self.store.url(&ix.key);
+                        let ix_url = self.index_store().url(&ix.key);
                         for (sample, p) in self.verify_sample_index(&info, &stored_copy, &bytes).await {
                             probs.push(ShardProblem {
                                 url: ix_url.clone(),

@@ -13,6 +13,7 @@ pub mod error;
 pub mod format;
 pub mod hostbuf;
 pub mod image;
+pub mod index;
 pub mod jpeg_c;
 pub mod loader;
 pub mod metrics;

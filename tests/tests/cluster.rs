@@ -825,7 +825,9 @@ fn ready_names_a_missing_peer_and_a_wrong_key_and_the_wait_ends_when_the_ring_is
 /// An MDS dataset (`index.json` version 2, uncompressed `.mds` shards of a `jpeg` and an
 /// `int` column, the layout MosaicML's MDSWriter writes) of the synthetic images, on S3,
 /// indexed in place by `ramjet index`. Returns its URL and its shard count.
-fn mds_dataset() -> (String, usize) {
+/// An MDS dataset in S3, written as MDSWriter lays it out; with a ramjet manifest beside it
+/// when `indexed` (`ramjet index`), else read as it is (the index learned on first open).
+fn mds_dataset(indexed: bool) -> (String, usize) {
     let url = s3_prefix("cluster-mds");
     let store = ramjet_engine::Store::open(&url).unwrap();
     let mut images: Vec<PathBuf> = std::fs::read_dir(synth_dataset(N).join("images"))
@@ -870,13 +872,28 @@ fn mds_dataset() -> (String, usize) {
     }
     let index = serde_json::json!({"version": 2, "shards": shards});
     block_on(store.put("index.json", serde_json::to_vec(&index).unwrap().into())).unwrap();
-    ramjet_ok(&["index", &url]);
+    if indexed {
+        ramjet_ok(&["index", &url]);
+    }
     (url, shards.len())
 }
 
 #[test]
 fn a_foreign_dataset_crosses_from_the_origin_once_through_the_ring() {
-    let (url, shards) = mds_dataset();
+    foreign_dataset_through_the_ring(true);
+}
+
+/// Without `ramjet index`: the first open on a host learns the index. The readers' is learned
+/// by the reference read; each daemon has an index folder of its own, empty, and learns the
+/// source when first asked for it. From then on the daemons, their ring and the readers name
+/// the dataset by its `index.json` and read it as they read an indexed one.
+#[test]
+fn a_foreign_dataset_read_without_ramjet_index_crosses_from_the_origin_once_through_the_ring() {
+    foreign_dataset_through_the_ring(false);
+}
+
+fn foreign_dataset_through_the_ring(indexed: bool) {
+    let (url, shards) = mds_dataset(indexed);
     let d = tempfile::tempdir().unwrap();
     let want_path = d.path().join("ref.txt");
     ramjet_ok(&[
@@ -891,9 +908,14 @@ fn a_foreign_dataset_crosses_from_the_origin_once_through_the_ring() {
     assert_eq!(want.lines().count(), N);
     let proxy = CountingProxy::start(&s3_upstream());
     let members = names(2, 40);
+    let index_dirs: Vec<PathBuf> = members.iter().map(|m| d.path().join(format!("index-{m}"))).collect();
     let nodes: Vec<Node> = members
         .iter()
-        .map(|m| start_node(d.path(), m, &members, &proxy.url, &[]))
+        .zip(&index_dirs)
+        .map(|(m, ix)| {
+            let env = [("RAMJET_INDEX_DIR", ix.to_str().unwrap())];
+            start_node(d.path(), m, &members, &proxy.url, if indexed { &[] } else { &env })
+        })
         .collect();
     proxy.reset();
     let outs: Vec<PathBuf> = (0..2).map(|i| d.path().join(format!("out{i}"))).collect();
@@ -913,11 +935,24 @@ fn a_foreign_dataset_crosses_from_the_origin_once_through_the_ring() {
         );
     }
     // Every foreign shard crossed from the origin once for the cluster, and each daemon holds
-    // its ring share of them, transcoded.
-    assert_eq!(proxy.count("GET", ".mds"), shards, "origin GETs of {shards} MDS shards");
+    // its ring share of them, transcoded. Without `ramjet index`, each daemon's host also read
+    // every shard once to learn the index: once, though both readers asked it at once.
+    let learning = if indexed { 0 } else { nodes.len() * shards };
+    assert_eq!(
+        proxy.count("GET", ".mds"),
+        shards + learning,
+        "origin GETs of {shards} MDS shards, {learning} of them to learn the index"
+    );
+    for ix in index_dirs.iter().filter(|_| !indexed) {
+        let learned = std::fs::read_dir(ix).map(|r| r.count()).unwrap_or(0);
+        assert_eq!(learned, 1, "{}: the daemon's learned index", ix.display());
+    }
     let held: u64 = nodes.iter().map(|n| u(&n.stats()["cache_shards"])).sum();
     assert_eq!(held, shards as u64);
     proxy.reset();
     finish(reader(&url, &nodes[1].sock, &d.path().join("again"), &proxy.url, 0));
     assert_eq!(proxy.count("GET", ".mds"), 0, "a warm cluster went to the origin");
+    // Nothing was written beside the data without `ramjet index`.
+    let beside = block_on(ramjet_engine::Store::open(&url).unwrap().size("manifest.json"));
+    assert_eq!(beside.is_ok(), indexed, "a manifest beside the data: {beside:?}");
 }

@@ -1,30 +1,14 @@
-//! `ramjet index`: a ramjet manifest over a foreign dataset's shards (MosaicML MDS or
-//! WebDataset tars), written beside them, without copying them.
-//!
-//! Each shard is read once, checked (MDS: its own xxHash hashes from `index.json`; its sample
-//! count), decompressed and transcoded to the ramjet shard a reader will make of it
-//! (`ramjet_engine::format::foreign`). The manifest records, per shard, the object's size and
-//! xxh3-64 as stored and the transcoded shard's size, sample count and checksum; the
-//! transcoded shard's index holds every sample's checksum. From then on every read is checked
-//! as a ramjet shard's is. Like `pack`, the manifest goes up last, as
+//! `ramjet index`: a ramjet manifest over a foreign dataset's shards, written beside them
+//! (`ramjet_engine::index`). Like `pack`, the manifest goes up last, as
 //! `manifests/<version>.json` and then `manifest.json`.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::stream::{self, StreamExt};
-use serde_json::{Map, Value as Json};
-use xxhash_rust::xxh3::xxh3_64;
 
-use ramjet_engine::format::foreign::{
-    self, mds, sample_index_key, wds, ForeignFormat, ForeignObject, ForeignSpec, SampleIndexRef,
-};
-use ramjet_engine::format::{Manifest, Schema, ShardInfo, MANIFEST_NAME};
+use ramjet_engine::format::{Manifest, MANIFEST_NAME};
+pub use ramjet_engine::index::{expand_braces, ForeignSource};
 use ramjet_engine::{Error, Result, Store};
-
-/// Shards read at once.
-const IN_FLIGHT: usize = 4;
 
 /// What `ramjet index` did.
 #[derive(Debug)]
@@ -41,130 +25,8 @@ pub struct IndexReport {
     pub elapsed: Duration,
 }
 
-/// A foreign source: where its manifest goes, and its shards' keys relative to there.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ForeignSource {
-    /// Its format.
-    pub format: ForeignFormat,
-    /// The dataset prefix (the MDS directory, or the folder of the tars).
-    pub prefix: String,
-    /// WebDataset: the tars' keys, relative to `prefix`, in order (MDS: from `index.json`).
-    pub tars: Vec<String>,
-}
-
-/// Expands WebDataset's brace patterns: `{000..009}` (a zero-padded range) and `{a,b}`.
-pub fn expand_braces(pattern: &str) -> std::result::Result<Vec<String>, String> {
-    let Some(open) = pattern.find('{') else {
-        return Ok(vec![pattern.to_owned()]);
-    };
-    let close = pattern[open..]
-        .find('}')
-        .map(|c| c + open)
-        .ok_or_else(|| format!("{pattern:?}: a '{{' without its '}}'"))?;
-    let (head, body, tail) = (&pattern[..open], &pattern[open + 1..close], &pattern[close + 1..]);
-    let items: Vec<String> = if let Some((a, b)) = body.split_once("..") {
-        let (lo, hi) = (
-            a.parse::<u64>()
-                .map_err(|_| format!("{pattern:?}: {a:?} is not a number"))?,
-            b.parse::<u64>()
-                .map_err(|_| format!("{pattern:?}: {b:?} is not a number"))?,
-        );
-        if hi < lo || hi - lo > 10_000_000 {
-            return Err(format!("{pattern:?}: the range {lo}..{hi} is empty or too long"));
-        }
-        let width = a.len();
-        (lo..=hi).map(|i| format!("{i:0width$}")).collect()
-    } else {
-        body.split(',').map(str::to_owned).collect()
-    };
-    let mut out = Vec::new();
-    for it in items {
-        for rest in expand_braces(tail)? {
-            out.push(format!("{head}{it}{rest}"));
-        }
-    }
-    Ok(out)
-}
-
-impl ForeignSource {
-    /// Reads what `src` names: a folder or prefix holding an MDS `index.json`; a WebDataset
-    /// brace pattern (`.../train-{000000..000099}.tar`) or one tar; or a shard-list file
-    /// (`.txt`, one tar per line, relative to the list's folder).
-    pub fn parse(src: &str) -> Result<ForeignSource> {
-        let src = src.trim_end_matches('/');
-        let is_tar = |s: &str| s.ends_with(".tar") || s.ends_with(".tar.gz") || s.ends_with(".tgz");
-        let split = |s: &str| -> (String, String) {
-            match s.rsplit_once('/') {
-                Some((d, f)) => (d.to_owned(), f.to_owned()),
-                None => (".".to_owned(), s.to_owned()),
-            }
-        };
-        if src.ends_with(".txt") {
-            let (prefix, _) = split(src);
-            return Ok(ForeignSource {
-                format: ForeignFormat::Wds,
-                prefix,
-                tars: Vec::new(), // read by `tars_of_list`
-            });
-        }
-        let (dir, file) = split(src);
-        if is_tar(&file) || file.contains('{') {
-            if dir.contains('{') {
-                return Err(Error::invalid(src, "braces are read in the file name only"));
-            }
-            let tars = expand_braces(&file).map_err(|r| Error::invalid(src, r))?;
-            return Ok(ForeignSource {
-                format: ForeignFormat::Wds,
-                prefix: dir,
-                tars,
-            });
-        }
-        Ok(ForeignSource {
-            format: ForeignFormat::Mds,
-            prefix: src.to_owned(),
-            tars: Vec::new(),
-        })
-    }
-}
-
-/// The tars a shard-list file names (one a line, `#` comments), as keys under its folder.
-async fn tars_of_list(store: &Store, list_key: &str, list_url: &str) -> Result<Vec<String>> {
-    let text = store.get(list_key).await?;
-    let text = std::str::from_utf8(&text).map_err(|e| Error::invalid(list_url, format!("not UTF-8: {e}")))?;
-    let tars: Vec<String> = text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(str::to_owned)
-        .collect();
-    for t in &tars {
-        ramjet_engine::format::validate_key(t).map_err(|r| {
-            Error::invalid(
-                list_url,
-                format!("{t:?}: {r} (list tars relative to the list's folder)"),
-            )
-        })?;
-    }
-    if tars.is_empty() {
-        return Err(Error::invalid(list_url, "it lists no tars"));
-    }
-    Ok(tars)
-}
-
-/// One shard to index: its key as stored, its compression, and what its foreign index says.
-struct Job {
-    key: String,
-    compression: Option<String>,
-    samples: Option<u64>,
-    mds_file: Option<mds::IndexFile>,
-    /// MDS: the shard's size once decompressed.
-    mds_raw_bytes: Option<u64>,
-    /// The object, when it was read already (the first tar, for the columns).
-    stored: Option<Bytes>,
-}
-
-/// Writes `manifest.json` over the foreign dataset `src` (see the module docs); `progress` is
-/// called with bytes read.
+/// Writes `manifest.json` over the foreign dataset `src`, beside it; `progress` is called with
+/// bytes read.
 pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> {
     let t0 = Instant::now();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -174,246 +36,18 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
     let source = ForeignSource::parse(src)?;
     let store = Store::open(&source.prefix)?;
     rt.block_on(async {
-        let (spec, schema, jobs, meta) = match source.format {
-            ForeignFormat::Mds => {
-                let url = store.url("index.json");
-                let ix = mds::Index::parse(&store.get("index.json").await?, &url)?;
-                let (columns, schema) = ix.columns(&url)?;
-                let mut meta = Map::new();
-                meta.insert("foreign_index".into(), Json::from("index.json"));
-                let jobs = ix
-                    .shards
-                    .into_iter()
-                    .map(|s| {
-                        let raw_bytes = s.raw_data.bytes;
-                        let (key, file) = match (s.compression.as_ref(), s.zip_data) {
-                            (Some(_), Some(z)) => (z.basename.clone(), z),
-                            _ => (s.raw_data.basename.clone(), s.raw_data),
-                        };
-                        Job {
-                            key,
-                            compression: s.compression.map(|c| c.split(':').next().unwrap_or(&c).to_owned()),
-                            samples: Some(s.samples),
-                            mds_file: Some(file),
-                            mds_raw_bytes: Some(raw_bytes),
-                            stored: None,
-                        }
-                    })
-                    .collect::<Vec<_>>();
-                let spec = ForeignSpec {
-                    format: ForeignFormat::Mds,
-                    columns,
-                };
-                (spec, schema, jobs, meta)
-            }
-            ForeignFormat::Wds => {
-                let tars = if source.tars.is_empty() {
-                    let list = src.trim_end_matches('/').rsplit('/').next().unwrap_or(src).to_owned();
-                    tars_of_list(&store, &list, &store.url(&list)).await?
-                } else {
-                    source.tars.clone()
-                };
-                let mut jobs: Vec<Job> = tars
-                    .iter()
-                    .map(|t| Job {
-                        key: t.clone(),
-                        compression: (t.ends_with(".gz") || t.ends_with(".tgz")).then(|| "gz".to_owned()),
-                        samples: None,
-                        mds_file: None,
-                        mds_raw_bytes: None,
-                        stored: None,
-                    })
-                    .collect();
-                // The columns are the first tar's extensions; every other sample must have the
-                // same (a sample that differs is an error naming it).
-                let first = &mut jobs[0];
-                let url = store.url(&first.key);
-                let stored = first.stored.insert(store.get(&first.key).await?);
-                let data = foreign::decompress(
-                    stored,
-                    first.compression.as_deref(),
-                    foreign::FOREIGN_SHARD_BYTES_MAX,
-                    &url,
-                )?;
-                let samples = wds::samples(&data, &url)?;
-                let exts: BTreeSet<String> = samples
-                    .iter()
-                    .flat_map(|s| s.members.iter().map(|(e, _)| e.clone()))
-                    .collect();
-                if exts.is_empty() {
-                    return Err(Error::invalid(url, "the first tar holds no samples"));
-                }
-                let (columns, schema) = wds::columns(&exts)?;
-                let spec = ForeignSpec {
-                    format: ForeignFormat::Wds,
-                    columns,
-                };
-                (spec, schema, jobs, Map::new())
-            }
-        };
-        // Keys a manifest may name (relative, inside the folder), checked before any read.
-        for j in &jobs {
-            ramjet_engine::format::validate_key(&j.key)
-                .map_err(|r| Error::invalid(store.url(&j.key), format!("as a shard key: {r}")))?;
-        }
-        let hashes = std::sync::atomic::AtomicUsize::new(0);
-        let (spec_r, schema_r, store_r, hashes_r) = (&spec, &schema, &store, &hashes);
-        let results: Vec<Result<(ShardInfo, u64)>> = stream::iter(jobs.into_iter().enumerate())
-            .map(|(n, job)| async move {
-                let url = store_r.url(&job.key);
-                let stored = match job.stored.clone() {
-                    Some(b) => b,
-                    None => store_r.get(&job.key).await?,
-                };
-                progress(stored.len() as u64);
-                let (spec, schema) = (spec_r.clone(), schema_r.clone());
-                let (mut info, checked, sample_index) =
-                    tokio::task::spawn_blocking(move || index_one(&job, stored, &spec, &schema, &url))
-                        .await
-                        .map_err(|e| Error::Internal {
-                            thread: "index".into(),
-                            reason: e.to_string(),
-                        })??;
-                hashes_r.fetch_add(checked, std::sync::atomic::Ordering::Relaxed);
-                // A plain shard's sample index goes up before the manifest that names it.
-                if let (Some(ix), Some(f)) = (sample_index, info.foreign.as_mut()) {
-                    let sum = xxh3_64(&ix);
-                    let key = sample_index_key(n, sum);
-                    let bytes = ix.len() as u64;
-                    store_r.put(&key, Bytes::from(ix)).await?;
-                    f.index = Some(SampleIndexRef {
-                        key,
-                        bytes,
-                        checksum: format!("{sum:016x}"),
-                    });
-                }
-                let read = info.foreign.as_ref().map_or(0, |f| f.bytes);
-                Ok((info, read))
-            })
-            .buffered(IN_FLIGHT)
-            .collect()
-            .await;
-        let mut shards = Vec::with_capacity(results.len());
-        let mut bytes_read = 0;
-        for r in results {
-            let (info, n) = r?;
-            bytes_read += n;
-            // MDSWriter leaves an empty shard where one sample exceeds its size limit: it
-            // holds nothing to read, so the manifest does not list it.
-            if info.samples > 0 {
-                shards.push(info);
-            }
-        }
-        if shards.is_empty() {
-            return Err(Error::invalid(src, "the dataset holds no samples"));
-        }
-        let manifest = Manifest::new_foreign(spec.format.name(), schema, meta, shards, spec);
-        let bytes = Bytes::from(manifest.to_bytes());
+        let ix = ramjet_engine::index::index_into(src, &store, &store, Default::default(), progress).await?;
+        let bytes = Bytes::from(ix.manifest.to_bytes());
         store
-            .put(&format!("manifests/{}.json", manifest.version), bytes.clone())
+            .put(&format!("manifests/{}.json", ix.manifest.version), bytes.clone())
             .await?;
         store.put(MANIFEST_NAME, bytes).await?;
         Ok(IndexReport {
             manifest_url: store.url(MANIFEST_NAME),
-            manifest,
-            bytes_read,
-            foreign_hashes_checked: hashes.into_inner(),
+            manifest: ix.manifest,
+            bytes_read: ix.bytes_read,
+            foreign_hashes_checked: ix.foreign_hashes_checked,
             elapsed: t0.elapsed(),
         })
     })
-}
-
-/// Indexes one shard: checks, decompresses and transcodes it. Returns its manifest entry, the
-/// number of foreign hashes checked, and (for a plain shard) its sample index
-/// (`ramjet_engine::format::foreign::SampleIndexRef`).
-fn index_one(
-    job: &Job,
-    stored: Bytes,
-    spec: &ForeignSpec,
-    schema: &Schema,
-    url: &str,
-) -> Result<(ShardInfo, usize, Option<Vec<u8>>)> {
-    let mut checked = 0;
-    if let Some(f) = &job.mds_file {
-        if stored.len() as u64 != f.bytes {
-            return Err(Error::Truncated {
-                object: url.to_owned(),
-                expected: f.bytes,
-                actual: stored.len() as u64,
-            });
-        }
-        checked += mds::check_hashes(f, &stored, url)?;
-    }
-    // MDS says how large the shard is once decompressed; a tar may be up to the limit.
-    let max_out = job.mds_raw_bytes.unwrap_or(foreign::FOREIGN_SHARD_BYTES_MAX);
-    let data = foreign::decompress(&stored, job.compression.as_deref(), max_out, url)?;
-    let (built, spans) = foreign::transcode_with_spans(spec, schema, &data, url)?;
-    // For a plain shard: each sample's span in the object and its record's checksum (the
-    // transcoded shard's index entry holds it, at byte 16 of 24).
-    let sample_index = job.compression.is_none().then(|| {
-        let mut ix = Vec::with_capacity(spans.len() * 24);
-        for (i, span) in spans.iter().enumerate() {
-            let e = ramjet_engine::format::Header::entry_offset(i as u64) as usize;
-            ix.extend_from_slice(&span.start.to_le_bytes());
-            ix.extend_from_slice(&(span.end - span.start).to_le_bytes());
-            ix.extend_from_slice(&built.bytes[e + 16..e + 24]);
-        }
-        ix
-    });
-    if let Some(n) = job.samples {
-        if n != built.samples {
-            return Err(Error::corrupt(
-                ramjet_engine::Location::object(url),
-                format!("the shard holds {} samples; index.json says {n}", built.samples),
-            ));
-        }
-    }
-    Ok((
-        ShardInfo {
-            key: job.key.clone(),
-            bytes: built.bytes.len() as u64,
-            samples: built.samples,
-            checksum: format!("{:016x}", built.checksum),
-            columns: None,
-            foreign: Some(ForeignObject {
-                bytes: stored.len() as u64,
-                checksum: format!("{:016x}", xxh3_64(&stored)),
-                compression: job.compression.clone(),
-                index: None,
-            }),
-        },
-        checked,
-        sample_index,
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn braces_expand_like_webdataset() {
-        assert_eq!(
-            expand_braces("s-{008..011}.tar").unwrap(),
-            ["s-008.tar", "s-009.tar", "s-010.tar", "s-011.tar"]
-        );
-        assert_eq!(
-            expand_braces("{a,b}-{0..1}.tar").unwrap(),
-            ["a-0.tar", "a-1.tar", "b-0.tar", "b-1.tar"]
-        );
-        assert!(expand_braces("x-{1..").is_err());
-    }
-
-    #[test]
-    fn sources_are_told_apart_by_their_name() {
-        let s = ForeignSource::parse("s3://b/ds/train-{0..1}.tar").unwrap();
-        assert_eq!(
-            (s.format, s.prefix.as_str(), s.tars.len()),
-            (ForeignFormat::Wds, "s3://b/ds", 2)
-        );
-        let s = ForeignSource::parse("s3://b/mds/").unwrap();
-        assert_eq!((s.format, s.prefix.as_str()), (ForeignFormat::Mds, "s3://b/mds"));
-        let s = ForeignSource::parse("/data/list.txt").unwrap();
-        assert_eq!((s.format, s.prefix.as_str()), (ForeignFormat::Wds, "/data"));
-    }
 }

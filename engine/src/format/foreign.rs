@@ -173,7 +173,7 @@ pub fn check_object(bytes: &[u8], obj: &ForeignObject, object: &str) -> Result<(
         return Err(Error::corrupt(
             Location::object(object),
             format!(
-                "the object hashes to {sum:016x}, its index says {} (it changed since `ramjet index`)",
+                "the object hashes to {sum:016x}, its index says {} (it changed since it was indexed: run `ramjet index` again, or delete the learned index `ramjet inspect` names)",
                 obj.checksum
             ),
         ));
@@ -828,7 +828,7 @@ pub mod wds {
             return Err(Error::corrupt(
                 at.clone(),
                 format!(
-                    "its span holds {} samples, not one (the tar changed since `ramjet index`)",
+                    "its span holds {} samples, not one (the tar changed since it was indexed)",
                     s.len()
                 ),
             ));

@@ -138,7 +138,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         Ok(info) => info,
         Err(e) => return slots.into_iter().map(|s| (s, Err(e.clone()))).collect(),
     };
-    let Some(layout) = Ranged::of(&info) else {
+    let Some(layout) = Ranged::of(&info, &src.ds) else {
         // A compressed foreign shard has no sample index to read ranges by: it comes whole
         // (once, through the source chain, then from the cache), and its records are sliced out.
         let indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
@@ -150,7 +150,8 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let store = src.ds.store();
     let m = &shared.metrics;
     // One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
-    let counted_get = |key, range: &std::ops::Range<u64>| {
+    let counted_get = |store: &crate::Store, key, range: &std::ops::Range<u64>| {
+        let store = store.clone();
         let range = range.clone();
         async move {
             let got = store.get_range(key, range).await;
@@ -174,7 +175,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let entry_gets = clusters.iter().map(|c| async move {
         let (lo, hi) = (c[0], c[c.len() - 1]);
         let range = layout.entry_at(lo)..layout.entry_at(hi) + INDEX_ENTRY_LEN;
-        let b = counted_get(layout.entry_key, &range).await?;
+        let b = counted_get(layout.entry_store, layout.entry_key, &range).await?;
         Some(
             c.iter()
                 .map(|&i| {
@@ -220,7 +221,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         let url = &url;
         async move {
             let start = span.start;
-            let b = counted_get(info.key.as_str(), span).await?;
+            let b = counted_get(store, info.key.as_str(), span).await?;
             Some(
                 r.iter()
                     .map(|(i, e)| {
@@ -258,7 +259,8 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
 /// records, or a plain foreign shard's sample index and its object
 /// (`crate::format::foreign`).
 struct Ranged<'a> {
-    /// The object holding the index entries.
+    /// The store and object holding the index entries.
+    entry_store: &'a crate::Store,
     entry_key: &'a str,
     /// The foreign object's size, for a foreign shard.
     foreign_bytes: Option<u64>,
@@ -267,13 +269,15 @@ struct Ranged<'a> {
 impl<'a> Ranged<'a> {
     /// How `info`'s samples are read alone; `None` for a foreign shard without a sample index
     /// (a compressed one), which is read whole.
-    fn of(info: &'a crate::format::ShardInfo) -> Option<Ranged<'a>> {
+    fn of(info: &'a crate::format::ShardInfo, ds: &'a crate::Dataset) -> Option<Ranged<'a>> {
         match &info.foreign {
             None => Some(Ranged {
+                entry_store: ds.store(),
                 entry_key: &info.key,
                 foreign_bytes: None,
             }),
             Some(f) => f.index.as_ref().map(|ix| Ranged {
+                entry_store: ds.index_store(),
                 entry_key: &ix.key,
                 foreign_bytes: Some(f.bytes),
             }),
@@ -314,7 +318,7 @@ impl<'a> Ranged<'a> {
         if crate::format::sample_checksum(i, &rec) != e.checksum {
             return Err(Error::corrupt(
                 at.clone(),
-                "the sample does not match its checksum in the sample index (the object changed since `ramjet index`)",
+                "the sample does not match its checksum in the sample index (the object changed since it was indexed)",
             ));
         }
         Ok(Bytes::from(rec))
@@ -341,7 +345,7 @@ fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result
 pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> Result<Bytes> {
     let src = &shared.sources[id.stream as usize];
     let info = &src.ds.manifest().shard(id.shard as usize)?;
-    let Some(layout) = Ranged::of(info) else {
+    let Some(layout) = Ranged::of(info, &src.ds) else {
         let mut got = records_of_whole_shard(shared, id.stream, id.shard, &[id.index as u64]).await;
         return got.pop().expect("one record asked, one given");
     };
@@ -349,7 +353,10 @@ pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> 
     let url = store.url(&info.key);
     let at = Location::sample(&url, id.index as u64);
     let eo = layout.entry_at(id.index as u64);
-    let eb = store.get_range(layout.entry_key, eo..eo + INDEX_ENTRY_LEN).await?;
+    let eb = layout
+        .entry_store
+        .get_range(layout.entry_key, eo..eo + INDEX_ENTRY_LEN)
+        .await?;
     let e = IndexEntry::parse(&eb);
     layout.check_entry(src, id.shard as usize, id.index as u64, &e)?;
     let raw = store.get_range(&info.key, e.offset..e.offset + e.len).await?;

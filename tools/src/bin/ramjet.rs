@@ -856,10 +856,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "samples": m.samples,
                     "bytes": m.bytes,
                     "meta": m.meta,
+                    "learned_index": ds.learned_index_url(),
                 });
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 println!("dataset  {}", ds.manifest_url());
+                if let Some(l) = ds.learned_index_url() {
+                    println!("index    learned on this host, kept in {l} (no `ramjet index` beside the data)");
+                }
                 println!("version  {}", m.version);
                 println!("source   {}", m.source);
                 println!("schema   {}", m.schema.describe());

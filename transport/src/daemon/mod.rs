@@ -72,6 +72,11 @@ struct Inner {
     stats: Stats,
     membership: RwLock<Membership>,
     datasets: Mutex<HashMap<String, HeldDataset>>,
+    /// Datasets being opened, by URL: one open at a time for all the requests naming one. An
+    /// open runs as a task of its own, so one that outlasts a request's wait (a foreign
+    /// source being learned, `ramjet_engine::index::open_learned`) goes on, and later
+    /// requests join it instead of starting another.
+    opening: Arc<Flights<String, std::result::Result<Arc<Dataset>, String>>>,
     /// Flights by shard and whether they ask a peer: a peer's request joins only flights that
     /// go to the origin, so two daemons whose rings disagree never wait on each other.
     flights: Arc<Flights<(ShardId, bool), FlightOut>>,
@@ -218,6 +223,7 @@ impl Daemon {
             metrics,
             stats: Stats::default(),
             datasets: Mutex::default(),
+            opening: Arc::default(),
             flights: Arc::default(),
             conns: Arc::new(tokio::sync::Semaphore::new(cfg.connections_max.max(1))),
             peers: Mutex::default(),

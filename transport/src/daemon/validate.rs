@@ -23,8 +23,9 @@ impl Inner {
         if !["s3", "gs", "az", "azure", "abfs", "file", "http", "https"].contains(&scheme) {
             return bad("unsupported scheme");
         }
-        if path.split('/').any(|seg| seg == ".." || seg == ".") || !manifest_url.ends_with(".json") {
-            return bad("not a manifest path (path traversal or not .json)");
+        let names_dataset = manifest_url.ends_with(".json") || ramjet_engine::index::names_foreign_source(manifest_url);
+        if path.split('/').any(|seg| seg == ".." || seg == ".") || !names_dataset {
+            return bad("not a manifest path (path traversal, or neither .json nor a foreign source)");
         }
         if !self.cfg.allow_prefixes.is_empty() && !self.cfg.allow_prefixes.iter().any(|p| url_under(manifest_url, p)) {
             return bad("outside the allowed prefixes");
@@ -82,11 +83,21 @@ impl Inner {
                 }
             }
         }
-        let d = tokio::time::timeout(Duration::from_secs(60), Dataset::open(url))
+        let (key, u) = (url.to_owned(), url.to_owned());
+        let (flight, _) = self.opening.join_or_start(
+            std::slice::from_ref(&key),
+            key.clone(),
+            || async move { Dataset::open(&u).await.map(Arc::new).map_err(|e| e.to_string()) },
+            |why| Err(format!("its open failed: {why}")),
+        );
+        let d = tokio::time::timeout(Duration::from_secs(60), flight)
             .await
-            .map_err(|_| Error::Refused(format!("refused {url:?}: manifest did not load in 60 s")))?
+            .map_err(|_| {
+                Error::Refused(format!(
+                    "refused {url:?}: not open after 60 s (still opening: a foreign source being learned on this host goes on, and a later request gets it)"
+                ))
+            })?
             .map_err(|e| Error::Refused(format!("refused {url:?}: {e}")))?;
-        let d = Arc::new(d);
         let mut held = self.datasets.lock().expect("datasets lock");
         if !held.contains_key(url) && held.len() >= self.cfg.datasets_open_max.max(1) {
             // Requests in flight keep their own reference to an evicted dataset.
