@@ -244,15 +244,18 @@ def test_a_damaged_foreign_shard_is_refused_at_index_time_naming_shard_and_sampl
     assert out.returncode != 0 and "train-001.tar" in out.stderr and "truncated" in out.stderr, out.stderr
 
 
-def test_mixing_a_foreign_dataset_with_a_ramjet_one(fixtures, tmp_path):
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "learned"])
+def test_mixing_a_foreign_dataset_with_a_ramjet_one(fixtures, tmp_path, index_dir, indexed):
     copy_of(fixtures, tmp_path, "wds")
-    run("index", str(tmp_path / "wds/shards.txt"))
+    if indexed:
+        run("index", str(tmp_path / "wds/shards.txt"))
     packed = tmp_path / "packed"
     images = tmp_path / "synth"
     run("synth", str(images), "--samples", "6")
     run("pack", str(images), str(packed))
     out = tmp_path / "mixed.txt"
-    run("stream", str(tmp_path / "wds"), str(packed), "--shuffle", "global", "--out", str(out))
+    foreign = str(tmp_path / "wds") if indexed else str(tmp_path / "wds/shards.txt")
+    run("stream", foreign, str(packed), "--shuffle", "global", "--out", str(out))
     streams = [line.split()[2] for line in out.read_text().splitlines()]
     assert (streams.count("0"), streams.count("1")) == (N, 6)
     assert streams != sorted(streams), "the two datasets were not interleaved"

@@ -204,6 +204,7 @@ impl VerifyReport {
 impl Dataset {
     /// Opens the dataset at `url` (a prefix, or a manifest `.json`), reading and validating
     /// its manifest.
+    ///
     /// A foreign dataset named itself (an MDS `index.json`, a tar, a brace pattern of tars or
     /// a shard list), or an MDS folder without a ramjet manifest, is read in place through the
     /// index this host learned on first open (`crate::index::open_learned`).
