@@ -261,6 +261,19 @@ def test_mixing_a_foreign_dataset_with_a_ramjet_one(fixtures, tmp_path, index_di
     assert streams != sorted(streams), "the two datasets were not interleaved"
 
 
+def flip_a_byte_in_a_sample_and_see_it_named(folder, url):
+    """Flips a byte inside a sample of the second shard in `folder`: reading it alone, and
+    `verify`, name the shard."""
+    f = sorted(p for p in folder.iterdir() if p.suffix in (".mds", ".tar"))[1]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    out = run("stream", url, "--shuffle", "global", ok=False)
+    assert out.returncode != 0 and f.name in out.stderr and "sample index" in out.stderr, out.stderr
+    v = run("verify", url, ok=False)
+    assert v.returncode == 1 and f.name in v.stdout, v.stdout
+
+
 def stream_json(*args):
     return json.loads(run("stream", *args, "--json").stdout)
 
@@ -281,14 +294,7 @@ def test_a_plain_foreign_shard_is_read_one_sample_at_a_time_by_its_sample_index(
     run("stream", url, "--shuffle", "global", "--cache-dir", str(tmp_path / "c"), "--resident", "1GiB", "--out", str(b))
     assert a.read_text() == b.read_text()
     # A flipped byte inside a sample is found by that sample's own checksum, naming it.
-    f = sorted(p for p in (tmp_path / name).iterdir() if p.suffix in (".mds", ".tar"))[1]
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    f.write_bytes(bytes(data))
-    out = run("stream", url, "--shuffle", "global", ok=False)
-    assert out.returncode != 0 and f.name in out.stderr and "sample index" in out.stderr, out.stderr
-    v = run("verify", url, ok=False)
-    assert v.returncode == 1 and f.name in v.stdout, v.stdout
+    flip_a_byte_in_a_sample_and_see_it_named(tmp_path / name, url)
 
 
 def test_a_compressed_foreign_shard_has_no_sample_index_and_is_read_whole(fixtures, tmp_path):
@@ -334,14 +340,7 @@ def test_a_learned_index_is_kept_and_reads_sample_by_sample_verified(fixtures, t
     m = stream_json(url, "--shuffle", "global")
     assert m["samples"] == N and m["ranged_samples"] == N and m["cache_misses"] == 0, m
     # Every read is checked against the checksums learned: a byte flipped since is named.
-    f = sorted(p for p in (tmp_path / name).iterdir() if p.suffix in (".mds", ".tar"))[1]
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    f.write_bytes(bytes(data))
-    out = run("stream", url, "--shuffle", "global", ok=False)
-    assert out.returncode != 0 and f.name in out.stderr and "sample index" in out.stderr, out.stderr
-    v = run("verify", url, ok=False)
-    assert v.returncode == 1 and f.name in v.stdout, v.stdout
+    flip_a_byte_in_a_sample_and_see_it_named(tmp_path / name, url)
 
 
 def test_processes_opening_one_source_at_once_learn_it_once(fixtures, tmp_path, index_dir):

@@ -393,11 +393,8 @@ pub async fn open_learned(url: &str) -> Result<Learned> {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     h.update(&LEARNED_VERSION.to_le_bytes());
     h.update(canonical.as_bytes());
-    h.update(&[0]);
-    // One bucket name on two S3 endpoints is two sources.
-    if canonical.starts_with("s3://") {
-        h.update(std::env::var("AWS_ENDPOINT_URL").unwrap_or_default().as_bytes());
-    }
+    // Not the S3 endpoint: a proxy or a host's gateway in front of the same bucket is the same
+    // source. One URL naming other bytes elsewhere is found by the objects' checksums.
     h.update(&[0]);
     h.update(&listing);
     let folder = index_dir()?.join(format!("{:016x}", h.digest()));
@@ -407,31 +404,31 @@ pub async fn open_learned(url: &str) -> Result<Learned> {
             .to_str()
             .ok_or_else(|| Error::invalid(folder.display().to_string(), "not UTF-8"))?,
     )?;
-    if let Some(manifest) = read_learned(&folder, &canonical)? {
-        return Ok(Learned {
-            url: canonical,
-            store,
-            index,
-            manifest,
-        });
-    }
-    let lock_path = folder.join(".learning");
-    let _lock =
-        tokio::task::spawn_blocking(move || crate::cache::lock::FileLock::acquire(&lock_path, true, true, true))
-            .await
-            .map_err(|e| Error::Internal {
-                thread: "index lock".into(),
-                reason: e.to_string(),
-            })?
-            .map_err(|e| Error::io(folder.join(".learning").display().to_string(), e))?;
-    // Another process may have learned it while this one waited.
-    if let Some(manifest) = read_learned(&folder, &canonical)? {
-        return Ok(Learned {
-            url: canonical,
-            store,
-            index,
-            manifest,
-        });
+    // Learned already; else learned by another process of this host while this one waited for
+    // the lock; else learned by this one, holding the lock.
+    let mut lock = None;
+    loop {
+        if let Some(manifest) = read_learned(&folder, &canonical)? {
+            return Ok(Learned {
+                url: canonical,
+                store,
+                index,
+                manifest,
+            });
+        }
+        if lock.is_some() {
+            break;
+        }
+        let lock_path = folder.join(".learning");
+        lock = Some(
+            tokio::task::spawn_blocking(move || crate::cache::lock::FileLock::acquire(&lock_path, true, true, true))
+                .await
+                .map_err(|e| Error::Internal {
+                    thread: "index lock".into(),
+                    reason: e.to_string(),
+                })?
+                .map_err(|e| Error::io(folder.join(".learning").display().to_string(), e))?,
+        );
     }
     let t0 = std::time::Instant::now();
     let read = std::sync::atomic::AtomicU64::new(0);

@@ -35,10 +35,16 @@ pub fn ramjet_bin() -> PathBuf {
     bin
 }
 
+/// The learned-index folder (`ramjet_engine::index::index_dir`) of the `ramjet` processes the
+/// tests run, under `target/`, so that tests never write into the user's own.
+pub fn test_index_dir() -> PathBuf {
+    ramjet_bin().with_file_name("test-learned-index")
+}
+
 /// Runs `ramjet ARGS` with extra environment variables; returns its output.
 pub fn ramjet(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(ramjet_bin());
-    c.args(args);
+    c.args(args).env("RAMJET_INDEX_DIR", test_index_dir());
     for (k, v) in env {
         c.env(k, v);
     }

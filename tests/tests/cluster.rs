@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use ramjet_engine::cache::{CacheConfig, ShardId};
 use ramjet_engine::{Dataset, ReadSource, ShardProvider, ShardRequest, Stream, StreamConfig};
-use ramjet_tests::{block_on, free_port, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text, CountingProxy};
+use ramjet_tests::{
+    block_on, free_port, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, test_index_dir, text, CountingProxy,
+};
 use ramjet_transport::{wire, DaemonClient, Ring};
 
 const N: usize = 120;
@@ -91,6 +93,7 @@ fn start_node(dir: &Path, me: &str, members: &[String], origin_url: &str, env: &
     let tag = me.replace([':', '.'], "_");
     let sock = dir.join(format!("{tag}.sock"));
     let mut c = Command::new(ramjet_bin());
+    c.env("RAMJET_INDEX_DIR", test_index_dir());
     c.args(["serve", "--socket", sock.to_str().unwrap()])
         .args(["--cache-dir", dir.join(format!("cache-{tag}")).to_str().unwrap()])
         .args([
@@ -128,6 +131,7 @@ fn start_node(dir: &Path, me: &str, members: &[String], origin_url: &str, env: &
 /// A reader process: the whole dataset, unshuffled, through the daemon at `sock`.
 fn reader(url: &str, sock: &Path, out: &Path, origin_url: &str, step_ms: u64) -> Child {
     Command::new(ramjet_bin())
+        .env("RAMJET_INDEX_DIR", test_index_dir())
         .args(["stream", url, "--shuffle", "none", "--daemon", sock.to_str().unwrap()])
         .args([
             "--out",
