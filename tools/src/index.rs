@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use ramjet_engine::format::{Manifest, MANIFEST_NAME};
-pub use ramjet_engine::index::{expand_braces, ForeignSource};
+use ramjet_engine::index::ForeignSource;
 use ramjet_engine::{Error, Result, Store};
 
 /// What `ramjet index` did.

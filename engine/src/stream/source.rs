@@ -150,9 +150,13 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let store = src.ds.store();
     let m = &shared.metrics;
     // One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
-    let counted_get = |store: &crate::Store, key, range: &std::ops::Range<u64>| {
-        let store = store.clone();
+    let counted_get = |entries: bool, range: &std::ops::Range<u64>| {
         let range = range.clone();
+        let (store, key) = if entries {
+            (layout.entry_store, layout.entry_key)
+        } else {
+            (store, info.key.as_str())
+        };
         async move {
             let got = store.get_range(key, range).await;
             Metrics::add(&m.origin_requests, 1);
@@ -175,7 +179,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let entry_gets = clusters.iter().map(|c| async move {
         let (lo, hi) = (c[0], c[c.len() - 1]);
         let range = layout.entry_at(lo)..layout.entry_at(hi) + INDEX_ENTRY_LEN;
-        let b = counted_get(layout.entry_store, layout.entry_key, &range).await?;
+        let b = counted_get(true, &range).await?;
         Some(
             c.iter()
                 .map(|&i| {
@@ -221,7 +225,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         let url = &url;
         async move {
             let start = span.start;
-            let b = counted_get(store, info.key.as_str(), span).await?;
+            let b = counted_get(false, span).await?;
             Some(
                 r.iter()
                     .map(|(i, e)| {
