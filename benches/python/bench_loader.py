@@ -12,7 +12,10 @@ workers), the machine's steal share and other processes' load per measurement. T
 more, none of them flagged.
 
 DIR holds the JPEGs; URL is the same images packed with `ramjet pack` (read through a warm
-node-local cache). Prints one JSON object and writes it to target/bench/loader.json.
+node-local cache). A third ramjet contender, `ramjet_restarts`, reads URL-rst: the same images
+packed with `ramjet pack --jpeg-restarts` (packed by this script when absent), whose crops
+decode without the entropy decoding of the rest of the image. Prints one JSON object and
+writes it to target/bench/loader.json.
 
 With `--large N`, a second part measures where DCT-domain downscaling pays: the first N images
 upscaled 2.5x (1600x1200, the size of a phone photo), packed with `ramjet pack` to
@@ -118,6 +121,15 @@ def verdicts(res, cores, vs_torch=True):
     out["per_round_ratio_vs_libjpeg_turbo_x_cores"] = [round(x, 2) for x in decode]
     v = res.verdict(out["ratio_vs_libjpeg_turbo_x_cores"] >= 1.3)
     out["decode_target"] = f"ramjet at least 1.3x cores x Pillow's full decode: {measure.verdict_text(v, res.rounds(), len(res.flagged()))}"
+    if "ramjet_restarts" in med:
+        out["ratio_restarts_vs_libjpeg_turbo_x_cores"] = round(med["ramjet_restarts"] / turbo, 2)
+        out["per_round_ratio_restarts_vs_libjpeg_turbo_x_cores"] = [
+            round(x / (cores * y), 2) for x, y in zip([r["rate"] for r in res.of("ramjet_restarts")],
+                                                      [r["rate"] for r in res.of("pillow_1core")])]
+        out["per_round_ratio_restarts_vs_ramjet"] = [round(x, 2) for x in res.ratios("ramjet_restarts", "ramjet")]
+        v = res.verdict(out["ratio_restarts_vs_libjpeg_turbo_x_cores"] >= 1.3)
+        out["decode_target_restarts"] = (f"ramjet (--jpeg-restarts) at least 1.3x cores x Pillow's full decode: "
+                                         f"{measure.verdict_text(v, res.rounds(), len(res.flagged()))}")
     if vs_torch:
         rate = med["ramjet"] / med["torch_dataloader"]
         by_cpu = cpu["torch_dataloader"] / cpu["ramjet"]
@@ -127,6 +139,17 @@ def verdicts(res, cores, vs_torch=True):
         v = res.verdict(rate >= 3 and by_cpu >= 3)
         out["loader_target"] = (f"ramjet at least 3x the torch DataLoader by rate and CPU per image: "
                                 f"{measure.verdict_text(v, res.rounds(), len(res.flagged()))}")
+        if "ramjet_restarts" in med:
+            rate = med["ramjet_restarts"] / med["torch_dataloader"]
+            by_cpu = cpu["torch_dataloader"] / cpu["ramjet_restarts"]
+            out["ratio_restarts_vs_torch_dataloader"] = round(rate, 2)
+            out["cpu_ratio_restarts_vs_torch_dataloader"] = round(by_cpu, 2)
+            out["per_round_ratio_restarts_vs_torch_dataloader"] = [
+                round(x, 2) for x in res.ratios("ramjet_restarts", "torch_dataloader")]
+            v = res.verdict(rate >= 3 and by_cpu >= 3)
+            out["loader_target_restarts"] = (
+                f"ramjet (--jpeg-restarts) at least 3x the torch DataLoader by rate and CPU per image: "
+                f"{measure.verdict_text(v, res.rounds(), len(res.flagged()))}")
     return out
 
 
@@ -184,12 +207,24 @@ def main():
     kw = dict(local=a.local, batch_size=BATCH, image_size=OUT, boxes_column=None)
     rj = ramjet.StreamingDataset(a.remote, **kw)
     rj_nodct = ramjet.StreamingDataset(a.remote, dct_scaling=False, **kw)
+    rst_url = a.remote.rstrip("/") + "-rst"
+    try:
+        packed = ramjet.inspect(rst_url)["samples"] == len(paths)
+    except ramjet.Error:
+        packed = False
+    if not packed:
+        exe = os.environ.get("RAMJET_BIN", "target/release/ramjet")
+        subprocess.run([exe, "pack", str(Path(a.images).parent), rst_url, "--jpeg-restarts"], check=True,
+                       stdout=subprocess.DEVNULL)
+    rj_rst = ramjet.StreamingDataset(rst_url, **dict(kw, local=a.local + "-rst"))
     ramjet_rate(rj, 0)  # warm the node-local cache
+    ramjet_rate(rj_rst, 0)
     res = interleaved([("ramjet", lambda r: ramjet_rate(rj, r + 1)),
+                       ("ramjet_restarts", lambda r: ramjet_rate(rj_rst, r + 1)),
                        ("ramjet_no_dct", lambda r: ramjet_rate(rj_nodct, r + 1)),
                        ("torch_dataloader", lambda r: torch_rate(paths, cores)),
                        ("pillow_1core", lambda r: pillow_single_core(blobs))], a.rounds, "")
-    del rj, rj_nodct
+    del rj, rj_nodct, rj_rst
     # RSS over epochs: one dataset, epoch after epoch.
     ds = ramjet.StreamingDataset(a.remote, **kw)
     rss = []

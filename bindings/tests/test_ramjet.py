@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -78,3 +79,30 @@ def test_s3_round_trip(synth):
     assert ramjet.verify(url)["ok"]
     with pytest.raises(ramjet.NotFoundError):
         ramjet.inspect(url + "-absent")
+
+
+def _tls_memsz(so):
+    """The size of a shared object's PT_TLS segment (ELF64, little-endian), from its headers."""
+    import struct
+
+    b = Path(so).read_bytes()
+    assert b[:4] == b"\x7fELF" and b[4] == 2, so
+    phoff, = struct.unpack_from("<Q", b, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", b, 0x36)
+    for i in range(phnum):
+        p_type, = struct.unpack_from("<I", b, phoff + i * phentsize)
+        if p_type == 7:  # PT_TLS
+            return struct.unpack_from("<Q", b, phoff + i * phentsize + 0x28)[0]
+    return 0
+
+
+def test_the_extension_loads_after_torch_with_a_small_static_tls_block():
+    # The extension's thread-locals sit in a static TLS block (mimalloc's TLS is initial-exec),
+    # which glibc carves at dlopen from a small surplus that libraries loaded before it share:
+    # at 1,624 bytes, `import ramjet` after torch failed with "cannot allocate memory in static
+    # TLS block". Large thread-local state is boxed; this keeps the block well under that.
+    so = next(Path(ramjet.__file__).parent.glob("_ramjet*.so"))
+    assert _tls_memsz(so) <= 1280, f"{so}: {_tls_memsz(so)} bytes of TLS"
+    code = "import torch, torchvision, ultralytics, ramjet; print(ramjet.__name__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ramjet", r.stderr[-2000:]

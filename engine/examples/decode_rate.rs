@@ -14,12 +14,15 @@
 //! - `C region, 2^-k scale` and `C region, k/8 scale`: the crop's region at the smallest DCT
 //!   scale that keeps it at least 224, among 1/8, 1/4, 1/2, 1 (ramjet's choice before) or
 //!   among every eighth (now);
+//! - `C region 2^-k, restarts` and `process train, restarts`: the same, on the files as
+//!   `ramjet pack --jpeg-restarts` stores them (transcoded losslessly with a restart marker
+//!   every `RESTART_PX` pixels, 64 unless set), so that a crop is cut at the markers first;
 //! - `process train 224`: the whole per-image path ramjet runs (C region at the DCT scale that
 //!   keeps the crop at least 224, resize, flip, CHW);
 //! - `process eval 224`: the centre crop of Resize(256), likewise.
 use ramjet_engine::decode::probe;
 use ramjet_engine::image::{plan, process, ImageSpec, Rect, SampleRng, Scratch, Slot};
-use ramjet_engine::jpeg_c::{Region, TurboJpeg};
+use ramjet_engine::jpeg_c::{Region, Transcoder, TurboJpeg};
 use std::time::Instant;
 // mimalloc keeps freed memory mapped for reuse: with the system allocator every decoded image's
 // buffers were fresh pages, faulted in again image after image (docs/dependencies.md).
@@ -76,6 +79,24 @@ fn main() {
         100.0 * covered
     );
 
+    // The same files as `ramjet pack --jpeg-restarts` stores them: transcoded losslessly
+    // with a restart marker every RESTART_PX pixels of each MCU row.
+    let restart_px: u32 = std::env::var("RESTART_PX").map_or(64, |v| v.parse().expect("RESTART_PX"));
+    let mut tc = Transcoder::new().expect("libjpeg-turbo");
+    let cut: Vec<Vec<u8>> = files
+        .iter()
+        .map(|b| tc.with_restarts(b, restart_px).expect("transcode"))
+        .collect();
+    let (a, b) = (
+        files.iter().map(Vec::len).sum::<usize>(),
+        cut.iter().map(Vec::len).sum::<usize>(),
+    );
+    println!(
+        "with a restart marker every {restart_px} px: {:.1} MB against {:.1} MB ({:+.1}%)",
+        b as f64 / 1e6,
+        a as f64 / 1e6,
+        100.0 * (b as f64 / a as f64 - 1.0)
+    );
     let mut tj = TurboJpeg::new().expect("libjpeg-turbo");
     let mut tj2 = TurboJpeg::new().expect("libjpeg-turbo");
     let (mut buf, mut buf2) = (Vec::new(), Vec::new());
@@ -95,6 +116,9 @@ fn main() {
         w: ((c.w * e as f64 / 8.0) as u32).max(1),
         h: ((c.h * e as f64 / 8.0) as u32).max(1),
     };
+    let (mut tj5, mut buf5) = (TurboJpeg::new().expect("libjpeg-turbo"), Vec::new());
+    let mut s3 = Scratch::default();
+    let mut out3 = vec![0u8; train.elems()];
     let mut s1 = Scratch::default();
     let mut s2 = Scratch::default();
     let eval = ImageSpec::eval(224);
@@ -155,6 +179,22 @@ fn main() {
             }),
         ),
         (
+            "C region 2^-k, restarts",
+            Box::new(|i: usize| {
+                let h = tj5.header(&cut[i]).expect("hdr");
+                let e = pick(&crops[i], &[1, 2, 4]);
+                let r = region_at(&crops[i], e);
+                std::hint::black_box(tj5.decode(&cut[i], &h, e, Some(r), &mut buf5).expect("decode"));
+            }),
+        ),
+        (
+            "process train, restarts",
+            Box::new(|i: usize| {
+                let mut rng = SampleRng::new(0, 0, 0, i as u64);
+                process(&cut[i], &train, &mut rng, Slot::U8(&mut out3), &mut s3).expect("process");
+            }),
+        ),
+        (
             "process train 224",
             Box::new(|i: usize| {
                 let mut rng = SampleRng::new(0, 0, 0, i as u64);
@@ -207,4 +247,6 @@ fn main() {
     println!("C region / rust crop rows: {}", ratio(3, 1));
     println!("C region / rust full: {}", ratio(3, 0));
     println!("C region k/8 scale / 2^-k scale: {}", ratio(5, 4));
+    println!("C region 2^-k, restarts / without: {}", ratio(6, 4));
+    println!("process train, restarts / without: {}", ratio(7, 8));
 }

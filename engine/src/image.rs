@@ -16,6 +16,8 @@ use fast_image_resize::images::{Image as FirImage, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
 use crate::decode::{probe, ImageFormat, ImageInfo};
+#[cfg(test)]
+use crate::jpeg_c::{cut_at_restarts, Transcoder};
 use crate::jpeg_c::{scaled, Header, Region, TurboJpeg};
 
 /// Decompression-bomb limit on declared pixels: an image whose header claims more is refused
@@ -744,6 +746,65 @@ mod tests {
         j
     }
 
+    /// Asserts that every pixel of region decodes of `j` (random regions, every DCT scale)
+    /// equals the same pixel of the full decode of `reference` (an image with the same
+    /// pixels: `j` itself, or the file `j` was transcoded from).
+    fn assert_regions_are_the_full_decode_s_pixels(j: &[u8], reference: &[u8], label: &str) {
+        let mut t = TurboJpeg::new().unwrap();
+        let hdr = t.header(j).unwrap();
+        let rhdr = t.header(reference).unwrap();
+        for eighths in 1..=8u32 {
+            let mut full = Vec::new();
+            let f = t.decode(reference, &rhdr, eighths, None, &mut full).unwrap();
+            assert_eq!((f.w, f.h), (scaled(hdr.width, eighths), scaled(hdr.height, eighths)));
+            assert_eq!(full.len(), (f.w * f.h * 3) as usize);
+            let mut rng = SampleRng::new(5, eighths as u64, 0, 0);
+            for _ in 0..25 {
+                let w = 1 + rng.upto(f.w - 1);
+                let h = 1 + rng.upto(f.h - 1);
+                let want = Region {
+                    x: rng.upto(f.w - w),
+                    y: rng.upto(f.h - h),
+                    w,
+                    h,
+                };
+                let mut part = Vec::new();
+                let got = t
+                    .decode(j, &hdr, eighths, Some(want), &mut part)
+                    .unwrap_or_else(|e| panic!("{label} {eighths}/8 {want:?}: {e}"));
+                let (end, want_end) = (got.x + got.w, want.x + want.w);
+                assert!(
+                    end == (want_end + 1).min(f.w) && (got.x < want.x || want.x == 0),
+                    "{label} {eighths}/8: {want:?} -> {got:?}"
+                );
+                assert_eq!((got.y, got.h), (want.y, want.h));
+                assert_eq!(part.len(), (got.w * got.h * 3) as usize);
+                let mut bad = Vec::new();
+                for row in 0..got.h {
+                    for col in 0..got.w {
+                        let a = ((row * got.w + col) * 3) as usize;
+                        let b = (((got.y + row) * f.w + got.x + col) * 3) as usize;
+                        // The columns beside the asked region are the iMCU rounding and the
+                        // margin; the outermost may be upsampled without its neighbour.
+                        let x = got.x + col;
+                        if x >= want.x && x < want_end && part[a..a + 3] != full[b..b + 3] {
+                            bad.push((col, row));
+                        }
+                    }
+                }
+                if !bad.is_empty() {
+                    let cols: std::collections::BTreeSet<_> = bad.iter().map(|b| b.0).collect();
+                    let rows: std::collections::BTreeSet<_> = bad.iter().map(|b| b.1).collect();
+                    panic!(
+                        "{label} {eighths}/8 {want:?} -> {got:?}: {} differ, cols {cols:?} rows {:?}",
+                        bad.len(),
+                        rows.iter().take(10).collect::<Vec<_>>()
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn region_decodes_are_the_full_decode_s_pixels() {
         // Every pixel of a region decode equals the same pixel of a full decode at the same
@@ -755,52 +816,108 @@ mod tests {
             let hdr = t.header(&j).unwrap();
             assert_eq!((hdr.width, hdr.height), (643, 481));
             assert_eq!(hdr.mcu_width, Some(if sampling == F_2_2 { 16 } else { 8 }));
-            for eighths in 1..=8u32 {
-                let mut full = Vec::new();
-                let f = t.decode(&j, &hdr, eighths, None, &mut full).unwrap();
-                assert_eq!((f.w, f.h), (scaled(643, eighths), scaled(481, eighths)));
-                assert_eq!(full.len(), (f.w * f.h * 3) as usize);
-                let mut rng = SampleRng::new(5, eighths as u64, 0, 0);
-                for _ in 0..25 {
-                    let w = 1 + rng.upto(f.w - 1);
-                    let h = 1 + rng.upto(f.h - 1);
-                    let want = Region {
-                        x: rng.upto(f.w - w),
-                        y: rng.upto(f.h - h),
-                        w,
-                        h,
-                    };
-                    let mut part = Vec::new();
-                    let got = t.decode(&j, &hdr, eighths, Some(want), &mut part).unwrap();
-                    let (end, want_end) = (got.x + got.w, want.x + want.w);
-                    assert!(
-                        end == (want_end + 1).min(f.w) && (got.x < want.x || want.x == 0),
-                        "{want:?} -> {got:?}"
-                    );
-                    assert_eq!((got.y, got.h), (want.y, want.h));
-                    assert_eq!(part.len(), (got.w * got.h * 3) as usize);
-                    let mut bad = Vec::new();
-                    for row in 0..got.h {
-                        for col in 0..got.w {
-                            let a = ((row * got.w + col) * 3) as usize;
-                            let b = (((got.y + row) * f.w + got.x + col) * 3) as usize;
-                            // The columns beside the asked region are the iMCU rounding and the
-                            // margin; the outermost may be upsampled without its neighbour.
-                            let x = got.x + col;
-                            if x >= want.x && x < want_end && part[a..a + 3] != full[b..b + 3] {
-                                bad.push((col, row));
-                            }
-                        }
-                    }
-                    if !bad.is_empty() {
-                        let cols: std::collections::BTreeSet<_> = bad.iter().map(|b| b.0).collect();
-                        let rows: std::collections::BTreeSet<_> = bad.iter().map(|b| b.1).collect();
-                        panic!(
-                            "{sampling:?} {eighths}/8 {want:?} -> {got:?}: {} differ, cols {cols:?} rows {:?}",
-                            bad.len(),
-                            rows.iter().take(10).collect::<Vec<_>>()
-                        );
-                    }
+            assert_regions_are_the_full_decode_s_pixels(&j, &j, &format!("{sampling:?}"));
+        }
+    }
+
+    #[test]
+    fn restart_cuts_decode_the_original_s_pixels() {
+        // A JPEG transcoded with restart markers is cut down to the intervals a region needs
+        // before it is decoded; every pixel of the region is still the original's own. The
+        // widths give rows of 40, 41 (prime: one MCU an interval), 80 and 81 MCUs; the
+        // intervals run from one MCU to a whole row.
+        use jpeg_encoder::SamplingFactor::{F_1_1, F_2_1, F_2_2};
+        let mut tc = Transcoder::new().unwrap();
+        let mut t = TurboJpeg::new().unwrap();
+        let mut cut_at_all = 0;
+        for (w, sampling) in [(640, F_2_2), (643, F_2_2), (640, F_1_1), (645, F_1_1), (643, F_2_1)] {
+            let j = structured_jpeg(w, 481, sampling);
+            for max_px in [1, 24, 64, 100_000] {
+                let label = format!("{w} {sampling:?} restarts every {max_px} px");
+                let r = tc.with_restarts(&j, max_px).unwrap();
+                // Lossless: the full decodes are the same bytes.
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                let (hj, hr) = (t.header(&j).unwrap(), t.header(&r).unwrap());
+                t.decode(&j, &hj, 8, None, &mut a).unwrap();
+                t.decode(&r, &hr, 8, None, &mut b).unwrap();
+                assert!(a == b, "{label}: the transcode changed pixels");
+                let dri = r.windows(2).position(|m| m == [0xFF, 0xDD]).expect("a DRI marker");
+                assert!(u16::from_be_bytes([r[dri + 4], r[dri + 5]]) > 0, "{label}");
+                let (mut segs, mut cut) = (Vec::new(), Vec::new());
+                let small = Region {
+                    x: 300,
+                    y: 200,
+                    w: 40,
+                    h: 40,
+                };
+                if cut_at_restarts(&r, 8, small, &mut segs, &mut cut).is_some() {
+                    cut_at_all += 1;
+                    assert!(cut.len() < r.len() / 2, "{label}: a cut of {} bytes", cut.len());
+                }
+                assert_regions_are_the_full_decode_s_pixels(&r, &j, &label);
+            }
+        }
+        // Every file but the whole-row intervals is cut (those are cut by rows only).
+        assert_eq!(cut_at_all, 20, "cuts made");
+    }
+
+    #[test]
+    fn a_restart_marker_out_of_order_is_an_error_not_wrong_pixels() {
+        let j = structured_jpeg(640, 480, jpeg_encoder::SamplingFactor::F_2_2);
+        let mut r = Transcoder::new().unwrap().with_restarts(&j, 64).unwrap();
+        let sos = r.windows(2).position(|m| m == [0xFF, 0xDA]).unwrap();
+        let rst = sos
+            + r[sos..]
+                .windows(2)
+                .position(|m| m[0] == 0xFF && (0xD0..=0xD7).contains(&m[1]))
+                .unwrap();
+        r[rst + 1] = 0xD0 + (r[rst + 1] - 0xD0 + 3) % 8;
+        let mut t = TurboJpeg::new().unwrap();
+        let hdr = t.header(&r).unwrap();
+        let mut out = Vec::new();
+        for region in [
+            Region {
+                x: 300,
+                y: 200,
+                w: 40,
+                h: 40,
+            },
+            Region {
+                x: 0,
+                y: 0,
+                w: 640,
+                h: 480,
+            },
+        ] {
+            let e = t.decode(&r, &hdr, 8, Some(region), &mut out).unwrap_err();
+            assert!(e.contains("JPEG"), "{e}");
+        }
+    }
+
+    #[test]
+    fn restart_cuts_never_panic_on_damaged_files() {
+        // Bytes flipped anywhere in a file with restart markers: each decode either fails with
+        // an error or returns the region it was asked for.
+        let j = structured_jpeg(320, 240, jpeg_encoder::SamplingFactor::F_2_2);
+        let r = Transcoder::new().unwrap().with_restarts(&j, 32).unwrap();
+        let mut t = TurboJpeg::new().unwrap();
+        let mut rng = SampleRng::new(11, 0, 0, 0);
+        let mut out = Vec::new();
+        for _ in 0..400 {
+            let mut bad = r.clone();
+            for _ in 0..1 + rng.upto(3) {
+                let at = rng.upto(bad.len() as u32 - 1) as usize;
+                bad[at] ^= 1 << rng.upto(7);
+            }
+            let region = Region {
+                x: 100,
+                y: 80,
+                w: 60,
+                h: 50,
+            };
+            if let Ok(hdr) = t.header(&bad) {
+                if let Ok(got) = t.decode(&bad, &hdr, 8, Some(region), &mut out) {
+                    assert_eq!((got.y, got.h), (80, 50));
                 }
             }
         }

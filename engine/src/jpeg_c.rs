@@ -64,6 +64,22 @@ pub struct Region {
 /// image to image.
 pub struct TurboJpeg {
     handle: NonNull<std::ffi::c_void>,
+    /// The buffers of restart-marker cuts, from the first cut on. Boxed: decoders live in
+    /// thread-locals, whose size counts against the Python extension's static TLS block
+    /// (`cache::io`'s `OWN_RING` says why).
+    cuts: Option<Box<Cuts>>,
+}
+
+/// A decoder's restart-marker cut state, reused from image to image.
+#[derive(Default)]
+struct Cuts {
+    /// The JPEG a cut builds.
+    jpeg: Vec<u8>,
+    /// Where each restart interval's entropy-coded data starts and ends in the source.
+    segments: Vec<(u32, u32)>,
+    /// The instance's header state is a cut's, not that of the JPEG the caller last passed
+    /// to [`TurboJpeg::header`].
+    held: bool,
 }
 
 // SAFETY: a TurboJPEG instance holds no thread-local state: it may move between threads, and
@@ -78,7 +94,7 @@ impl TurboJpeg {
         // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
         let raw = unsafe { tj::tj3Init(tj::TJINIT_TJINIT_DECOMPRESS as c_int) };
         let handle = NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?;
-        let mut t = TurboJpeg { handle };
+        let mut t = TurboJpeg { handle, cuts: None };
         t.set(tj::TJPARAM_TJPARAM_STOPONWARNING, 1)?;
         t.set(tj::TJPARAM_TJPARAM_SCANLIMIT, SCAN_LIMIT)?;
         t.set(tj::TJPARAM_TJPARAM_MAXPIXELS, DECODE_PIXELS_MAX as c_int)?;
@@ -123,6 +139,9 @@ impl TurboJpeg {
         // SAFETY: the handle is live, and `jpeg` is a valid slice of jpeg.len() bytes that
         // outlives the call; the library only reads it.
         let rc = unsafe { tj::tj3DecompressHeader(self.handle.as_ptr(), jpeg.as_ptr(), jpeg.len() as tj::size_t) };
+        if let Some(c) = self.cuts.as_mut() {
+            c.held = false;
+        }
         if rc != 0 {
             return Err(format!("malformed JPEG: {}", self.error()));
         }
@@ -150,6 +169,12 @@ impl TurboJpeg {
     /// the subsampling cannot be cropped.
     /// `region` is in scaled pixels and must lie inside the scaled image; `None` decodes the
     /// whole image. [`TurboJpeg::header`] must have been called on the same `jpeg` first.
+    ///
+    /// A JPEG with restart markers that cut its MCU rows into equal intervals (what
+    /// `ramjet pack --jpeg-restarts` writes, [`Transcoder`]) is first cut: only the intervals
+    /// over the region, with one MCU of margin on each side for the chroma upsampling, are
+    /// copied into a smaller JPEG, so the rows above and the columns beside the region are not
+    /// even entropy-decoded. Its pixels are the same ([`cut_at_restarts`]).
     pub fn decode(
         &mut self,
         jpeg: &[u8],
@@ -161,6 +186,61 @@ impl TurboJpeg {
         if !(1..=8).contains(&eighths) {
             return Err(format!("JPEG scale {eighths}/8 is not one of 1/8 to 8/8"));
         }
+        if let Some(r) = region {
+            let mut cuts = self.cuts.take().unwrap_or_default();
+            let got = cut_at_restarts(jpeg, eighths, r, &mut cuts.segments, &mut cuts.jpeg)
+                .map(|c| self.decode_cut(&cuts.jpeg, header, eighths, r, c, out));
+            // `decode_cut` read the cut's header into the instance.
+            cuts.held |= got.is_some();
+            self.cuts = Some(cuts);
+            if let Some(got) = got {
+                return got;
+            }
+        }
+        if self.cuts.as_ref().is_some_and(|c| c.held) {
+            self.header(jpeg)?;
+        }
+        self.decode_region(jpeg, header, eighths, region, out)
+    }
+
+    /// Decodes `region` of the original image from `cut`, the part of it [`cut_at_restarts`]
+    /// copied, whose top-left corner is at `c.x`, `c.y` (scaled pixels) of the original.
+    fn decode_cut(
+        &mut self,
+        cut: &[u8],
+        header: &Header,
+        eighths: u32,
+        r: Region,
+        c: Cut,
+        out: &mut Vec<u8>,
+    ) -> Result<Region, String> {
+        let h = self.header(cut)?;
+        if h.mcu_width != header.mcu_width {
+            return Err(format!(
+                "malformed JPEG: its restart cut reads as {h:?}, not {header:?}"
+            ));
+        }
+        let inner = Region {
+            x: r.x - c.x,
+            y: r.y - c.y,
+            ..r
+        };
+        let got = self.decode_region(cut, &h, eighths, Some(inner), out)?;
+        Ok(Region {
+            x: got.x + c.x,
+            y: got.y + c.y,
+            ..got
+        })
+    }
+
+    fn decode_region(
+        &mut self,
+        jpeg: &[u8],
+        header: &Header,
+        eighths: u32,
+        region: Option<Region>,
+        out: &mut Vec<u8>,
+    ) -> Result<Region, String> {
         let (sw, sh) = (scaled(header.width, eighths), scaled(header.height, eighths));
         let full = Region {
             x: 0,
@@ -235,6 +315,332 @@ impl TurboJpeg {
 }
 
 impl Drop for TurboJpeg {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and owned by self; it is not used after this call.
+        unsafe { tj::tj3Destroy(self.handle.as_ptr()) }
+    }
+}
+
+/// Where a restart-marker cut starts in the original image, in scaled pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cut {
+    /// Left edge.
+    pub x: u32,
+    /// Top edge.
+    pub y: u32,
+}
+
+/// The layout of a sequential Huffman-coded JPEG with one scan of every component, as far as
+/// a restart-marker cut needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Scan {
+    /// Offset of the SOF marker.
+    sof: usize,
+    /// Offset of the first byte of entropy-coded data.
+    entropy: usize,
+    width: u32,
+    height: u32,
+    /// MCU size in pixels.
+    mcu_w: u32,
+    mcu_h: u32,
+    /// MCUs per row, and rows of MCUs.
+    per_row: u32,
+    rows: u32,
+    /// MCUs per restart interval (the DRI marker), a divisor of `per_row`.
+    interval: u32,
+}
+
+fn be16(b: &[u8], at: usize) -> Option<u32> {
+    Some(u16::from_be_bytes([*b.get(at)?, *b.get(at + 1)?]) as u32)
+}
+
+/// Reads the markers of `jpeg` up to its first scan. `None` unless it is sequential,
+/// Huffman-coded and 8-bit, its first scan holds every component, and a restart interval cuts
+/// every MCU row into whole intervals.
+fn scan_layout(jpeg: &[u8]) -> Option<Scan> {
+    if jpeg.get(..2)? != [0xFF, 0xD8] {
+        return None;
+    }
+    let mut i = 2;
+    let mut sof = None;
+    let mut interval = 0;
+    let (mut width, mut height, mut comps, mut hmax, mut vmax) = (0, 0, 0, 1, 1);
+    loop {
+        if *jpeg.get(i)? != 0xFF {
+            return None;
+        }
+        while *jpeg.get(i + 1)? == 0xFF {
+            i += 1; // fill bytes before a marker
+        }
+        let marker = jpeg[i + 1];
+        if matches!(marker, 0x00 | 0x01 | 0xD0..=0xD9) {
+            return None; // no segment of its own here: not a JPEG this path reads
+        }
+        let len = be16(jpeg, i + 2)? as usize;
+        let body = jpeg.get(i + 4..(i + 2 + len).max(i + 4))?;
+        match marker {
+            0xC0 | 0xC1 => {
+                // P, Y, X, Nf, then Nf times (id, H<<4 | V, Tq).
+                if sof.is_some() || *body.first()? != 8 {
+                    return None;
+                }
+                height = be16(body, 1)?;
+                width = be16(body, 3)?;
+                comps = *body.get(5)? as usize;
+                if comps == 0 || body.len() < 6 + 3 * comps {
+                    return None;
+                }
+                for c in 0..comps {
+                    let hv = body[6 + 3 * c + 1];
+                    let (h, v) = ((hv >> 4) as u32, (hv & 15) as u32);
+                    if !(1..=4).contains(&h) || !(1..=4).contains(&v) {
+                        return None;
+                    }
+                    (hmax, vmax) = (hmax.max(h), vmax.max(v));
+                }
+                sof = Some(i);
+            }
+            // Progressive, lossless, hierarchical or arithmetic-coded: not cut.
+            0xC2 | 0xC3 | 0xC5..=0xC7 | 0xC9..=0xCB | 0xCD..=0xCF => return None,
+            0xDD => interval = be16(body, 0)?,
+            0xDA => {
+                if sof.is_none() || *body.first()? as usize != comps {
+                    return None;
+                }
+                let entropy = i + 2 + len;
+                let (mcu_w, mcu_h) = if comps == 1 { (8, 8) } else { (8 * hmax, 8 * vmax) };
+                if width == 0 || height == 0 || interval == 0 || entropy > jpeg.len() {
+                    return None;
+                }
+                let per_row = width.div_ceil(mcu_w);
+                if per_row % interval != 0 {
+                    return None;
+                }
+                return Some(Scan {
+                    sof: sof?,
+                    entropy,
+                    width,
+                    height,
+                    mcu_w,
+                    mcu_h,
+                    per_row,
+                    rows: height.div_ceil(mcu_h),
+                    interval,
+                });
+            }
+            _ => {}
+        }
+        i += 2 + len;
+    }
+}
+
+/// Finds where restart intervals `0..=last` of the scan start and end: `segments[k]` is the
+/// entropy-coded data of interval `k`, without the RST marker after it. `None` where the
+/// markers are not RST0, RST1, ... RST7, RST0 ... in order, or the data ends first.
+fn find_segments(jpeg: &[u8], s: &Scan, last: usize, segments: &mut Vec<(u32, u32)>) -> Option<()> {
+    segments.clear();
+    let total = (s.per_row / s.interval) as usize * s.rows as usize;
+    let mut start = s.entropy;
+    let mut at = s.entropy;
+    while segments.len() <= last {
+        let ff = at + memchr::memchr(0xFF, jpeg.get(at..)?)?;
+        let next = *jpeg.get(ff + 1)?;
+        match next {
+            0x00 | 0xFF => at = ff + 1, // a stuffed 0xFF byte, or fill before a marker
+            0xD0..=0xD7 => {
+                if next - 0xD0 != (segments.len() % 8) as u8 || segments.len() + 1 >= total {
+                    return None;
+                }
+                segments.push((start as u32, ff as u32));
+                start = ff + 2;
+                at = start;
+            }
+            _ => {
+                // The scan ends: the last interval ends here, and only the last.
+                if segments.len() + 1 != total {
+                    return None;
+                }
+                segments.push((start as u32, ff as u32));
+            }
+        }
+    }
+    Some(())
+}
+
+/// Cuts from `jpeg` the restart intervals that a decode of `region` (scaled by `eighths`/8)
+/// needs, with one MCU of margin on every side where the image goes on, into `out`: a JPEG of
+/// its own, with the same markers, a smaller frame and the intervals' entropy-coded data
+/// renumbered. It is `None` (decode the whole JPEG) where the JPEG has no such restart
+/// intervals, the cut would be the whole image, or the markers are not as its header says.
+///
+/// Why the pixels are the same: each interval's data is coded on its own (the DC predictions
+/// restart at every marker), so the cut's blocks have the original's DCT coefficients. The
+/// only pixels of a JPEG that depend on neighbouring blocks are those the chroma upsampling
+/// interpolates across a block edge, from at most the next chroma sample; the margin keeps
+/// every neighbour of the region's pixels inside the cut.
+pub fn cut_at_restarts(
+    jpeg: &[u8],
+    eighths: u32,
+    region: Region,
+    segments: &mut Vec<(u32, u32)>,
+    out: &mut Vec<u8>,
+) -> Option<Cut> {
+    let s = scan_layout(jpeg)?;
+    let (sw, sh) = (scaled(s.width, eighths), scaled(s.height, eighths));
+    if region.w == 0 || region.h == 0 || region.x + region.w > sw || region.y + region.h > sh {
+        return None;
+    }
+    // An MCU's size in scaled pixels: a whole number, as MCUs are multiples of 8 pixels.
+    let (mw, mh) = (s.mcu_w / 8 * eighths, s.mcu_h / 8 * eighths);
+    let iv = s.interval;
+    let c0 = (region.x / mw).saturating_sub(1) / iv * iv;
+    let c1 = ((region.x + region.w).div_ceil(mw) + 1).min(s.per_row).div_ceil(iv) * iv;
+    let r0 = (region.y / mh).saturating_sub(1);
+    let r1 = ((region.y + region.h).div_ceil(mh) + 1).min(s.rows);
+    if c0 == 0 && c1 == s.per_row && r0 == 0 {
+        return None; // decoding stops after the region anyway: nothing to skip
+    }
+    let per_row = (s.per_row / iv) as usize;
+    let (g0, g1) = ((c0 / iv) as usize, (c1 / iv) as usize);
+    let last = (r1 as usize - 1) * per_row + g1 - 1;
+    find_segments(jpeg, &s, last, segments)?;
+    let w = s.width.min(c1 * s.mcu_w) - c0 * s.mcu_w;
+    let h = s.height.min(r1 * s.mcu_h) - r0 * s.mcu_h;
+    out.clear();
+    out.extend_from_slice(&jpeg[..s.entropy]);
+    out[s.sof + 5..s.sof + 7].copy_from_slice(&(h as u16).to_be_bytes());
+    out[s.sof + 7..s.sof + 9].copy_from_slice(&(w as u16).to_be_bytes());
+    let mut n = 0usize;
+    for row in r0 as usize..r1 as usize {
+        for &(a, b) in &segments[row * per_row + g0..row * per_row + g1] {
+            if n > 0 {
+                out.extend_from_slice(&[0xFF, 0xD0 + ((n - 1) % 8) as u8]);
+            }
+            out.extend_from_slice(&jpeg[a as usize..b as usize]);
+            n += 1;
+        }
+    }
+    out.extend_from_slice(&[0xFF, 0xD9]);
+    Some(Cut { x: c0 * mw, y: r0 * mh })
+}
+
+/// Lossless JPEG transcoding with libjpeg-turbo's `tj3Transform`: the DCT coefficients are
+/// moved as they are, so a decode of the result has exactly the original's pixels.
+pub struct Transcoder {
+    handle: NonNull<std::ffi::c_void>,
+}
+
+// SAFETY: as for `TurboJpeg`: no thread-local state, and `&mut self` on every call.
+unsafe impl Send for Transcoder {}
+
+/// MCUs per restart interval for an image `per_row` MCUs wide: the largest divisor of
+/// `per_row` no wider than `max_px` pixels (at least one MCU).
+pub fn restart_interval(per_row: u32, mcu_w: u32, max_px: u32) -> u32 {
+    let most = (max_px / mcu_w).clamp(1, per_row.max(1));
+    (1..=most).rev().find(|d| per_row % d == 0).unwrap_or(1)
+}
+
+impl Transcoder {
+    /// A transcoder with ramjet's decode limits.
+    pub fn new() -> Result<Self, String> {
+        // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
+        let raw = unsafe { tj::tj3Init(tj::TJINIT_TJINIT_TRANSFORM as c_int) };
+        let handle = NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?;
+        let t = Transcoder { handle };
+        for (param, value) in [
+            (tj::TJPARAM_TJPARAM_STOPONWARNING, 1),
+            (tj::TJPARAM_TJPARAM_SCANLIMIT, SCAN_LIMIT),
+            (tj::TJPARAM_TJPARAM_MAXPIXELS, DECODE_PIXELS_MAX as c_int),
+            (tj::TJPARAM_TJPARAM_MAXMEMORY, (DECODE_BYTES_MAX >> 20) as c_int),
+            (tj::TJPARAM_TJPARAM_OPTIMIZE, 1),
+            (tj::TJPARAM_TJPARAM_SAVEMARKERS, 2),
+        ] {
+            // SAFETY: the handle is live; tj3Set reads only its integer arguments.
+            if unsafe { tj::tj3Set(t.handle.as_ptr(), param as c_int, value) } != 0 {
+                return Err(format!("libjpeg-turbo: setting parameter {param}: {}", t.message()));
+            }
+        }
+        Ok(t)
+    }
+
+    fn message(&self) -> String {
+        // SAFETY: as in `TurboJpeg::message`.
+        let msg = unsafe { CStr::from_ptr(tj::tj3GetErrorStr(self.handle.as_ptr())) };
+        msg.to_string_lossy().into_owned()
+    }
+
+    fn fail(&mut self, what: &str) -> String {
+        let msg = format!("{what}: {}", self.message());
+        if let Ok(fresh) = Transcoder::new() {
+            *self = fresh;
+        }
+        msg
+    }
+
+    /// `jpeg` rewritten as a sequential JPEG with optimal Huffman tables and a restart marker
+    /// every [`restart_interval`]`(.., max_px)` MCUs, so that [`TurboJpeg::decode`] can cut a
+    /// region out of it without entropy-decoding the rest. Every marker (EXIF, ICC, comments)
+    /// is kept. The pixels are the original's, bit for bit.
+    pub fn with_restarts(&mut self, jpeg: &[u8], max_px: u32) -> Result<Vec<u8>, String> {
+        let h = self.handle.as_ptr();
+        // SAFETY: the handle is live; `jpeg` is a valid slice that outlives the call.
+        if unsafe { tj::tj3DecompressHeader(h, jpeg.as_ptr(), jpeg.len() as tj::size_t) } != 0 {
+            return Err(self.fail("malformed JPEG"));
+        }
+        // SAFETY: the handle is live; tj3Get reads the instance's state only.
+        let (w, subsamp) = unsafe {
+            (
+                tj::tj3Get(h, tj::TJPARAM_TJPARAM_JPEGWIDTH as c_int),
+                tj::tj3Get(h, tj::TJPARAM_TJPARAM_SUBSAMP as c_int),
+            )
+        };
+        let mcu_w = usize::try_from(subsamp)
+            .ok()
+            .and_then(|i| MCU_WIDTH.get(i).copied())
+            .ok_or_else(|| format!("JPEG chroma subsampling {subsamp} has no restart cut"))?;
+        let interval = restart_interval((w.max(1) as u32).div_ceil(mcu_w), mcu_w, max_px);
+        // SAFETY: as above.
+        if unsafe { tj::tj3Set(h, tj::TJPARAM_TJPARAM_RESTARTBLOCKS as c_int, interval as c_int) } != 0 {
+            return Err(self.fail("libjpeg-turbo: restart interval"));
+        }
+        let transform = tj::tjtransform {
+            r: tj::tjregion { x: 0, y: 0, w: 0, h: 0 },
+            op: tj::TJXOP_TJXOP_NONE as c_int,
+            options: 0,
+            data: std::ptr::null_mut(),
+            customFilter: None,
+        };
+        let mut dst: *mut u8 = std::ptr::null_mut();
+        let mut size: tj::size_t = 0;
+        // SAFETY: the handle is live; `jpeg` is valid for the call; `dst` is null, so the
+        // library allocates the output with tj3Alloc and stores it and its size through the
+        // two pointers, which point to live locals; one transform is passed, by pointer.
+        let rc = unsafe {
+            tj::tj3Transform(
+                h,
+                jpeg.as_ptr(),
+                jpeg.len() as tj::size_t,
+                1,
+                &mut dst,
+                &mut size,
+                &transform,
+            )
+        };
+        let out = if rc == 0 && !dst.is_null() {
+            // SAFETY: on success `dst` points to `size` initialised bytes the library wrote.
+            Ok(unsafe { std::slice::from_raw_parts(dst, size as usize) }.to_vec())
+        } else {
+            Err(self.fail("JPEG transcode"))
+        };
+        if !dst.is_null() {
+            // SAFETY: `dst` came from tj3Alloc inside tj3Transform and is freed once, here.
+            unsafe { tj::tj3Free(dst.cast()) };
+        }
+        out
+    }
+}
+
+impl Drop for Transcoder {
     fn drop(&mut self) {
         // SAFETY: the handle is live and owned by self; it is not used after this call.
         unsafe { tj::tj3Destroy(self.handle.as_ptr()) }

@@ -499,8 +499,9 @@ async fn read_loop(
 }
 
 thread_local! {
-    /// Each decode-pool thread's resize scratch, reused across jobs and loaders.
-    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    /// Each decode-pool thread's resize scratch, reused across jobs and loaders. Boxed, to
+    /// keep the static TLS block small (`cache::io`'s `OWN_RING` says why).
+    static SCRATCH: std::cell::RefCell<Box<Scratch>> = std::cell::RefCell::new(Box::default());
 }
 
 /// Decodes one job on a pool thread; a panic comes back as the batch's error.
@@ -510,7 +511,7 @@ fn decode_job(ctx: &Ctx, job: Job) -> Result<Batch> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assemble(ctx, job, &mut scratch))).unwrap_or_else(
             |p| {
                 // The scratch buffers may be half-written: start afresh.
-                *scratch = Scratch::default();
+                **scratch = Scratch::default();
                 Err(Error::from_panic("ramjet-decode", &*p))
             },
         )

@@ -122,6 +122,67 @@ fn packed_samples_match_their_inputs() {
 }
 
 #[test]
+fn jpeg_restarts_keep_every_pixel_and_every_crop() {
+    // `pack --jpeg-restarts` stores each JPEG transcoded: other bytes, with restart markers,
+    // the same pixels. The loader's train path (a random crop, cut at the restart markers
+    // before it is decoded) gives the very same tensors as from the original files.
+    use ramjet_engine::image::{decode_rgb, process, ImageSpec, SampleRng, Scratch, Slot};
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("restarts");
+    pack_to(&synth_dataset(N), &dst, &["--shard-size", "1MiB", "--jpeg-restarts"]);
+    let m = manifest(&dst);
+    assert_eq!(m.meta["jpeg_restart_px"], 64);
+    let src = synth_dataset(N);
+    let spec = ImageSpec::train(224);
+    let (mut s1, mut s2) = (Scratch::default(), Scratch::default());
+    let (mut stored_bytes, mut given_bytes) = (0, 0);
+    for gi in 0..N {
+        let (si, local) = m.locate(gi as u64).unwrap().unwrap();
+        let key = m.shard(si).unwrap().key;
+        let r = ShardReader::open(fs::File::open(dst.join(&key)).unwrap(), &key).unwrap();
+        let vals = r.read_sample(local).unwrap();
+        let Value::Bytes(img) = &vals[0] else {
+            panic!("image column")
+        };
+        let given = fs::read(src.join(format!("images/{gi:06}.jpg"))).unwrap();
+        assert_ne!(img, &given, "sample {gi} was stored as given");
+        assert!(
+            img.windows(2).any(|w| w == [0xFF, 0xDD]),
+            "sample {gi} has no DRI marker"
+        );
+        (stored_bytes, given_bytes) = (stored_bytes + img.len(), given_bytes + given.len());
+        let (a, b) = (decode_rgb(img, 1, None).unwrap(), decode_rgb(&given, 1, None).unwrap());
+        assert!(a.data == b.data, "sample {gi}: the full decodes differ");
+        for k in 0..5 {
+            let (mut x, mut y) = (vec![0u8; spec.elems()], vec![0u8; spec.elems()]);
+            process(
+                img,
+                &spec,
+                &mut SampleRng::new(3, 0, k, gi as u64),
+                Slot::U8(&mut x),
+                &mut s1,
+            )
+            .unwrap();
+            process(
+                &given,
+                &spec,
+                &mut SampleRng::new(3, 0, k, gi as u64),
+                Slot::U8(&mut y),
+                &mut s2,
+            )
+            .unwrap();
+            assert!(x == y, "sample {gi}, crop {k}: the tensors differ");
+        }
+    }
+    // Optimal Huffman tables pay for the markers.
+    assert!(
+        stored_bytes < given_bytes,
+        "{stored_bytes} bytes stored for {given_bytes} given"
+    );
+    ramjet_ok(&["verify", dst.to_str().unwrap()]);
+}
+
+#[test]
 fn inspect_prints_schema_counts_and_bytes() {
     let t = tempfile::tempdir().unwrap();
     let (dst, m) = packed(t.path());

@@ -755,7 +755,10 @@ fn run_in_slot<T>(
 thread_local! {
     /// The ring of a thread that owns one: the cache writers (see [`own_ring_on_this_thread`]).
     /// `None` on every other thread, whose requests go to the I/O core.
-    static OWN_RING: std::cell::RefCell<Option<Option<Ring>>> = const { std::cell::RefCell::new(None) };
+    /// Boxed: a thread-local's inline size counts against the static TLS block that the Python
+    /// extension must get from glibc when it is loaded (it uses mimalloc's initial-exec TLS),
+    /// which is small and shared with every library loaded before it (torch's among them).
+    static OWN_RING: std::cell::RefCell<Option<Box<Option<Ring>>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Makes this thread run its own cache I/O on a ring of its own instead of the I/O core's.
@@ -767,7 +770,7 @@ pub fn own_ring_on_this_thread() {
     OWN_RING.with(|r| {
         let mut r = r.borrow_mut();
         if r.is_none() {
-            *r = Some(None);
+            *r = Some(Box::new(None));
         }
     });
 }

@@ -65,6 +65,11 @@ enum Cmd {
         /// rather than in its JSON: `auto` does so above 4,096 shards.
         #[arg(long, value_enum, default_value = "auto")]
         shard_table: ramjet_tools::pack::ShardTableMode,
+        /// Store JPEGs transcoded losslessly (the same pixels, not the same bytes) with a
+        /// restart marker every 64 pixels of each MCU row and optimal Huffman tables: a random
+        /// crop then decodes only the part of the image it needs, about 1.3x faster.
+        #[arg(long)]
+        jpeg_restarts: bool,
     },
     /// Index a MosaicML (MDS) or WebDataset dataset in place: writes a ramjet manifest beside
     /// its shards (no copy), with every shard's size and checksum and every sample's checksum,
@@ -779,12 +784,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             skip_bad,
             threads,
             shard_table,
+            jpeg_restarts,
         } => {
             let opts = PackOptions {
                 shard_bytes_target: shard_size,
                 skip_bad,
                 kind: format,
                 shard_table,
+                jpeg_restarts,
             };
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads.unwrap_or(0))
