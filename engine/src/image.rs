@@ -857,7 +857,7 @@ mod tests {
                 assert_regions_are_the_full_decode_s_pixels(&r, &j, &label);
             }
         }
-        // Every file but the whole-row intervals is cut (those are cut by rows only).
+        // Every file is cut: at its intervals, or by rows alone where an interval is a row.
         assert_eq!(cut_at_all, 20, "cuts made");
     }
 
