@@ -60,10 +60,71 @@ pub struct Region {
     pub h: u32,
 }
 
+/// An owned TurboJPEG instance with ramjet's limits, shared by the decompressor and the
+/// transcoder: no more than `DECODE_PIXELS_MAX` pixels and `DECODE_BYTES_MAX` of intermediate
+/// buffers, at most `SCAN_LIMIT` progressive scans, and a warning (data that ends early, a
+/// corrupt Huffman code) is an error.
+struct Handle(NonNull<std::ffi::c_void>);
+
+// SAFETY: a TurboJPEG instance holds no thread-local state: it may move between threads, and
+// its owners take `&mut self` on every call, so no two threads use it at once.
+unsafe impl Send for Handle {}
+
+impl Handle {
+    /// A `kind` instance (`TJINIT_*`) with the limits above, then `extra` parameters.
+    fn new(kind: tj::TJINIT, extra: &[(tj::TJPARAM, c_int)]) -> Result<Self, String> {
+        // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
+        let raw = unsafe { tj::tj3Init(kind as c_int) };
+        let h = Handle(NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?);
+        let limits = [
+            (tj::TJPARAM_TJPARAM_STOPONWARNING, 1),
+            (tj::TJPARAM_TJPARAM_SCANLIMIT, SCAN_LIMIT),
+            (tj::TJPARAM_TJPARAM_MAXPIXELS, DECODE_PIXELS_MAX as c_int),
+            (tj::TJPARAM_TJPARAM_MAXMEMORY, (DECODE_BYTES_MAX >> 20) as c_int),
+        ];
+        for &(param, value) in limits.iter().chain(extra) {
+            h.set(param, value)?;
+        }
+        Ok(h)
+    }
+
+    fn ptr(&self) -> tj::tjhandle {
+        self.0.as_ptr()
+    }
+
+    fn set(&self, param: tj::TJPARAM, value: c_int) -> Result<(), String> {
+        // SAFETY: the handle is live (owned by self); tj3Set reads only its integer arguments.
+        let rc = unsafe { tj::tj3Set(self.ptr(), param as c_int, value) };
+        if rc != 0 {
+            return Err(format!("libjpeg-turbo: setting parameter {param}: {}", self.message()));
+        }
+        Ok(())
+    }
+
+    fn get(&self, param: tj::TJPARAM) -> c_int {
+        // SAFETY: the handle is live; tj3Get reads the instance's state only.
+        unsafe { tj::tj3Get(self.ptr(), param as c_int) }
+    }
+
+    fn message(&self) -> String {
+        // SAFETY: the handle is live; tj3GetErrorStr returns a pointer to a NUL-terminated
+        // message owned by the instance, valid until its next call, and it is copied at once.
+        let msg = unsafe { CStr::from_ptr(tj::tj3GetErrorStr(self.ptr())) };
+        msg.to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and owned by self; it is not used after this call.
+        unsafe { tj::tj3Destroy(self.ptr()) }
+    }
+}
+
 /// One TurboJPEG decompressor. Each decode thread owns one (in its `Scratch`), reused from
 /// image to image.
 pub struct TurboJpeg {
-    handle: NonNull<std::ffi::c_void>,
+    handle: Handle,
     /// The buffers of restart-marker cuts, from the first cut on. Boxed: decoders live in
     /// thread-locals, whose size counts against the Python extension's static TLS block
     /// (`cache::io`'s `OWN_RING` says why).
@@ -82,52 +143,20 @@ struct Cuts {
     held: bool,
 }
 
-// SAFETY: a TurboJPEG instance holds no thread-local state: it may move between threads, and
-// `&mut self` on every call keeps it from being used by two at once.
-unsafe impl Send for TurboJpeg {}
-
 impl TurboJpeg {
-    /// A decompressor with ramjet's limits: no more than `DECODE_PIXELS_MAX` pixels and
-    /// `DECODE_BYTES_MAX` of intermediate buffers, at most `SCAN_LIMIT` progressive scans, and
-    /// a warning (data that ends early, a corrupt Huffman code) is an error.
+    /// A decompressor with ramjet's limits ([`Handle`]).
     pub fn new() -> Result<Self, String> {
-        // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
-        let raw = unsafe { tj::tj3Init(tj::TJINIT_TJINIT_DECOMPRESS as c_int) };
-        let handle = NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?;
-        let mut t = TurboJpeg { handle, cuts: None };
-        t.set(tj::TJPARAM_TJPARAM_STOPONWARNING, 1)?;
-        t.set(tj::TJPARAM_TJPARAM_SCANLIMIT, SCAN_LIMIT)?;
-        t.set(tj::TJPARAM_TJPARAM_MAXPIXELS, DECODE_PIXELS_MAX as c_int)?;
-        t.set(tj::TJPARAM_TJPARAM_MAXMEMORY, (DECODE_BYTES_MAX >> 20) as c_int)?;
-        Ok(t)
-    }
-
-    fn set(&mut self, param: tj::TJPARAM, value: c_int) -> Result<(), String> {
-        // SAFETY: the handle is live (owned by self); tj3Set reads only its integer arguments.
-        let rc = unsafe { tj::tj3Set(self.handle.as_ptr(), param as c_int, value) };
-        if rc != 0 {
-            return Err(format!("libjpeg-turbo: setting parameter {param}: {}", self.message()));
-        }
-        Ok(())
-    }
-
-    fn get(&self, param: tj::TJPARAM) -> c_int {
-        // SAFETY: the handle is live; tj3Get reads the instance's state only.
-        unsafe { tj::tj3Get(self.handle.as_ptr(), param as c_int) }
-    }
-
-    fn message(&self) -> String {
-        // SAFETY: the handle is live; tj3GetErrorStr returns a pointer to a NUL-terminated
-        // message owned by the instance, valid until its next call, and it is copied at once.
-        let msg = unsafe { CStr::from_ptr(tj::tj3GetErrorStr(self.handle.as_ptr())) };
-        msg.to_string_lossy().into_owned()
+        Ok(TurboJpeg {
+            handle: Handle::new(tj::TJINIT_TJINIT_DECOMPRESS, &[])?,
+            cuts: None,
+        })
     }
 
     /// The message of the error the last call returned. The instance is then replaced by a
     /// fresh one: after some errors (a frame header it refuses) libjpeg is left mid-stream,
     /// and the next image would fail too ("two SOI markers").
     fn error(&mut self) -> String {
-        let msg = self.message();
+        let msg = self.handle.message();
         if let Ok(fresh) = TurboJpeg::new() {
             *self = fresh;
         }
@@ -138,7 +167,7 @@ impl TurboJpeg {
     pub fn header(&mut self, jpeg: &[u8]) -> Result<Header, String> {
         // SAFETY: the handle is live, and `jpeg` is a valid slice of jpeg.len() bytes that
         // outlives the call; the library only reads it.
-        let rc = unsafe { tj::tj3DecompressHeader(self.handle.as_ptr(), jpeg.as_ptr(), jpeg.len() as tj::size_t) };
+        let rc = unsafe { tj::tj3DecompressHeader(self.handle.ptr(), jpeg.as_ptr(), jpeg.len() as tj::size_t) };
         if let Some(c) = self.cuts.as_mut() {
             c.held = false;
         }
@@ -146,13 +175,13 @@ impl TurboJpeg {
             return Err(format!("malformed JPEG: {}", self.error()));
         }
         let (w, h) = (
-            self.get(tj::TJPARAM_TJPARAM_JPEGWIDTH),
-            self.get(tj::TJPARAM_TJPARAM_JPEGHEIGHT),
+            self.handle.get(tj::TJPARAM_TJPARAM_JPEGWIDTH),
+            self.handle.get(tj::TJPARAM_TJPARAM_JPEGHEIGHT),
         );
         if w <= 0 || h <= 0 {
             return Err(format!("malformed JPEG: {w}x{h} pixels"));
         }
-        let subsamp = self.get(tj::TJPARAM_TJPARAM_SUBSAMP);
+        let subsamp = self.handle.get(tj::TJPARAM_TJPARAM_SUBSAMP);
         let mcu_width = usize::try_from(subsamp).ok().and_then(|i| MCU_WIDTH.get(i).copied());
         Ok(Header {
             width: w as u32,
@@ -272,7 +301,7 @@ impl TurboJpeg {
             denom: (8 / g) as c_int,
         };
         // SAFETY: the handle is live; the scaling factor is passed by value.
-        let rc = unsafe { tj::tj3SetScalingFactor(self.handle.as_ptr(), factor) };
+        let rc = unsafe { tj::tj3SetScalingFactor(self.handle.ptr(), factor) };
         if rc != 0 {
             return Err(format!("libjpeg-turbo: scale {eighths}/8: {}", self.error()));
         }
@@ -287,7 +316,7 @@ impl TurboJpeg {
             }
         };
         // SAFETY: the handle is live and the header was read; the region is passed by value.
-        let rc = unsafe { tj::tj3SetCroppingRegion(self.handle.as_ptr(), cropping) };
+        let rc = unsafe { tj::tj3SetCroppingRegion(self.handle.ptr(), cropping) };
         if rc != 0 {
             return Err(format!("libjpeg-turbo: cropping region {r:?}: {}", self.error()));
         }
@@ -299,7 +328,7 @@ impl TurboJpeg {
         // image when uncropped).
         let rc = unsafe {
             tj::tj3Decompress8(
-                self.handle.as_ptr(),
+                self.handle.ptr(),
                 jpeg.as_ptr(),
                 jpeg.len() as tj::size_t,
                 out.as_mut_ptr(),
@@ -311,13 +340,6 @@ impl TurboJpeg {
             return Err(format!("malformed JPEG: {}", self.error()));
         }
         Ok(r)
-    }
-}
-
-impl Drop for TurboJpeg {
-    fn drop(&mut self) {
-        // SAFETY: the handle is live and owned by self; it is not used after this call.
-        unsafe { tj::tj3Destroy(self.handle.as_ptr()) }
     }
 }
 
@@ -527,11 +549,8 @@ pub fn cut_at_restarts(
 /// Lossless JPEG transcoding with libjpeg-turbo's `tj3Transform`: the DCT coefficients are
 /// moved as they are, so a decode of the result has exactly the original's pixels.
 pub struct Transcoder {
-    handle: NonNull<std::ffi::c_void>,
+    handle: Handle,
 }
-
-// SAFETY: as for `TurboJpeg`: no thread-local state, and `&mut self` on every call.
-unsafe impl Send for Transcoder {}
 
 /// MCUs per restart interval for an image `per_row` MCUs wide: the largest divisor of
 /// `per_row` no wider than `max_px` pixels (at least one MCU).
@@ -541,36 +560,17 @@ pub fn restart_interval(per_row: u32, mcu_w: u32, max_px: u32) -> u32 {
 }
 
 impl Transcoder {
-    /// A transcoder with ramjet's decode limits.
+    /// A transcoder with ramjet's decode limits ([`Handle`]), optimal Huffman tables, and
+    /// every marker of the source copied.
     pub fn new() -> Result<Self, String> {
-        // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
-        let raw = unsafe { tj::tj3Init(tj::TJINIT_TJINIT_TRANSFORM as c_int) };
-        let handle = NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?;
-        let t = Transcoder { handle };
-        for (param, value) in [
-            (tj::TJPARAM_TJPARAM_STOPONWARNING, 1),
-            (tj::TJPARAM_TJPARAM_SCANLIMIT, SCAN_LIMIT),
-            (tj::TJPARAM_TJPARAM_MAXPIXELS, DECODE_PIXELS_MAX as c_int),
-            (tj::TJPARAM_TJPARAM_MAXMEMORY, (DECODE_BYTES_MAX >> 20) as c_int),
-            (tj::TJPARAM_TJPARAM_OPTIMIZE, 1),
-            (tj::TJPARAM_TJPARAM_SAVEMARKERS, 2),
-        ] {
-            // SAFETY: the handle is live; tj3Set reads only its integer arguments.
-            if unsafe { tj::tj3Set(t.handle.as_ptr(), param as c_int, value) } != 0 {
-                return Err(format!("libjpeg-turbo: setting parameter {param}: {}", t.message()));
-            }
-        }
-        Ok(t)
-    }
-
-    fn message(&self) -> String {
-        // SAFETY: as in `TurboJpeg::message`.
-        let msg = unsafe { CStr::from_ptr(tj::tj3GetErrorStr(self.handle.as_ptr())) };
-        msg.to_string_lossy().into_owned()
+        let extra = [(tj::TJPARAM_TJPARAM_OPTIMIZE, 1), (tj::TJPARAM_TJPARAM_SAVEMARKERS, 2)];
+        Ok(Transcoder {
+            handle: Handle::new(tj::TJINIT_TJINIT_TRANSFORM, &extra)?,
+        })
     }
 
     fn fail(&mut self, what: &str) -> String {
-        let msg = format!("{what}: {}", self.message());
+        let msg = format!("{what}: {}", self.handle.message());
         if let Ok(fresh) = Transcoder::new() {
             *self = fresh;
         }
@@ -582,25 +582,25 @@ impl Transcoder {
     /// region out of it without entropy-decoding the rest. Every marker (EXIF, ICC, comments)
     /// is kept. The pixels are the original's, bit for bit.
     pub fn with_restarts(&mut self, jpeg: &[u8], max_px: u32) -> Result<Vec<u8>, String> {
-        let h = self.handle.as_ptr();
+        let h = self.handle.ptr();
         // SAFETY: the handle is live; `jpeg` is a valid slice that outlives the call.
         if unsafe { tj::tj3DecompressHeader(h, jpeg.as_ptr(), jpeg.len() as tj::size_t) } != 0 {
             return Err(self.fail("malformed JPEG"));
         }
-        // SAFETY: the handle is live; tj3Get reads the instance's state only.
-        let (w, subsamp) = unsafe {
-            (
-                tj::tj3Get(h, tj::TJPARAM_TJPARAM_JPEGWIDTH as c_int),
-                tj::tj3Get(h, tj::TJPARAM_TJPARAM_SUBSAMP as c_int),
-            )
-        };
+        let (w, subsamp) = (
+            self.handle.get(tj::TJPARAM_TJPARAM_JPEGWIDTH),
+            self.handle.get(tj::TJPARAM_TJPARAM_SUBSAMP),
+        );
         let mcu_w = usize::try_from(subsamp)
             .ok()
             .and_then(|i| MCU_WIDTH.get(i).copied())
             .ok_or_else(|| format!("JPEG chroma subsampling {subsamp} has no restart cut"))?;
         let interval = restart_interval((w.max(1) as u32).div_ceil(mcu_w), mcu_w, max_px);
-        // SAFETY: as above.
-        if unsafe { tj::tj3Set(h, tj::TJPARAM_TJPARAM_RESTARTBLOCKS as c_int, interval as c_int) } != 0 {
+        if self
+            .handle
+            .set(tj::TJPARAM_TJPARAM_RESTARTBLOCKS, interval as c_int)
+            .is_err()
+        {
             return Err(self.fail("libjpeg-turbo: restart interval"));
         }
         let transform = tj::tjtransform {
@@ -637,12 +637,5 @@ impl Transcoder {
             unsafe { tj::tj3Free(dst.cast()) };
         }
         out
-    }
-}
-
-impl Drop for Transcoder {
-    fn drop(&mut self) {
-        // SAFETY: the handle is live and owned by self; it is not used after this call.
-        unsafe { tj::tj3Destroy(self.handle.as_ptr()) }
     }
 }
