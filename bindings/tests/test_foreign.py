@@ -305,6 +305,47 @@ def test_a_compressed_foreign_shard_has_no_sample_index_and_is_read_whole(fixtur
     assert m["samples"] == N and m["cache_misses"] >= 1, m
 
 
+@pytest.mark.parametrize(
+    "name,src,column",
+    [("mds-plain", "mds-plain", "image"), ("mds-zstd", "mds-zstd", "image"), ("wds", "wds/train-{000..002}.tar", "jpg")],
+)
+def test_index_with_jpeg_restarts_keeps_the_files_and_every_pixel(fixtures, tmp_path, name, src, column):
+    """`ramjet index --jpeg-restarts`: the shards ramjet reads hold each JPEG transcoded with
+    restart markers, read whole or one sample at a time; the foreign files stay as the writer
+    left them; the decoded and augmented tensors are those of the JPEGs as given."""
+    plain, rst = tmp_path / "plain", tmp_path / "rst"
+    copy_of(fixtures, plain, name)
+    d = copy_of(fixtures, rst, name)
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    run("index", str(plain / src))
+    out = run("index", "--jpeg-restarts", str(rst / src)).stdout
+    assert "restart marker every 64 px" in out, out
+    assert all((d / n).read_bytes() == b for n, b in before.items()), "a foreign file changed"
+    assert run("verify", str(d)).returncode == 0
+
+    given = [r[column] for r in rows(str(plain / name))]
+    stored = [r[column] for r in rows(str(d))]
+    assert len(stored) == N and all(s != g for s, g in zip(stored, given)), "the JPEGs were not transcoded"
+    # A restart interval (DRI, FF DD) before the entropy-coded data, and restart markers in it.
+    assert all(b"\xff\xdd" in s[: s.index(b"\xff\xda")] and b"\xff\xd0" in s for s in stored)
+
+    def tensors(url):
+        kw = dict(image_column=column, image_size=48, batch_size=5, boxes_column=None, shuffle=False, seed=7, cache_limit=None)
+        return torch.cat([b[column] for b in ramjet.StreamingDataset(url, **kw)])
+
+    a, b = tensors(str(plain / name)), tensors(str(d))
+    assert a.shape == (N, 3, 48, 48) and torch.equal(a, b)
+    if name != "mds-zstd":
+        # Read one sample at a time (sample index): each transcodes alone to the record the
+        # whole shard holds, its checksum checked.
+        m = stream_json(str(d), "--shuffle", "global")
+        assert m["samples"] == N and m["ranged_samples"] == N, m
+        whole, alone = tmp_path / "whole.txt", tmp_path / "alone.txt"
+        run("stream", str(d), "--shuffle", "global", "--out", str(alone))
+        run("stream", str(d), "--shuffle", "global", "--cache-dir", str(tmp_path / "c"), "--resident", "1GiB", "--out", str(whole))
+        assert alone.read_text() == whole.read_text()
+
+
 def test_a_damaged_sample_index_is_named_by_verify(fixtures, tmp_path):
     copy_of(fixtures, tmp_path, "mds-plain")
     run("index", str(tmp_path / "mds-plain"))

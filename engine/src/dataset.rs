@@ -359,7 +359,18 @@ impl Dataset {
             }
             None => &stored,
         };
-        let built = foreign::transcode(spec, &self.manifest.schema, data, &url)?;
+        let transcode = || foreign::transcode(spec, &self.manifest.schema, data, &url);
+        // Adding restart markers takes a few ms a JPEG, seconds a shard (on every core): a
+        // runtime worker hands its other tasks on meanwhile.
+        let built = match tokio::runtime::Handle::try_current() {
+            Ok(h)
+                if spec.jpeg_restart_px.is_some()
+                    && h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread =>
+            {
+                tokio::task::block_in_place(transcode)?
+            }
+            _ => transcode()?,
+        };
         let sum = built.checksum;
         Ok((Bytes::from(built.bytes), Some(sum)))
     }

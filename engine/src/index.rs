@@ -163,11 +163,14 @@ struct Job {
 /// [`ForeignSource`]), checks and transcodes it, and writes each plain shard's sample index into
 /// `out` (`ramjet-index/...`). Returns the manifest over them, for the caller to write where
 /// the sample indexes are, with `meta` among its `meta`. `progress` is called with bytes read.
+/// `jpeg_restart_px` (`ramjet index --jpeg-restarts`): the ramjet shards that the foreign ones
+/// transcode to hold their JPEGs with restart markers ([`ForeignSpec::jpeg_restart_px`]).
 pub async fn index_into(
     src: &str,
     store: &Store,
     out: &Store,
     meta: Map<String, Json>,
+    jpeg_restart_px: Option<u32>,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Indexed> {
     let source = ForeignSource::parse(src)?;
@@ -201,6 +204,7 @@ pub async fn index_into(
                 let spec = ForeignSpec {
                     format: ForeignFormat::Mds,
                     columns,
+                    jpeg_restart_px,
                 };
                 (spec, schema, jobs, meta)
             }
@@ -245,6 +249,7 @@ pub async fn index_into(
                 let spec = ForeignSpec {
                     format: ForeignFormat::Wds,
                     columns,
+                    jpeg_restart_px,
                 };
                 (spec, schema, jobs, meta)
             }
@@ -445,7 +450,7 @@ pub async fn open_learned(url: &str) -> Result<Learned> {
         }
     };
     let meta = Map::from_iter([("learned_from".to_owned(), Json::from(canonical.clone()))]);
-    let ix = index_into(src, &store, &index, meta, &progress).await?;
+    let ix = index_into(src, &store, &index, meta, None, &progress).await?;
     index
         .put(crate::format::MANIFEST_NAME, Bytes::from(ix.manifest.to_bytes()))
         .await?;

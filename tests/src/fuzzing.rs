@@ -108,14 +108,17 @@ pub fn foreign(data: &[u8]) {
     let spec = ForeignSpec {
         format: ForeignFormat::Mds,
         columns: cols,
+        jpeg_restart_px: None,
     };
     let _ = transcode(&spec, &schema, data, "fuzz.mds");
     let _ = transcode_sample(&spec, &schema, data, &Location::sample("fuzz.mds", 0));
     let exts = ["cls", "jpg"].into_iter().map(str::to_owned).collect();
     let (columns, schema) = wds::columns(&exts).expect("valid columns");
+    // The tar's `jpg` members go through the restart transcoder too.
     let spec = ForeignSpec {
         format: ForeignFormat::Wds,
         columns,
+        jpeg_restart_px: Some(ramjet_engine::jpeg_c::JPEG_RESTART_PX),
     };
     let _ = transcode(&spec, &schema, data, "fuzz.tar");
     let _ = transcode_sample(&spec, &schema, data, &Location::sample("fuzz.tar", 0));

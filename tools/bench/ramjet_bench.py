@@ -56,6 +56,9 @@ SHORT = {"ramjet-plain": "ramjet, JPEGs as given", "ramjet-mds": "ramjet on MDS"
          "mosaicml": "MosaicML (MDS)", "webdataset": "WebDataset (tar)", "boto3": "boto3 GETs"}
 # ramjet itself, and ramjet reading the peers' own copies in place (`ramjet index`).
 RAMJETS = ["ramjet", "ramjet-plain", "ramjet-mds", "ramjet-wds"]
+# `ramjet index --jpeg-restarts` for the in-place copies (off with --in-place-as-given): the
+# caches then hold their JPEGs with restart markers, as ramjet's own copy holds them.
+IN_PLACE_RESTARTS = True
 TITLES = {
     "ramjet": "ramjet",
     "ramjet-plain": "ramjet, its shards holding the JPEGs as given",
@@ -199,8 +202,8 @@ def wan_up(rate, rtt_ms):
 class Data:
     """The synthetic set and its copies: ramjet shards, MDS, WebDataset tars, one object per image."""
 
-    def __init__(self, samples, shard_mib):
-        self.samples, self.shard_mib = samples, shard_mib
+    def __init__(self, samples, shard_mib, in_place_restarts=True):
+        self.samples, self.shard_mib, self.in_place_restarts = samples, shard_mib, in_place_restarts
         self.dir = STATE / f"bench/data-{samples}-{shard_mib}m"
         self.synth = self.dir / "synth"
         self.prefix = f"bench/ramjet-bench/{samples}-{shard_mib}m"
@@ -289,7 +292,10 @@ class Data:
             mark("ramjet-plain")
         jobs = []
         for fmt, files, base in [
-            ("mds", sorted(p for p in (self.dir / "mds").iterdir() if not p.name.startswith(".")), self.dir / "mds"),
+            # The MDS copy's own files: its index.json and shards (not a folder, nor a manifest
+            # that a `ramjet index` of the local copy may have left beside them).
+            ("mds", sorted(p for p in (self.dir / "mds").iterdir()
+                           if p.is_file() and not p.name.startswith(".") and p.name != "manifest.json"), self.dir / "mds"),
             ("wds", sorted((self.dir / "wds").glob("*.tar")), self.dir / "wds"),
             ("objects", self.images(), self.synth / "images"),
         ]:
@@ -306,9 +312,12 @@ class Data:
                 mark(fmt)
         # ramjet reads the MDS and WebDataset copies in place, through its index of them
         # (written each run, untimed: the same bytes for the same copy, in this build's form).
+        # With --jpeg-restarts, the shards they transcode to (what the caches hold) store their
+        # JPEGs with restart markers; the copies themselves are not changed.
+        flags = ["--jpeg-restarts"] if self.in_place_restarts else []
         for fmt, src in (("mds", self.url("mds")), ("wds", f"{self.url('wds')}/{self.wds_pattern()}")):
-            log(f"indexing the {fmt} copy in place ({link.name})")
-            subprocess.run([str(RAMJET), "index", src], check=True, env=env, stdout=subprocess.DEVNULL)
+            log(f"indexing the {fmt} copy in place ({link.name}){' with --jpeg-restarts' if flags else ''}")
+            subprocess.run([str(RAMJET), "index", *flags, src], check=True, env=env, stdout=subprocess.DEVNULL)
 
     def warm_origin(self, link):
         """Reads the first byte of every object of every copy, untimed: a server just started
@@ -939,9 +948,9 @@ def checks(rows):
                 f"{cpu[frugal]:.2f} s/1000 = {cpu_ratio:.2f}x", ratio >= 3 and cpu_ratio >= 3, len(per),
                 flagged({"warm"}, {"ramjet", *cands}))
         # ramjet reading the peers' formats in place: 3x the peer on its own format, and
-        # within 5% of ramjet on its own holding the same JPEG bytes (packed without
-        # --jpeg-restarts, whose crops skip work no reader of the given bytes can skip).
-        own = "ramjet-plain" if rounds_of("ramjet-plain", "warm") else "ramjet"
+        # within 5% of ramjet on its own format holding the same JPEGs: packed with
+        # --jpeg-restarts when the copies were indexed with it, else without (the given bytes).
+        own = "ramjet" if IN_PLACE_RESTARTS or not rounds_of("ramjet-plain", "warm") else "ramjet-plain"
         own_warm = rounds_of(own, "warm")
         for mine, peer in (("ramjet-mds", "mosaicml"), ("ramjet-wds", "webdataset")):
             fw, pw = rounds_of(mine, "warm"), rounds_of(peer, "warm")
@@ -1112,6 +1121,9 @@ def main():
     p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
     p.add_argument("--out", default=str(ROOT / "target/bench/ramjet-bench"), help="folder for table, JSON and chart")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout)")
+    p.add_argument("--in-place-as-given", action="store_true",
+                   help="index the MDS and WebDataset copies without --jpeg-restarts: ramjet then reads their "
+                        "JPEGs as given, and is held to the rate of ramjet on its own shards holding them as given")
     a = p.parse_args()
     samples = a.samples or (1000 if a.quick else 5315)
     shard_mib = a.shard_mib or (16 if a.quick else 64)
@@ -1126,7 +1138,12 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    data = Data(samples, shard_mib)
+    global IN_PLACE_RESTARTS
+    IN_PLACE_RESTARTS = not a.in_place_as_given
+    if IN_PLACE_RESTARTS:
+        for k in ("ramjet-mds", "ramjet-wds"):
+            TITLES[k] = TITLES[k].replace("(in place)", "(in place, indexed with --jpeg-restarts)")
+    data = Data(samples, shard_mib, IN_PLACE_RESTARTS)
     data.prepare_local()
     work = STATE / "bench/work"
     rows, details = [], {}
@@ -1200,6 +1217,7 @@ def main():
         "machine": machine(),
         "samples": samples, "batch": BATCH, "shard_mib": shard_mib, "rounds": rounds, "cold_rounds": cold_rounds,
         "step_ms": a.step_ms, "peer_workers": a.workers, "links": details, "seconds": round(time.time() - started, 1),
+        "in_place": "indexed with --jpeg-restarts" if IN_PLACE_RESTARTS else "JPEGs as given",
     }
     md = "\n".join([
         f"ramjet-bench, {meta['date']}: {samples} samples, batch {BATCH}, {shard_mib} MiB shards, "

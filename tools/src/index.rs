@@ -26,8 +26,10 @@ pub struct IndexReport {
 }
 
 /// Writes `manifest.json` over the foreign dataset `src`, beside it; `progress` is called with
-/// bytes read.
-pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> {
+/// bytes read. `jpeg_restarts`: the shards it transcodes to hold their JPEGs with restart
+/// markers every [`ramjet_engine::jpeg_c::JPEG_RESTART_PX`] pixels
+/// (`ForeignSpec::jpeg_restart_px`).
+pub fn index(src: &str, jpeg_restarts: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> {
     let t0 = Instant::now();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -36,7 +38,15 @@ pub fn index(src: &str, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> 
     let source = ForeignSource::parse(src)?;
     let store = Store::open(&source.prefix)?;
     rt.block_on(async {
-        let ix = ramjet_engine::index::index_into(src, &store, &store, Default::default(), progress).await?;
+        let ix = ramjet_engine::index::index_into(
+            src,
+            &store,
+            &store,
+            Default::default(),
+            jpeg_restarts.then_some(ramjet_engine::jpeg_c::JPEG_RESTART_PX),
+            progress,
+        )
+        .await?;
         let bytes = Bytes::from(ix.manifest.to_bytes());
         store
             .put(&format!("manifests/{}.json", ix.manifest.version), bytes.clone())

@@ -23,7 +23,7 @@ use ramjet_engine::format::{
     columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value,
     MANIFEST_NAME, SHARD_TABLE_AUTO_MIN,
 };
-use ramjet_engine::jpeg_c::Transcoder;
+use ramjet_engine::jpeg_c::with_restarts_or_given;
 use ramjet_engine::{Error, Result, Store};
 
 /// Input layouts `pack` understands.
@@ -79,12 +79,7 @@ pub struct PackOptions {
     pub jpeg_restarts: bool,
 }
 
-/// With `--jpeg-restarts`, a restart marker at least every this many pixels of each MCU row:
-/// a crop then skips all but at most this much of each row it does not need. Sizes came out
-/// 2.5% smaller than the synthetic set's own JPEGs (optimal Huffman tables make up for the
-/// markers), and a crop decoded as fast as with a marker every 8 or 32 px
-/// (`docs/benchmarks.md`, "JPEG restart markers").
-pub const JPEG_RESTART_PX: u32 = 64;
+pub use ramjet_engine::jpeg_c::JPEG_RESTART_PX;
 
 /// Where a packed dataset lists its shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -457,13 +452,13 @@ fn reason_of(e: &Error) -> String {
 }
 
 /// Reads one item's file (if any) and builds its values. Returns the values and bytes read.
-/// With `jpeg_restarts`, a JPEG is stored transcoded ([`with_restarts`]).
+/// With `jpeg_restarts`, a JPEG is stored transcoded ([`with_restarts_or_given`]).
 fn load(it: &Item, kind: SourceKind, jpeg_restarts: bool) -> Result<(Vec<Value>, u64)> {
     let bytes = fs::read(&it.path).map_err(|e| Error::io(it.path.display(), e))?;
     let info = probe(&bytes).map_err(|r| Error::invalid(it.path.display().to_string(), r))?;
     let n = bytes.len() as u64;
     let bytes = if jpeg_restarts && info.format == ImageFormat::Jpeg {
-        with_restarts(bytes)
+        with_restarts_or_given(bytes, JPEG_RESTART_PX)
     } else {
         bytes
     };
@@ -485,22 +480,6 @@ fn load(it: &Item, kind: SourceKind, jpeg_restarts: bool) -> Result<(Vec<Value>,
         ],
     };
     Ok((vals, n))
-}
-
-/// `jpeg` transcoded losslessly with a restart marker every [`JPEG_RESTART_PX`] pixels, or
-/// as it is where libjpeg-turbo will not transcode it (it then decodes as before).
-fn with_restarts(jpeg: Vec<u8>) -> Vec<u8> {
-    thread_local! {
-        static TRANSCODER: std::cell::RefCell<Option<Transcoder>> = const { std::cell::RefCell::new(None) };
-    }
-    TRANSCODER.with_borrow_mut(|t| {
-        if t.is_none() {
-            *t = Transcoder::new().ok();
-        }
-        t.as_mut()
-            .and_then(|t| t.with_restarts(&jpeg, JPEG_RESTART_PX).ok())
-            .unwrap_or(jpeg)
-    })
 }
 
 /// Deepest folder nesting a pack walks.

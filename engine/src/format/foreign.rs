@@ -59,6 +59,68 @@ pub struct ForeignSpec {
     pub format: ForeignFormat,
     /// Their columns, in the foreign record order.
     pub columns: Vec<ForeignColumn>,
+    /// Set by `ramjet index --jpeg-restarts`: the ramjet shard a foreign shard transcodes to
+    /// holds each JPEG value (a value of a column that [`ForeignSpec::may_hold_jpeg`] whose
+    /// bytes start with a JPEG's SOI marker) transcoded losslessly with a restart marker at
+    /// least every this many pixels ([`crate::jpeg_c::with_restarts_or_given`]), so that a crop
+    /// decodes only its part of the image. The foreign objects are not changed; the caches
+    /// hold the transcoded shards. `None`: the JPEGs as given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jpeg_restart_px: Option<u32>,
+}
+
+/// The first bytes of every JPEG file: SOI, then the next marker's `FF`.
+const JPEG_SOI: [u8; 3] = [0xFF, 0xD8, 0xFF];
+
+impl ForeignSpec {
+    /// Whether `column`'s values may be JPEG files as written: an MDS `jpeg` or `bytes` column
+    /// (MosaicML's `pil`, `ndarray` and `jpeg_array` layouts are not), every WebDataset
+    /// member (not `__key__`). Which of its values are JPEGs, their bytes tell.
+    pub fn may_hold_jpeg(&self, column: &ForeignColumn) -> bool {
+        match self.format {
+            ForeignFormat::Mds => column.encoding == "jpeg" || column.encoding == "bytes",
+            ForeignFormat::Wds => column.encoding != wds::KEY_COLUMN,
+        }
+    }
+
+    /// With [`ForeignSpec::jpeg_restart_px`], the JPEG values of each sample's `values`
+    /// transcoded with restart markers, on every core (a JPEG takes a few ms); otherwise
+    /// nothing. The result does not depend on the number of cores.
+    fn restart_jpegs(&self, samples: &mut [Vec<Value>]) {
+        let Some(px) = self.jpeg_restart_px else {
+            return;
+        };
+        let cols: Vec<usize> = (self.columns.iter().enumerate())
+            .filter(|(_, c)| self.may_hold_jpeg(c))
+            .map(|(i, _)| i)
+            .collect();
+        if cols.is_empty() || samples.is_empty() {
+            return;
+        }
+        let one = |values: &mut Vec<Value>| {
+            for &c in &cols {
+                match values.get_mut(c) {
+                    Some(Value::Bytes(b)) if b.starts_with(&JPEG_SOI) => {
+                        *b = crate::jpeg_c::with_restarts_or_given(std::mem::take(b), px);
+                    }
+                    _ => {}
+                }
+            }
+        };
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(samples.len());
+        if threads <= 1 {
+            samples.iter_mut().for_each(one);
+            return;
+        }
+        let per = samples.len().div_ceil(threads);
+        std::thread::scope(|s| {
+            for part in samples.chunks_mut(per) {
+                s.spawn(|| part.iter_mut().for_each(one));
+            }
+        });
+    }
 }
 
 /// A foreign shard object as stored (a manifest shard entry's `foreign` field).
@@ -198,12 +260,24 @@ pub fn transcode_with_spans(
     let mut b = ShardBuilder::new(schema.clone());
     b.reserve(data.len() + data.len() / 16);
     let mut spans = Vec::new();
+    // With restart markers to add, the shard's samples are gathered first and their JPEGs
+    // transcoded on every core; otherwise each goes into the shard as it is read.
+    let gather = spec.jpeg_restart_px.is_some();
+    let mut held: Vec<(Vec<Value>, String)> = Vec::new();
+    let mut put = |values: Vec<Value>, what: String| -> Result<()> {
+        if gather {
+            held.push((values, what));
+            Ok(())
+        } else {
+            b.push(&values, &what)
+        }
+    };
     match spec.format {
         ForeignFormat::Mds => {
             let shard = mds::MdsShard::parse(data, object)?;
             for i in 0..shard.samples() {
                 let values = mds::sample_values(&spec.columns, shard.sample(i)?, &Location::sample(object, i))?;
-                b.push(&values, &format!("{object} sample {i}"))?;
+                put(values, format!("{object} sample {i}"))?;
                 spans.push(shard.span(i));
             }
         }
@@ -211,9 +285,16 @@ pub fn transcode_with_spans(
             let samples = wds::samples(data, object)?;
             for (i, s) in samples.iter().enumerate() {
                 let values = wds::sample_values(&spec.columns, s, data, &Location::sample(object, i as u64))?;
-                b.push(&values, &format!("{object} sample {i} ({})", s.key))?;
+                put(values, format!("{object} sample {i} ({})", s.key))?;
                 spans.push(s.span.start as u64..s.span.end as u64);
             }
+        }
+    }
+    if gather {
+        let mut values: Vec<Vec<Value>> = held.iter_mut().map(|(v, _)| std::mem::take(v)).collect();
+        spec.restart_jpegs(&mut values);
+        for (v, (_, what)) in values.iter().zip(&held) {
+            b.push(v, what)?;
         }
     }
     Ok((b.finish(), spans))
@@ -223,13 +304,14 @@ pub fn transcode_with_spans(
 /// the ramjet record it transcodes to. The caller checks the record against the index's
 /// checksum.
 pub fn transcode_sample(spec: &ForeignSpec, schema: &Schema, raw: &[u8], at: &Location) -> Result<Vec<u8>> {
-    let values = match spec.format {
+    let mut values = match spec.format {
         ForeignFormat::Mds => mds::sample_values(&spec.columns, raw, at)?,
         ForeignFormat::Wds => {
             let s = wds::sample_in(raw, at)?;
             wds::sample_values(&spec.columns, &s, raw, at)?
         }
     };
+    spec.restart_jpegs(std::slice::from_mut(&mut values));
     let mut rec = Vec::new();
     crate::format::encode_record(schema, &values, &at.to_string(), &mut rec)?;
     Ok(rec)
@@ -972,5 +1054,111 @@ mod tests {
         t[3] ^= 1;
         let e = wds::samples(&t, "x.tar").unwrap_err().to_string();
         assert!(e.contains("x.tar") && e.contains("checksum"), "{e}");
+    }
+
+    /// A ustar of `files` (name, bytes), ended by its two zero blocks.
+    fn tar_of(files: &[(String, Vec<u8>)]) -> Vec<u8> {
+        let mut t = Vec::new();
+        for (name, data) in files {
+            let mut h = vec![0u8; 512];
+            h[..name.len()].copy_from_slice(name.as_bytes());
+            h[124..135].copy_from_slice(format!("{:011o}", data.len()).as_bytes());
+            h[156] = b'0';
+            h[257..263].copy_from_slice(b"ustar\0");
+            let sum = wds::header_sum(&h);
+            h[148..155].copy_from_slice(format!("{sum:06o}\0").as_bytes());
+            t.extend_from_slice(&h);
+            t.extend_from_slice(data);
+            t.resize(t.len().div_ceil(512) * 512, 0);
+        }
+        t.resize(t.len() + 1024, 0);
+        t
+    }
+
+    fn jpeg(w: u16, h: u16, seed: usize) -> Vec<u8> {
+        let px: Vec<u8> = (0..w as usize * h as usize)
+            .flat_map(|i| {
+                let (x, y) = (i % w as usize, i / w as usize);
+                [(x * 3 + seed) as u8, (y * 5) as u8, ((x + y) * 7 + seed * 11) as u8]
+            })
+            .collect();
+        let mut out = Vec::new();
+        jpeg_encoder::Encoder::new(&mut out, 90)
+            .encode(&px, w, h, jpeg_encoder::ColorType::Rgb)
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn jpeg_restarts_transcode_the_jpeg_members_alike_whole_or_alone_and_keep_their_pixels() {
+        let mut files = Vec::new();
+        for i in 0..6 {
+            files.push((format!("s{i}.cls"), format!("{i}").into_bytes()));
+            // Sample 5's starts as a JPEG and is cut short: libjpeg-turbo will not transcode it.
+            let j = if i == 5 {
+                jpeg(64, 64, i)[..200].to_vec()
+            } else {
+                jpeg(200 + 16 * i as u16, 120, i)
+            };
+            files.push((format!("s{i}.jpg"), j));
+        }
+        let tar = tar_of(&files);
+        let exts = ["cls", "jpg"].into_iter().map(str::to_owned).collect();
+        let (columns, schema) = wds::columns(&exts).unwrap();
+        let given = ForeignSpec {
+            format: ForeignFormat::Wds,
+            columns: columns.clone(),
+            jpeg_restart_px: None,
+        };
+        let rst = ForeignSpec {
+            jpeg_restart_px: Some(crate::jpeg_c::JPEG_RESTART_PX),
+            ..given.clone()
+        };
+        let jpg = columns.iter().position(|c| c.encoding == "jpg").unwrap();
+        let cls = columns.iter().position(|c| c.encoding == "cls").unwrap();
+        let key = columns.iter().position(|c| c.encoding == wds::KEY_COLUMN).unwrap();
+        assert!(rst.may_hold_jpeg(&columns[jpg]) && rst.may_hold_jpeg(&columns[cls]));
+        assert!(!rst.may_hold_jpeg(&columns[key]));
+
+        let (a, spans) = transcode_with_spans(&given, &schema, &tar, "x.tar").unwrap();
+        let (b, spans_b) = transcode_with_spans(&rst, &schema, &tar, "x.tar").unwrap();
+        assert_eq!(spans, spans_b);
+        assert_ne!(a.checksum, b.checksum);
+        let (va, vb) = (
+            crate::format::ShardView::parse(&a.bytes, "a").unwrap(),
+            crate::format::ShardView::parse(&b.bytes, "b").unwrap(),
+        );
+        for i in 0..6u64 {
+            let at = Location::sample("x.tar", i);
+            let (ra, rb) = (va.record(i).unwrap(), vb.record(i).unwrap());
+            let get = |r, col: usize| match crate::format::decode_record(&schema, r, &at).unwrap()[col] {
+                crate::format::ValueRef::Bytes(b) => b.to_vec(),
+                _ => unreachable!(),
+            };
+            let (ja, jb) = (get(ra, jpg), get(rb, jpg));
+            // A member that is not a JPEG is stored as given.
+            assert_eq!(get(rb, cls), format!("{i}").into_bytes());
+            assert_eq!(ja, files[2 * i as usize + 1].1, "the given bytes");
+            if i == 5 {
+                // A damaged JPEG: stored as given (and decoded, or refused, as given).
+                assert_eq!(jb, ja);
+            } else {
+                assert_ne!(jb, ja);
+                assert!(
+                    jb.windows(2).any(|w| w == [0xFF, 0xDD]),
+                    "sample {i} has no restart interval"
+                );
+                let (pa, pb) = (
+                    crate::image::decode_rgb(&ja, 1, None).unwrap(),
+                    crate::image::decode_rgb(&jb, 1, None).unwrap(),
+                );
+                assert!(pa.data == pb.data, "sample {i}: other pixels");
+            }
+            // Read alone from its span, a sample transcodes to the record the whole shard
+            // holds (the whole shard's JPEGs were transcoded on several threads).
+            let span = spans[i as usize].start as usize..spans[i as usize].end as usize;
+            let alone = transcode_sample(&rst, &schema, &tar[span], &at).unwrap();
+            assert_eq!(alone, rb, "sample {i}");
+        }
     }
 }

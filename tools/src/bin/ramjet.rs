@@ -79,6 +79,14 @@ enum Cmd {
         /// s3://b/ds/train-{000000..000099}.tar, or one .tar; or a shard-list .txt file (one
         /// tar per line, relative to its folder). The manifest goes into that folder.
         src: String,
+        /// Have the ramjet shards that the foreign ones transcode to (what the caches hold)
+        /// store each JPEG (an MDS `jpeg` or `bytes` value, or a WebDataset member, that is a
+        /// JPEG file by its first bytes) transcoded
+        /// losslessly with a restart marker every 64 pixels of each MCU row: the same pixels,
+        /// crops about 1.3x faster. The foreign objects are not changed. It costs a few CPU ms
+        /// a JPEG each time a shard is read from the origin.
+        #[arg(long)]
+        jpeg_restarts: bool,
     },
     /// Measure the cost of starting an epoch over a simulated dataset of any size: a real
     /// manifest and shard table, every shard served by a stub from one real tiny shard. Prints
@@ -826,9 +834,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        Cmd::Index { src } => {
+        Cmd::Index { src, jpeg_restarts } => {
             let bar = bytes_bar("index");
-            let r = ramjet_tools::index::index(&src, &|n| bar.inc(n))?;
+            let r = ramjet_tools::index::index(&src, jpeg_restarts, &|n| bar.inc(n))?;
             bar.finish_and_clear();
             let secs = r.elapsed.as_secs_f64();
             println!(
@@ -842,6 +850,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 r.manifest_url
             );
             println!("index: schema {}", r.manifest.schema.describe());
+            if let Some(px) = r.manifest.foreign.as_ref().and_then(|f| f.jpeg_restart_px) {
+                println!("index: the shards it reads as hold their JPEGs with a restart marker every {px} px");
+            }
             if r.foreign_hashes_checked > 0 {
                 println!(
                     "index: {} of the dataset's own hashes checked",
