@@ -134,6 +134,7 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
     let meta = serde_json::to_string(&m.meta).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
     d.set_item("meta_json", meta)?;
     d.set_item("columns_sidecars", m.has_columns())?;
+    d.set_item("jpeg_restart_px", m.jpeg_restart_px())?;
     Ok(d)
 }
 

@@ -797,6 +797,18 @@ impl Manifest {
         }
     }
 
+    /// The spacing of the restart markers its JPEGs are stored with, if they were transcoded
+    /// to have them: `ramjet pack --jpeg-restarts` records it in `meta.jpeg_restart_px`,
+    /// `ramjet index --jpeg-restarts` in `foreign.jpeg_restart_px`.
+    pub fn jpeg_restart_px(&self) -> Option<u32> {
+        self.foreign.as_ref().and_then(|f| f.jpeg_restart_px).or_else(|| {
+            self.meta
+                .get("jpeg_restart_px")
+                .and_then(|v| v.as_u64())
+                .and_then(|v| u32::try_from(v).ok())
+        })
+    }
+
     /// Whether every shard has a columns sidecar (and there is at least one shard).
     pub fn has_columns(&self) -> bool {
         match &self.table {

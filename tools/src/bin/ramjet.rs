@@ -864,6 +864,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Inspect { url, json } => {
             let ds = runtime()?.block_on(Dataset::open(&url))?;
             let m = ds.manifest();
+            let restart_px = m.jpeg_restart_px();
             if json {
                 let v = serde_json::json!({
                     "url": ds.manifest_url(),
@@ -875,6 +876,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "bytes": m.bytes,
                     "meta": m.meta,
                     "learned_index": ds.learned_index_url(),
+                    "jpeg_restart_px": restart_px,
                 });
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
@@ -892,6 +894,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     human_bytes(m.bytes),
                     human_bytes(m.bytes / m.samples.max(1))
                 );
+                if let Some(px) = restart_px {
+                    println!(
+                        "jpegs    stored with a restart marker every {px} px (transcoded losslessly: the same pixels)"
+                    );
+                }
                 if let Some(c) = m.meta.get("classes").and_then(|c| c.as_array()) {
                     let names: Vec<&str> = c.iter().filter_map(|x| x.as_str()).collect();
                     println!("classes  {} ({})", names.len(), names.join(", "));
