@@ -611,10 +611,11 @@ fn planar<T>(hwc: &[u8], w: usize, h: usize, flip: bool, out: &mut [T], f: impl 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn jpeg(w: u16, h: u16) -> Vec<u8> {
+    /// A `w` x `h` JPEG of a gradient (other modules' tests use it too).
+    pub(crate) fn jpeg(w: u16, h: u16) -> Vec<u8> {
         let mut px = Vec::with_capacity(w as usize * h as usize * 3);
         for y in 0..h {
             for x in 0..w {

@@ -263,10 +263,11 @@ pub fn transcode_with_spans(
     // With restart markers to add, the shard's samples are gathered first and their JPEGs
     // transcoded on every core; otherwise each goes into the shard as it is read.
     let gather = spec.jpeg_restart_px.is_some();
-    let mut held: Vec<(Vec<Value>, String)> = Vec::new();
+    let (mut held, mut whats): (Vec<Vec<Value>>, Vec<String>) = (Vec::new(), Vec::new());
     let mut put = |values: Vec<Value>, what: String| -> Result<()> {
         if gather {
-            held.push((values, what));
+            held.push(values);
+            whats.push(what);
             Ok(())
         } else {
             b.push(&values, &what)
@@ -290,12 +291,9 @@ pub fn transcode_with_spans(
             }
         }
     }
-    if gather {
-        let mut values: Vec<Vec<Value>> = held.iter_mut().map(|(v, _)| std::mem::take(v)).collect();
-        spec.restart_jpegs(&mut values);
-        for (v, (_, what)) in values.iter().zip(&held) {
-            b.push(v, what)?;
-        }
+    spec.restart_jpegs(&mut held);
+    for (values, what) in held.iter().zip(&whats) {
+        b.push(values, what)?;
     }
     Ok((b.finish(), spans))
 }
@@ -1056,6 +1054,8 @@ mod tests {
         assert!(e.contains("x.tar") && e.contains("checksum"), "{e}");
     }
 
+    use crate::image::tests::jpeg;
+
     /// A ustar of `files` (name, bytes), ended by its two zero blocks.
     fn tar_of(files: &[(String, Vec<u8>)]) -> Vec<u8> {
         let mut t = Vec::new();
@@ -1075,20 +1075,6 @@ mod tests {
         t
     }
 
-    fn jpeg(w: u16, h: u16, seed: usize) -> Vec<u8> {
-        let px: Vec<u8> = (0..w as usize * h as usize)
-            .flat_map(|i| {
-                let (x, y) = (i % w as usize, i / w as usize);
-                [(x * 3 + seed) as u8, (y * 5) as u8, ((x + y) * 7 + seed * 11) as u8]
-            })
-            .collect();
-        let mut out = Vec::new();
-        jpeg_encoder::Encoder::new(&mut out, 90)
-            .encode(&px, w, h, jpeg_encoder::ColorType::Rgb)
-            .unwrap();
-        out
-    }
-
     #[test]
     fn jpeg_restarts_transcode_the_jpeg_members_alike_whole_or_alone_and_keep_their_pixels() {
         let mut files = Vec::new();
@@ -1096,9 +1082,9 @@ mod tests {
             files.push((format!("s{i}.cls"), format!("{i}").into_bytes()));
             // Sample 5's starts as a JPEG and is cut short: libjpeg-turbo will not transcode it.
             let j = if i == 5 {
-                jpeg(64, 64, i)[..200].to_vec()
+                jpeg(64, 64)[..200].to_vec()
             } else {
-                jpeg(200 + 16 * i as u16, 120, i)
+                jpeg(200 + 16 * i as u16, 120)
             };
             files.push((format!("s{i}.jpg"), j));
         }
