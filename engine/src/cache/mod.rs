@@ -241,13 +241,7 @@ impl Cache {
     /// unless the file at its path is another copy by now (a sound one fetched since by a
     /// reader of the whole shard, which must not be deleted).
     pub fn remove_copy(&self, shard: &CachedShard) {
-        use std::os::unix::fs::MetadataExt;
-        let (Ok(open), Ok(now)) = (shard.file().metadata(), fs::metadata(&shard.path)) else {
-            return;
-        };
-        if (open.dev(), open.ino()) == (now.dev(), now.ino()) {
-            self.remove(shard.id);
-        }
+        shard.discard();
     }
 
     /// Whether a shard is present (not verified).
@@ -381,6 +375,19 @@ pub struct CachedShard {
 }
 
 impl CachedShard {
+    /// Deletes this copy, which a reader found corrupt, and counts it, once: unless the file at
+    /// its path is another copy by now (a sound one fetched since, which must not be deleted),
+    /// or another reader of the same copy deleted and counted it first.
+    fn discard(&self) {
+        use std::os::unix::fs::MetadataExt;
+        let (Ok(open), Ok(now)) = (self.file().metadata(), fs::metadata(&self.path)) else {
+            return;
+        };
+        if (open.dev(), open.ino()) == (now.dev(), now.ino()) && fs::remove_file(&self.path).is_ok() {
+            Metrics::add(&self.metrics.cache_corrupt, 1);
+        }
+    }
+
     /// The open file (pinned while this handle lives).
     pub fn file(&self) -> &File {
         self.pin.file()
@@ -404,8 +411,7 @@ impl CachedShard {
         };
         if bytes.len() as u64 != self.id.bytes || hash != Some(self.id.checksum) {
             tracing::warn!(path = %self.path.display(), "cached shard failed its checksum: deleted, will re-fetch");
-            Metrics::add(&self.metrics.cache_corrupt, 1);
-            let _ = fs::remove_file(&self.path);
+            self.discard();
             return Ok(None);
         }
         Metrics::add(&self.metrics.cache_hits, 1);
