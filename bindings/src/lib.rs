@@ -204,10 +204,28 @@ fn unfreeze(py: Python<'_>, socket: &str) -> PyResult<()> {
     interruptible(py, move || c.unfreeze())?.map_err(to_py)
 }
 
+/// Engine log lines go to stderr: warnings by default (a cached shard that failed its
+/// checksum and was re-fetched, a cache write that failed), more with `RAMJET_LOG` (its
+/// `tracing` filter syntax, e.g. `RAMJET_LOG=ramjet_engine::store=trace` for each origin
+/// request's latency). Set once per process, when the module is imported.
+fn init_log() {
+    let filter = tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
+        .with_env_var("RAMJET_LOG")
+        .from_env_lossy();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_timer(tracing_subscriber::fmt::time::uptime())
+        .try_init();
+}
+
 /// The native module behind `ramjet`.
 #[pymodule]
 fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    init_log();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("Error", py.get_type::<RamjetError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;

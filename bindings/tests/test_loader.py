@@ -318,6 +318,47 @@ class StallProxy:
         u.close()
 
 
+
+CACHED_FLIP = textwrap.dedent("""
+    import hashlib, pathlib, sys
+    import ramjet
+    url, cache = sys.argv[1:3]
+    ds = ramjet.StreamingDataset(url, local=cache, batch_size=8, image_size=64, shuffle=False)
+    h = hashlib.sha256()
+    for _ in range(2):  # the second epoch reads the shards the first one cached
+        for b in ds:
+            h.update(bytes(memoryview(b["_index"].numpy())))
+            h.update(bytes(memoryview(b["image"].numpy())))
+    print(h.hexdigest(), int(ds.metrics()["cache_corrupt"]), int(ds.metrics()["cache_hits"]))
+""")
+
+
+def test_a_flipped_byte_in_a_cached_shard_is_warned_about_refetched_and_never_yielded(classes, tmp_path):
+    """The engine's warnings reach a Python process's stderr: a cached shard with a flipped
+    byte is named there, deleted and fetched again, and the batches are the same."""
+    url, _ = classes
+    cache = tmp_path / "cache"
+
+    def run_epochs():
+        out = subprocess.run([sys.executable, "-c", CACHED_FLIP, url, str(cache)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-4000:]
+        digest, corrupt, hits = out.stdout.split()
+        return digest, int(corrupt), int(hits), out.stderr
+
+    sound, corrupt, hits, err = run_epochs()
+    assert corrupt == 0 and hits > 0 and "failed its checksum" not in err, err
+    shards = sorted((cache / "shards").iterdir())
+    assert shards, "nothing was cached"
+    victim = shards[len(shards) // 2]
+    b = bytearray(victim.read_bytes())
+    b[len(b) // 2] ^= 0x08
+    victim.write_bytes(b)
+    again, corrupt, _, err = run_epochs()
+    assert again == sound, "a corrupted record was yielded"
+    assert corrupt == 1, err
+    assert "failed its checksum" in err and victim.name in err, err
+
+
 @pytest.mark.parametrize("stall", ["everything", "shards"])
 def test_ctrl_c_interrupts_a_blocking_iteration(classes, stall):
     url, _ = classes

@@ -257,6 +257,9 @@ pub struct Loader {
     /// Opened on the first batch handed out: whole-shard fetches start then (or after half a
     /// second), so they do not slow the first batch's ranged reads and decode.
     first_gate: Option<FirstGate>,
+    /// When [`Loader::start`] began, until the first batch is handed out
+    /// (`RAMJET_LOG=ramjet_engine=debug` shows how long that took).
+    started: Option<std::time::Instant>,
 }
 
 /// What [`Loader::next_batch`] found.
@@ -283,6 +286,7 @@ impl Drop for Loader {
 impl Loader {
     /// Opens the stream and starts the reader and decode threads.
     pub fn start(cfg: LoaderConfig) -> Result<Loader> {
+        let started = std::time::Instant::now();
         if cfg.batch_size == 0 {
             return Err(Error::invalid("batch_size", "must be at least 1"));
         }
@@ -354,6 +358,7 @@ impl Loader {
             metrics,
             schema,
             first_gate,
+            started: Some(started),
         })
     }
 
@@ -377,6 +382,9 @@ impl Loader {
                     Ok(b) => {
                         if let Some(g) = self.first_gate.take() {
                             g.open();
+                        }
+                        if let Some(t) = self.started.take() {
+                            tracing::debug!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: first batch handed out");
                         }
                         // Counted on delivery, not on decode: the reader runs ahead into the
                         // next epoch, and its skips belong to batches not yet handed out.

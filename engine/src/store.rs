@@ -436,6 +436,7 @@ impl Store {
     pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         let path = self.path(key);
         let want = range.end - range.start;
+        tracing::trace!(object = %self.url(key), ?range, "ranged GET starts");
         let b = self
             .retrying(key, || self.inner.get_range(&path, range.clone()))
             .await?;
@@ -473,6 +474,7 @@ impl Store {
             "destination of the wrong size"
         );
         let path = self.path(key);
+        tracing::trace!(object = %self.url(key), ?range, "ranged GET starts");
         let mut retry = Retrying::new(self.config.retry);
         loop {
             match read_stream_into(self.inner.as_ref(), &path, range.clone(), dst, &mut seen).await {

@@ -375,9 +375,9 @@ pub struct CachedShard {
 }
 
 impl CachedShard {
-    /// Deletes this copy, which a reader found corrupt, and counts it, once: unless the file at
-    /// its path is another copy by now (a sound one fetched since, which must not be deleted),
-    /// or another reader of the same copy deleted and counted it first.
+    /// Deletes this copy, which a reader found corrupt, then counts it and warns naming the
+    /// file, once: unless the file at its path is another copy by now (a sound one fetched
+    /// since, which must not be deleted), or another reader of the same copy deleted it first.
     fn discard(&self) {
         use std::os::unix::fs::MetadataExt;
         let (Ok(open), Ok(now)) = (self.file().metadata(), fs::metadata(&self.path)) else {
@@ -385,6 +385,7 @@ impl CachedShard {
         };
         if (open.dev(), open.ino()) == (now.dev(), now.ino()) && fs::remove_file(&self.path).is_ok() {
             Metrics::add(&self.metrics.cache_corrupt, 1);
+            tracing::warn!(path = %self.path.display(), "cached shard failed its checksum: deleted, will re-fetch");
         }
     }
 
@@ -410,7 +411,6 @@ impl CachedShard {
             Err(e) => return Err(Error::io(self.path.display(), e)),
         };
         if bytes.len() as u64 != self.id.bytes || hash != Some(self.id.checksum) {
-            tracing::warn!(path = %self.path.display(), "cached shard failed its checksum: deleted, will re-fetch");
             self.discard();
             return Ok(None);
         }

@@ -724,9 +724,17 @@ fn main() -> ExitCode {
     // of failing on the write.
     // SAFETY: restoring a signal's default disposition at start-up, before any thread exists.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    // Warnings by default (a corrupt cached shard re-fetched, a failed cache write); more
+    // with RAMJET_LOG, in tracing's filter syntax.
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("RAMJET_LOG"))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::builder()
+                .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
+                .with_env_var("RAMJET_LOG")
+                .from_env_lossy(),
+        )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(Cli::parse()) {
         Ok(code) => code,
