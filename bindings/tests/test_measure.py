@@ -114,3 +114,24 @@ def test_rounds_rotate_ratio_and_verdict_only_from_three():
     assert clean.verdict(True) == "met" and clean.verdict(False) == "missed"
     clean.add(3, "peer", wall_s=1.0, units=300, cpu_s=1.5, steal=0.0, others=0.4)  # a build ran beside it
     assert clean.flagged() == [3] and clean.verdict(True) is None
+
+
+def test_the_bench_counts_no_warm_up_round_but_shows_it():
+    """ramjet-bench's cold check uses the counted cold rounds only; a warm-up round's ratio is
+    printed beside them, and a bad one does not turn the verdict."""
+    sys.path.insert(0, str(BENCHES.parents[1] / "tools/bench"))
+    import ramjet_bench as rb
+
+    def row(loader, phase, r, ttfb):
+        return dict(link="wan", loader=loader, phase=phase, round=r, ttfb_s=ttfb, steal=0.0, others=0.0,
+                    scenario="streaming, cold")
+
+    rows = [row("ramjet", "warmup-cold", 0, 0.5), row("boto3", "warmup-cold", 0, 2.0)]
+    rows += [row(lo, "cold", r, t) for r in range(3) for lo, t in (("ramjet", 0.1), ("boto3", 2.0))]
+    (cold,) = [c for c in rb.checks(rows) if "cold time" in c["target"]]
+    assert cold["verdict"] == "met" and cold["rounds"] == 3, cold
+    assert "20.0x, 20.0x, 20.0x" in cold["measured"] and "warm-up round, not counted: 4.0x" in cold["measured"], cold
+    # A counted round as slow as that warm-up round misses.
+    rows[2]["ttfb_s"] = 0.5
+    (cold,) = [c for c in rb.checks(rows) if "cold time" in c["target"]]
+    assert cold["verdict"] == "missed", cold
