@@ -34,7 +34,7 @@ pub mod io;
 pub mod lock;
 
 use std::fs::{self, File};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -232,9 +232,7 @@ impl Cache {
 
     /// Deletes a cached shard a reader found corrupt, so it is fetched again.
     pub fn remove(&self, id: ShardId) {
-        if fs::remove_file(self.path_of(id)).is_ok() {
-            Metrics::add(&self.metrics.cache_corrupt, 1);
-        }
+        delete_corrupt(&self.path_of(id), &self.metrics);
     }
 
     /// Deletes the copy `shard` has open, which a reader found corrupt, so it is fetched again;
@@ -374,6 +372,15 @@ pub struct CachedShard {
     metrics: Arc<Metrics>,
 }
 
+/// Deletes the corrupt copy at `path`; whoever's delete succeeds counts it and warns, naming
+/// the file (every way a corrupt copy leaves the cache goes through here).
+fn delete_corrupt(path: &Path, metrics: &Metrics) {
+    if fs::remove_file(path).is_ok() {
+        Metrics::add(&metrics.cache_corrupt, 1);
+        tracing::warn!(path = %path.display(), "cached shard failed its checksum: deleted, will re-fetch");
+    }
+}
+
 impl CachedShard {
     /// Deletes this copy, which a reader found corrupt, then counts it and warns naming the
     /// file, once: unless the file at its path is another copy by now (a sound one fetched
@@ -383,9 +390,8 @@ impl CachedShard {
         let (Ok(open), Ok(now)) = (self.file().metadata(), fs::metadata(&self.path)) else {
             return;
         };
-        if (open.dev(), open.ino()) == (now.dev(), now.ino()) && fs::remove_file(&self.path).is_ok() {
-            Metrics::add(&self.metrics.cache_corrupt, 1);
-            tracing::warn!(path = %self.path.display(), "cached shard failed its checksum: deleted, will re-fetch");
+        if (open.dev(), open.ino()) == (now.dev(), now.ino()) {
+            delete_corrupt(&self.path, &self.metrics);
         }
     }
 
