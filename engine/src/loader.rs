@@ -336,7 +336,12 @@ impl Loader {
                 // is reported in its place: the batches before it are delivered, then the
                 // error, never a silently short epoch.
                 let next = Arc::new(AtomicU64::new(0));
-                let r = std::panic::AssertUnwindSafe(read_loop(stream, &ctx, &stop, &next, permits, decode, &done_tx))
+                let to = Decoders {
+                    pool: decode,
+                    done: &done_tx,
+                    started,
+                };
+                let r = std::panic::AssertUnwindSafe(read_loop(stream, &ctx, &stop, &next, permits, to))
                     .catch_unwind()
                     .await;
                 if let Err(p) = r {
@@ -430,6 +435,14 @@ struct Permits {
     decoding: Arc<tokio::sync::Semaphore>,
 }
 
+/// Where the reader's batches go: the decode pool, then the channel of finished batches.
+struct Decoders<'a> {
+    pool: &'static crate::rt::Pool,
+    done: &'a Sender<Done>,
+    /// When the loader started (the first batch's debug events count from it).
+    started: std::time::Instant,
+}
+
 /// Pulls samples, cuts them into per-epoch batches and hands them to the decode pool.
 async fn read_loop(
     mut stream: Stream,
@@ -437,9 +450,9 @@ async fn read_loop(
     stop: &Arc<AtomicBool>,
     next: &AtomicU64,
     permits: Permits,
-    pool: &'static crate::rt::Pool,
-    done: &Sender<Done>,
+    to: Decoders<'_>,
 ) {
+    let Decoders { pool, done, started } = to;
     let bs = ctx.cfg.batch_size;
     let mut seq = 0u64;
     let mut read = 0u64;
@@ -495,13 +508,24 @@ async fn read_loop(
         let Ok(decoding) = permits.decoding.clone().acquire_owned().await else {
             return;
         };
+        // The first batch's stages (RAMJET_LOG=debug): its samples read, then decoded.
+        let ms = move || started.elapsed().as_secs_f64() * 1e3;
+        let first = job.seq == 0;
+        if first {
+            tracing::debug!(ms = ms(), "loader: first batch read");
+        }
         let (ctx, stop, done) = (ctx.clone(), stop.clone(), done.clone());
         pool.spawn(move || {
             let _decoding = decoding;
             if stop.load(Ordering::Relaxed) {
                 return;
             }
-            let _ = done.send((job.seq, decode_job(&ctx, job), Some(ahead)));
+            let t = first.then(ms);
+            let (seq, r) = (job.seq, decode_job(&ctx, job));
+            if let Some(t) = t {
+                tracing::debug!(ms = ms(), decode_ms = ms() - t, "loader: first batch decoded");
+            }
+            let _ = done.send((seq, r, Some(ahead)));
         });
     }
 }

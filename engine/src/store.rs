@@ -422,6 +422,7 @@ impl Store {
     /// comes from the response's headers, before the body): `Ok(Err(size))`.
     pub async fn get_at_most(&self, key: &str, max: u64) -> Result<std::result::Result<Bytes, u64>> {
         let path = self.path(key);
+        tracing::trace!(object = %self.url(key), "GET starts");
         self.retrying(key, || async {
             let r = self.inner.get(&path).await?;
             if r.meta.size > max {
