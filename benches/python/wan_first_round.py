@@ -3,7 +3,7 @@
 every loader? Each test brings the link up afresh (network namespace, veth, tbf, delay relay,
 a SeaweedFS started in the namespace: root), warms the origin as the bench does (the first byte
 of every object), and times the first batch of `ramjet.StreamingDataset` (the bench's settings:
-batch 8, 224x224 RandomResizedCrop, global shuffle, an empty cache) in fresh Python processes.
+batch 8, 224x224 RandomResizedCrop, the default shard-block shuffle, an empty cache) in fresh Python processes.
 
   page-cache   the origin's volume files evicted from the page cache (posix_fadvise) before a
                run, against read into memory, interleaved round by round

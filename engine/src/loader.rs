@@ -254,9 +254,6 @@ pub struct Loader {
     reader: tokio::task::JoinHandle<()>,
     metrics: Arc<Metrics>,
     schema: Arc<Schema>,
-    /// Opened on the first batch handed out: whole-shard fetches start then (or after half a
-    /// second), so they do not slow the first batch's ranged reads and decode.
-    first_gate: Option<FirstGate>,
     /// When [`Loader::start`] began, until the first batch is handed out
     /// (`RAMJET_LOG=ramjet_engine=debug` shows how long that took).
     started: Option<std::time::Instant>,
@@ -290,7 +287,7 @@ impl Loader {
         if cfg.batch_size == 0 {
             return Err(Error::invalid("batch_size", "must be at least 1"));
         }
-        let (mut stream, first_gate) = Stream::open_gated(cfg.stream.clone())?;
+        let (mut stream, first_gate) = Stream::open_gated(cfg.stream.clone(), cfg.batch_size)?;
         let schema = stream.schema(0);
         for s in 1..stream.sources() {
             if *stream.schema(s) != *schema {
@@ -340,6 +337,7 @@ impl Loader {
                     pool: decode,
                     done: &done_tx,
                     started,
+                    first_gate,
                 };
                 let r = std::panic::AssertUnwindSafe(read_loop(stream, &ctx, &stop, &next, permits, to))
                     .catch_unwind()
@@ -362,7 +360,6 @@ impl Loader {
             reader,
             metrics,
             schema,
-            first_gate,
             started: Some(started),
         })
     }
@@ -385,9 +382,6 @@ impl Loader {
                 drop(permit);
                 return match r {
                     Ok(b) => {
-                        if let Some(g) = self.first_gate.take() {
-                            g.open();
-                        }
                         if let Some(t) = self.started.take() {
                             tracing::debug!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: first batch handed out");
                         }
@@ -441,6 +435,10 @@ struct Decoders<'a> {
     done: &'a Sender<Done>,
     /// When the loader started (the first batch's debug events count from it).
     started: std::time::Instant,
+    /// Opened once the first batch is decoded: until then the stream reads nothing more
+    /// (neither samples nor whole shards, for at most half a second), so that nothing takes
+    /// the CPU or the link from the first batch ([`Stream::open_gated`]).
+    first_gate: Option<FirstGate>,
 }
 
 /// Pulls samples, cuts them into per-epoch batches and hands them to the decode pool.
@@ -452,7 +450,12 @@ async fn read_loop(
     permits: Permits,
     to: Decoders<'_>,
 ) {
-    let Decoders { pool, done, started } = to;
+    let Decoders {
+        pool,
+        done,
+        started,
+        mut first_gate,
+    } = to;
     let bs = ctx.cfg.batch_size;
     let mut seq = 0u64;
     let mut read = 0u64;
@@ -514,6 +517,7 @@ async fn read_loop(
         if first {
             tracing::debug!(ms = ms(), "loader: first batch read");
         }
+        let gate = if first { first_gate.take() } else { None };
         let (ctx, stop, done) = (ctx.clone(), stop.clone(), done.clone());
         pool.spawn(move || {
             let _decoding = decoding;
@@ -524,6 +528,9 @@ async fn read_loop(
             let (seq, r) = (job.seq, decode_job(&ctx, job));
             if let Some(t) = t {
                 tracing::debug!(ms = ms(), decode_ms = ms() - t, "loader: first batch decoded");
+            }
+            if let Some(g) = gate {
+                g.open();
             }
             let _ = done.send((seq, r, Some(ahead)));
         });

@@ -468,6 +468,56 @@ fn the_first_samples_are_read_ahead_together_and_shards_then_deliver_the_rest_on
     );
 }
 
+/// A loader's stream (gated) reads its consumer's first batch, then nothing more (neither
+/// samples nor whole shards) until the loader opens the gate, having decoded that batch; and a
+/// first batch larger than the samples read one by one does not wait on the gate: its whole
+/// shards start at once.
+#[test]
+fn a_gated_stream_holds_its_reads_after_the_first_batch_until_the_gate_opens() {
+    let url = dataset();
+    // No cache: every whole-shard fetch is a miss, so `cache_misses` counts them.
+    let mut c = config(url, Topology::default(), None);
+    c.first_ranged_samples_max = 64;
+    // Long enough that a wait on the gate shows as one.
+    c.first_gate_max_ms = 60_000;
+    let (mut s, gate) = Stream::open_gated(c.clone(), 8).unwrap();
+    let gate = gate.expect("a gate: the first samples are read one by one");
+    for _ in 0..8 {
+        s.next_sample().unwrap().expect("a sample");
+    }
+    let first = s.metrics();
+    std::thread::sleep(Duration::from_millis(500));
+    let held = s.metrics();
+    assert_eq!(
+        held.origin_requests, first.origin_requests,
+        "read on past the first batch with the gate closed"
+    );
+    assert_eq!(held.cache_misses, 0, "a whole shard started with the gate closed");
+    gate.open();
+    let mut n = 8;
+    while s.next_sample().unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, N);
+    assert!(s.metrics().cache_misses > 0, "whole shards after the gate opened");
+
+    // A first batch of 24 with 8 samples read one by one (then more while no whole shard has
+    // arrived): whole shards start without the gate (still closed here), as the first batch
+    // may need them.
+    c.first_ranged_samples_max = 8;
+    let (mut s, gate) = Stream::open_gated(c, 24).unwrap();
+    let _closed = gate.expect("a gate");
+    let t = Instant::now();
+    for _ in 0..24 {
+        s.next_sample().unwrap().expect("a sample");
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "the first batch waited {:?} for its own gate",
+        t.elapsed()
+    );
+}
+
 /// The samples read one by one at the start share their requests: per shard, one GET for
 /// their index entries and one for their records (they lie together in file order), where
 /// each used to cost two GETs of its own.

@@ -15,7 +15,8 @@
 //!
 //! Data flows one way, down one bounded channel: the consumer only receives. The one signal
 //! that goes back is control, not data: a loader that decodes its first batch before anything
-//! else may hold whole-shard fetches back until it is done ([`Stream::open_gated`]).
+//! else may hold whole-shard fetches and further reads back until it is done
+//! ([`Stream::open_gated`]).
 //!
 //! Shards arrive in the order of their first use, so the consumer never waits on a shard
 //! queued behind one it does not need yet; a shard is dropped from memory after its last use
@@ -133,6 +134,11 @@ pub struct StreamConfig {
     /// a sample costs one read instead of two, when the indexes of all the sources fit in this
     /// many bytes. Otherwise every sample reads its entry too.
     pub index_bytes_max: u64,
+    /// The longest a gated stream ([`Stream::open_gated`]) holds its reads for its consumer's
+    /// first batch, in milliseconds (tests lengthen it to see a wait that should not happen).
+    #[doc(hidden)]
+    #[serde(skip)]
+    pub first_gate_max_ms: u64,
 }
 
 impl StreamConfig {
@@ -172,6 +178,7 @@ impl Default for StreamConfig {
             provider: None,
             resident_bytes_max: 1 << 30,
             index_bytes_max: 256 << 20,
+            first_gate_max_ms: FIRST_GATE_MAX.as_millis() as u64,
         }
     }
 }
@@ -373,10 +380,18 @@ pub struct Stream {
 pub struct FirstGate(tokio::sync::watch::Sender<bool>);
 
 impl FirstGate {
-    /// Lets whole-shard fetches start.
+    /// Lets whole-shard fetches and further reads start.
     pub fn open(self) {
         let _ = self.0.send(true);
     }
+}
+
+/// The prefetcher's side of a [`FirstGate`].
+pub(super) struct Gate {
+    rx: tokio::sync::watch::Receiver<bool>,
+    /// Samples in the consumer's first batch: once they are read, nothing more is read until
+    /// the gate opens.
+    first_batch: usize,
 }
 
 /// An open reader of a cached shard file.
@@ -419,19 +434,22 @@ impl Drop for Stream {
 impl Stream {
     /// Opens every source's manifest, checks the resume point, and starts prefetching.
     pub fn open(cfg: StreamConfig) -> Result<Stream> {
-        Ok(Self::open_with(cfg, false)?.0)
+        Ok(Self::open_with(cfg, None)?.0)
     }
 
     /// [`Stream::open`] for a consumer with work of its own before its first output (the
-    /// loader decodes its first batch): whole-shard fetches wait until it opens the returned
-    /// gate (or at most half a second), while the first samples are read one by one. `None`
-    /// when the stream reads no samples that way (a host daemon, global shuffle, or
+    /// loader decodes its first batch of `first_batch` samples). The first samples are read one
+    /// by one; once `first_batch` of them are read, nothing more is read (no further samples,
+    /// no whole shard) until the consumer opens the returned gate, or at most half a second:
+    /// on a small machine the next reads' work took the first batch's decode CPU. When the
+    /// first batch needs more samples than are read one by one, whole shards start at once.
+    /// `None` when the stream reads no samples that way (a host daemon, global shuffle, or
     /// `first_ranged_samples_max` 0).
-    pub fn open_gated(cfg: StreamConfig) -> Result<(Stream, Option<FirstGate>)> {
-        Self::open_with(cfg, true)
+    pub fn open_gated(cfg: StreamConfig, first_batch: usize) -> Result<(Stream, Option<FirstGate>)> {
+        Self::open_with(cfg, Some(first_batch))
     }
 
-    fn open_with(cfg: StreamConfig, gated: bool) -> Result<(Stream, Option<FirstGate>)> {
+    fn open_with(cfg: StreamConfig, gated: Option<usize>) -> Result<(Stream, Option<FirstGate>)> {
         let opened_at = Instant::now();
         let rt = crate::rt::handle()?;
         let metrics = Arc::new(Metrics::default());
@@ -565,11 +583,12 @@ impl Stream {
         } else {
             cfg.first_ranged_samples_max
         };
-        let (first_gate, gate) = if gated && ranged > 0 {
-            let (tx, rx) = tokio::sync::watch::channel(false);
-            (Some(FirstGate(tx)), Some(rx))
-        } else {
-            (None, None)
+        let (first_gate, gate) = match gated {
+            Some(first_batch) if ranged > 0 => {
+                let (tx, rx) = tokio::sync::watch::channel(false);
+                (Some(FirstGate(tx)), Some(Gate { rx, first_batch }))
+            }
+            _ => (None, None),
         };
         // The global shuffle reads samples one by one, in batches about `prefetch_bytes_max /
         // ahead` large (the channel then holds about `prefetch_bytes_max`).

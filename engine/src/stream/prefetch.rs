@@ -19,7 +19,7 @@ pub(super) async fn prefetcher(
     tx: mpsc::Sender<Msg>,
     per_sample: Option<usize>,
     mut ranged_budget: usize,
-    mut gate: Option<tokio::sync::watch::Receiver<bool>>,
+    mut gate: Option<Gate>,
 ) {
     let mut base = start;
     loop {
@@ -171,7 +171,7 @@ async fn shard_epoch(
     plan: &Arc<EpochPlan>,
     tx: &mpsc::Sender<Msg>,
     ranged: usize,
-    gate: Option<tokio::sync::watch::Receiver<bool>>,
+    gate: Option<Gate>,
 ) -> bool {
     let epoch = plan.epoch;
     let in_flight = shared.cfg.shards_in_flight_max.max(1);
@@ -411,8 +411,9 @@ struct FirstSamples<'a> {
     /// Then, bytes of records that may be read this way while no whole shard has arrived.
     bytes_max: u64,
     /// Held by a consumer with work of its own before its first output (the loader decodes
-    /// its first batch): whole-shard fetches wait until it opens, at most [`FIRST_GATE_MAX`].
-    gate: Option<tokio::sync::watch::Receiver<bool>>,
+    /// its first batch): once that batch's samples are read, nothing more is read (samples or
+    /// whole shards) until it opens, at most `first_gate_max_ms` ([`FIRST_GATE_MAX`]).
+    gate: Option<Gate>,
 }
 
 impl FirstSamples<'_> {
@@ -420,7 +421,8 @@ impl FirstSamples<'_> {
     /// and then the byte budget are spent, or the first whole shard arrives (it is then
     /// returned, to be sent next, and a batch still being read is dropped: its samples come
     /// with their shards). Whole shards start after the first batch (once the gate, if any,
-    /// opens; at the latest when the sample budget is spent). Returns the uses of each shard
+    /// opens; at the latest when the sample budget is spent, or at once when the consumer's
+    /// first batch needs more samples than the budget). Returns the uses of each shard
     /// delivered this way; `None` when the consumer went away.
     async fn run<F, S>(
         self,
@@ -436,19 +438,28 @@ impl FirstSamples<'_> {
         let plan = self.plan;
         let dealt = plan.count().saturating_sub(plan.skip);
         let mut cursor = plan.order.cursor();
-        let deadline = tokio::time::Instant::now() + FIRST_GATE_MAX;
-        let mut gate = self.gate;
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(shared.cfg.first_gate_max_ms);
+        // A short epoch's first batch is all of it.
+        let first_batch = self.gate.as_ref().map_or(0, |g| g.first_batch.min(dealt).max(1));
+        let mut gate = self.gate.map(|g| g.rx);
         let mut budget = self.budget;
         let mut bytes_left = self.bytes_max;
         let mut taken = 0;
         let mut ranged_uses: HashMap<(u32, u32), u64> = HashMap::new();
         let mut head = None;
         while (budget > 0 || bytes_left > 0) && taken < dealt && head.is_none() {
-            if fetched.is_none() && budget == 0 {
-                // Past the first samples only while the first shard downloads: it must start.
+            if taken >= first_batch {
+                // The consumer's first batch is read: nothing more until it is decoded. Over
+                // the WAN-like link on two cores, the next reads (theirs and a same-host
+                // origin's work) made its decode take 25-47 ms instead of 7, in 5 cold starts
+                // of 12 (docs/benchmarks.md). A dropped sender opens the gate too.
                 if let Some(g) = gate.as_mut() {
                     let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
                 }
+            }
+            if fetched.is_none() && budget == 0 {
+                // Past the first samples only while the first shard downloads: it must start
+                // (after the gate above, or now when the first batch itself needs it).
                 *fetched = start_fetches.take().map(|f| f());
             }
             if fetched.is_none() && taken > 0 && gate_open(&gate, deadline) {
@@ -507,9 +518,11 @@ impl FirstSamples<'_> {
             taken += n;
         }
         if fetched.is_none() {
-            if let Some(g) = gate.as_mut() {
-                // A dropped sender (the consumer went away) opens the gate too.
-                let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
+            if taken >= first_batch {
+                if let Some(g) = gate.as_mut() {
+                    // A dropped sender (the consumer went away) opens the gate too.
+                    let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
+                }
             }
             *fetched = start_fetches.take().map(|f| f());
         }
