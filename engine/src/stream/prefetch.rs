@@ -451,8 +451,8 @@ impl FirstSamples<'_> {
             if taken >= first_batch {
                 // The consumer's first batch is read: nothing more until it is decoded. Over
                 // the WAN-like link on two cores, the next reads (theirs and a same-host
-                // origin's work) made its decode take 25-47 ms instead of 7, in 5 cold starts
-                // of 12 (docs/benchmarks.md). A dropped sender opens the gate too.
+                // origin's work) made its decode take 28-47 ms instead of 7, in 5 cold starts
+                // of 11 (docs/benchmarks.md). A dropped sender opens the gate too.
                 if let Some(g) = gate.as_mut() {
                     let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
                 }
