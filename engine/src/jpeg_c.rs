@@ -201,7 +201,7 @@ impl TurboJpeg {
     ///
     /// A JPEG with restart markers that cut its MCU rows into equal intervals (what
     /// `ramjet pack --jpeg-restarts` writes, [`Transcoder`]) is first cut: only the intervals
-    /// over the region, with one MCU of margin on each side for the chroma upsampling, are
+    /// over the region, and the few pixels beside it that the chroma upsampling reads, are
     /// copied into a smaller JPEG, so the rows above and the columns beside the region are not
     /// even entropy-decoded. Its pixels are the same ([`cut_at_restarts`]).
     pub fn decode(
@@ -370,6 +370,8 @@ struct Scan {
     rows: u32,
     /// MCUs per restart interval (the DRI marker), a divisor of `per_row`.
     interval: u32,
+    /// Some component has fewer samples than another, so the decoder upsamples it.
+    subsampled: bool,
 }
 
 fn be16(b: &[u8], at: usize) -> Option<u32> {
@@ -387,6 +389,7 @@ fn scan_layout(jpeg: &[u8]) -> Option<Scan> {
     let mut sof = None;
     let mut interval = 0;
     let (mut width, mut height, mut comps, mut hmax, mut vmax) = (0, 0, 0, 1, 1);
+    let (mut hmin, mut vmin) = (4, 4);
     loop {
         if *jpeg.get(i)? != 0xFF {
             return None;
@@ -419,6 +422,7 @@ fn scan_layout(jpeg: &[u8]) -> Option<Scan> {
                         return None;
                     }
                     (hmax, vmax) = (hmax.max(h), vmax.max(v));
+                    (hmin, vmin) = (hmin.min(h), vmin.min(v));
                 }
                 sof = Some(i);
             }
@@ -448,6 +452,7 @@ fn scan_layout(jpeg: &[u8]) -> Option<Scan> {
                     per_row,
                     rows: height.div_ceil(mcu_h),
                     interval,
+                    subsampled: comps > 1 && (hmin < hmax || vmin < vmax),
                 });
             }
             _ => {}
@@ -490,16 +495,18 @@ fn find_segments(jpeg: &[u8], s: &Scan, last: usize, segments: &mut Vec<(u32, u3
 }
 
 /// Cuts from `jpeg` the restart intervals that a decode of `region` (scaled by `eighths`/8)
-/// needs, with one MCU of margin on every side where the image goes on, into `out`: a JPEG of
-/// its own, with the same markers, a smaller frame and the intervals' entropy-coded data
-/// renumbered. It is `None` (decode the whole JPEG) where the JPEG has no such restart
+/// needs into `out`: a JPEG of its own, with the same markers, a smaller frame and the
+/// intervals' entropy-coded data renumbered. The cut holds the region, the column past its
+/// right edge (which [`TurboJpeg::decode`] returns too) and a margin on every side where the
+/// image goes on: [`UPSAMPLE_REACH`] pixels where the image is chroma subsampled, else one. It is `None` (decode the whole JPEG) where the JPEG has no such restart
 /// intervals, the cut would be the whole image, or the markers are not as its header says.
 ///
 /// Why the pixels are the same: each interval's data is coded on its own (the DC predictions
 /// restart at every marker), so the cut's blocks have the original's DCT coefficients. The
 /// only pixels of a JPEG that depend on neighbouring blocks are those the chroma upsampling
 /// interpolates across a block edge, from at most the next chroma sample; the margin keeps
-/// every neighbour of the region's pixels inside the cut.
+/// every chroma sample the region's pixels are interpolated from inside the cut, and away
+/// from its edges, where the decoder repeats the edge sample instead.
 pub fn cut_at_restarts(
     jpeg: &[u8],
     eighths: u32,
@@ -515,10 +522,13 @@ pub fn cut_at_restarts(
     // An MCU's size in scaled pixels: a whole number, as MCUs are multiples of 8 pixels.
     let (mw, mh) = (s.mcu_w / 8 * eighths, s.mcu_h / 8 * eighths);
     let iv = s.interval;
-    let c0 = (region.x / mw).saturating_sub(1) / iv * iv;
-    let c1 = ((region.x + region.w).div_ceil(mw) + 1).min(s.per_row).div_ceil(iv) * iv;
-    let r0 = (region.y / mh).saturating_sub(1);
-    let r1 = ((region.y + region.h).div_ceil(mh) + 1).min(s.rows);
+    // One pixel at least, so that the region still starts strictly right of the cut's edge,
+    // as `TurboJpeg::decode` promises.
+    let m = if s.subsampled { UPSAMPLE_REACH } else { 1 };
+    let c0 = region.x.saturating_sub(m) / mw / iv * iv;
+    let c1 = (region.x + region.w + 1 + m).div_ceil(mw).min(s.per_row).div_ceil(iv) * iv;
+    let r0 = region.y.saturating_sub(m) / mh;
+    let r1 = (region.y + region.h + m).div_ceil(mh).min(s.rows);
     if c0 == 0 && c1 == s.per_row && r0 == 0 {
         return None; // decoding stops after the region anyway: nothing to skip
     }
@@ -545,6 +555,12 @@ pub fn cut_at_restarts(
     out.extend_from_slice(&[0xFF, 0xD9]);
     Some(Cut { x: c0 * mw, y: r0 * mh })
 }
+
+/// How far, in (scaled) pixels, a pixel's colour may reach for the chroma samples it is
+/// upsampled from: libjpeg-turbo's fancy upsampling interpolates each pixel between its own
+/// chroma sample and the next one toward it (2:1 subsampling, so at most 2 px away), and a
+/// scaled decode either does the same at its scale or needs no upsampling at all.
+const UPSAMPLE_REACH: u32 = 2;
 
 /// With `--jpeg-restarts` (`ramjet pack`, `ramjet index`), a restart marker at least every
 /// this many pixels of each MCU row: a crop then skips all but at most this much of each row it
