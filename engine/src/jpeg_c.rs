@@ -498,8 +498,9 @@ fn find_segments(jpeg: &[u8], s: &Scan, last: usize, segments: &mut Vec<(u32, u3
 /// needs into `out`: a JPEG of its own, with the same markers, a smaller frame and the
 /// intervals' entropy-coded data renumbered. The cut holds the region, the column past its
 /// right edge (which [`TurboJpeg::decode`] returns too) and a margin on every side where the
-/// image goes on: [`UPSAMPLE_REACH`] pixels where the image is chroma subsampled, else one. It is `None` (decode the whole JPEG) where the JPEG has no such restart
-/// intervals, the cut would be the whole image, or the markers are not as its header says.
+/// image goes on: [`UPSAMPLE_REACH`] pixels where the image is chroma subsampled, else one.
+/// It is `None` (decode the whole JPEG) where the JPEG has no such restart intervals, the cut
+/// would be the whole image, or the markers are not as its header says.
 ///
 /// Why the pixels are the same: each interval's data is coded on its own (the DC predictions
 /// restart at every marker), so the cut's blocks have the original's DCT coefficients. The
