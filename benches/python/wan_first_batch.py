@@ -13,6 +13,8 @@ started:
   read       the first batch's samples all read (index entries, then records: two more)
   decode     how long its decode took, and when it was handed out
   CPU        the process's CPU seconds from the dataset's creation to the first batch
+  (builds from 2026-11-25 afternoon on also give the decode thread's own CPU ms and page faults
+  during the first batch's decode: a decode that waited for a core, or one that faulted)
 
 Usage (tools/env.sh sourced, as root; the dataset of a `tools/ramjet-bench --link wan` run):
   benches/python/wan_first_batch.py [--rounds 12] [--pkg NAME=DIR ...] [--out FILE.json]
@@ -74,10 +76,16 @@ def first_batch(link, cache, pkg_dir):
         for name, text in STAGES.items():
             if text in m.group(2):
                 got[name] = float(re.search(r"\bms=([\d.]+)", m.group(2)).group(1))
-                d = re.search(r"decode_ms=([\d.]+)", m.group(2))
-                if d:
-                    got["decode"] = float(d.group(1))
+                for key, field in (("decode", "decode_ms"), ("decode_cpu", "cpu_ms"), ("decode_minflt", "minflt")):
+                    d = re.search(rf"\b{field}=([\d.]+)", m.group(2))
+                    if d:
+                        got[key] = float(d.group(1))
     return got
+
+
+def med(rows, key, fmt):
+    got = [x[key] for x in rows if key in x]
+    return format(statistics.median(got), fmt) if got else "-"
 
 
 def main():
@@ -98,21 +106,25 @@ def main():
                     got = first_batch(link, Path(tmp) / "cache", pkg)
                     rows.append({"round": r, "build": name, **got})
                     stages = " ".join(f"{k} {got[k]:.0f}" for k in ("manifest", "read", "decode", "out") if k in got)
+                    stages += " ms"
+                    if "decode_cpu" in got:
+                        stages += f"; decode thread {got['decode_cpu']:.1f} CPU ms, {got['decode_minflt']:.0f} faults"
                     print(f"round {r + 1} {name}: first batch {got['ttfb_ms']:.0f} ms, {got['cpu_s']:.3f} CPU s "
-                          f"({stages} ms)", flush=True)
+                          f"({stages})", flush=True)
     finally:
         rb.wan_down(link)
     print()
     print("| build | first batch, median (ms) | slowest (ms) | decode, median (ms) | decodes over 15 ms | "
-          "CPU s per first batch, median |")
-    print("|---|---|---|---|---|---|")
+          "CPU s per first batch, median | decode thread CPU ms, median | its page faults, median |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, _ in builds:
         mine = [x for x in rows if x["build"] == name]
         ttfb = [x["ttfb_ms"] for x in mine]
         dec = [x["decode"] for x in mine if "decode" in x]
         print(f"| {name} | {statistics.median(ttfb):.0f} | {max(ttfb):.0f} | "
               f"{statistics.median(dec):.1f} | {sum(d > 15 for d in dec)} of {len(dec)} | "
-              f"{statistics.median(x['cpu_s'] for x in mine):.3f} |")
+              f"{statistics.median(x['cpu_s'] for x in mine):.3f} | {med(mine, 'decode_cpu', '.1f')} | "
+              f"{med(mine, 'decode_minflt', '.0f')} |")
     if len(builds) > 1:
         base = builds[0][0]
         for name, _ in builds[1:]:

@@ -17,8 +17,8 @@ use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer
 
 use crate::decode::{probe, ImageFormat, ImageInfo};
 #[cfg(test)]
-use crate::jpeg_c::{cut_at_restarts, Transcoder};
-use crate::jpeg_c::{scaled, Header, Region, TurboJpeg};
+use crate::jpeg_c::cut_at_restarts;
+use crate::jpeg_c::{encode_rgb, scaled, Header, Region, Transcoder, TurboJpeg, JPEG_RESTART_PX};
 
 /// Decompression-bomb limit on declared pixels: an image whose header claims more is refused
 /// before anything is allocated. 2^26 is 8192 x 8192, above any training image in practice.
@@ -461,6 +461,8 @@ pub struct Scratch {
     resized: Vec<u8>,
     decoded: Vec<u8>,
     turbo: Option<TurboJpeg>,
+    /// [`prime`] ran on this scratch.
+    primed: bool,
 }
 
 /// The output slot of one image in a batch.
@@ -469,6 +471,55 @@ pub enum Slot<'a> {
     U8(&'a mut [u8]),
     /// float32 CHW.
     F32(&'a mut [f32]),
+}
+
+/// Readies a decode thread's `scratch` for `spec`'s images before its first real one: a
+/// synthetic JPEG twice the output's size each way (the largest region a crop decodes, given
+/// the DCT scale [`dct_eighths`] picks) goes through [`process`] a few times, as given and
+/// cut at restart markers. So the first real image no longer also pays for libjpeg-turbo's
+/// set-up, the buffers' first growth and the first touch of their pages, which in a fresh
+/// process on a VM can cost several microseconds a page. The loader runs it on the decode
+/// threads while the first batch is still being read; a scratch is primed once.
+pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<(), String> {
+    if scratch.primed {
+        return Ok(());
+    }
+    scratch.primed = true;
+    let (w, h) = ((spec.width * 2).clamp(16, 2048), (spec.height * 2).clamp(16, 2048));
+    // A gradient with some noise, so that the entropy decode has real work.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let px: Vec<u8> = (0..w as usize * h as usize * 3)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((i / 3 % w as usize) as u8).wrapping_add((x >> 61) as u8)
+        })
+        .collect();
+    let plain = encode_rgb(&px, w, h, 90)?;
+    let cut = Transcoder::new()?.with_restarts(&plain, JPEG_RESTART_PX)?;
+    let (mut u8s, mut f32s) = (Vec::new(), Vec::new());
+    for (i, jpeg) in [&plain, &cut].into_iter().enumerate() {
+        let mut rng = SampleRng::new(0, 0, 0, i as u64);
+        let slot = match spec.out {
+            OutType::U8 => {
+                u8s.resize(spec.elems(), 0);
+                Slot::U8(&mut u8s)
+            }
+            OutType::F32 => {
+                f32s.resize(spec.elems(), 0.0);
+                Slot::F32(&mut f32s)
+            }
+        };
+        process(jpeg, spec, &mut rng, slot, scratch)?;
+    }
+    // The largest region a crop decodes: just under twice the output each way, plus the
+    // filter's margin and an iMCU column.
+    let most = (w as usize + 64) * (h as usize + 64) * 3;
+    if scratch.decoded.len() < most {
+        scratch.decoded.resize(most, 0);
+    }
+    Ok(())
 }
 
 /// Decodes `bytes`, applies `spec` with the random choices of `rng`, and writes the result
@@ -489,6 +540,7 @@ pub fn process(
         resized,
         decoded,
         turbo,
+        primed: _,
     } = scratch;
     let (src, crop) = if info.format == ImageFormat::Jpeg {
         decode_jpeg_crop(bytes, &info, &p.crop, eighths, (ow, oh), turbo, decoded)?
@@ -627,6 +679,51 @@ pub(crate) mod tests {
             .encode(&px, w, h, jpeg_encoder::ColorType::Rgb)
             .unwrap();
         out
+    }
+
+    #[test]
+    fn a_primed_scratch_gives_the_same_pixels_as_a_fresh_one() {
+        let j = jpeg(320, 240);
+        let cut = Transcoder::new().unwrap().with_restarts(&j, JPEG_RESTART_PX).unwrap();
+        for spec in [ImageSpec::train(64), ImageSpec::eval(48), {
+            let mut f = ImageSpec::train(40);
+            f.out = OutType::F32;
+            f
+        }] {
+            let mut primed = Scratch::default();
+            prime(&spec, &mut primed).unwrap();
+            assert!(primed.primed && primed.turbo.is_some(), "{spec:?}");
+            // Priming again is free, and leaves what the first left.
+            let cap = primed.decoded.capacity();
+            prime(&spec, &mut primed).unwrap();
+            assert_eq!(primed.decoded.capacity(), cap);
+            for (i, bytes) in [&j, &cut].into_iter().cycle().take(6).enumerate() {
+                let run = |scratch: &mut Scratch| -> Vec<u8> {
+                    let mut rng = SampleRng::new(3, 0, 0, i as u64);
+                    match spec.out {
+                        OutType::U8 => {
+                            let mut out = vec![0u8; spec.elems()];
+                            process(bytes, &spec, &mut rng, Slot::U8(&mut out), scratch).unwrap();
+                            out
+                        }
+                        OutType::F32 => {
+                            let mut out = vec![0f32; spec.elems()];
+                            process(bytes, &spec, &mut rng, Slot::F32(&mut out), scratch).unwrap();
+                            out.iter().flat_map(|v| v.to_le_bytes()).collect()
+                        }
+                    }
+                };
+                assert_eq!(run(&mut primed), run(&mut Scratch::default()), "{spec:?}, image {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_encoder_refuses_a_buffer_of_the_wrong_size() {
+        let e = encode_rgb(&[0u8; 10], 2, 2, 90).unwrap_err();
+        assert!(e.contains("10 bytes are not a 2x2 RGB image"), "{e}");
+        let j = encode_rgb(&[200u8; 16 * 8 * 3], 16, 8, 90).unwrap();
+        assert_eq!(probe(&j).map(|i| (i.width, i.height)), Ok((16, 8)));
     }
 
     #[test]

@@ -73,16 +73,21 @@ unsafe impl Send for Handle {}
 impl Handle {
     /// A `kind` instance (`TJINIT_*`) with the limits above, then `extra` parameters.
     fn new(kind: tj::TJINIT, extra: &[(tj::TJPARAM, c_int)]) -> Result<Self, String> {
-        // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
-        let raw = unsafe { tj::tj3Init(kind as c_int) };
-        let h = Handle(NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?);
         let limits = [
             (tj::TJPARAM_TJPARAM_STOPONWARNING, 1),
             (tj::TJPARAM_TJPARAM_SCANLIMIT, SCAN_LIMIT),
             (tj::TJPARAM_TJPARAM_MAXPIXELS, DECODE_PIXELS_MAX as c_int),
             (tj::TJPARAM_TJPARAM_MAXMEMORY, (DECODE_BYTES_MAX >> 20) as c_int),
         ];
-        for &(param, value) in limits.iter().chain(extra) {
+        Self::with(kind, limits.iter().chain(extra))
+    }
+
+    /// A `kind` instance with `params` only (a compressor: the limits above are a reader's).
+    fn with<'p>(kind: tj::TJINIT, params: impl IntoIterator<Item = &'p (tj::TJPARAM, c_int)>) -> Result<Self, String> {
+        // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
+        let raw = unsafe { tj::tj3Init(kind as c_int) };
+        let h = Handle(NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?);
+        for &(param, value) in params {
             h.set(param, value)?;
         }
         Ok(h)
@@ -587,6 +592,50 @@ pub fn with_restarts_or_given(jpeg: Vec<u8>, max_px: u32) -> Vec<u8> {
             .and_then(|t| t.with_restarts(&jpeg, max_px).ok())
             .unwrap_or(jpeg)
     })
+}
+
+/// `px` (packed RGB, `width` x `height`) compressed as a baseline JPEG with 4:2:0 chroma at
+/// `quality` (1 to 100). The decode threads prime themselves with one at start
+/// ([`crate::image::prime`]); nothing else in ramjet encodes.
+pub fn encode_rgb(px: &[u8], width: u32, height: u32, quality: u8) -> Result<Vec<u8>, String> {
+    if px.len() != width as usize * height as usize * 3 || width == 0 || height == 0 {
+        return Err(format!("{} bytes are not a {width}x{height} RGB image", px.len()));
+    }
+    let handle = Handle::with(
+        tj::TJINIT_TJINIT_COMPRESS,
+        &[
+            (tj::TJPARAM_TJPARAM_QUALITY, quality.clamp(1, 100) as c_int),
+            (tj::TJPARAM_TJPARAM_SUBSAMP, tj::TJSAMP_TJSAMP_420 as c_int),
+        ],
+    )?;
+    let mut dst: *mut u8 = std::ptr::null_mut();
+    let mut size: tj::size_t = 0;
+    // SAFETY: the handle is live; `px` holds width x height packed RGB pixels (checked above)
+    // and outlives the call; `dst` is null, so the library allocates the output with tj3Alloc
+    // and stores it and its size through the two pointers, which point to live locals.
+    let rc = unsafe {
+        tj::tj3Compress8(
+            handle.ptr(),
+            px.as_ptr(),
+            width as c_int,
+            0,
+            height as c_int,
+            tj::TJPF_TJPF_RGB as c_int,
+            &mut dst,
+            &mut size,
+        )
+    };
+    let out = if rc == 0 && !dst.is_null() {
+        // SAFETY: on success `dst` points to `size` initialised bytes the library wrote.
+        Ok(unsafe { std::slice::from_raw_parts(dst, size as usize) }.to_vec())
+    } else {
+        Err(format!("JPEG encode: {}", handle.message()))
+    };
+    if !dst.is_null() {
+        // SAFETY: `dst` came from tj3Alloc inside tj3Compress8 and is freed once, here.
+        unsafe { tj::tj3Free(dst.cast()) };
+    }
+    out
 }
 
 /// Lossless JPEG transcoding with libjpeg-turbo's `tj3Transform`: the DCT coefficients are

@@ -317,6 +317,21 @@ impl Loader {
         let (done_tx, done_rx) = bounded::<Done>(ahead);
         let ctx = Arc::new(Assembler::new(cfg, schema.clone(), metrics.clone(), ahead + 4));
         let decode = crate::rt::decode_pool()?;
+        // While the first batch is read (over a slow link, several round trips), the decode
+        // threads ready themselves, and this loader's first batch buffers get their pages:
+        // first touches that would otherwise fall into the first batch's decode.
+        if let Some(spec) = ctx.cfg.image.clone() {
+            let len = spec.bytes() * ctx.cfg.batch_size;
+            for _ in 0..threads {
+                let (ctx, spec) = (ctx.clone(), spec.clone());
+                decode.spawn(move || {
+                    prime_thread(&spec);
+                    if let Some(mut b) = ctx.pool.take(len) {
+                        b.as_mut_slice().fill(0);
+                    }
+                });
+            }
+        }
         let rt = crate::rt::handle()?;
         // Dropped on a runtime thread (when the reader task ends or is aborted), the stream
         // must not block that thread waiting for its cache copies; they finish regardless.
@@ -524,10 +539,20 @@ async fn read_loop(
             if stop.load(Ordering::Relaxed) {
                 return;
             }
-            let t = first.then(ms);
+            let t = first.then(|| (ms(), crate::rt::thread_usage()));
             let (seq, r) = (job.seq, decode_job(&ctx, job));
-            if let Some(t) = t {
-                tracing::debug!(ms = ms(), decode_ms = ms() - t, "loader: first batch decoded");
+            if let Some((t, (cpu, minflt, majflt))) = t {
+                // The decode thread's own CPU time and page faults tell a decode that waited
+                // for a core from one that worked longer.
+                let (cpu2, minflt2, majflt2) = crate::rt::thread_usage();
+                tracing::debug!(
+                    ms = ms(),
+                    decode_ms = ms() - t,
+                    cpu_ms = (cpu2 - cpu).as_secs_f64() * 1e3,
+                    minflt = minflt2 - minflt,
+                    majflt = majflt2 - majflt,
+                    "loader: first batch decoded"
+                );
             }
             if let Some(g) = gate {
                 g.open();
@@ -541,6 +566,23 @@ thread_local! {
     /// Each decode-pool thread's resize scratch, reused across jobs and loaders. Boxed, to
     /// keep the static TLS block small (`cache::io`'s `OWN_RING` says why).
     static SCRATCH: std::cell::RefCell<Box<Scratch>> = std::cell::RefCell::new(Box::default());
+}
+
+/// Primes this decode-pool thread's scratch for `spec` ([`crate::image::prime`]), once.
+fn prime_thread(spec: &crate::image::ImageSpec) {
+    SCRATCH.with(|cell| {
+        let mut scratch = cell.borrow_mut();
+        let t = std::time::Instant::now();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crate::image::prime(spec, &mut scratch))) {
+            Ok(Ok(())) => tracing::trace!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: decode thread primed"),
+            // Not fatal: the real images decode regardless (and report their own errors).
+            Ok(Err(e)) => tracing::debug!("loader: priming the decode thread failed: {e}"),
+            Err(_) => {
+                **scratch = Scratch::default();
+                tracing::debug!("loader: priming the decode thread panicked");
+            }
+        }
+    })
 }
 
 /// Decodes one job on a pool thread; a panic comes back as the batch's error.

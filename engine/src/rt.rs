@@ -16,6 +16,7 @@
 //! has open.
 
 use std::sync::atomic::{AtomicPtr, Ordering};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 
@@ -151,6 +152,28 @@ impl Pool {
         // The pool's threads hold the receiver for the life of the process.
         let _ = self.tx.send(Box::new(job));
     }
+}
+
+/// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`: exact, where the rusage times
+/// count in scheduler ticks) and its minor and major page faults so far
+/// (`getrusage(RUSAGE_THREAD)`); zeros where either fails. For debug events.
+pub fn thread_usage() -> (Duration, u64, u64) {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one `timespec` through the pointer, which points to a live
+    // local of that type.
+    let cpu = if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0 {
+        Duration::new(ts.tv_sec.max(0) as u64, ts.tv_nsec.clamp(0, 999_999_999) as u32)
+    } else {
+        Duration::ZERO
+    };
+    // SAFETY: `rusage` is plain integers, for which all zeros is a valid value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one `rusage` through the pointer, which points to a live local
+    // of that type.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) } != 0 {
+        return (cpu, 0, 0);
+    }
+    (cpu, u.ru_minflt as u64, u.ru_majflt as u64)
 }
 
 /// This process's decode pool (`RAMJET_DECODE_THREADS`, default the cores).
