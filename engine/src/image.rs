@@ -475,14 +475,15 @@ pub enum Slot<'a> {
 
 /// Readies a decode thread's `scratch` for `spec`'s images before its first real one: a
 /// synthetic JPEG twice the output's size each way (the largest region a crop decodes, given
-/// the DCT scale [`dct_eighths`] picks) goes through [`process`] a few times, as given and
-/// cut at restart markers. So the first real image no longer also pays for libjpeg-turbo's
-/// set-up, the buffers' first growth and the first touch of their pages, which in a fresh
-/// process on a VM can cost several microseconds a page. The loader runs it on the decode
-/// threads while the first batch is still being read; a scratch is primed once.
-pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<(), String> {
+/// the DCT scale [`dct_eighths`] picks) goes through [`process`] twice, as given and cut at
+/// restart markers. So the first real image no longer also pays for libjpeg-turbo's set-up,
+/// the buffers' first growth and the first touch of their pages, which in a fresh process on
+/// a VM can cost several microseconds a page. The loader runs it on the decode threads while
+/// the first batch is still being read. A scratch is primed once: `Ok(false)` says it was
+/// already.
+pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<bool, String> {
     if scratch.primed {
-        return Ok(());
+        return Ok(false);
     }
     scratch.primed = true;
     let (w, h) = ((spec.width * 2).clamp(16, 2048), (spec.height * 2).clamp(16, 2048));
@@ -519,7 +520,7 @@ pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<(), String> {
     if scratch.decoded.len() < most {
         scratch.decoded.resize(most, 0);
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Decodes `bytes`, applies `spec` with the random choices of `rng`, and writes the result
@@ -691,11 +692,11 @@ pub(crate) mod tests {
             f
         }] {
             let mut primed = Scratch::default();
-            prime(&spec, &mut primed).unwrap();
+            assert_eq!(prime(&spec, &mut primed), Ok(true));
             assert!(primed.primed && primed.turbo.is_some(), "{spec:?}");
             // Priming again is free, and leaves what the first left.
             let cap = primed.decoded.capacity();
-            prime(&spec, &mut primed).unwrap();
+            assert_eq!(prime(&spec, &mut primed), Ok(false));
             assert_eq!(primed.decoded.capacity(), cap);
             for (i, bytes) in [&j, &cut].into_iter().cycle().take(6).enumerate() {
                 let run = |scratch: &mut Scratch| -> Vec<u8> {

@@ -548,9 +548,9 @@ async fn read_loop(
                 tracing::debug!(
                     ms = ms(),
                     decode_ms = ms() - t,
-                    cpu_ms = (cpu2 - cpu).as_secs_f64() * 1e3,
-                    minflt = minflt2 - minflt,
-                    majflt = majflt2 - majflt,
+                    cpu_ms = cpu2.saturating_sub(cpu).as_secs_f64() * 1e3,
+                    minflt = minflt2.saturating_sub(minflt),
+                    majflt = majflt2.saturating_sub(majflt),
                     "loader: first batch decoded"
                 );
             }
@@ -574,7 +574,8 @@ fn prime_thread(spec: &crate::image::ImageSpec) {
         let mut scratch = cell.borrow_mut();
         let t = std::time::Instant::now();
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crate::image::prime(spec, &mut scratch))) {
-            Ok(Ok(())) => tracing::trace!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: decode thread primed"),
+            Ok(Ok(true)) => tracing::trace!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: decode thread primed"),
+            Ok(Ok(false)) => {}
             // Not fatal: the real images decode regardless (and report their own errors).
             Ok(Err(e)) => tracing::debug!("loader: priming the decode thread failed: {e}"),
             Err(_) => {
