@@ -105,4 +105,6 @@ def test_the_extension_loads_after_torch_with_a_small_static_tls_block():
     assert _tls_memsz(so) <= 1280, f"{so}: {_tls_memsz(so)} bytes of TLS"
     code = "import torch, torchvision, ultralytics, ramjet; print(ramjet.__name__)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip() == "ramjet", r.stderr[-2000:]
+    # The last line: on a fresh machine, Ultralytics' first import prints to stdout that it
+    # wrote its settings file.
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == ["ramjet"], (r.stdout[-500:], r.stderr[-2000:])
