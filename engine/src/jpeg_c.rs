@@ -625,14 +625,23 @@ pub fn encode_rgb(px: &[u8], width: u32, height: u32, quality: u8) -> Result<Vec
             &mut size,
         )
     };
-    let out = if rc == 0 && !dst.is_null() {
+    // SAFETY: `dst` is null or the buffer tj3Compress8 allocated, with `size` bytes, unused after.
+    unsafe { take_output(rc, dst, size) }.ok_or_else(|| format!("JPEG encode: {}", handle.message()))
+}
+
+/// The output of a TurboJPEG call that allocated it (`rc` its status), copied into a `Vec`,
+/// and the library's buffer freed; `None` where the call failed.
+///
+/// # Safety
+/// `dst` is null or a buffer of `size` bytes that the call allocated with tj3Alloc, and not
+/// used after this.
+unsafe fn take_output(rc: c_int, dst: *mut u8, size: tj::size_t) -> Option<Vec<u8>> {
+    let out = (rc == 0 && !dst.is_null()).then(|| {
         // SAFETY: on success `dst` points to `size` initialised bytes the library wrote.
-        Ok(unsafe { std::slice::from_raw_parts(dst, size as usize) }.to_vec())
-    } else {
-        Err(format!("JPEG encode: {}", handle.message()))
-    };
+        unsafe { std::slice::from_raw_parts(dst, size as usize) }.to_vec()
+    });
     if !dst.is_null() {
-        // SAFETY: `dst` came from tj3Alloc inside tj3Compress8 and is freed once, here.
+        // SAFETY: `dst` came from tj3Alloc (the caller's promise) and is freed once, here.
         unsafe { tj::tj3Free(dst.cast()) };
     }
     out
@@ -718,16 +727,8 @@ impl Transcoder {
                 &transform,
             )
         };
-        let out = if rc == 0 && !dst.is_null() {
-            // SAFETY: on success `dst` points to `size` initialised bytes the library wrote.
-            Ok(unsafe { std::slice::from_raw_parts(dst, size as usize) }.to_vec())
-        } else {
-            Err(self.fail("JPEG transcode"))
-        };
-        if !dst.is_null() {
-            // SAFETY: `dst` came from tj3Alloc inside tj3Transform and is freed once, here.
-            unsafe { tj::tj3Free(dst.cast()) };
-        }
-        out
+        // SAFETY: `dst` is null or the buffer tj3Transform allocated, with `size` bytes,
+        // unused after.
+        unsafe { take_output(rc, dst, size) }.ok_or_else(|| self.fail("JPEG transcode"))
     }
 }

@@ -568,36 +568,34 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Box<Scratch>> = std::cell::RefCell::new(Box::default());
 }
 
-/// Primes this decode-pool thread's scratch for `spec` ([`crate::image::prime`]), once.
-fn prime_thread(spec: &crate::image::ImageSpec) {
+/// Runs `f` on this decode-pool thread's scratch. A panic comes back as the `Err`, and the
+/// scratch, whose buffers may then be half-written, starts afresh.
+fn on_scratch<T>(f: impl FnOnce(&mut Scratch) -> T) -> std::thread::Result<T> {
     SCRATCH.with(|cell| {
         let mut scratch = cell.borrow_mut();
-        let t = std::time::Instant::now();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crate::image::prime(spec, &mut scratch))) {
-            Ok(Ok(true)) => tracing::trace!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: decode thread primed"),
-            Ok(Ok(false)) => {}
-            // Not fatal: the real images decode regardless (and report their own errors).
-            Ok(Err(e)) => tracing::debug!("loader: priming the decode thread failed: {e}"),
-            Err(_) => {
-                **scratch = Scratch::default();
-                tracing::debug!("loader: priming the decode thread panicked");
-            }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut scratch)));
+        if r.is_err() {
+            **scratch = Scratch::default();
         }
+        r
     })
+}
+
+/// Primes this decode-pool thread's scratch for `spec` ([`crate::image::prime`]), once.
+fn prime_thread(spec: &crate::image::ImageSpec) {
+    let t = std::time::Instant::now();
+    match on_scratch(|scratch| crate::image::prime(spec, scratch)) {
+        Ok(Ok(true)) => tracing::trace!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: decode thread primed"),
+        Ok(Ok(false)) => {}
+        // Not fatal: the real images decode regardless (and report their own errors).
+        Ok(Err(e)) => tracing::debug!("loader: priming the decode thread failed: {e}"),
+        Err(_) => tracing::debug!("loader: priming the decode thread panicked"),
+    }
 }
 
 /// Decodes one job on a pool thread; a panic comes back as the batch's error.
 fn decode_job(ctx: &Ctx, job: Job) -> Result<Batch> {
-    SCRATCH.with(|cell| {
-        let mut scratch = cell.borrow_mut();
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assemble(ctx, job, &mut scratch))).unwrap_or_else(
-            |p| {
-                // The scratch buffers may be half-written: start afresh.
-                **scratch = Scratch::default();
-                Err(Error::from_panic("ramjet-decode", &*p))
-            },
-        )
-    })
+    on_scratch(|scratch| assemble(ctx, job, scratch)).unwrap_or_else(|p| Err(Error::from_panic("ramjet-decode", &*p)))
 }
 
 fn corrupt(url: &str, sample: u64, reason: impl Into<String>) -> Error {
