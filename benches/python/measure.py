@@ -10,6 +10,9 @@ So a benchmark here:
 - records the machine's steal share during each measurement, from /proc/stat, and the share of
   its CPUs that processes outside the measured tree used (`others`: a build running beside
   the benchmark), and flags the rounds above STEAL_FLAG or OTHERS_FLAG;
+- ends a ramjet loader's window when its run-on into the next epoch has ended
+  (`run_on_end`), and reads its CPU once it is idle (`wait_idle`), so that each window holds
+  one epoch's work and none spills into the next contender's;
 - prints a verdict only from at least VERDICT_ROUNDS rounds, none of them flagged
   (`Rounds.verdict`).
 
@@ -103,16 +106,72 @@ class Meter:
     def __enter__(self):
         self._s, self._o = proc_stat(), self._origin_cpu()
         self._c, self._t = tree_cpu_s(self.pid), time.perf_counter()
+        self.end = None
         return self
 
     def __exit__(self, *exc):
-        self.wall_s = time.perf_counter() - self._t
+        # `end` (a perf_counter time, set inside the block) ends the wall clock before the
+        # block does: the block may wait past its work to see that the work has ended
+        # (run_on_end). CPU, steal and other load are read at the exit, so nothing is missed.
+        self.wall_s = (time.perf_counter() if self.end is None else self.end) - self._t
         self.cpu_s = tree_cpu_s(self.pid) - self._c
         origin_cpu = self._origin_cpu() - self._o
         after = proc_stat()
         self.steal = steal_share(self._s, after)
         self.others = others_share(self._s, after, self.cpu_s + origin_cpu, self.wall_s)
         return False
+
+
+def run_on_end(ds, quiet_s=0.05, limit_s=10.0):
+    """When a ramjet loader's epoch has really ended: the perf_counter time at which it last
+    decoded an image, once it has decoded none for `quiet_s`.
+
+    A ramjet loader runs on into the next epoch: once its last batch is handed out, its decode
+    threads fill its prefetch queue (prefetch_batches + threads batches; 48 images at batch 8)
+    with the next epoch's first batches, which are then handed out at once. A window that ends
+    at the last batch leaves that work out of the epoch that paid for it and lays it on the next
+    contender's window (as other load) instead, and the next epoch of this loader starts with
+    it already done. Every window ending here holds one epoch's work: the run-on it inherits
+    at its start is the one it leaves at its end. A DataLoader's workers start the next epoch
+    only when it is asked for, so the peers need no such wait.
+
+    ds: anything with ramjet's `metrics()` (a StreamingDataset, an SDK loader)."""
+    def decoded():
+        return ds.metrics().get("images_decoded", 0)
+
+    start = last_t = time.perf_counter()
+    last = decoded()
+    while True:
+        time.sleep(0.002)
+        v, t = decoded(), time.perf_counter()
+        if v != last:
+            last, last_t = v, t
+        elif t - last_t >= quiet_s or t - start >= limit_s:
+            return last_t
+
+
+def wait_idle(quiet_s=0.05, busy=0.1, limit_s=30.0):
+    """Waits until this process has used less than `busy` of one core over `quiet_s`; returns
+    the seconds waited.
+
+    What a ramjet loader does after an epoch's last decode (its streams reading the next
+    epoch's shards: after a cold epoch, up to its prefetch budget) is work the epoch caused.
+    A Meter that exits after this counts its CPU in the epoch, and none of it lands on the
+    next contender's window as other load. The wall clock is the caller's to end (Meter.end)."""
+    import resource
+
+    def cpu():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    start = time.perf_counter()
+    t, c = start, cpu()
+    while True:
+        time.sleep(quiet_s)
+        t2, c2 = time.perf_counter(), cpu()
+        if c2 - c < busy * (t2 - t) or t2 - start >= limit_s:
+            return t2 - start
+        t, c = t2, c2
 
 
 def run(cmd, **kw):

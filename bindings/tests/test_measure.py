@@ -135,3 +135,53 @@ def test_the_bench_counts_no_warm_up_round_but_shows_it():
     rows[2]["ttfb_s"] = 0.5
     (cold,) = [c for c in rb.checks(rows) if "cold time" in c["target"]]
     assert cold["verdict"] == "missed", cold
+
+
+def test_a_ramjet_window_holds_one_epochs_decodes_and_leaves_nothing_behind(tmp_path):
+    """A real ramjet loader runs on into the next epoch after its last batch. A window ended by
+    measure.run_on_end and read after measure.wait_idle holds exactly one epoch's decodes, and
+    nothing of it is left to run in the next contender's window."""
+    import os
+    import resource
+    import time
+
+    import ramjet
+
+    cli = os.environ.get("RAMJET_BIN") or str(BENCHES.parents[1] / "target/debug/ramjet")
+    n = 96
+    for args in (["synth", str(tmp_path / "synth"), "--samples", str(n)],
+                 ["pack", str(tmp_path / "synth"), str(tmp_path / "packed"), "--shard-size", "1MiB"]):
+        out = subprocess.run([cli, *args], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+    ds = ramjet.StreamingDataset(str(tmp_path / "packed"), local=None, batch_size=8, shuffle=True, seed=0,
+                                 image_size=64, augment="train", boxes_column=None)
+
+    def decoded():
+        return int(ds.metrics()["images_decoded"])
+
+    def cpu():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    ds.set_epoch(0)
+    assert sum(b["image"].shape[0] for b in ds) == n
+    measure.run_on_end(ds)
+    # The run-on this is about: past the epoch's last image, the next epoch's first batches.
+    assert decoded() - n >= 8, decoded()
+    measure.wait_idle()
+    for ep in (1, 2):
+        ds.set_epoch(ep)
+        before = decoded()
+        with measure.Meter() as m:
+            got = sum(b["image"].shape[0] for b in ds)
+            loop_end = time.perf_counter()
+            m.end = measure.run_on_end(ds)
+            at_end = decoded()
+            measure.wait_idle()
+        # One epoch's decodes, all of them done when run_on_end returned.
+        assert got == n and at_end - before == n and decoded() == at_end, (ep, at_end - before, decoded() - before)
+        # The wall clock ends at the last decode: after the loop, before the quiet wait.
+        assert loop_end <= m.end < loop_end + m.wall_s and m.wall_s < time.perf_counter() - m._t - 0.04
+        c = cpu()
+        time.sleep(0.3)
+        assert cpu() - c < 0.03, f"epoch {ep}: {cpu() - c:.3f} s of CPU after the window"

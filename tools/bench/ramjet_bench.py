@@ -394,9 +394,13 @@ def Meter():
     return measure.Meter(origin=pids)
 
 
-def epoch(batches, *, desc, total, step_ms=0.0, t0=None, meter=None):
+def epoch(batches, *, desc, total, step_ms=0.0, t0=None, meter=None, run_on=None):
     """Consumes one epoch; returns time to first batch, wall time and samples, and the CPU
-    seconds of this process and its workers with the machine's steal share over it."""
+    seconds of this process and its workers with the machine's steal share over it.
+
+    run_on: a ramjet loader. Its window ends when its run-on into the next epoch has
+    (measure.run_on_end: the next epoch's first batches, decoded after this one's last), and
+    its CPU is read once the process is idle (measure.wait_idle)."""
     from tqdm import tqdm
 
     meter = meter or Meter().__enter__()
@@ -414,10 +418,14 @@ def epoch(batches, *, desc, total, step_ms=0.0, t0=None, meter=None):
             bar.update(img.shape[0])
             if step_ms:
                 time.sleep(step_ms / 1000)
+    end = now()
+    if run_on is not None:
+        end = measure.run_on_end(run_on)
+        measure.wait_idle()
     meter.__exit__(None, None, None)
     if n != total:
         raise RuntimeError(f"{desc}: {n} samples, expected {total}")
-    return {"ttfb_s": first, "wall_s": now() - t0, "samples": n, "cpu_s": meter.cpu_s, "steal": meter.steal,
+    return {"ttfb_s": first, "wall_s": end - t0, "samples": n, "cpu_s": meter.cpu_s, "steal": meter.steal,
             "others": meter.others}
 
 
@@ -515,7 +523,7 @@ class Ramjet(Contender):
         m = Meter().__enter__()
         t0 = now()
         self.dl = ramjet.StreamingDataset(self.a.url, local=str(cache), cache_limit="64GiB", **self.common)
-        res = epoch(self.dl, desc=f"{self.loader} cold {r + 1}", total=self.a.samples, t0=t0, meter=m)
+        res = epoch(self.dl, desc=f"{self.loader} cold {r + 1}", total=self.a.samples, t0=t0, meter=m, run_on=self.dl)
         out = [row(self.loader, f"{self.scenario}, cold", res, origin=self.dl.metrics()["origin_bytes"],
                    total_bytes=self.total_bytes, phase="cold", round=r)]
         if self.p2_too and self.p2 is None:
@@ -527,7 +535,7 @@ class Ramjet(Contender):
             m = Meter().__enter__()
             t0 = now()
             self.p2 = ramjet.StreamingDataset(str(local), local=None, **self.common)
-            res = epoch(self.p2, desc="ramjet P2 first epoch", total=self.a.samples, t0=t0, meter=m)
+            res = epoch(self.p2, desc="ramjet P2 first epoch", total=self.a.samples, t0=t0, meter=m, run_on=self.p2)
             res["ttfb_s"] += exp["wall_s"]
             out += [exp, row("ramjet", "P2 first epoch from local disk", res, origin=0,
                              total_bytes=self.a.ramjet_bytes, phase="p2-first", round=r)]
@@ -537,7 +545,7 @@ class Ramjet(Contender):
         """A warm streaming epoch, with its origin bytes."""
         before = self.dl.metrics()["origin_bytes"]
         self.dl.set_epoch(ep)
-        res = epoch(self.dl, desc=desc, total=self.a.samples, step_ms=step_ms)
+        res = epoch(self.dl, desc=desc, total=self.a.samples, step_ms=step_ms, run_on=self.dl)
         return [row(self.loader, scenario, res, origin=self.dl.metrics()["origin_bytes"] - before,
                     total_bytes=self.total_bytes, step_ms=step_ms, phase=phase, round=r)]
 
@@ -546,7 +554,7 @@ class Ramjet(Contender):
             return self._streamed(ep, f"{self.loader} warm {r + 1}", f"{self.scenario}, warm", "warm", r)
         # P2: epochs from the local copy, on the same epoch numbers (same order, same crops).
         self.p2.set_epoch(ep)
-        res = epoch(self.p2, desc=f"ramjet P2 epoch {r + 1}", total=self.a.samples)
+        res = epoch(self.p2, desc=f"ramjet P2 epoch {r + 1}", total=self.a.samples, run_on=self.p2)
         return [row("ramjet", "P2 epoch from local disk", res, origin=0, total_bytes=self.a.ramjet_bytes,
                     phase="p2", round=r)]
 
@@ -1114,7 +1122,7 @@ def main():
     p = argparse.ArgumentParser(prog="ramjet-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="1,000 samples, 16 MiB shards, 3 warm rounds and 1 cold round, loopback only")
+                   help="1,000 samples, 16 MiB shards, 5 warm rounds and 1 cold round, loopback only")
     p.add_argument("--samples", type=int, help="dataset size (default 5315; --quick: 1000)")
     p.add_argument("--shard-mib", type=int, help="shard size of every format, MiB (default 64; --quick: 16)")
     p.add_argument("--link", choices=["loopback", "wan", "both"], help="origin link (default both; --quick: loopback)")
@@ -1122,7 +1130,7 @@ def main():
     p.add_argument("--rtt-ms", type=float, default=20.0, help="WAN-like link round-trip time (default 20 ms)")
     p.add_argument("--step-ms", type=float, default=50.0, help="simulated training step, ms (0: loader only)")
     p.add_argument("--rounds", type=int,
-                   help="interleaved warm rounds, one epoch of every loader each (default 5; --quick: 3)")
+                   help="interleaved warm rounds, one epoch of every loader each (default 5, --quick too)")
     p.add_argument("--cold-rounds", type=int,
                    help="interleaved cold rounds, every state rebuilt from empty each (default 3; --quick: 1)")
     p.add_argument("--cold-warmup-rounds", type=int,
@@ -1138,7 +1146,7 @@ def main():
     a = p.parse_args()
     samples = a.samples or (1000 if a.quick else 5315)
     shard_mib = a.shard_mib or (16 if a.quick else 64)
-    rounds = a.rounds or (3 if a.quick else 5)
+    rounds = a.rounds or 5
     cold_rounds = a.cold_rounds or (1 if a.quick else 3)
     links = {"loopback": ["loopback"], "wan": ["wan"], "both": ["loopback", "wan"]}[a.link or
                                                                                    ("loopback" if a.quick else "both")]
