@@ -127,13 +127,13 @@ def run_on_end(ds, quiet_s=0.05, limit_s=10.0):
     decoded an image, once it has decoded none for `quiet_s`.
 
     A ramjet loader runs on into the next epoch: once its last batch is handed out, its decode
-    threads fill its prefetch queue (prefetch_batches + threads batches; 48 images at batch 8)
-    with the next epoch's first batches, which are then handed out at once. A window that ends
-    at the last batch leaves that work out of the epoch that paid for it and lays it on the next
-    contender's window (as other load) instead, and the next epoch of this loader starts with
-    it already done. Every window ending here holds one epoch's work: the run-on it inherits
-    at its start is the one it leaves at its end. A DataLoader's workers start the next epoch
-    only when it is asked for, so the peers need no such wait.
+    threads fill its prefetch queue (prefetch_batches + threads batches: 48 images at batch 8
+    on 2 cores) with the next epoch's first batches, which are then handed out at once. A
+    window that ends at the last batch leaves that work out of the epoch that paid for it and
+    lays it on the next contender's window (as other load) instead, and the next epoch of this
+    loader starts with it already done. Every window ending here holds one epoch's work: the
+    run-on it inherits at its start is the one it leaves at its end. A DataLoader's workers
+    start the next epoch only when it is asked for, so the peers need no such wait.
 
     ds: anything with ramjet's `metrics()` (a StreamingDataset, an SDK loader)."""
     def decoded():
