@@ -634,13 +634,108 @@ fn decode_jpeg_crop<'s>(
 /// Interleaved RGB to planar CHW, mirrored if `flip`, converted to the slot's type.
 fn write_chw(hwc: &[u8], w: usize, h: usize, flip: bool, spec: &ImageSpec, slot: Slot<'_>) {
     match slot {
-        Slot::U8(out) => planar(hwc, w, h, flip, out, |_, v| v),
+        Slot::U8(out) => planar_u8(hwc, w, h, flip, out),
         Slot::F32(out) => {
             // One multiply-add per element: (x / 255 - mean) / std = x * a + k.
             let a: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * spec.std[c]));
             let k: [f32; 3] = std::array::from_fn(|c| -spec.mean[c] / spec.std[c]);
             planar(hwc, w, h, flip, out, |c, v| v as f32 * a[c] + k[c])
         }
+    }
+}
+
+/// [`planar`] for uint8 output: 16 pixels at a time with byte shuffles where the CPU has
+/// SSSE3 ([`deinterleave`]), the rest of each row as [`planar`] does it. The same bytes either
+/// way (`the_shuffled_planar_write_is_the_scalar_one`); the scalar loop cost 6% of a warm
+/// loader's CPU (docs/benchmarks.md, "The quick run's verdicts, and the run-on").
+fn planar_u8(hwc: &[u8], w: usize, h: usize, flip: bool, out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if deinterleave::available() {
+        let plane = w * h;
+        let (r, rest) = out.split_at_mut(plane);
+        let (g, b) = rest.split_at_mut(plane);
+        for y in 0..h {
+            let (src, o) = (&hwc[y * w * 3..(y + 1) * w * 3], y * w);
+            let (r, g, b) = (&mut r[o..o + w], &mut g[o..o + w], &mut b[o..o + w]);
+            // SAFETY: `available` said this CPU has SSSE3, the one feature `row` enables.
+            let done = unsafe { deinterleave::row(src, r, g, b, flip) };
+            for x in done..w {
+                let ox = if flip { w - 1 - x } else { x };
+                (r[ox], g[ox], b[ox]) = (src[3 * x], src[3 * x + 1], src[3 * x + 2]);
+            }
+        }
+        return;
+    }
+    planar(hwc, w, h, flip, out, |_, v| v)
+}
+
+/// Interleaved RGB to planes with SSSE3: each 16 pixels (48 bytes, three 16-byte loads) give
+/// 16 bytes of each plane, each the OR of three `pshufb`s of the loads.
+#[cfg(target_arch = "x86_64")]
+mod deinterleave {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_or_si128, _mm_shuffle_epi8, _mm_storeu_si128};
+
+    /// `m[c][k][j]`: where output byte `j` of channel `c` sits in load `k` (bytes 16k..16k+16
+    /// of the 48), or 0x80 (`pshufb` then writes 0) where it sits in another load. Mirrored:
+    /// output byte `j` is pixel 15 - j.
+    const fn masks(mirrored: bool) -> [[[u8; 16]; 3]; 3] {
+        let mut m = [[[0x80u8; 16]; 3]; 3];
+        let mut c = 0;
+        while c < 3 {
+            let mut j = 0;
+            while j < 16 {
+                let at = 3 * (if mirrored { 15 - j } else { j }) + c;
+                m[c][at / 16][j] = (at % 16) as u8;
+                j += 1;
+            }
+            c += 1;
+        }
+        m
+    }
+    const FORWARD: [[[u8; 16]; 3]; 3] = masks(false);
+    const MIRRORED: [[[u8; 16]; 3]; 3] = masks(true);
+
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("ssse3")
+    }
+
+    /// Writes pixels `0..n` of one row into its planes `r`, `g`, `b` (mirrored if `flip`:
+    /// pixel x to w - 1 - x), n the largest multiple of 16 up to the width; returns n.
+    /// `src` holds 3 bytes a pixel, the planes one each.
+    #[target_feature(enable = "ssse3")]
+    pub(super) fn row(src: &[u8], r: &mut [u8], g: &mut [u8], b: &mut [u8], flip: bool) -> usize {
+        let w = r.len();
+        assert!(
+            src.len() == 3 * w && g.len() == w && b.len() == w,
+            "a row and its planes"
+        );
+        let masks = if flip { &MIRRORED } else { &FORWARD };
+        let m = masks.map(|c| c.map(|k| load(&k)));
+        let n = w / 16 * 16;
+        for x in (0..n).step_by(16) {
+            let s = &src[3 * x..3 * x + 48];
+            let v = [load(&s[..16]), load(&s[16..32]), load(&s[32..48])];
+            let o = if flip { w - 16 - x } else { x };
+            for (c, plane) in [&mut *r, &mut *g, &mut *b].into_iter().enumerate() {
+                let got = _mm_or_si128(
+                    _mm_or_si128(_mm_shuffle_epi8(v[0], m[c][0]), _mm_shuffle_epi8(v[1], m[c][1])),
+                    _mm_shuffle_epi8(v[2], m[c][2]),
+                );
+                let dst = &mut plane[o..o + 16];
+                // SAFETY: `dst` is 16 bytes long; the store is unaligned.
+                unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), got) };
+            }
+        }
+        n
+    }
+
+    /// 16 bytes from `s` (at least 16 long), unaligned.
+    #[inline(always)]
+    fn load(s: &[u8]) -> __m128i {
+        assert!(s.len() >= 16);
+        // SAFETY: `s` holds at least 16 readable bytes; the load is unaligned (SSE2, which
+        // every x86_64 CPU has).
+        unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
     }
 }
 
@@ -717,6 +812,27 @@ pub(crate) mod tests {
                 assert_eq!(run(&mut primed), run(&mut Scratch::default()), "{spec:?}, image {i}");
             }
         }
+    }
+
+    #[test]
+    fn the_shuffled_planar_write_is_the_scalar_one() {
+        // Widths below, at and past multiples of 16 (the shuffled chunks and the scalar tail),
+        // both directions, every byte value in play.
+        let mut rng = SampleRng::new(7, 0, 0, 0);
+        for w in (1..=70).chain([224, 225, 239]) {
+            for h in [1, 3] {
+                let hwc: Vec<u8> = (0..w * h * 3).map(|_| rng.next_u64() as u8).collect();
+                for flip in [false, true] {
+                    let mut want = vec![0u8; w * h * 3];
+                    planar(&hwc, w, h, flip, &mut want, |_, v| v);
+                    let mut got = vec![0u8; w * h * 3];
+                    planar_u8(&hwc, w, h, flip, &mut got);
+                    assert_eq!(got, want, "{w}x{h}, flip {flip}");
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert!(deinterleave::available(), "the shuffled path was not tested: no SSSE3");
     }
 
     #[test]
