@@ -20,6 +20,7 @@ docs/benchmarks.md ("How we measure") says the same for readers of the figures.
 """
 
 import os
+import resource
 import statistics
 import subprocess
 import tempfile
@@ -158,8 +159,6 @@ def wait_idle(quiet_s=0.05, busy=0.1, limit_s=30.0):
     epoch's shards: after a cold epoch, up to its prefetch budget) is work the epoch caused.
     A Meter that exits after this counts its CPU in the epoch, and none of it lands on the
     next contender's window as other load. The wall clock is the caller's to end (Meter.end)."""
-    import resource
-
     def cpu():
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime

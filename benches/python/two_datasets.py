@@ -57,17 +57,12 @@ sets = [made[k]() for k in mode]
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+sys.path.insert(0, cfg["measure_dir"])
+import measure
 def quiet():
     # Wait until the loaders' read-ahead (bounded queues) is full and the process is idle,
     # so that every mode's window starts and ends in the same state.
-    t = time.perf_counter() + 15
-    last = cpu()
-    while time.perf_counter() < t:
-        time.sleep(0.3)
-        now = cpu()
-        if now - last < 0.006:
-            return
-        last = now
+    measure.wait_idle(quiet_s=0.3, busy=0.02, limit_s=15)
 def epoch(ds, e):
     ds.set_epoch(e)
     n = 0
@@ -131,6 +126,7 @@ def main():
             sh(RAMJET, "pack", str(work / "synth"), str(d), "--shard-size", "4MiB")
             urls.append(str(d))
         cfg = {"cache_a": str(work / "cache"), "cache_b": str(work / "cache"), "batch": 32, "augment": "train"}
+    cfg["measure_dir"] = str(Path(__file__).resolve().parent)  # the child's measure.wait_idle
     # `a`: A alone; `b`: B alone (only where B differs from A); `ab`: both, used in turn.
     modes = ["a", "b", "ab"] if a.like_bench else ["a", "ab"]
     rows = []
