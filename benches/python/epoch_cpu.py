@@ -4,7 +4,7 @@ per image (getrusage), and the page faults it took: what a process's first epoch
 its later ones. The bench's settings: batch 8, 224x224 RandomResizedCrop, shard-block shuffle.
 
 Usage (tools/env.sh sourced, the dataset's S3 server running):
-  benches/python/epoch_cpu.py s3://ramjet/bench/ramjet-bench/1000-16m/ramjet-rst64 CACHE_DIR [EPOCHS]
+  benches/python/epoch_cpu.py s3://ramjet/bench/ramjet-bench/1000-16m/ramjet-rst32 CACHE_DIR [EPOCHS]
 
 An empty CACHE_DIR makes epoch 0 the cold fill; RAMJET_CACHE_FILL=buffered fills it through the
 page cache instead of around it.

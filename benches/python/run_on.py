@@ -4,7 +4,7 @@ run-on into the next epoch), the CPU its threads use in the second after, and wh
 The bench's settings: batch 8, 224x224 RandomResizedCrop, shard-block shuffle.
 
 Usage (tools/env.sh sourced, the dataset's S3 server running):
-  benches/python/run_on.py s3://ramjet/bench/ramjet-bench/1000-16m/ramjet-rst64 [EPOCHS]
+  benches/python/run_on.py s3://ramjet/bench/ramjet-bench/1000-16m/ramjet-rst32 [EPOCHS]
 
 Epoch 0 starts from an empty cache (a cold epoch); the later ones are warm. Each line: the
 epoch's rate and CPU per 1,000 images up to its last batch, then over the 1 s after it: the

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tools/bench"))
 import measure  # noqa: E402 - the shared measuring rules
 import ramjet_bench as rb  # noqa: E402 - the WAN-like link
 
-URL = "s3://ramjet/bench/ramjet-bench/5315-64m/ramjet-rst64"
+URL = "s3://ramjet/bench/ramjet-bench/5315-64m/ramjet-rst32"
 cache = Path(tempfile.mkdtemp(prefix="wancold-"))
 
 

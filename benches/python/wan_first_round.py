@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benches/python"))
 sys.path.insert(0, str(ROOT / "tools/bench"))
 import ramjet_bench as rb  # noqa: E402 - the WAN-like link and the dataset
 
-URL = "s3://ramjet/bench/ramjet-bench/5315-64m/ramjet-rst64"
+URL = "s3://ramjet/bench/ramjet-bench/5315-64m/ramjet-rst32"
 FIRST_BATCH = """
 import json, sys, time
 import torch  # noqa: F401 - imported before the clock starts, as in the bench's loader processes

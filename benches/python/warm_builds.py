@@ -6,11 +6,13 @@ RandomResizedCrop, the default shard-block shuffle. A round runs `--epochs` epoc
 all but the first (which may fill the cache).
 
 Usage (tools/env.sh sourced, the S3 server of the dataset running):
-  benches/python/warm_builds.py --url s3://ramjet/bench/ramjet-bench/1000-16m/ramjet-rst64 \\
+  benches/python/warm_builds.py --url s3://ramjet/bench/ramjet-bench/1000-16m/ramjet-rst32 \\
       --pkg before=/tmp/pkg-a --pkg after=/tmp/pkg-b [--rounds 6] [--epochs 3]
 
 Each --pkg puts DIR first on the child's PYTHONPATH (a build installed there with
-`pip install --no-deps --target DIR ramjet-*.whl`).
+`pip install --no-deps --target DIR ramjet-*.whl`). `--data NAME=URL` has that contender read
+URL instead of --url: two packings of the same images, read by one build, are compared by
+naming the same DIR twice (`--pkg rst64=DIR --pkg rst32=DIR --data rst32=s3://...`).
 """
 import argparse
 import json
@@ -42,16 +44,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True)
     p.add_argument("--pkg", action="append", required=True, help="NAME=DIR: a build of the package in DIR")
+    p.add_argument("--data", action="append", default=[], help="NAME=URL: the dataset that contender reads")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--epochs", type=int, default=3)
     a = p.parse_args()
     builds = [tuple(x.split("=", 1)) for x in a.pkg]
+    urls = dict(x.split("=", 1) for x in a.data)
     rows = {name: [] for name, _ in builds}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             for name, pkg in builds if r % 2 == 0 else builds[::-1]:
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (pkg, os.environ.get("PYTHONPATH")) if x))
-                out = subprocess.run([sys.executable, "-c", CHILD, a.url, str(Path(tmp) / f"cache-{name}"),
+                out = subprocess.run([sys.executable, "-c", CHILD, urls.get(name, a.url), str(Path(tmp) / f"cache-{name}"),
                                       str(a.epochs)], env=env, capture_output=True, text=True)
                 if out.returncode != 0:
                     raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")

@@ -319,9 +319,9 @@ def test_index_with_jpeg_restarts_keeps_the_files_and_every_pixel(fixtures, tmp_
     before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
     run("index", str(plain / src))
     out = run("index", "--jpeg-restarts", str(rst / src)).stdout
-    assert "restart marker every 64 px" in out, out
-    assert ramjet.inspect(str(d))["jpeg_restart_px"] == 64 and ramjet.inspect(str(plain / name))["jpeg_restart_px"] is None
-    assert "restart marker every 64 px" in run("inspect", str(d)).stdout
+    assert "restart marker every 32 px" in out, out
+    assert ramjet.inspect(str(d))["jpeg_restart_px"] == 32 and ramjet.inspect(str(plain / name))["jpeg_restart_px"] is None
+    assert "restart marker every 32 px" in run("inspect", str(d)).stdout
     assert all((d / n).read_bytes() == b for n, b in before.items()), "a foreign file changed"
     assert run("verify", str(d)).returncode == 0
 

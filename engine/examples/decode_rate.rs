@@ -16,10 +16,13 @@
 //!   among every eighth (now);
 //! - `C region 2^-k, restarts` and `process train, restarts`: the same, on the files as
 //!   `ramjet pack --jpeg-restarts` stores them (transcoded losslessly with a restart marker
-//!   every `RESTART_PX` pixels, 64 unless set), so that a crop is cut at the markers first;
+//!   every `RESTART_PX` pixels, `JPEG_RESTART_PX` (32) unless set), so that a crop is cut at the markers first;
 //! - `process train 224`: the whole per-image path ramjet runs (C region at the DCT scale that
 //!   keeps the crop at least 224, resize, flip, CHW);
 //! - `process eval 224`: the centre crop of Resize(256), likewise.
+//!
+//! `ONLY="C full;process train, restarts"` runs just the contenders named (`;` between names),
+//! for a profile of one of them; the ratios then print only where both sides ran.
 use ramjet_engine::decode::probe;
 use ramjet_engine::image::{plan, process, ImageSpec, Rect, SampleRng, Scratch, Slot};
 use ramjet_engine::jpeg_c::{Region, Transcoder, TurboJpeg};
@@ -81,7 +84,9 @@ fn main() {
 
     // The same files as `ramjet pack --jpeg-restarts` stores them: transcoded losslessly
     // with a restart marker every RESTART_PX pixels of each MCU row.
-    let restart_px: u32 = std::env::var("RESTART_PX").map_or(64, |v| v.parse().expect("RESTART_PX"));
+    let restart_px: u32 = std::env::var("RESTART_PX").map_or(ramjet_engine::jpeg_c::JPEG_RESTART_PX, |v| {
+        v.parse().expect("RESTART_PX")
+    });
     let mut tc = Transcoder::new().expect("libjpeg-turbo");
     let cut: Vec<Vec<u8>> = files
         .iter()
@@ -209,6 +214,10 @@ fn main() {
             }),
         ),
     ];
+    let only: Option<Vec<String>> = std::env::var("ONLY")
+        .ok()
+        .map(|v| v.split(';').map(|n| n.trim().to_string()).collect());
+    let runs = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
     let k = contenders.len();
     let mut rate = vec![Vec::new(); k];
     let mut cpu_ms = vec![Vec::new(); k];
@@ -217,6 +226,9 @@ fn main() {
         for j in 0..k {
             let c = (j + r) % k; // rotated: none always first
             let (name, f) = &mut contenders[c];
+            if !runs(name) {
+                continue;
+            }
             let (t, cpu) = (Instant::now(), thread_cpu_s());
             for i in 0..files.len() {
                 f(i);
@@ -229,7 +241,7 @@ fn main() {
         println!("{line}");
     }
     println!("\n{:22} {:>10} {:>14}", "median of rounds", "img/s", "CPU ms/img");
-    for c in 0..k {
+    for c in (0..k).filter(|&c| !rate[c].is_empty()) {
         println!(
             "{:22} {:>10.0} {:>14.3}",
             contenders[c].0,
@@ -238,6 +250,9 @@ fn main() {
         );
     }
     let ratio = |a: usize, b: usize| {
+        if rate[a].is_empty() || rate[b].is_empty() {
+            return "(not run)".to_string();
+        }
         let per: Vec<f64> = rate[a].iter().zip(&rate[b]).map(|(x, y)| x / y).collect();
         let text: Vec<String> = per.iter().map(|x| format!("{x:.2}")).collect();
         format!("{:.2}x (per round {})", median(per), text.join(", "))

@@ -570,10 +570,11 @@ const UPSAMPLE_REACH: u32 = 2;
 
 /// With `--jpeg-restarts` (`ramjet pack`, `ramjet index`), a restart marker at least every
 /// this many pixels of each MCU row: a crop then skips all but at most this much of each row it
-/// does not need. Sizes came out 2.5% smaller than the synthetic set's own JPEGs (optimal
-/// Huffman tables make up for the markers), and a crop decoded as fast as with a marker every
-/// 8 or 32 px (`docs/benchmarks.md`, "JPEG restart markers").
-pub const JPEG_RESTART_PX: u32 = 64;
+/// does not need. On the synthetic set, 32 px made the files as large as its own JPEGs (optimal
+/// Huffman tables make up for the markers: 64 px saved 2.4%, 16 px cost 4.1%), and `process`
+/// took 3% less CPU per image than at 64 px, as little as at 16 px (`docs/benchmarks.md`,
+/// "Restart markers every 32 px").
+pub const JPEG_RESTART_PX: u32 = 32;
 
 /// `jpeg` transcoded losslessly ([`Transcoder::with_restarts`]) with a restart marker at least
 /// every `max_px` pixels, or as it is where libjpeg-turbo will not transcode it (it then

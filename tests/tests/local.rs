@@ -131,7 +131,7 @@ fn jpeg_restarts_keep_every_pixel_and_every_crop() {
     let dst = t.path().join("restarts");
     pack_to(&synth_dataset(N), &dst, &["--shard-size", "1MiB", "--jpeg-restarts"]);
     let m = manifest(&dst);
-    assert_eq!(m.meta["jpeg_restart_px"], 64);
+    assert_eq!(m.meta["jpeg_restart_px"], 32);
     let src = synth_dataset(N);
     let spec = ImageSpec::train(224);
     let (mut s1, mut s2) = (Scratch::default(), Scratch::default());

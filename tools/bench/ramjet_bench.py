@@ -210,7 +210,7 @@ class Data:
 
     # ramjet's own copy is packed with `--jpeg-restarts` (the same pixels, JPEGs a crop can be
     # cut from), under a folder of its own so that a copy packed before is not taken for it.
-    PATHS = {"ramjet": "ramjet-rst64", "ramjet-plain": "ramjet"}
+    PATHS = {"ramjet": "ramjet-rst32", "ramjet-plain": "ramjet"}
 
     def url(self, fmt):
         return f"s3://{BUCKET}/{self.prefix}/{self.PATHS.get(fmt, fmt)}"

@@ -66,7 +66,7 @@ enum Cmd {
         #[arg(long, value_enum, default_value = "auto")]
         shard_table: ramjet_tools::pack::ShardTableMode,
         /// Store JPEGs transcoded losslessly (the same pixels, not the same bytes) with a
-        /// restart marker every 64 pixels of each MCU row and optimal Huffman tables: a random
+        /// restart marker every 32 pixels of each MCU row and optimal Huffman tables: a random
         /// crop then decodes only the part of the image it needs, about 1.3x faster.
         #[arg(long)]
         jpeg_restarts: bool,
@@ -82,7 +82,7 @@ enum Cmd {
         /// Have the ramjet shards that the foreign ones transcode to (what the caches hold)
         /// store each JPEG (an MDS `jpeg` or `bytes` value, or a WebDataset member, that is a
         /// JPEG file by its first bytes) transcoded
-        /// losslessly with a restart marker every 64 pixels of each MCU row: the same pixels,
+        /// losslessly with a restart marker every 32 pixels of each MCU row: the same pixels,
         /// crops about 1.3x faster. The foreign objects are not changed. It costs a few CPU ms
         /// a JPEG each time a shard is read from the origin.
         #[arg(long)]
