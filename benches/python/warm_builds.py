@@ -50,6 +50,8 @@ def main():
     a = p.parse_args()
     builds = [tuple(x.split("=", 1)) for x in a.pkg]
     urls = dict(x.split("=", 1) for x in a.data)
+    if unknown := set(urls) - {name for name, _ in builds}:
+        p.error(f"--data names no --pkg: {', '.join(sorted(unknown))}")
     rows = {name: [] for name, _ in builds}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):

@@ -16,7 +16,8 @@
 //!   among every eighth (now);
 //! - `C region 2^-k, restarts` and `process train, restarts`: the same, on the files as
 //!   `ramjet pack --jpeg-restarts` stores them (transcoded losslessly with a restart marker
-//!   every `RESTART_PX` pixels, `JPEG_RESTART_PX` (32) unless set), so that a crop is cut at the markers first;
+//!   every `RESTART_PX` pixels, `JPEG_RESTART_PX` (32) unless set), so that a crop is cut at
+//!   the markers first;
 //! - `process train 224`: the whole per-image path ramjet runs (C region at the DCT scale that
 //!   keeps the crop at least 224, resize, flip, CHW);
 //! - `process eval 224`: the centre crop of Resize(256), likewise.
