@@ -16,11 +16,17 @@ started:
   (builds from 2026-11-25 afternoon on also give the decode thread's own CPU ms and page faults
   during the first batch's decode: a decode that waited for a core, or one that faulted)
 
+  hedges     the small ranged reads that ran late and were hedged with a second request
+
 Usage (tools/env.sh sourced, as root; the dataset of a `tools/ramjet-bench --link wan` run):
-  benches/python/wan_first_batch.py [--rounds 12] [--pkg NAME=DIR ...] [--out FILE.json]
+  benches/python/wan_first_batch.py [--rounds 12] [--pkg NAME=DIR ...] [--set NAME:VAR=VALUE ...]
+                                    [--out FILE.json] [--logs DIR]
 
 Each --pkg puts DIR first on the child's PYTHONPATH (a build installed there with
 `pip install --no-deps --target DIR ramjet-*.whl`); without any, the installed package runs.
+Each --set gives the child of build NAME an environment variable (a build named only there
+runs the installed package): `--set off:RAMJET_HEDGE_BYTES=0 --set on:RAMJET_HEDGE_BYTES=1048576`
+compares one setting, interleaved. --logs keeps each child's events (DIR/ROUND-NAME.log).
 """
 import argparse
 import json
@@ -59,16 +65,19 @@ STAGES = {
 }
 
 
-def first_batch(link, cache, pkg_dir):
+def first_batch(link, cache, pkg_dir, extra_env, log=None):
     shutil.rmtree(cache, ignore_errors=True)
-    env = link.env() | {"RAMJET_LOG": "ramjet_engine=debug"}
+    env = link.env() | {"RAMJET_LOG": "ramjet_engine=debug"} | extra_env
     if pkg_dir:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_dir, env.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, "-c", FIRST_BATCH, URL, str(cache)], env=env, capture_output=True,
                          text=True)
     if out.returncode != 0:
         raise SystemExit(f"the first batch failed:\n{out.stderr[-3000:]}")
+    if log:
+        log.write_text(out.stderr)
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    got["hedges"] = out.stderr.count("hedged with a second request")
     for line in out.stderr.splitlines():
         m = EVENT.match(line)
         if not m:
@@ -92,9 +101,23 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--pkg", action="append", default=[], help="NAME=DIR: a build of the package in DIR")
+    p.add_argument("--set", action="append", default=[], help="NAME:VAR=VALUE: an environment variable for NAME")
     p.add_argument("--out", type=Path)
+    p.add_argument("--logs", type=Path, help="a folder for each child's events")
     a = p.parse_args()
-    builds = [tuple(x.split("=", 1)) for x in a.pkg] or [("installed", "")]
+    if a.logs:
+        a.logs.mkdir(parents=True, exist_ok=True)
+    builds = [tuple(x.split("=", 1)) for x in a.pkg]
+    envs = {}
+    for x in a.set:
+        name, _, kv = x.partition(":")
+        var, eq, value = kv.partition("=")
+        if not (name and var and eq):
+            raise SystemExit(f"--set {x!r}: expected NAME:VAR=VALUE")
+        if name not in (b[0] for b in builds):
+            builds.append((name, ""))
+        envs.setdefault(name, {})[var] = value
+    builds = builds or [("installed", "")]
     data = rb.Data(5315, 64)
     rows = []
     link = rb.wan_up("200mbit", 20.0)
@@ -103,10 +126,11 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(a.rounds):
                 for name, pkg in builds:
-                    got = first_batch(link, Path(tmp) / "cache", pkg)
+                    log = a.logs / f"{r + 1:02d}-{name}.log" if a.logs else None
+                    got = first_batch(link, Path(tmp) / "cache", pkg, envs.get(name, {}), log)
                     rows.append({"round": r, "build": name, **got})
                     stages = " ".join(f"{k} {got[k]:.0f}" for k in ("manifest", "read", "decode", "out") if k in got)
-                    stages += " ms"
+                    stages += f" ms, {got['hedges']} hedged"
                     if "decode_cpu" in got:
                         stages += f"; decode thread {got['decode_cpu']:.1f} CPU ms, {got['decode_minflt']:.0f} faults"
                     print(f"round {r + 1} {name}: first batch {got['ttfb_ms']:.0f} ms, {got['cpu_s']:.3f} CPU s "
@@ -115,8 +139,8 @@ def main():
         rb.wan_down(link)
     print()
     print("| build | first batch, median (ms) | slowest (ms) | decode, median (ms) | decodes over 15 ms | "
-          "CPU s per first batch, median | decode thread CPU ms, median | its page faults, median |")
-    print("|---|---|---|---|---|---|---|---|")
+          "CPU s per first batch, median | decode thread CPU ms, median | its page faults, median | hedged reads |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, _ in builds:
         mine = [x for x in rows if x["build"] == name]
         ttfb = [x["ttfb_ms"] for x in mine]
@@ -124,7 +148,7 @@ def main():
         print(f"| {name} | {statistics.median(ttfb):.0f} | {max(ttfb):.0f} | "
               f"{statistics.median(dec):.1f} | {sum(d > 15 for d in dec)} of {len(dec)} | "
               f"{statistics.median(x['cpu_s'] for x in mine):.3f} | {med(mine, 'decode_cpu', '.1f')} | "
-              f"{med(mine, 'decode_minflt', '.0f')} |")
+              f"{med(mine, 'decode_minflt', '.0f')} | {sum(x['hedges'] for x in mine)} |")
     if len(builds) > 1:
         base = builds[0][0]
         for name, _ in builds[1:]:
@@ -136,7 +160,7 @@ def main():
             print(f"\n{base} / {name}, first batch, per round: " + ", ".join(f"{v:.2f}" for v in per) +
                   f" (median {statistics.median(per):.2f})")
     if a.out:
-        a.out.write_text(json.dumps({"builds": dict(builds), "rows": rows}, indent=1))
+        a.out.write_text(json.dumps({"builds": dict(builds), "env": envs, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,13 @@ pub struct StoreConfig {
     /// Connections a stream opens to the origin while it reads the manifest, so that its
     /// first batch's parallel ranged reads find them ready ([`Store::preconnect`]). 0: none.
     pub preconnect: usize,
+    /// Ranged reads of at most this many bytes are hedged: when one has not completed after
+    /// [`StoreConfig::hedge_after_min_ms`] or twice the origin's recent latency, whichever is
+    /// longer, a second identical request starts and the first to succeed is kept (see
+    /// [`Store::get_range`]). 0: never.
+    pub hedge_max_bytes: u64,
+    /// The shortest wait before a hedged read's second request.
+    pub hedge_after_min_ms: u64,
 }
 
 impl Default for StoreConfig {
@@ -72,6 +79,8 @@ impl Default for StoreConfig {
             multipart_part_bytes: 8 << 20,
             multipart_parts_in_flight_max: 4,
             preconnect: 8,
+            hedge_max_bytes: 1 << 20,
+            hedge_after_min_ms: 20,
         }
     }
 }
@@ -79,8 +88,8 @@ impl Default for StoreConfig {
 impl StoreConfig {
     /// Defaults, overridden by `RAMJET_RETRY_ATTEMPTS`, `RAMJET_RETRY_BACKOFF_MS`,
     /// `RAMJET_RETRY_WINDOW_MS`, `RAMJET_REQUEST_TIMEOUT_MS`, `RAMJET_CONNECT_TIMEOUT_MS`,
-    /// `RAMJET_MULTIPART_THRESHOLD_BYTES`, `RAMJET_MULTIPART_PART_BYTES` and
-    /// `RAMJET_PRECONNECT`.
+    /// `RAMJET_MULTIPART_THRESHOLD_BYTES`, `RAMJET_MULTIPART_PART_BYTES`,
+    /// `RAMJET_PRECONNECT`, `RAMJET_HEDGE_BYTES` and `RAMJET_HEDGE_AFTER_MS`.
     pub fn from_env() -> Self {
         let mut c = Self::default();
         let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok());
@@ -109,6 +118,12 @@ impl StoreConfig {
         if let Some(v) = num("RAMJET_PRECONNECT") {
             c.preconnect = v.min(64) as usize;
         }
+        if let Some(v) = num("RAMJET_HEDGE_BYTES") {
+            c.hedge_max_bytes = v;
+        }
+        if let Some(v) = num("RAMJET_HEDGE_AFTER_MS") {
+            c.hedge_after_min_ms = v.max(1);
+        }
         c
     }
 }
@@ -120,6 +135,8 @@ pub struct Store {
     prefix: Path,
     base_url: String,
     config: StoreConfig,
+    /// The origin's recent latency and hedge counts, shared by every store on the same client.
+    pace: Arc<Pace>,
     /// The directory a `file://` store's prefix lives in.
     local: Option<std::path::PathBuf>,
 }
@@ -215,7 +232,7 @@ impl Store {
             Ok((bucket.to_owned(), prefix.trim_matches('/').to_owned()))
         };
         let mut local = None;
-        let (inner, prefix): (Arc<dyn ObjectStore>, String) = match scheme {
+        let ((inner, pace), prefix): ((Arc<dyn ObjectStore>, Arc<Pace>), String) = match scheme {
             "s3" | "s3a" => {
                 let (bucket, prefix) = split_bucket(rest)?;
                 let client = shared_client(scheme, &bucket, &config, || {
@@ -253,7 +270,7 @@ impl Store {
                 (client, prefix)
             }
             "memory" => (
-                Arc::new(object_store::memory::InMemory::new()),
+                (Arc::new(object_store::memory::InMemory::new()), Arc::default()),
                 rest.trim_matches('/').to_owned(),
             ),
             "file" => {
@@ -267,7 +284,7 @@ impl Store {
                 let fs =
                     object_store::local::LocalFileSystem::new_with_prefix(&canon).map_err(|e| bad(e.to_string()))?;
                 local = Some(canon);
-                (Arc::new(fs), String::new())
+                ((Arc::new(fs), Arc::default()), String::new())
             }
             other => {
                 return Err(bad(format!(
@@ -280,6 +297,7 @@ impl Store {
             prefix: Path::from(prefix),
             base_url: normalize_base(url),
             config,
+            pace,
             local,
         })
     }
@@ -291,6 +309,7 @@ impl Store {
             prefix: Path::default(),
             base_url: normalize_base(base_url),
             config,
+            pace: Arc::default(),
             local: None,
         }
     }
@@ -392,6 +411,7 @@ impl Store {
     /// Whole object.
     pub async fn get(&self, key: &str) -> Result<Bytes> {
         let path = self.path(key);
+        let _bulk = self.pace.bulk();
         self.retrying(key, || async { self.inner.get(&path).await?.bytes().await })
             .await
     }
@@ -423,24 +443,84 @@ impl Store {
     pub async fn get_at_most(&self, key: &str, max: u64) -> Result<std::result::Result<Bytes, u64>> {
         let path = self.path(key);
         tracing::trace!(object = %self.url(key), "GET starts");
-        self.retrying(key, || async {
-            let r = self.inner.get(&path).await?;
-            if r.meta.size > max {
-                return Ok(Err(r.meta.size));
-            }
-            Ok(Ok(r.bytes().await?))
-        })
-        .await
+        let t0 = Instant::now();
+        let r = self
+            .retrying(key, || async {
+                let r = self.inner.get(&path).await?;
+                if r.meta.size > max {
+                    return Ok(Err(r.meta.size));
+                }
+                Ok(Ok(r.bytes().await?))
+            })
+            .await?;
+        if matches!(&r, Ok(b) if b.len() as u64 <= self.config.hedge_max_bytes) {
+            // A first estimate for the hedged reads that follow (a new connection's handshake
+            // included: an overestimate, which the next small reads bring down).
+            self.pace.observe(t0.elapsed());
+        }
+        Ok(r)
     }
 
     /// Bytes `range` of an object. A range past the end is an error naming the object.
+    ///
+    /// A range of at most [`StoreConfig::hedge_max_bytes`] is hedged. When its request has not
+    /// completed after twice the origin's recent latency for such reads (at least
+    /// [`StoreConfig::hedge_after_min_ms`]), a second identical request starts, on another
+    /// pooled connection, and whichever succeeds first is kept; the other is dropped. A lost
+    /// segment at the tail of a small answer otherwise costs TCP's retransmission timeout
+    /// (200 ms at least on Linux), ten times a 20 ms round trip: the first batch's reads on a
+    /// lossy link. Never while a whole object downloads on the same client (every read is then
+    /// slow, and a second request would only add load), at most one extra request per read,
+    /// and on one client no more hedges than 8 plus one in ten of its small reads. A hedged
+    /// read fails only when both of its requests fail.
     pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         let path = self.path(key);
         let want = range.end - range.start;
         tracing::trace!(object = %self.url(key), ?range, "ranged GET starts");
-        let b = self
-            .retrying(key, || self.inner.get_range(&path, range.clone()))
-            .await?;
+        let once = || async {
+            let t0 = Instant::now();
+            let r = self.retrying(key, || self.inner.get_range(&path, range.clone())).await;
+            (r, t0.elapsed())
+        };
+        let b = if self.local.is_some() || want > self.config.hedge_max_bytes {
+            once().await.0?
+        } else {
+            let after = self.pace.hedge_after(self.config.hedge_after_min_ms);
+            Pace::add(&self.pace.reads, 1);
+            let first = once();
+            tokio::pin!(first);
+            let on_time = tokio::select! {
+                out = &mut first => Some(out),
+                _ = tokio::time::sleep(after) => None,
+            };
+            let (r, took) = match on_time {
+                Some(out) => out,
+                // While whole objects download on this client the link is busy with them: every
+                // read is slow, and a second request would add load, not cut a tail.
+                None if self.pace.busy() || !self.pace.may_hedge() => first.await,
+                None => {
+                    tracing::debug!(object = %self.url(key), ?range, after_ms = after.as_millis() as u64,
+                        "a small ranged read runs late: hedged with a second request");
+                    let second = once();
+                    tokio::pin!(second);
+                    // The first success wins; a failure waits for the other request.
+                    tokio::select! {
+                        (r, took) = &mut first => match r {
+                            Ok(b) => (Ok(b), took),
+                            Err(_) => self.pace.second(second.await),
+                        },
+                        out = &mut second => match out.0 {
+                            Ok(_) => self.pace.second(out),
+                            Err(_) => first.await,
+                        },
+                    }
+                }
+            };
+            if r.is_ok() {
+                self.pace.observe(took);
+            }
+            r?
+        };
         if b.len() as u64 != want {
             return Err(Error::Truncated {
                 object: self.url(key),
@@ -449,6 +529,13 @@ impl Store {
             });
         }
         Ok(b)
+    }
+
+    /// Ranged reads hedged so far by stores on this store's client, and how many of them the
+    /// second request won ([`Store::get_range`]).
+    pub fn hedges(&self) -> (u64, u64) {
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        (g(&self.pace.hedged), g(&self.pace.hedges_won))
     }
 
     /// Bytes `range` of an object, written into `dst` (exactly as long as the range) as they
@@ -474,6 +561,7 @@ impl Store {
             range.end - range.start,
             "destination of the wrong size"
         );
+        let _bulk = self.pace.bulk();
         let path = self.path(key);
         tracing::trace!(object = %self.url(key), ?range, "ranged GET starts");
         let mut retry = Retrying::new(self.config.retry);
@@ -564,8 +652,9 @@ fn shared_client(
     bucket: &str,
     config: &StoreConfig,
     build: impl FnOnce() -> Result<Arc<dyn ObjectStore>>,
-) -> Result<Arc<dyn ObjectStore>> {
-    type Clients = std::sync::Mutex<std::collections::HashMap<String, Arc<dyn ObjectStore>>>;
+) -> Result<(Arc<dyn ObjectStore>, Arc<Pace>)> {
+    type Client = (Arc<dyn ObjectStore>, Arc<Pace>);
+    type Clients = std::sync::Mutex<std::collections::HashMap<String, Client>>;
     // Per process: a forked child must not wait on a lock a parent thread held at the fork.
     static CLIENTS: crate::rt::PerProcess<Clients> = crate::rt::PerProcess::new();
     let mut env: Vec<(String, String)> = std::env::vars()
@@ -585,12 +674,106 @@ fn shared_client(
     if let Some(c) = clients.lock().expect("client cache lock").get(&key) {
         return Ok(c.clone());
     }
-    let c = build()?;
+    let c = (build()?, Arc::default());
     let mut map = clients.lock().expect("client cache lock");
     if map.len() >= SHARED_CLIENTS_MAX {
         map.clear();
     }
     Ok(map.entry(key).or_insert(c).clone())
+}
+
+/// How fast an origin has answered small reads lately, for [`Store::get_range`]'s hedge.
+#[derive(Debug, Default)]
+struct Pace {
+    /// Recent latency of a small read, microseconds (0: none seen yet). It falls at once to a
+    /// faster read and rises by a sixteenth of the gap on a slower one: close to the floor a
+    /// healthy request reaches, not dragged up by the slow reads the hedge is for.
+    latency_us: std::sync::atomic::AtomicU64,
+    /// Small reads started (each may be hedged).
+    reads: std::sync::atomic::AtomicU64,
+    /// Reads hedged.
+    hedged: std::sync::atomic::AtomicU64,
+    /// Hedged reads the second request won.
+    hedges_won: std::sync::atomic::AtomicU64,
+    /// Whole-object and large reads in flight ([`Store::get`], [`Store::get_range_into`]).
+    bulk: std::sync::atomic::AtomicU64,
+}
+
+/// One bulk read in flight, counted in [`Pace`] until dropped.
+struct Bulk<'a>(&'a Pace);
+
+impl Drop for Bulk<'_> {
+    fn drop(&mut self) {
+        self.0.bulk.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Pace {
+    /// Used before any read was timed: a first read waits this long for its hedge.
+    const UNKNOWN: Duration = Duration::from_millis(200);
+    /// No hedge waits longer than this.
+    const AFTER_MAX: Duration = Duration::from_secs(2);
+    /// Hedges allowed before any read was counted: a first batch's reads, all at once.
+    const HEDGES_FREE: u64 = 8;
+    /// Beyond those, at most one read in this many is hedged: on a link that is slow for every
+    /// read (saturated by whole-shard downloads), hedging each would add load, not cut a tail.
+    const HEDGE_ONE_IN: u64 = 10;
+
+    fn add(a: &std::sync::atomic::AtomicU64, n: u64) {
+        a.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn observe(&self, took: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let t = (took.as_micros() as u64).max(1);
+        // Lost updates between racing readers only blur an estimate.
+        let old = self.latency_us.load(Relaxed);
+        let new = if old == 0 || t <= old { t } else { old + (t - old) / 16 };
+        self.latency_us.store(new, Relaxed);
+    }
+
+    /// Takes a hedge from the budget: `false` when the hedges so far already reach
+    /// [`Pace::HEDGES_FREE`] plus one in [`Pace::HEDGE_ONE_IN`] of the reads.
+    fn may_hedge(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let allowed = Self::HEDGES_FREE + self.reads.load(Relaxed) / Self::HEDGE_ONE_IN;
+        self.hedged
+            .fetch_update(Relaxed, Relaxed, |h| (h < allowed).then_some(h + 1))
+            .is_ok()
+    }
+
+    /// Counts a bulk read until the guard is dropped.
+    fn bulk(&self) -> Bulk<'_> {
+        Self::add(&self.bulk, 1);
+        Bulk(self)
+    }
+
+    /// Whether bulk reads are in flight.
+    fn busy(&self) -> bool {
+        self.bulk.load(std::sync::atomic::Ordering::Relaxed) > 0
+    }
+
+    /// A hedged read's outcome when its second request gave it, counted when it succeeded.
+    fn second<T>(&self, out: (Result<T>, Duration)) -> (Result<T>, Duration) {
+        if out.0.is_ok() {
+            Self::add(&self.hedges_won, 1);
+        }
+        out
+    }
+
+    /// How long a small read runs before it is hedged.
+    fn hedge_after(&self, min_ms: u64) -> Duration {
+        let us = self.latency_us.load(std::sync::atomic::Ordering::Relaxed);
+        let after = if us == 0 {
+            Self::UNKNOWN
+        } else {
+            Duration::from_micros(us * 2)
+        };
+        after.clamp(
+            Duration::from_millis(min_ms),
+            Self::AFTER_MAX.max(Duration::from_millis(min_ms)),
+        )
+    }
 }
 
 /// The state of one request's retries.
@@ -683,6 +866,39 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pace_follows_fast_reads_at_once_slow_ones_slowly_and_budgets_hedges() {
+        let ms = Duration::from_millis;
+        let p = Pace::default();
+        assert_eq!(p.hedge_after(20), Pace::UNKNOWN, "nothing timed yet");
+        p.observe(ms(45));
+        assert_eq!(p.hedge_after(20), ms(90));
+        p.observe(ms(25));
+        assert_eq!(p.hedge_after(20), ms(50), "a faster read counts at once");
+        p.observe(ms(185));
+        assert_eq!(p.hedge_after(20), ms(70), "a slower one by a sixteenth of the gap");
+        p.observe(Duration::from_micros(500));
+        assert_eq!(p.hedge_after(20), ms(20), "never under the floor");
+        p.observe(Duration::from_secs(60));
+        assert_eq!(p.hedge_after(20), Pace::AFTER_MAX, "never over the cap");
+        for _ in 0..Pace::HEDGES_FREE {
+            assert!(p.may_hedge());
+        }
+        assert!(!p.may_hedge(), "the free hedges are spent");
+        for _ in 0..Pace::HEDGE_ONE_IN {
+            Pace::add(&p.reads, 1);
+        }
+        assert!(p.may_hedge(), "one more after ten reads");
+        assert!(!p.may_hedge());
+        assert!(!p.busy());
+        let (a, b) = (p.bulk(), p.bulk());
+        assert!(p.busy());
+        drop(a);
+        assert!(p.busy(), "one bulk read still in flight");
+        drop(b);
+        assert!(!p.busy());
+    }
 
     #[test]
     fn dataset_url_forms() {
