@@ -160,6 +160,47 @@ fn verify<'py>(py: Python<'py>, url: &str, parallel: usize) -> PyResult<Bound<'p
 
 fn no_progress(_bytes: u64) {}
 
+/// What this process can use of the GPU path: whether the CUDA driver loads, how many GPUs it
+/// sees (or why none), and where each CUDA user library was found (or why not), searching
+/// `python_roots` (site-packages folders) for the wheels' copies.
+#[pyfunction]
+#[pyo3(signature = (python_roots = Vec::new()))]
+fn gpu_info<'py>(py: Python<'py>, python_roots: Vec<std::path::PathBuf>) -> PyResult<Bound<'py, PyDict>> {
+    use ramjet_cuda::libs::{Lib, Origin, Search};
+    let d = PyDict::new(py);
+    d.set_item("driver", ramjet_cuda::driver_present())?;
+    match ramjet_cuda::device_count() {
+        Ok(n) => {
+            d.set_item("devices", n)?;
+            d.set_item("error", py.None())?;
+        }
+        Err(e) => {
+            d.set_item("devices", 0)?;
+            d.set_item("error", e.to_string())?;
+        }
+    }
+    let search = Search::from_env(&python_roots);
+    let libs = PyDict::new(py);
+    for lib in Lib::ALL {
+        let one = PyDict::new(py);
+        match search.find(lib) {
+            Ok(f) => {
+                one.set_item("path", f.path.display().to_string())?;
+                let origin = match f.origin {
+                    Origin::Env => "env",
+                    Origin::Python => "python",
+                    Origin::System => "system",
+                };
+                one.set_item("origin", origin)?;
+            }
+            Err(e) => one.set_item("error", e.to_string())?,
+        }
+        libs.set_item(lib.name(), one)?;
+    }
+    d.set_item("libraries", libs)?;
+    Ok(d)
+}
+
 /// Columns `names` of every sample of the dataset at `url`, as a dict of lists in sample
 /// order. They come from the shards' columns sidecars (labels without the images) when the
 /// dataset has them, else from the whole shards. `bytes` columns are refused.
@@ -234,6 +275,7 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("AuthError", py.get_type::<AuthError>())?;
     m.add("InvalidInputError", py.get_type::<InvalidInputError>())?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(columns, m)?)?;
     m.add_function(wrap_pyfunction!(freeze, m)?)?;

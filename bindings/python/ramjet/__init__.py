@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -55,6 +56,7 @@ __all__ = [
     "StreamingDataset",
     "Tensor",
     "__version__",
+    "gpu_info",
     "init",
     "inspect",
     "verify",
@@ -62,6 +64,22 @@ __all__ = [
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+def gpu_info() -> Dict[str, Any]:
+    """What this process can use of the GPU path.
+
+    Returns ``{"driver": bool, "devices": int, "error": str | None, "libraries": {...}}``:
+    whether the CUDA driver (libcuda) loads, how many GPUs it sees or why none, and for each
+    CUDA user library ramjet loads at run time (``nvjpeg``, ``nvrtc``, ``cufile``) either
+    ``{"path", "origin"}`` or ``{"error"}``. Libraries are looked for through
+    ``RAMJET_NVJPEG`` / ``RAMJET_NVRTC`` / ``RAMJET_CUFILE`` (a file or a folder), then this
+    Python environment's ``nvidia/*/lib`` folders (the PyPI wheels: ``pip install
+    'ramjet[cuda]'`` brings nvJPEG), then the system. Nothing is initialised on a GPU beyond
+    the driver's device count.
+    """
+    roots = [p for p in dict.fromkeys(sys.path) if p and os.path.isdir(p)]
+    return _ramjet.gpu_info(roots)
+
 
 # The host daemon's socket once init() ran in this process (inherited by forked workers).
 _daemon_socket: Optional[str] = None

@@ -30,6 +30,9 @@ class VerifyResult(TypedDict):
 def inspect(url: str) -> DatasetInfo:
     """Read a dataset's manifest (``s3://bucket/prefix``, a local folder, or a manifest .json)."""
 
+def gpu_info() -> Dict[str, Any]:
+    """Whether the CUDA driver loads, the GPUs it sees, and where nvJPEG, NVRTC and cuFile were found."""
+
 def verify(url: str, parallel: int = 4) -> VerifyResult:
     """Re-read every shard and check every checksum; ``problems`` names each bad shard and sample."""
 
