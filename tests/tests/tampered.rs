@@ -59,7 +59,11 @@ fn a_manifest_whose_sample_counts_disagree_with_the_shard_headers_is_corrupt() {
     let d = tempfile::tempdir().unwrap();
     let dir = packed(d.path());
     let (n, e) = drain(&dir);
-    assert_eq!((n, e.is_none()), (N, true), "the untouched set must stream whole");
+    assert_eq!(
+        (n, e.is_none()),
+        (N, true),
+        "the untouched set must stream whole; it ended after {n} samples with {e:?}"
+    );
     let m = Manifest::parse(&fs::read(dir.join("manifest.json")).unwrap(), "m").unwrap();
     assert!(m.shard_count() >= 2, "the test needs two shards");
     let key = m.shard(0).unwrap().key.clone();
