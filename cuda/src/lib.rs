@@ -60,7 +60,11 @@ pub fn device_count() -> Result<usize, GpuError> {
             reason: e.to_string(),
         }
     };
-    cudarc::driver::result::init().map_err(driver("initialising"))?;
+    match cudarc::driver::result::init() {
+        // A driver with no GPU behind it (a container without one passed through) fails here.
+        Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => return Err(GpuError::NoDevice),
+        other => other.map_err(driver("initialising"))?,
+    }
     let n = cudarc::driver::result::device::get_count().map_err(driver("counting devices"))?;
     match usize::try_from(n) {
         Ok(0) | Err(_) => Err(GpuError::NoDevice),
