@@ -175,16 +175,7 @@ impl Search {
             .collect();
         let mut roots: Vec<PathBuf> = python_roots.to_vec();
         if let Some(venv) = std::env::var_os("VIRTUAL_ENV") {
-            let lib = Path::new(&venv).join("lib");
-            let mut sites: Vec<PathBuf> = std::fs::read_dir(&lib)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| e.path().join("site-packages"))
-                .filter(|p| p.is_dir())
-                .collect();
-            sites.sort();
-            roots.extend(sites);
+            roots.extend(subdirs(&Path::new(&venv).join("lib"), "site-packages"));
         }
         let mut system: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
             .map(|v| std::env::split_paths(&v).collect())
@@ -233,14 +224,7 @@ impl Search {
         }
         let mut looked_in = Vec::new();
         for root in &self.python_roots {
-            let mut dirs: Vec<PathBuf> = std::fs::read_dir(root.join("nvidia"))
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| e.path().join("lib"))
-                .filter(|p| p.is_dir())
-                .collect();
-            dirs.sort();
+            let dirs = subdirs(&root.join("nvidia"), "lib");
             // The preferred name first across every wheel folder: a CUDA 13 wheel beats a
             // CUDA 12 one installed beside it.
             for name in lib.file_names() {
@@ -266,6 +250,19 @@ impl Search {
         }
         Err(LibError::NotFound { lib, looked_in })
     }
+}
+
+/// The folders `parent/*/child` that exist, sorted (none when `parent` cannot be read).
+fn subdirs(parent: &Path, child: &str) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(parent)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join(child))
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    dirs
 }
 
 /// The library's preferred file in `dir`.
