@@ -63,7 +63,7 @@ RAMJET_BENCH_PYTHON="$(tools/bench-venv.sh)"
 export RAMJET_BENCH_PYTHON
 RAMJET_BIN="$RAMJET_ROOT/target/debug/ramjet" "$RAMJET_VENV/bin/python" -m pytest -q bindings/tests
 
-step "examples: CNN training on CPU, 2-process torchrun (gloo)"
+step "examples: CNN training (device auto: a GPU when usable, else the CPU), 2-process torchrun (gloo)"
 py="$RAMJET_VENV/bin/python"
 ci="$RAMJET_STATE/ci"
 rm -rf "$ci" && mkdir -p "$ci"

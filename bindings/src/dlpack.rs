@@ -10,6 +10,7 @@ use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use ramjet_cuda::dlpack::{check_requested_device, ConsumerStream, Device, KDL_CPU};
 use ramjet_engine::hostbuf::HostBuf;
 
 #[repr(C)]
@@ -45,7 +46,6 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-const KDL_CPU: i32 = 1;
 const CAPSULE_NAME: &CStr = c"dltensor";
 
 /// Element types ramjet exports.
@@ -172,12 +172,17 @@ impl Tensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let _ = (stream, max_version);
-        if let Some((t, _)) = dl_device {
-            if t != KDL_CPU {
-                return Err(PyBufferError::new_err("ramjet tensors live in host memory (kDLCPU)"));
-            }
-        }
+        let _ = max_version;
+        // The protocol's rules (ramjet_cuda::dlpack): host memory takes only stream=None, and
+        // a request for another device is refused rather than copied.
+        let stream = match stream {
+            None => None,
+            Some(s) => Some(s.extract::<i64>(py).map_err(|_| {
+                PyValueError::new_err("__dlpack__: stream must be None or an integer (DLPack protocol)")
+            })?),
+        };
+        check_requested_device(Device::CPU, dl_device).map_err(PyBufferError::new_err)?;
+        ConsumerStream::parse(Device::CPU, stream).map_err(PyValueError::new_err)?;
         if copy == Some(true) {
             return Err(PyValueError::new_err(
                 "ramjet exports without copying; copy=True is not supported",

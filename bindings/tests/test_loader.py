@@ -580,3 +580,121 @@ def test_the_python_defaults_are_the_engines():
         "block_samples": sig["shuffle_block"],
     }
     assert d["order"]["tail"] == sig["tail"]
+
+
+# ----- the DLPack protocol's arguments, and device= (the GPU path's parts without a GPU) ----
+
+
+def test_dlpack_takes_only_stream_none_on_the_host_and_refuses_other_devices(classes):
+    url, _ = classes
+    ds = dataset(url)
+    next(iter(ds))
+    cols, _ = ds._loader.next_batch()
+    t = cols["image"]
+    assert t.__dlpack_device__() == (1, 0)
+    t.__dlpack__()
+    t.__dlpack__(stream=None, dl_device=(1, 0), max_version=(1, 0))
+    for s in (-1, 0, 1, 2, 0x7F00DEADB000):
+        with pytest.raises(ValueError, match="only stream=None"):
+            t.__dlpack__(stream=s)
+    with pytest.raises(ValueError, match="stream must be None or an integer"):
+        t.__dlpack__(stream="1")
+    with pytest.raises(BufferError, match=r"\(1, 0\).*\(2, 0\).*copy"):
+        t.__dlpack__(dl_device=(2, 0))
+    # After the refusals the tensor still exports without a copy.
+    assert torch.from_dlpack(t).data_ptr() == t.data_ptr
+
+
+def test_device_resolution_covers_every_case():
+    ok = {"driver": True, "devices": 2, "error": None}
+    resolve = ramjet._resolve_device
+    assert resolve("cpu", ok, True) == "cpu"
+    assert resolve("cuda", ok, True) == "cuda:0"
+    assert resolve("CUDA:1", ok, True) == "cuda:1"
+    with pytest.raises(ramjet.InvalidInputError, match="sees 2 GPU"):
+        resolve("cuda:2", ok, True)
+    for bad in ("gpu", "cuda:x", "", 0):
+        with pytest.raises(ramjet.InvalidInputError, match="device must be"):
+            resolve(bad, ok, True)  # type: ignore[arg-type]
+    # "cuda" follows LOCAL_RANK across the GPUs this process sees.
+    os.environ["LOCAL_RANK"] = "3"
+    try:
+        assert resolve("cuda", ok, True) == "cuda:1"
+        assert resolve("auto", ok, True) == "cuda:1"
+    finally:
+        del os.environ["LOCAL_RANK"]
+    no_driver = {"driver": False, "devices": 0, "error": "no CUDA driver: libcuda.so cannot be loaded"}
+    no_device = {"driver": True, "devices": 0, "error": "the CUDA driver sees no GPU"}
+    for status, torch_cuda, why in (
+        (no_driver, False, "libcuda"),
+        (no_device, False, "sees no GPU"),
+        (ok, False, "torch cannot use CUDA"),
+    ):
+        with pytest.raises(ramjet.Error, match=f'no usable GPU: .*{why}.*device="cpu"'):
+            resolve("cuda", status, torch_cuda)
+        with pytest.warns(RuntimeWarning, match=f'device="auto" runs on the CPU: .*{why}'):
+            assert resolve("auto", status, torch_cuda) == "cpu"
+
+
+def test_device_cuda_without_a_gpu_is_a_clear_error_and_auto_falls_back(classes):
+    url, _ = classes
+    info = ramjet.gpu_info()
+    usable = info["error"] is None and info["devices"] > 0 and torch.cuda.is_available()
+    if usable:
+        ds = dataset(url, device="cuda")
+        assert next(iter(ds))["image"].is_cuda
+        return
+    # This machine has no usable GPU: the error names why, and auto says it fell back.
+    with pytest.raises(ramjet.Error, match="no usable GPU") as e:
+        dataset(url, device="cuda")
+    assert (info["error"] or "torch cannot use CUDA") in str(e.value)
+    with pytest.warns(RuntimeWarning, match='device="auto" runs on the CPU'):
+        ds = dataset(url, device="auto")
+    assert ds.device == "cpu"
+    b = next(iter(ds))
+    assert b["image"].device.type == "cpu" and b["image"].shape[1:] == (3, 64, 64)
+
+
+def _device_error_in_worker(ds, context):
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=context)
+    try:
+        next(iter(loader))
+    except Exception as e:  # the worker's exception, re-raised by the DataLoader
+        return str(e)
+    return None
+
+
+def test_a_cuda_dataset_in_a_forked_worker_is_a_clear_error(classes):
+    url, _ = classes
+    ds = dataset(url)
+    # As if device="cuda" had resolved (no GPU here): the check is about the process only.
+    ds.device = "cuda:0"
+    err = _device_error_in_worker(ds, "fork")
+    assert err is not None and "forked process" in err and "not fork-safe" in err, err
+    # A spawned worker unpickles its own copy in a fresh process: no fork error there (it then
+    # fails at the copy to a GPU this machine does not have, or succeeds on one that has it).
+    err = _device_error_in_worker(ds, "spawn")
+    assert err is None or "forked process" not in err, err
+    # The CPU device is fine in forked workers, as before.
+    ds.device = "cpu"
+    assert _device_error_in_worker(ds, "fork") is None
+
+
+def test_every_ramjet_error_pickles_so_a_worker_s_error_reaches_the_trainer():
+    import pickle
+
+    for cls in (ramjet.Error, ramjet.CorruptError, ramjet.NotFoundError, ramjet.OriginError,
+                ramjet.AuthError, ramjet.InvalidInputError):
+        e = pickle.loads(pickle.dumps(cls("shard 7 of s3://b/d: checksum mismatch")))
+        assert type(e) is cls and "shard 7" in str(e)
+
+
+@pytest.mark.skipif(os.environ.get("RAMJET_GPU_TESTS") != "1", reason="needs a GPU: RAMJET_GPU_TESTS=1")
+def test_device_cuda_yields_the_cpu_path_s_batches_on_the_gpu(classes):
+    url, _ = classes
+    cpu = [b for b in dataset(url, shuffle=False)]
+    gpu = [b for b in dataset(url, shuffle=False, device="cuda")]
+    assert len(cpu) == len(gpu)
+    for a, b in zip(cpu, gpu):
+        assert b["image"].device.type == "cuda" and b["label"].device.type == "cuda"
+        assert torch.equal(a["image"], b["image"].cpu()) and torch.equal(a["label"], b["label"].cpu())

@@ -7,7 +7,12 @@
 //! loaded by absolute path in [`libs`].
 #![deny(missing_docs)]
 
+pub mod dlpack;
+pub mod gpu;
+pub mod kernel;
 pub mod libs;
+pub mod nvrtc;
+pub mod pool;
 
 /// Why the GPU cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -37,6 +38,12 @@ from ramjet._ramjet import (
     inspect,
     verify,
 )
+
+# The base exception is made in Rust as ramjet.RamjetError and exported as ramjet.Error. Pickle
+# finds a class by module and name, so under its Rust name an error raised in a DataLoader worker
+# could not travel back to the trainer (torch pickles the worker's exception type): named here
+# as it is exported, it can.
+Error.__name__ = Error.__qualname__ = "Error"
 
 try:  # torch is optional: without it batches hold numpy arrays.
     import torch
@@ -79,6 +86,44 @@ def gpu_info() -> Dict[str, Any]:
     """
     roots = [p for p in dict.fromkeys(sys.path) if p and os.path.isdir(p)]
     return _ramjet.gpu_info(roots)
+
+
+def _resolve_device(device: str, status: Optional[Dict[str, Any]] = None, torch_cuda: Optional[bool] = None) -> str:
+    """``"cpu"`` or ``"cuda:N"`` for a ``device`` argument, or a clear error.
+
+    ``status`` is :func:`gpu_info`'s driver part and ``torch_cuda`` whether torch can use CUDA;
+    both are looked up when not given (the tests give them to check every branch).
+    """
+    if not isinstance(device, str):
+        raise InvalidInputError(f'device must be "cpu", "cuda", "cuda:N" or "auto", not {device!r}')
+    d = device.strip().lower()
+    if d == "cpu":
+        return "cpu"
+    if d not in ("auto", "cuda") and not (d.startswith("cuda:") and d[5:].isdigit()):
+        raise InvalidInputError(f'device must be "cpu", "cuda", "cuda:N" or "auto", not {device!r}')
+    if status is None:
+        status = _ramjet.gpu_info([])
+    if torch_cuda is None:
+        torch_cuda = torch is not None and torch.cuda.is_available()
+    reason = None
+    if status["error"] is not None:
+        reason = status["error"]
+    elif status["devices"] < 1:
+        reason = "the CUDA driver sees no GPU"
+    elif not torch_cuda:
+        reason = "torch cannot use CUDA in this process (a CPU-only torch build, or no torch)"
+    if reason is not None:
+        if d == "auto":
+            warnings.warn(f'ramjet: device="auto" runs on the CPU: {reason}', RuntimeWarning, stacklevel=3)
+            return "cpu"
+        raise Error(f'device={device!r}: no usable GPU: {reason}. Use device="cpu", or "auto" to fall back to it')
+    if d.startswith("cuda:"):
+        n = int(d[5:])
+        if n >= status["devices"]:
+            raise InvalidInputError(f"device={device!r}: this process sees {status['devices']} GPU(s)")
+        return f"cuda:{n}"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return f"cuda:{local % status['devices']}"
 
 
 # The host daemon's socket once init() ran in this process (inherited by forked workers).
@@ -147,8 +192,11 @@ def _to_array(t: Tensor) -> Any:
     return numpy.from_dlpack(t)
 
 
-def _convert(d: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: _to_array(v) if isinstance(v, Tensor) else v for k, v in d.items()}
+def _convert(d: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
+    out = {k: _to_array(v) if isinstance(v, Tensor) else v for k, v in d.items()}
+    if device != "cpu":
+        out = {k: v.to(device) if torch is not None and isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    return out
 
 
 def _parse_size(s: Union[int, str, None]) -> Optional[int]:
@@ -206,6 +254,13 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             initialised, else ``RANK``/``WORLD_SIZE``).
         daemon: the host daemon's socket (default: the one :func:`init` connected to, else
             ``RAMJET_SOCKET``, else none: this process reads shards itself).
+        device: where batches are yielded: ``"cpu"`` (default), ``"cuda"`` (GPU
+            ``LOCAL_RANK`` modulo the GPUs seen), ``"cuda:N"``, or ``"auto"`` (a GPU when one
+            is usable, else the CPU with a ``RuntimeWarning`` saying why). Without a driver or
+            a GPU, ``"cuda"`` raises :class:`Error`. CUDA is not fork-safe: in a forked
+            DataLoader worker a CUDA device raises :class:`Error`; iterate the dataset
+            directly (ramjet's loader is threaded). Today images are decoded on the CPU and
+            copied to the GPU by torch; nvJPEG decode is not wired in yet (docs/python.md).
     """
 
     def __init__(
@@ -241,6 +296,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         daemon: Optional[str] = None,
+        device: str = "cpu",
     ) -> None:
         if isinstance(remote, (str, Stream)):
             remote = [remote]
@@ -308,6 +364,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._loader_key: Any = None
         self._reader: Any = None
         self._pid = os.getpid()
+        # The process this object was made in, or unpickled in (a spawned worker): any other
+        # process holding it got it through fork().
+        self._origin_pid = self._pid
+        self.device = _resolve_device(device)
         self._lengths: Dict[Any, Tuple[int, int]] = {}
 
     # ----- topology -------------------------------------------------------------------
@@ -346,7 +406,16 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             cfg["threads"] = max(1, (os.cpu_count() or 2) // topo["workers"])
         return json.dumps(cfg)
 
+    def _check_device_process(self) -> None:
+        if self.device != "cpu" and os.getpid() != self._origin_pid:
+            raise Error(
+                f"StreamingDataset(device={self.device!r}) in a forked process (a DataLoader worker): "
+                "CUDA is not fork-safe. Iterate the dataset directly (ramjet decodes on its own threads, "
+                'no workers needed), or use device="cpu" in the workers and move batches in the trainer'
+            )
+
     def _after_fork(self) -> None:
+        self._check_device_process()
         if os.getpid() != self._pid:
             _inherited.extend(x for x in (self._loader, self._reader) if x is not None)
             self._loader = self._reader = None
@@ -390,7 +459,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                 self._loader_key = (self._epoch, key[1])
             if meta["skipped"]:
                 cols["_skipped"] = meta["skipped"]
-            yield _convert(cols)
+            yield _convert(cols, self.device)
             if meta["end_of_epoch"]:
                 return
 
@@ -492,7 +561,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             self._reader = _ramjet.Reader(json.dumps(cfg))
         if index < 0:
             raise IndexError(index)
-        return _convert(self._reader.get(0, int(index)))
+        return _convert(self._reader.get(0, int(index)), self.device)
 
     def metrics(self) -> Dict[str, float]:
         """Counters of the running loader: origin and cache bytes, hit rate, batch wait."""
@@ -502,3 +571,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         s = self.__dict__.copy()
         s["_loader"] = s["_reader"] = s["_pending"] = None
         return s
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # Unpickled (a spawned worker, another host): a fresh process, where CUDA is usable.
+        self._origin_pid = self._pid = os.getpid()

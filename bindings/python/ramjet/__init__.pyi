@@ -104,7 +104,10 @@ class StreamingDataset:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         daemon: Optional[str] = None,
+        device: str = "cpu",
     ) -> None: ...
+    device: str
+    """Where batches are yielded: ``"cpu"`` or ``"cuda:N"`` (``"auto"`` resolved)."""
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         """Batches of the current epoch (ramjet's loader: Rust threads, GIL released)."""
     def __len__(self) -> int:
