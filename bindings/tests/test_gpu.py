@@ -82,4 +82,3 @@ def test_a_missing_library_says_where_it_looked_and_how_to_install(tmp_path, no_
         for needle in ("libnvjpeg.so.13", "RAMJET_NVJPEG", str(tmp_path / "site"), str(tmp_path / "ld"),
                        "ramjet[cuda]"):
             assert needle in err, (needle, err)
-
