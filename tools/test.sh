@@ -87,4 +87,7 @@ RAMJET_BIN=target/debug/ramjet "$py" benches/python/bench_loader.py --images "$c
 step "two datasets alive in one process (quick mode: checks it runs; figures come from the full run)"
 RAMJET_BIN=target/debug/ramjet "$py" benches/python/two_datasets.py --quick --out "$ci/two_datasets.json" | tail -2
 
+step "GPU feed benchmark (quick mode on the CPU here: checks it runs; GPU figures come from a GPU machine)"
+RAMJET_BIN=target/debug/ramjet "$py" benches/python/gpu_feed.py --device auto --quick 2>&1 | grep -v "^  ds = " | tail -2
+
 step "all tests passed"

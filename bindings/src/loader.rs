@@ -2,6 +2,7 @@
 //! Python side), batches leave as dicts of DLPack tensors. Every wait releases the GIL and
 //! wakes every 50 ms to let Python deliver signals, so Ctrl-C interrupts a blocking call.
 
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
@@ -9,6 +10,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use serde::Deserialize;
 
 use ramjet_engine::cache::CacheConfig;
+use ramjet_engine::hostbuf::{HostAlloc, HostPool};
 use ramjet_engine::image::{OutType, Scratch};
 use ramjet_engine::loader::{Assembler, Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
 use ramjet_engine::stream::{StreamConfig, StreamState};
@@ -26,6 +28,42 @@ struct ConfigJson {
     /// The host daemon's socket: whole shards come through it.
     #[serde(default)]
     daemon: Option<String>,
+    /// Batches go to this GPU: their buffers are page-locked memory registered with its
+    /// driver, so the copy to the device is asynchronous (the Python side makes it).
+    #[serde(default)]
+    pinned_gpu: Option<usize>,
+}
+
+/// Page-locked batch buffers (`cuMemHostAlloc`, `PORTABLE`) for the engine's [`HostPool`].
+struct PinnedAlloc(Mutex<ramjet_cuda::pool::CudaHost>);
+
+// SAFETY: `alloc` returns driver memory of `len` bytes owned by nobody else until `free`, and
+// only when it is aligned to HOST_ALIGN (the driver's allocations are page-aligned; anything
+// else is freed and refused).
+unsafe impl HostAlloc for PinnedAlloc {
+    fn alloc(&self, len: usize) -> Option<NonNull<u8>> {
+        use ramjet_cuda::pool::Allocator;
+        let mut a = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let addr = a.alloc(len.max(1)).ok()?;
+        if addr as usize % ramjet_engine::hostbuf::HOST_ALIGN != 0 {
+            // SAFETY: just allocated with this length, never handed out.
+            unsafe { a.free(addr, len.max(1)) };
+            return None;
+        }
+        NonNull::new(addr as *mut u8)
+    }
+
+    unsafe fn free(&self, ptr: NonNull<u8>, len: usize) {
+        use ramjet_cuda::pool::Allocator;
+        let mut a = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the caller guarantees `ptr` came from `alloc(len)`, i.e. from this allocator
+        // with `len.max(1)` bytes, and is no longer used.
+        unsafe { a.free(ptr.as_ptr() as u64, len.max(1)) };
+    }
+
+    fn pinned(&self) -> bool {
+        true
+    }
 }
 
 fn parse(config: &str) -> PyResult<ConfigJson> {
@@ -42,11 +80,19 @@ impl ConfigJson {
         sc
     }
 
-    fn loader(&self) -> LoaderConfig {
-        LoaderConfig {
+    fn loader(&self) -> Result<LoaderConfig, Error> {
+        let mut cfg = LoaderConfig {
             stream: self.stream(),
             ..self.loader.clone()
+        };
+        if let Some(ordinal) = self.pinned_gpu {
+            let ctx = ramjet_cuda::gpu::context(ordinal)
+                .map_err(|e| Error::invalid(format!("device cuda:{ordinal}"), e.to_string()))?;
+            let keep = cfg.prefetch_batches + cfg.threads + 4;
+            let alloc = PinnedAlloc(Mutex::new(ramjet_cuda::pool::CudaHost::new(ctx)));
+            cfg.pool = Some(HostPool::new(Box::new(alloc), keep));
         }
+        Ok(cfg)
     }
 }
 
@@ -105,7 +151,7 @@ impl Loader {
     /// Opens the datasets and starts the reader and decode threads.
     #[new]
     fn new(py: Python<'_>, config: &str) -> PyResult<Self> {
-        let cfg = parse(config)?.loader();
+        let cfg = parse(config)?.loader().map_err(to_py)?;
         let inner = interruptible(py, move || EngineLoader::start(cfg))?.map_err(to_py)?;
         Ok(Self {
             inner: Mutex::new(inner),

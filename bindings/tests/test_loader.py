@@ -655,6 +655,20 @@ def test_device_cuda_without_a_gpu_is_a_clear_error_and_auto_falls_back(classes)
     assert b["image"].device.type == "cpu" and b["image"].shape[1:] == (3, 64, 64)
 
 
+def test_pinned_batch_buffers_without_a_gpu_are_a_clear_error(classes):
+    """The loader of a CUDA dataset allocates its batch buffers page-locked through the driver;
+    without one, the loader refuses by name instead of falling back silently."""
+    url, _ = classes
+    info = ramjet.gpu_info()
+    if info["error"] is None and info["devices"] > 0:
+        loader = ramjet._ramjet.Loader(dataset(url)._config(epochs=1, pinned_gpu=0))
+        assert loader.next_batch() is not None
+        return
+    with pytest.raises(ramjet.InvalidInputError, match=r"device cuda:0") as e:
+        ramjet._ramjet.Loader(dataset(url)._config(epochs=1, pinned_gpu=0))
+    assert info["error"] in str(e.value)
+
+
 def _device_error_in_worker(ds, context):
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=context)
     try:

@@ -33,6 +33,21 @@ unsafe impl Send for Stream {}
 // SAFETY: as above; the handle itself is never mutated.
 unsafe impl Sync for Stream {}
 
+/// GPU `ordinal`'s primary context (the one torch uses), bound to this thread, or why it
+/// cannot be had. Checks for the driver first, so cudarc never panics.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
+    let n = crate::device_count()?;
+    if ordinal >= n {
+        return Err(GpuError::Driver {
+            doing: "opening the GPU",
+            reason: format!("GPU {ordinal} asked for; the driver sees {n}"),
+        });
+    }
+    let ctx = CudaContext::new(ordinal).map_err(err("retaining the primary context"))?;
+    ctx.bind_to_thread().map_err(err("binding the context"))?;
+    Ok(ctx)
+}
+
 /// One GPU: its primary context and ramjet's stream on it.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -43,15 +58,7 @@ impl Gpu {
     /// GPU `ordinal`, or why it cannot be used (no driver, no such device, a driver error).
     /// Checks for the driver first, so cudarc never panics.
     pub fn open(ordinal: usize) -> Result<Gpu, GpuError> {
-        let n = crate::device_count()?;
-        if ordinal >= n {
-            return Err(GpuError::Driver {
-                doing: "opening the GPU",
-                reason: format!("GPU {ordinal} asked for; the driver sees {n}"),
-            });
-        }
-        let ctx = CudaContext::new(ordinal).map_err(err("retaining the primary context"))?;
-        ctx.bind_to_thread().map_err(err("binding the context"))?;
+        let ctx = context(ordinal)?;
         let stream =
             result::stream::create(result::stream::StreamKind::NonBlocking).map_err(err("creating a stream"))?;
         Ok(Gpu {

@@ -368,6 +368,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         # process holding it got it through fork().
         self._origin_pid = self._pid
         self.device = _resolve_device(device)
+        self._copy_stream: Any = None  # the host-to-device copies' CUDA stream (device="cuda")
         self._lengths: Dict[Any, Tuple[int, int]] = {}
 
     # ----- topology -------------------------------------------------------------------
@@ -435,6 +436,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                 extra["resume"] = json.loads(self._resume)
             if self._resume_consumer is not None:
                 extra["resume_consumer"] = json.loads(self._resume_consumer)
+            if self.device != "cpu":
+                extra["pinned_gpu"] = int(self.device.split(":")[1])
             self._loader = _ramjet.Loader(self._config(**extra))
             self._loader_key = key
         loader = self._loader
@@ -459,9 +462,33 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                 self._loader_key = (self._epoch, key[1])
             if meta["skipped"]:
                 cols["_skipped"] = meta["skipped"]
-            yield _convert(cols, self.device)
+            yield self._to_device(_convert(cols)) if self.device != "cpu" else _convert(cols)
             if meta["end_of_epoch"]:
                 return
+
+    def _to_device(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        """Copies a batch's tensors (in ramjet's page-locked buffers) to the GPU on a stream of
+        its own, so the copy overlaps the training step; the trainer's current stream waits
+        for it. The host buffers are kept until their copy completes, and only then go back
+        to ramjet's pool for the next batch."""
+        dev = torch.device(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(dev)
+            self._in_flight: Any = []
+        consumer = torch.cuda.current_stream(dev)
+        with torch.cuda.stream(self._copy_stream):
+            out = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        consumer.wait_event(done)
+        for v in out.values():
+            if isinstance(v, torch.Tensor) and v.is_cuda:
+                v.record_stream(consumer)  # allocated on the copy stream, used on the consumer's
+        self._in_flight.append((done, batch))
+        while self._in_flight and (self._in_flight[0][0].query() or len(self._in_flight) > 8):
+            self._in_flight[0][0].synchronize()
+            self._in_flight.pop(0)
+        return out
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration reads (from its start)."""
@@ -569,7 +596,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     def __getstate__(self) -> Dict[str, Any]:
         s = self.__dict__.copy()
-        s["_loader"] = s["_reader"] = s["_pending"] = None
+        s["_loader"] = s["_reader"] = s["_pending"] = s["_copy_stream"] = None
+        s.pop("_in_flight", None)
         return s
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
