@@ -294,6 +294,9 @@ impl FusedKernel {
                 return Err(bad(format!("image {i} reaches outside the source buffer: {j:?}")));
             }
         }
+        if p.ow < 1 || p.oh < 1 {
+            return Err(bad(format!("output size {}x{}", p.ow, p.oh)));
+        }
         if out.len() < host_jobs.len() * p.image_bytes() || jobs.len() < std::mem::size_of_val(host_jobs) {
             return Err(bad("an output or job buffer is too small".into()));
         }
