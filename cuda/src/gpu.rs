@@ -9,20 +9,13 @@
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, DriverError};
+use cudarc::driver::{result, sys, CudaContext};
 
 use crate::dlpack::StreamOps;
 use crate::kernel::{Job, Params, KERNEL_NAME, KERNEL_SRC};
 use crate::nvrtc::{Nvrtc, NvrtcError};
 use crate::pool::{CudaDevice, CudaHost, Fence, Pool, PoolBuf};
-use crate::GpuError;
-
-fn err(doing: &'static str) -> impl Fn(DriverError) -> GpuError {
-    move |e| GpuError::Driver {
-        doing,
-        reason: e.to_string(),
-    }
-}
+use crate::{driver_err as err, GpuError};
 
 /// A driver stream handle that may cross threads.
 #[derive(Clone, Copy)]
@@ -358,12 +351,9 @@ mod tests {
             "set RAMJET_GPU_TESTS=1"
         );
         let gpu = Gpu::open(0).unwrap_or_else(|e| panic!("{e}"));
-        let venv = std::env::var_os("RAMJET_VENV").map(std::path::PathBuf::from);
-        let roots: Vec<_> = venv
-            .iter()
-            .flat_map(|v| std::fs::read_dir(v.join("lib")).into_iter().flatten().flatten())
-            .map(|e| e.path().join("site-packages"))
-            .collect();
+        let roots = std::env::var_os("RAMJET_VENV")
+            .map(|v| crate::libs::site_packages(std::path::Path::new(&v)))
+            .unwrap_or_default();
         let nvrtc = Nvrtc::find(&crate::libs::Search::from_env(&roots)).unwrap_or_else(|e| panic!("{e}"));
         let kernel = FusedKernel::load(&gpu, &nvrtc).unwrap_or_else(|e| panic!("{e}"));
         // Two images of different sizes in one source buffer.

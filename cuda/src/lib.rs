@@ -46,6 +46,14 @@ impl std::fmt::Display for GpuError {
 
 impl std::error::Error for GpuError {}
 
+/// Maps a driver call's error to [`GpuError::Driver`], saying what was being done.
+pub(crate) fn driver_err(doing: &'static str) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
+    move |e| GpuError::Driver {
+        doing,
+        reason: e.to_string(),
+    }
+}
+
 /// Whether the CUDA driver library can be loaded in this process. Never panics.
 pub fn driver_present() -> bool {
     // SAFETY: only tries to load libcuda by cudarc's names, each handle dropped at once; no
@@ -59,18 +67,12 @@ pub fn device_count() -> Result<usize, GpuError> {
     if !driver_present() {
         return Err(GpuError::NoDriver);
     }
-    let driver = |doing: &'static str| {
-        move |e: cudarc::driver::DriverError| GpuError::Driver {
-            doing,
-            reason: e.to_string(),
-        }
-    };
     match cudarc::driver::result::init() {
         // A driver with no GPU behind it (a container without one passed through) fails here.
         Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => return Err(GpuError::NoDevice),
-        other => other.map_err(driver("initialising"))?,
+        other => other.map_err(driver_err("initialising"))?,
     }
-    let n = cudarc::driver::result::device::get_count().map_err(driver("counting devices"))?;
+    let n = cudarc::driver::result::device::get_count().map_err(driver_err("counting devices"))?;
     match usize::try_from(n) {
         Ok(0) | Err(_) => Err(GpuError::NoDevice),
         Ok(n) => Ok(n),

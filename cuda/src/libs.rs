@@ -175,7 +175,7 @@ impl Search {
             .collect();
         let mut roots: Vec<PathBuf> = python_roots.to_vec();
         if let Some(venv) = std::env::var_os("VIRTUAL_ENV") {
-            roots.extend(subdirs(&Path::new(&venv).join("lib"), "site-packages"));
+            roots.extend(site_packages(Path::new(&venv)));
         }
         let mut system: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
             .map(|v| std::env::split_paths(&v).collect())
@@ -253,6 +253,11 @@ impl Search {
 }
 
 /// The folders `parent/*/child` that exist, sorted (none when `parent` cannot be read).
+/// The site-packages folders of the Python environment at `venv` (`lib/python*/site-packages`).
+pub fn site_packages(venv: &Path) -> Vec<PathBuf> {
+    subdirs(&venv.join("lib"), "site-packages")
+}
+
 fn subdirs(parent: &Path, child: &str) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(parent)
         .into_iter()

@@ -212,11 +212,7 @@ mod tests {
         let venv = std::env::var_os("RAMJET_VENV")
             .map(PathBuf::from)
             .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv"));
-        let mut roots = Vec::new();
-        for lib in std::fs::read_dir(venv.join("lib")).into_iter().flatten().flatten() {
-            roots.push(lib.path().join("site-packages"));
-        }
-        Search::from_env(&roots)
+        Search::from_env(&libs::site_packages(&venv))
     }
 
     #[test]

@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::GpuError;
+use crate::{driver_err, GpuError};
 
 /// Where an [`Allocator`]'s memory lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -366,13 +366,6 @@ impl CudaHost {
     }
 }
 
-fn driver_err(doing: &'static str) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
-    move |e| GpuError::Driver {
-        doing,
-        reason: e.to_string(),
-    }
-}
-
 impl Allocator for CudaHost {
     fn memory(&self) -> Memory {
         Memory::PinnedHost
@@ -531,14 +524,21 @@ mod tests {
         assert_eq!(fake.live_bytes(), 0, "dropping the pool frees its idle buffers");
     }
 
-    #[test]
-    fn a_released_buffer_comes_back_only_after_its_fence_completes() {
+    /// A pool of 16 G with one G buffer released behind a fence the test completes or fails;
+    /// returns the buffer's address too.
+    fn one_parked() -> (Fake, Pool<Fake>, u64, Flag) {
         let fake = Fake::default();
         let pool = Pool::new(fake.clone(), 16 * G);
         let a = pool.get(G).unwrap();
         let addr = a.addr();
         let fence = Flag::default();
         a.release_after(Box::new(fence.clone()));
+        (fake, pool, addr, fence)
+    }
+
+    #[test]
+    fn a_released_buffer_comes_back_only_after_its_fence_completes() {
+        let (fake, pool, addr, fence) = one_parked();
         let s = pool.stats();
         assert_eq!((s.in_use, s.pending, s.idle), (0, G, 0));
         consistent(&s, &fake);
@@ -557,12 +557,7 @@ mod tests {
 
     #[test]
     fn a_failed_fence_leaks_its_buffer_rather_than_reuse_it() {
-        let fake = Fake::default();
-        let pool = Pool::new(fake.clone(), 16 * G);
-        let a = pool.get(G).unwrap();
-        let addr = a.addr();
-        let fence = Flag::default();
-        a.release_after(Box::new(fence.clone()));
+        let (fake, pool, addr, fence) = one_parked();
         fence.0.store(2, Ordering::SeqCst);
         let s = pool.stats();
         assert_eq!((s.pending, s.idle, s.leaked), (0, 0, G));

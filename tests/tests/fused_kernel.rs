@@ -62,6 +62,21 @@ fn compare(a: &[f32], b: &[f32]) -> Diff {
     }
 }
 
+/// The kernel's job for a whole decoded image and the CPU path's plan for it.
+fn job(decoded: &image::Rgb, plan: &image::Plan) -> Job {
+    Job {
+        src: 0,
+        w: decoded.width as i32,
+        h: decoded.height as i32,
+        stride: 3 * decoded.width as i32,
+        flip: plan.flip as i32,
+        cx: plan.crop.x as f32,
+        cy: plan.crop.y as f32,
+        cw: plan.crop.w as f32,
+        ch: plan.crop.h as f32,
+    }
+}
+
 /// Runs the CPU path and the reference on one sample; returns both outputs as f32.
 fn both(bytes: &[u8], decoded: &image::Rgb, spec: &ImageSpec, out: OutType, sample: u64) -> (Vec<f32>, Vec<f32>) {
     let rng = SampleRng::new(7, 1, 0, sample);
@@ -86,17 +101,7 @@ fn both(bytes: &[u8], decoded: &image::Rgb, spec: &ImageSpec, out: OutType, samp
             o
         }
     };
-    let job = Job {
-        src: 0,
-        w: decoded.width as i32,
-        h: decoded.height as i32,
-        stride: 3 * decoded.width as i32,
-        flip: plan.flip as i32,
-        cx: plan.crop.x as f32,
-        cy: plan.crop.y as f32,
-        cw: plan.crop.w as f32,
-        ch: plan.crop.h as f32,
-    };
+    let job = job(decoded, &plan);
     let p = Params::normalized(spec.width, spec.height, out, spec.mean, spec.std);
     let mut raw = vec![0u8; p.image_bytes()];
     reference(&decoded.data, &[job], &p, &mut raw);
@@ -187,7 +192,7 @@ fn normalised_outputs_agree_in_every_float_type() {
 
 #[test]
 fn a_wrong_crop_is_caught() {
-    // The comparison's power: the reference fed a crop one pixel off must fail the tolerance.
+    // The comparison's power: the reference fed a crop six pixels off must fail the tolerance.
     let (w, h) = (256, 256);
     let bytes = encode_rgb(&picture(w, h, 3), w, h, 92).unwrap();
     let decoded = image::decode_rgb(&bytes, 1, None).unwrap();
@@ -202,17 +207,8 @@ fn a_wrong_crop_is_caught() {
         &mut Scratch::default(),
     )
     .unwrap();
-    let job = Job {
-        src: 0,
-        w: w as i32,
-        h: h as i32,
-        stride: 3 * w as i32,
-        flip: 0,
-        cx: plan.crop.x as f32 + 6.0,
-        cy: plan.crop.y as f32,
-        cw: plan.crop.w as f32,
-        ch: plan.crop.h as f32,
-    };
+    let mut job = job(&decoded, &plan);
+    job.cx += 6.0;
     let p = Params::normalized(64, 64, OutType::U8, s.mean, s.std);
     let mut gpu = vec![0u8; p.image_bytes()];
     reference(&decoded.data, &[job], &p, &mut gpu);

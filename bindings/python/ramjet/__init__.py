@@ -369,6 +369,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._origin_pid = self._pid
         self.device = _resolve_device(device)
         self._copy_stream: Any = None  # the host-to-device copies' CUDA stream (device="cuda")
+        self._in_flight: List[Any] = []  # (copy event, host batch) until the copy completes
         self._lengths: Dict[Any, Tuple[int, int]] = {}
 
     # ----- topology -------------------------------------------------------------------
@@ -474,7 +475,6 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         dev = torch.device(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(dev)
-            self._in_flight: Any = []
         consumer = torch.cuda.current_stream(dev)
         with torch.cuda.stream(self._copy_stream):
             out = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -597,7 +597,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     def __getstate__(self) -> Dict[str, Any]:
         s = self.__dict__.copy()
         s["_loader"] = s["_reader"] = s["_pending"] = s["_copy_stream"] = None
-        s.pop("_in_flight", None)
+        s["_in_flight"] = []
         return s
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
