@@ -66,8 +66,12 @@ unsafe impl HostAlloc for PinnedAlloc {
     }
 }
 
+/// The configuration, every option checked ([`LoaderConfig::check`]) before anything uses it.
 fn parse(config: &str) -> PyResult<ConfigJson> {
-    serde_json::from_str(config).map_err(|e| InvalidInputError::new_err(format!("loader configuration: {e}")))
+    let cfg: ConfigJson =
+        serde_json::from_str(config).map_err(|e| InvalidInputError::new_err(format!("loader configuration: {e}")))?;
+    cfg.loader.check().map_err(to_py)?;
+    Ok(cfg)
 }
 
 impl ConfigJson {

@@ -232,7 +232,8 @@ impl Dataset {
 
     /// Opens the dataset whose manifest is `manifest_key` in `store`.
     pub async fn open_in(store: Store, manifest_key: &str) -> Result<Dataset> {
-        let manifest_url = store.url(manifest_key);
+        // One name for one dataset: a plain path is named by its absolute `file://` URL.
+        let manifest_url = store.canonical_url(manifest_key);
         // One request, not a HEAD then a GET: on a 20 ms link every round trip before the
         // first batch shows.
         let got = match store.get_at_most(manifest_key, MANIFEST_BYTES_MAX).await {

@@ -280,13 +280,98 @@ impl Drop for Loader {
     }
 }
 
+/// The most samples in one batch.
+pub const BATCH_SIZE_MAX: usize = 1 << 16;
+/// The longest side of a decoded image, in pixels.
+pub const IMAGE_SIDE_MAX: u32 = 16384;
+/// The most bytes of one batch's decoded images (its buffer is allocated whole).
+pub const BATCH_BYTES_MAX: u64 = 8 << 30;
+/// The most batches prepared ahead.
+pub const PREFETCH_BATCHES_MAX: usize = 1024;
+/// The most decode threads one loader asks for.
+pub const THREADS_MAX: usize = 4096;
+
+impl LoaderConfig {
+    /// Refuses settings that cannot work, each named, before any thread starts or any buffer is
+    /// sized by them: the stream's ([`StreamConfig::check`]), a batch size of 0 or past
+    /// [`BATCH_SIZE_MAX`], images of 0 pixels or past [`IMAGE_SIDE_MAX`] a side, batches past
+    /// [`BATCH_BYTES_MAX`], augmentation parameters outside their ranges, a zero or non-finite
+    /// `std` (a normalised image would be NaN).
+    pub fn check(&self) -> Result<()> {
+        self.stream.check()?;
+        let bad = |what: &str, why: String| Err(Error::invalid(what, why));
+        if self.batch_size == 0 || self.batch_size > BATCH_SIZE_MAX {
+            return bad(
+                "batch_size",
+                format!("{} is not in 1..={BATCH_SIZE_MAX}", self.batch_size),
+            );
+        }
+        if self.prefetch_batches > PREFETCH_BATCHES_MAX {
+            return bad(
+                "prefetch_batches",
+                format!("{} is over {PREFETCH_BATCHES_MAX}", self.prefetch_batches),
+            );
+        }
+        if self.threads == 0 || self.threads > THREADS_MAX {
+            return bad("num_threads", format!("{} is not in 1..={THREADS_MAX}", self.threads));
+        }
+        let Some(spec) = &self.image else { return Ok(()) };
+        for (what, v) in [("image_size width", spec.width), ("image_size height", spec.height)] {
+            if v == 0 || v > IMAGE_SIDE_MAX {
+                return bad(what, format!("{v} is not in 1..={IMAGE_SIDE_MAX} pixels"));
+            }
+        }
+        let batch_bytes = (spec.bytes() as u64).saturating_mul(self.batch_size as u64);
+        if batch_bytes > BATCH_BYTES_MAX {
+            return bad(
+                "batch_size",
+                format!(
+                    "{} images of {}x{} make a batch of {batch_bytes} bytes, over {BATCH_BYTES_MAX}",
+                    self.batch_size, spec.width, spec.height
+                ),
+            );
+        }
+        let unit = |v: f32| v.is_finite() && (0.0..=1.0).contains(&v);
+        match spec.augment {
+            crate::image::Augment::RandomResizedCrop { scale, ratio, flip } => {
+                if !(unit(scale.0) && unit(scale.1) && scale.0 > 0.0 && scale.0 <= scale.1) {
+                    return bad("scale", format!("{scale:?} is not (lo, hi) with 0 < lo <= hi <= 1"));
+                }
+                if !(ratio.0.is_finite() && ratio.1.is_finite() && ratio.0 > 0.0 && ratio.0 <= ratio.1) {
+                    return bad("ratio", format!("{ratio:?} is not (lo, hi) with 0 < lo <= hi"));
+                }
+                if !unit(flip) {
+                    return bad("flip", format!("{flip} is not a probability in [0, 1]"));
+                }
+            }
+            crate::image::Augment::CenterCrop { crop_fraction } => {
+                if !(unit(crop_fraction) && crop_fraction > 0.0) {
+                    return bad("crop_fraction", format!("{crop_fraction} is not in (0, 1]"));
+                }
+            }
+            crate::image::Augment::Resize => {}
+        }
+        if spec.mean.iter().any(|m| !m.is_finite()) {
+            return bad("mean", format!("{:?} has a value that is not finite", spec.mean));
+        }
+        if spec.std.iter().any(|d| !d.is_finite() || *d <= 0.0) {
+            return bad(
+                "std",
+                format!(
+                    "{:?}: every value must be finite and above 0 (images are divided by it)",
+                    spec.std
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
 impl Loader {
     /// Opens the stream and starts the reader and decode threads.
     pub fn start(cfg: LoaderConfig) -> Result<Loader> {
         let started = std::time::Instant::now();
-        if cfg.batch_size == 0 {
-            return Err(Error::invalid("batch_size", "must be at least 1"));
-        }
+        cfg.check()?;
         let (mut stream, first_gate) = Stream::open_gated(cfg.stream.clone(), cfg.batch_size)?;
         let schema = stream.schema(0);
         for s in 1..stream.sources() {

@@ -219,6 +219,51 @@ impl Topology {
         }
     }
 
+    /// Refuses a topology no job can have, naming the field: no ranks or workers, a rank or
+    /// worker past its count (which would read another consumer's samples twice), or counts
+    /// whose product overflows.
+    pub fn check(&self) -> crate::Result<()> {
+        let bad = |what: &str, why: String| Err(crate::Error::invalid(format!("topology {what}"), why));
+        if self.world == 0 {
+            return bad("world_size", "must be at least 1, not 0".into());
+        }
+        if self.rank >= self.world {
+            return bad(
+                "rank",
+                format!(
+                    "{} is not below world_size {}: ranks are 0..world_size",
+                    self.rank, self.world
+                ),
+            );
+        }
+        if self.workers == 0 || self.worker >= self.workers {
+            return bad(
+                "worker",
+                format!(
+                    "worker {} of {} workers: workers are 0..workers, at least one",
+                    self.worker, self.workers
+                ),
+            );
+        }
+        if self.local_world == 0 || self.local_rank >= self.local_world {
+            return bad(
+                "local_rank",
+                format!("{} of local_world {}", self.local_rank, self.local_world),
+            );
+        }
+        if self
+            .world
+            .checked_mul(self.workers)
+            .is_none_or(|c| c > u32::MAX as usize)
+        {
+            return bad(
+                "world_size",
+                format!("{} ranks x {} workers is too many consumers", self.world, self.workers),
+            );
+        }
+        Ok(())
+    }
+
     /// This consumer's index, `rank * workers + worker`.
     pub fn consumer(&self) -> usize {
         self.rank * self.workers + self.worker

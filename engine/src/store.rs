@@ -337,6 +337,20 @@ impl Store {
         &self.config
     }
 
+    /// `key`'s URL as the host daemon and its peers name it: [`Store::url`], except that a
+    /// store opened by a plain local path gives a `file://` URL of the absolute path. A path
+    /// and its `file://` URL are then one dataset to the daemon (which takes URLs only).
+    pub fn canonical_url(&self, key: &str) -> String {
+        let url = self.url(key);
+        if url.contains("://") {
+            return url;
+        }
+        match std::path::absolute(&url) {
+            Ok(p) => format!("file://{}", p.display()),
+            Err(_) => url,
+        }
+    }
+
     /// Full URL of `key`, used in every message about it.
     pub fn url(&self, key: &str) -> String {
         if self.base_url.ends_with('/') {
@@ -393,6 +407,15 @@ impl Store {
 
     fn convert(&self, key: &str, e: object_store::Error, attempts: u32) -> Error {
         let url = self.url(key);
+        if range_past_end(&e) {
+            // The object is shorter than a read of it needs: the caller
+            // ([`Store::truncated_or`]) names the sizes.
+            return Error::Truncated {
+                object: url,
+                expected: 0,
+                actual: 0,
+            };
+        }
         match e {
             object_store::Error::NotFound { .. } => Error::NotFound { key: url },
             object_store::Error::PermissionDenied { source, .. }
@@ -474,6 +497,33 @@ impl Store {
     /// and on one client no more hedges than 8 plus one in ten of its small reads. A hedged
     /// read fails only when both of its requests fail.
     pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
+        let end = range.end;
+        let got = self.get_range_unsized(key, range).await;
+        self.truncated_or(key, end, got).await
+    }
+
+    /// A read that failed because the object ends before `end` (an origin's 416, a local file's
+    /// invalid range) becomes [`Error::Truncated`] with the object's actual size (one HEAD), at
+    /// once: that is no transient fault, and retrying it only delays the error.
+    async fn truncated_or<T>(&self, key: &str, end: u64, got: Result<T>) -> Result<T> {
+        match got {
+            Err(Error::Truncated {
+                object,
+                expected: 0,
+                actual: 0,
+            }) => {
+                let actual = self.size(key).await?;
+                Err(Error::Truncated {
+                    object,
+                    expected: end,
+                    actual,
+                })
+            }
+            other => other,
+        }
+    }
+
+    async fn get_range_unsized(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         let path = self.path(key);
         let want = range.end - range.start;
         tracing::trace!(object = %self.url(key), ?range, "ranged GET starts");
@@ -550,6 +600,18 @@ impl Store {
     /// (its offset in `dst`), while it is still in the CPU's cache. A retry starts again from
     /// offset 0.
     pub async fn get_range_into_seen(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        dst: &mut [u8],
+        seen: impl FnMut(usize, &[u8]) + Send,
+    ) -> Result<()> {
+        let end = range.end;
+        let got = self.get_range_into_unsized(key, range, dst, seen).await;
+        self.truncated_or(key, end, got).await
+    }
+
+    async fn get_range_into_unsized(
         &self,
         key: &str,
         range: Range<u64>,
@@ -820,9 +882,22 @@ async fn read_stream_into(
     Ok(n)
 }
 
+/// Whether an object_store error says a ranged read started or ended past the object's end:
+/// an origin's `416 Range Not Satisfiable`, or the local store's invalid range.
+fn range_past_end(e: &object_store::Error) -> bool {
+    let msg = error_chain(e);
+    msg.contains("Requested range was invalid")
+        || msg.contains("Wanted range starting at")
+        || msg.contains("status code: 416")
+        || msg.contains("InvalidRange")
+}
+
 /// Whether an object_store error is worth retrying.
 fn is_transient(e: &object_store::Error) -> bool {
     use object_store::Error as E;
+    if range_past_end(e) {
+        return false;
+    }
     match e {
         E::NotFound { .. }
         | E::PermissionDenied { .. }

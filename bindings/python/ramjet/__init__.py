@@ -147,7 +147,7 @@ def init(
     """
     global _daemon_socket
     cache = cache_dir or os.environ.get("RAMJET_CACHE_DIR") or os.path.expanduser("~/.cache/ramjet")
-    path, _embedded = _ramjet.init(os.fspath(cache), _parse_size(cache_limit) or (64 << 30), socket)
+    path, _embedded = _ramjet.init(os.fspath(cache), _parse_size(cache_limit, "cache_limit") or (64 << 30), socket)
     _daemon_socket = path
     return path
 
@@ -199,14 +199,74 @@ def _convert(d: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
     return out
 
 
-def _parse_size(s: Union[int, str, None]) -> Optional[int]:
-    if s is None or isinstance(s, int):
-        return s
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = s.strip().lower().rstrip("ib").rstrip("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+def _parse_size(s: Union[int, str, None], name: str = "cache_limit") -> Optional[int]:
+    """A byte count given as an int or a string such as ``"64GiB"``; ``InvalidInputError``
+    naming ``name`` for anything else, and for a count that is not positive."""
+    if s is None:
+        return None
+    if isinstance(s, bool) or not isinstance(s, (int, str)):
+        raise InvalidInputError(f"{name} must be a byte count (an int, or a string like '64GiB'), not {s!r}")
+    if isinstance(s, int):
+        n = s
+    else:
+        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+        t = s.strip().lower().rstrip("ib").rstrip("b")
+        try:
+            n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+        except (ValueError, OverflowError):
+            raise InvalidInputError(f"{name} must be a byte count like 64GiB, 512MiB or 1000000, not {s!r}") from None
+    if n < 1 or n >= 1 << 63:
+        raise InvalidInputError(f"{name} must be a positive byte count, not {s!r}")
+    return n
+
+
+def _int(name: str, v: Any, lo: int, hi: int = (1 << 63) - 1) -> int:
+    """``v`` as an int in ``[lo, hi]``, or ``InvalidInputError`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            import numpy
+
+            ok = isinstance(v, numpy.integer)
+        except ImportError:  # pragma: no cover
+            ok = False
+        if not ok:
+            raise InvalidInputError(f"{name} must be an int, not {v!r}")
+    v = int(v)
+    if not lo <= v <= hi:
+        raise InvalidInputError(f"{name} must be in {lo}..={hi}, not {v}")
+    return v
+
+
+def _real(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``v`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), or
+    ``InvalidInputError`` naming ``name``."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{name} must be a number, not {v!r}") from None
+    finite = f == f and f not in (float("inf"), float("-inf"))
+    if isinstance(v, bool) or not finite or not (lo < f if lo_open else lo <= f) or not f <= hi:
+        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise InvalidInputError(f"{name} must be a number in {interval}, not {v!r}")
+    return f
+
+
+def _pair(name: str, v: Any, lo: float, hi: float) -> Tuple[float, float]:
+    """``(a, b)`` with ``lo < a <= b <= hi``, or ``InvalidInputError`` naming ``name``."""
+    try:
+        a, b = v
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{name} must be a pair (lo, hi), not {v!r}") from None
+    a, b = _real(f"{name}[0]", a, lo, hi, lo_open=True), _real(f"{name}[1]", b, lo, hi, lo_open=True)
+    if a > b:
+        raise InvalidInputError(f"{name} must be (lo, hi) with lo <= hi, not {v!r}")
+    return a, b
+
+
+# Bounds of the options (the engine checks them again: LoaderConfig::check).
+_BATCH_SIZE_MAX = 1 << 16
+_IMAGE_SIDE_MAX = 16384
+_BATCH_BYTES_MAX = 8 << 30
 
 
 def _distributed() -> Tuple[int, int]:
@@ -303,8 +363,47 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         streams = [s if isinstance(s, Stream) else Stream(str(s)) for s in remote]
         if not streams:
             raise InvalidInputError("remote: no dataset given")
-        if batch_size < 1:
-            raise InvalidInputError(f"batch_size must be at least 1, not {batch_size}")
+        batch_size = _int("batch_size", batch_size, 1, _BATCH_SIZE_MAX)
+        seed = _int("seed", seed, 0, (1 << 64) - 1)
+        shuffle_window = _int("shuffle_window", shuffle_window, 1)
+        shuffle_block = _int("shuffle_block", shuffle_block, 1)
+        partitions = _int("partitions", partitions, 1, 1 << 32)
+        prefetch_batches = _int("prefetch_batches", prefetch_batches, 0, 1024)
+        if num_threads is not None:
+            num_threads = _int("num_threads", num_threads, 1, 4096)
+        if world_size is not None:
+            world_size = _int("world_size", world_size, 1, 1 << 31)
+        if rank is not None:
+            rank = _int("rank", rank, 0, (world_size or (1 << 31)) - 1)
+        cache_limit = _parse_size(cache_limit, "cache_limit")
+        scale = _pair("scale", scale, 0.0, 1.0)
+        ratio = _pair("ratio", ratio, 0.0, float("inf"))
+        flip = _real("flip", flip, 0.0, 1.0)
+        crop_fraction = _real("crop_fraction", crop_fraction, 0.0, 1.0, lo_open=True)
+        try:
+            mean, std = [float(x) for x in mean], [float(x) for x in std]
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"mean and std must be 3 numbers each, not {mean!r} and {std!r}") from None
+        if len(mean) != 3 or len(std) != 3:
+            raise InvalidInputError(f"mean and std must be 3 numbers each, not {mean!r} and {std!r}")
+        for i, (m_, s_) in enumerate(zip(mean, std)):
+            _real(f"mean[{i}]", m_, float("-inf"), float("inf"))
+            _real(f"std[{i}]", s_, 0.0, float("inf"), lo_open=True)
+        if image_size is not None:
+            if isinstance(image_size, (tuple, list)) and len(image_size) == 2:
+                image_size = (
+                    _int("image_size[0]", image_size[0], 1, _IMAGE_SIDE_MAX),
+                    _int("image_size[1]", image_size[1], 1, _IMAGE_SIDE_MAX),
+                )
+            else:
+                image_size = _int("image_size", image_size, 1, _IMAGE_SIDE_MAX)
+            hh, ww = (image_size, image_size) if isinstance(image_size, int) else image_size
+            batch_bytes = batch_size * hh * ww * 3 * (4 if normalize else 1)
+            if batch_bytes > _BATCH_BYTES_MAX:
+                raise InvalidInputError(
+                    f"batch_size {batch_size} of {hh}x{ww} images makes batches of {batch_bytes} bytes, "
+                    f"over {_BATCH_BYTES_MAX}"
+                )
         if on_corrupt not in ("error", "skip"):
             raise InvalidInputError(f'on_corrupt must be "error" or "skip", not {on_corrupt!r}')
         if augment not in ("train", "eval", "resize"):
@@ -346,7 +445,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             "order": {"seed": int(seed), "shuffle": order_shuffle, "partitions": int(partitions), "tail": tails[tail]},
             "cache": None
             if local is None
-            else {"dir": os.fspath(local), "limit_bytes": _parse_size(cache_limit) or (64 << 30)},
+            else {"dir": os.fspath(local), "limit_bytes": cache_limit or (64 << 30)},
             "batch_size": int(batch_size),
             "drop_last": bool(drop_last),
             "image": image,
@@ -491,9 +590,14 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         return out
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch the next iteration reads (from its start)."""
-        if epoch != self._epoch or self._resume is not None or self._resume_consumer is not None:
-            self._epoch = int(epoch)
+        """Selects the epoch the next iteration reads, from its start.
+
+        After :meth:`load_state_dict`, setting the epoch the restored state belongs to keeps
+        the resume (the usual loop, ``for epoch in range(start, n): ds.set_epoch(epoch)``,
+        continues mid-epoch); setting another epoch drops it."""
+        epoch = _int("epoch", epoch, 0)
+        if epoch != self._epoch:
+            self._epoch = epoch
             self._resume = self._resume_consumer = None
             self._state = None
 
@@ -542,14 +646,44 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         return {"version": 1, "epoch": epoch, "resume": resume}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continues from a :meth:`state_dict`: the next iteration yields the rest of its epoch."""
+        """Continues from a :meth:`state_dict`: the next iteration yields the rest of its epoch.
+
+        A state that is not one :meth:`state_dict` made (not a dict, a missing or wrong-typed
+        field, JSON that does not parse, an ``epoch`` that disagrees with its ``resume``)
+        raises :class:`InvalidInputError` naming the field, and changes nothing."""
+        if not isinstance(state, dict):
+            raise InvalidInputError(f"state_dict must be a dict made by state_dict(), not {type(state).__name__}")
         if state.get("version") != 1:
             raise InvalidInputError(f"unknown state_dict version {state.get('version')!r}")
-        self._epoch = int(state["epoch"])
-        self._resume = state.get("resume")
-        self._resume_consumer = state.get("consumer")
-        if self._resume_consumer is not None:
-            self._epoch = int(json.loads(self._resume_consumer)["base"]["epoch"])
+        if "epoch" not in state:
+            raise InvalidInputError("state_dict has no 'epoch'")
+        epoch = _int("state_dict['epoch']", state["epoch"], 0)
+
+        def inner(field: str, *path: str) -> Tuple[Optional[str], Optional[int]]:
+            text = state.get(field)
+            if text is None:
+                return None, None
+            if not isinstance(text, str):
+                raise InvalidInputError(f"state_dict[{field!r}] must be a JSON string, not {type(text).__name__}")
+            try:
+                v: Any = json.loads(text)
+                for k in path:
+                    v = v[k]
+            except (ValueError, KeyError, TypeError, IndexError):
+                raise InvalidInputError(
+                    f"state_dict[{field!r}] is not a ramjet state (no {'.'.join(path)} in its JSON)"
+                ) from None
+            return text, _int(f"state_dict[{field!r}] {'.'.join(path)}", v, 0)
+
+        resume, resume_epoch = inner("resume", "progress", "epoch")
+        consumer, consumer_epoch = inner("consumer", "base", "epoch")
+        if resume_epoch is not None and resume_epoch != epoch:
+            raise InvalidInputError(
+                f"state_dict['epoch'] is {epoch} but its 'resume' is a position in epoch {resume_epoch}"
+            )
+        self._epoch = consumer_epoch if consumer_epoch is not None else epoch
+        self._resume = resume
+        self._resume_consumer = consumer
         self._state = None
         self._pending = None
         self._loader = None

@@ -427,9 +427,16 @@ impl CachedShard {
 
     /// A reader of single records, each checked against its own checksum (random access and
     /// global shuffle read two ranges of the file per sample, not the whole shard).
+    /// The copy must have the size and, in its footer, the checksum of the shard it is cached
+    /// as: a file of another shard put in its place is refused, deleted and counted as corrupt.
     pub fn records(&self) -> Result<crate::format::ShardReader<File>> {
         let f = self.file().try_clone().map_err(|e| Error::io(self.path.display(), e))?;
-        crate::format::ShardReader::open(f, &self.path.display().to_string())
+        let name = self.path.display().to_string();
+        crate::format::ShardReader::open_expecting(f, &name, self.id.bytes, self.id.checksum).inspect_err(|e| {
+            if e.is_data_error() {
+                self.discard();
+            }
+        })
     }
 }
 

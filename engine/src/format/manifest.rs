@@ -510,6 +510,12 @@ impl ShardTable {
         let (mut acc, mut bytes, mut prev) = (0u64, 0u64, None::<u64>);
         for j in 0..n {
             let (samples, k) = (t.field(j, 0), t.field(j, 3));
+            if samples == 0 {
+                return Err(self.bad(format!(
+                    "shard {} lists 0 samples; a shard holds at least one (no writer lists an empty one)",
+                    lo + j
+                )));
+            }
             if samples > crate::format::SHARD_SAMPLES_MAX {
                 return Err(self.bad(format!(
                     "shard {} claims {samples} samples, over the shard limit of {}",
@@ -982,6 +988,14 @@ impl Manifest {
         }
         let mut keys = std::collections::HashSet::new();
         for s in &m.shards {
+            // A shard listed with 0 samples would be left out of every epoch without a word,
+            // whatever it holds: the stream would run short. No writer lists an empty shard.
+            if s.samples == 0 {
+                return Err(bad(format!(
+                    "shard {:?} lists 0 samples; a shard holds at least one (no writer lists an empty one)",
+                    s.key
+                )));
+            }
             if s.samples > crate::format::SHARD_SAMPLES_MAX {
                 return Err(bad(format!(
                     "shard {:?} claims {} samples, over the shard limit of {}",

@@ -15,9 +15,9 @@ pub use manifest::{
 };
 pub use schema::{decode_record, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef, COLUMNS_MAX};
 pub use shard::{
-    sample_checksum, shard_checksum, verify_shard_bytes, BuiltShard, Header, IndexEntry, Problem, ReadAt, ShardBuilder,
-    ShardExpect, ShardHasher, ShardReader, ShardView, FOOTER_LEN, FOOTER_MAGIC, FORMAT_VERSION, HEADER_LEN,
-    INDEX_ENTRY_LEN, SHARD_MAGIC, SHARD_SAMPLES_MAX,
+    check_footer, sample_checksum, shard_checksum, verify_shard_bytes, BuiltShard, Header, IndexEntry, Problem, ReadAt,
+    ShardBuilder, ShardExpect, ShardHasher, ShardReader, ShardView, FOOTER_LEN, FOOTER_MAGIC, FORMAT_VERSION,
+    HEADER_LEN, INDEX_ENTRY_LEN, SHARD_MAGIC, SHARD_SAMPLES_MAX,
 };
 
 /// Key under which shard number `index` with checksum `checksum` is stored. The checksum in

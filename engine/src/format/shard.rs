@@ -380,6 +380,32 @@ impl<T: ReadAt + ?Sized> ReadAt for &T {
     }
 }
 
+/// Checks a shard's footer (its last [`FOOTER_LEN`] bytes) against the checksum its manifest
+/// lists: the magic, then the whole-shard checksum. The footer's checksum covers every byte
+/// before it, so a reader that reads only parts of a shard (its index entries and some
+/// records) knows with it that those parts belong to the shard the manifest lists, not to
+/// another valid shard put in its place. The error names `name`.
+pub fn check_footer(footer: &[u8], want: u64, name: &str) -> Result<()> {
+    let at = || Location::object(name);
+    if footer.len() != FOOTER_LEN as usize || footer[8..16] != FOOTER_MAGIC {
+        return Err(Error::corrupt(
+            at(),
+            "footer magic missing: the shard is truncated or was overwritten",
+        ));
+    }
+    let got = u64::from_le_bytes(footer[..8].try_into().expect("8 bytes"));
+    if got != want {
+        return Err(Error::corrupt(
+            at(),
+            format!(
+                "its footer's checksum {got:016x} is not the manifest's {want:016x}: the object holds another \
+                 shard, or was rewritten since the manifest was made"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Random access to the samples of one shard through [`ReadAt`].
 ///
 /// Opening reads the header, the schema and the footer (three reads). After that,
@@ -390,9 +416,37 @@ pub struct ShardReader<R> {
     header: Header,
     schema: Schema,
     size: u64,
+    /// The whole-shard checksum its footer holds.
+    footer_checksum: u64,
 }
 
 impl<R: ReadAt> ShardReader<R> {
+    /// [`ShardReader::open`] of a shard expected to be `bytes` long with whole-shard checksum
+    /// `checksum` (its manifest's, or its cache name's): a file of another size, or whose footer
+    /// holds another checksum (another valid shard in its place), is refused, naming `name`.
+    pub fn open_expecting(src: R, name: &str, bytes: u64, checksum: u64) -> Result<Self> {
+        let size = src.size().map_err(|e| Error::io(name, e))?;
+        if size != bytes {
+            return Err(Error::Truncated {
+                object: name.to_owned(),
+                expected: bytes,
+                actual: size,
+            });
+        }
+        let r = Self::open(src, name)?;
+        let mut fb = [0u8; FOOTER_LEN as usize];
+        fb[..8].copy_from_slice(&r.footer_checksum.to_le_bytes());
+        fb[8..].copy_from_slice(&FOOTER_MAGIC);
+        check_footer(&fb, checksum, name)?;
+        Ok(r)
+    }
+
+    /// The whole-shard checksum its footer holds (not verified against the bytes: see
+    /// [`ShardReader::open_expecting`]).
+    pub fn footer_checksum(&self) -> u64 {
+        self.footer_checksum
+    }
+
     /// Opens `src`, named `name` in errors, and checks header, schema and footer.
     pub fn open(src: R, name: &str) -> Result<Self> {
         let io_err = |e: io::Error| Error::io(name, e);
@@ -431,6 +485,7 @@ impl<R: ReadAt> ShardReader<R> {
             header,
             schema,
             size,
+            footer_checksum: u64::from_le_bytes(fb[..8].try_into().expect("8 bytes")),
         })
     }
 

@@ -142,6 +142,59 @@ pub struct StreamConfig {
 }
 
 impl StreamConfig {
+    /// Refuses settings that cannot work, naming the setting, before anything starts: the
+    /// topology ([`Topology::check`]), shuffle parameters, byte budgets and counts of zero,
+    /// weights that are not finite and non-negative.
+    pub fn check(&self) -> Result<()> {
+        self.topology.check()?;
+        let bad = |what: &str, why: &str| Err(Error::invalid(what, why));
+        if self.sources.is_empty() {
+            return bad("sources", "no dataset given");
+        }
+        for s in &self.sources {
+            let w = match s.weight {
+                Weight::Natural => 1.0,
+                Weight::Proportion(x) | Weight::Repeat(x) => x,
+                Weight::Count(_) => 1.0,
+            };
+            if !w.is_finite() || w < 0.0 {
+                return Err(Error::invalid(
+                    format!("weight of {}", s.url),
+                    format!("{w} is not a finite, non-negative number"),
+                ));
+            }
+        }
+        if self.order.partitions == 0 {
+            return bad("partitions", "must be at least 1");
+        }
+        if let crate::order::Shuffle::ShardBlock {
+            window_shards,
+            block_samples,
+        } = self.order.shuffle
+        {
+            if window_shards == 0 {
+                return bad("shuffle_window", "must be at least 1");
+            }
+            if block_samples == 0 {
+                return bad("shuffle_block", "must be at least 1");
+            }
+        }
+        if self.cache.as_ref().is_some_and(|c| c.limit_bytes == 0) {
+            return bad("cache_limit", "must be more than 0 bytes");
+        }
+        for (what, v) in [
+            ("prefetch_bytes_max", self.prefetch_bytes_max),
+            ("range_bytes", self.range_bytes),
+            ("ranges_in_flight_max", self.ranges_in_flight_max as u64),
+            ("shards_in_flight_max", self.shards_in_flight_max as u64),
+        ] {
+            if v == 0 {
+                return bad(what, "must be at least 1");
+            }
+        }
+        Ok(())
+    }
+
     /// Defaults for one dataset.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
@@ -254,6 +307,9 @@ struct Shared {
     /// Indexes of cached shards read one sample at a time, when every source's fits in
     /// `index_bytes_max` (`None` otherwise).
     indexes: Option<std::sync::Mutex<HeldIndexes>>,
+    /// Shards whose samples read one at a time from the origin are tied to the manifest
+    /// (`source::vouch`).
+    vouched: std::sync::Mutex<source::Vouched>,
 }
 
 type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
@@ -450,6 +506,7 @@ impl Stream {
     }
 
     fn open_with(cfg: StreamConfig, gated: Option<usize>) -> Result<(Stream, Option<FirstGate>)> {
+        cfg.check()?;
         let opened_at = Instant::now();
         let rt = crate::rt::handle()?;
         let metrics = Arc::new(Metrics::default());
@@ -548,6 +605,7 @@ impl Stream {
         let indexes = (index_bytes <= cfg.index_bytes_max).then(Default::default);
         let shared = Arc::new(Shared {
             indexes,
+            vouched: Default::default(),
             chain,
             inserts: Arc::new(tokio::sync::Semaphore::new(insert_permits as usize)),
             insert_permits,

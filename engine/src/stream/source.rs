@@ -178,21 +178,49 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
             _ => clusters.push(vec![i]),
         }
     }
-    let entry_gets = clusters.iter().map(|c| async move {
-        let (lo, hi) = (c[0], c[c.len() - 1]);
-        let range = layout.entry_at(lo)..layout.entry_at(hi) + INDEX_ENTRY_LEN;
-        let b = counted_get(true, &range).await?;
-        Some(
-            c.iter()
-                .map(|&i| {
-                    let o = ((i - lo) * INDEX_ENTRY_LEN) as usize;
-                    (i, IndexEntry::parse(&b[o..o + INDEX_ENTRY_LEN as usize]))
-                })
-                .collect::<Vec<_>>(),
-        )
+    // Nothing of the shard is trusted before it is tied to the manifest: a ramjet shard's
+    // footer checked while its entries are read, a foreign shard's whole sample index first.
+    let key = (first.stream, first.shard);
+    let held = match layout.foreign_bytes {
+        None => None,
+        Some(_) => match vouch(shared, key, info, layout).await {
+            Ok(held) => held,
+            Err(e) => return slots.into_iter().map(|s| (s, Err(e.clone()))).collect(),
+        },
+    };
+    let entry_gets = clusters.iter().map(|c| {
+        let held = held.clone();
+        async move {
+            let (lo, hi) = (c[0], c[c.len() - 1]);
+            let range = layout.entry_at(lo)..layout.entry_at(hi) + INDEX_ENTRY_LEN;
+            let b = match held {
+                Some(ix) => ix.slice(range.start as usize..range.end as usize),
+                None => counted_get(true, &range).await?,
+            };
+            Some(
+                c.iter()
+                    .map(|&i| {
+                        let o = ((i - lo) * INDEX_ENTRY_LEN) as usize;
+                        (i, IndexEntry::parse(&b[o..o + INDEX_ENTRY_LEN as usize]))
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        }
     });
+    let (vouched, got) = futures::join!(
+        async {
+            match held {
+                Some(_) => Ok(None),
+                None => vouch(shared, key, info, layout).await,
+            }
+        },
+        futures::future::join_all(entry_gets)
+    );
+    if let Err(e) = vouched {
+        return slots.into_iter().map(|s| (s, Err(e.clone()))).collect();
+    }
     let mut entries: HashMap<u64, IndexEntry> = HashMap::new();
-    for got in futures::future::join_all(entry_gets).await.into_iter().flatten() {
+    for got in got.into_iter().flatten() {
         entries.extend(got);
     }
     // Records, by runs of entries that checked out, in file order.
@@ -264,7 +292,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
 /// Where a shard's samples are read from one at a time: a ramjet shard's own index and
 /// records, or a plain foreign shard's sample index and its object
 /// (`crate::format::foreign`).
-struct Ranged<'a> {
+pub(super) struct Ranged<'a> {
     /// The store and object holding the index entries.
     entry_store: &'a crate::Store,
     entry_key: &'a str,
@@ -359,18 +387,155 @@ pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> 
     let url = store.url(&info.key);
     let at = Location::sample(&url, id.index as u64);
     let eo = layout.entry_at(id.index as u64);
-    let eb = layout
-        .entry_store
-        .get_range(layout.entry_key, eo..eo + INDEX_ENTRY_LEN)
-        .await?;
+    let key = (id.stream, id.shard);
+    let (held, eb) = match layout.foreign_bytes {
+        // A foreign shard's entries come from its sample index, read whole and checked.
+        Some(_) => {
+            let ix = vouch(shared, key, info, &layout)
+                .await?
+                .expect("a foreign shard's index is held");
+            let eb = ix.slice(eo as usize..(eo + INDEX_ENTRY_LEN) as usize);
+            (Some(()), eb)
+        }
+        None => {
+            let (v, eb) = futures::join!(
+                vouch(shared, key, info, &layout),
+                layout.entry_store.get_range(layout.entry_key, eo..eo + INDEX_ENTRY_LEN)
+            );
+            v?;
+            (None, eb?)
+        }
+    };
     let e = IndexEntry::parse(&eb);
     layout.check_entry(src, id.shard as usize, id.index as u64, &e)?;
     let raw = store.get_range(&info.key, e.offset..e.offset + e.len).await?;
     let rec = layout.record(src, id.index as u64, &e, raw, &at)?;
     let m = &shared.metrics;
-    Metrics::add(&m.origin_requests, 2);
-    Metrics::add(&m.origin_bytes, INDEX_ENTRY_LEN + e.len);
+    let entry_gets = if held.is_some() { 0 } else { 1 };
+    Metrics::add(&m.origin_requests, 1 + entry_gets);
+    Metrics::add(&m.origin_bytes, INDEX_ENTRY_LEN * entry_gets + e.len);
     Ok(rec)
+}
+
+/// Shards whose samples may be read one at a time from the origin, tied to the manifest by
+/// [`vouch`]: for a ramjet shard nothing (its footer checked out), for a foreign shard its
+/// sample index, read whole and checked. Bounded: past [`VOUCHED_SHARDS_MAX`] shards or
+/// [`VOUCHED_INDEX_BYTES_MAX`] bytes of indexes it starts again (a shard is then checked again:
+/// one small read).
+#[derive(Default)]
+pub(super) struct Vouched {
+    shards: HashMap<(u32, u32), Option<Bytes>>,
+    index_bytes: u64,
+}
+
+/// Shards remembered as vouched for.
+const VOUCHED_SHARDS_MAX: usize = 1 << 16;
+/// Bytes of foreign sample indexes held.
+const VOUCHED_INDEX_BYTES_MAX: u64 = 64 << 20;
+
+/// Ties shard `key`'s samples read one at a time from the origin to the manifest, once per
+/// shard and stream, before any of its index entries is trusted. A sample's own checksum lives
+/// in its shard's index, which travels with the shard: a shard swapped at the origin for
+/// another valid one (of this dataset or another) would pass its own per-sample checks.
+/// - A ramjet shard's footer (its last 16 bytes) must hold the manifest's checksum of the
+///   shard and the footer magic: another shard, a rewritten or truncated object, or a manifest
+///   whose checksum is wrong fails here, naming the shard. Its header (read at the same time)
+///   must pass its own checksum and agree with the manifest, so a damaged header fails at the
+///   shard's first sample on every path, not only once the whole shard arrives. The footer's checksum covers every
+///   byte of the shard, index included, so the entries read next belong to the shard the
+///   manifest lists (a forged index with a matching footer is not an accident this guards
+///   against: XXH3 is no cryptographic hash).
+/// - A foreign shard's sample index (ramjet's `.rjx`, 24 bytes a sample) is read whole and
+///   must have the manifest's size and XXH3-64; it is held and the entries come from it. The
+///   records it points at are transcoded and checked against its per-sample checksums, so a
+///   swapped foreign object fails there, naming the sample.
+///
+/// Returns the held sample index of a foreign shard.
+pub(super) async fn vouch(
+    shared: &Arc<Shared>,
+    key: (u32, u32),
+    info: &crate::format::ShardInfo,
+    layout: &Ranged<'_>,
+) -> Result<Option<Bytes>> {
+    if let Some(v) = shared.vouched.lock().expect("not poisoned").shards.get(&key) {
+        return Ok(v.clone());
+    }
+    let src = &shared.sources[key.0 as usize];
+    let m = &shared.metrics;
+    let held = match &info.foreign {
+        None => {
+            let url = src.shard_url(key.1 as usize);
+            let (bytes, want) = src.ds.manifest().shard_bytes_checksum(key.1 as usize)?;
+            let footer = crate::format::FOOTER_LEN;
+            if bytes < crate::format::HEADER_LEN + footer {
+                return Err(Error::corrupt(
+                    Location::object(&url),
+                    format!("the manifest lists it as {bytes} bytes, less than a header and footer"),
+                ));
+            }
+            let head = crate::format::HEADER_LEN;
+            let store = src.ds.store();
+            let (hb, fb) = futures::join!(
+                store.get_range(&info.key, 0..head),
+                store.get_range(&info.key, bytes - footer..bytes)
+            );
+            Metrics::add(&m.origin_requests, 2);
+            Metrics::add(&m.origin_bytes, head + footer);
+            // The footer first: a shorter or longer object, or another shard, is named as such
+            // rather than by whatever its header happens to hold.
+            crate::format::check_footer(&fb?, want, &url)?;
+            let header = crate::format::Header::parse(&hb?, &url)?;
+            let data_offset = src.ds.data_offset(key.1 as usize)?;
+            if header.samples != info.samples || header.data_offset != data_offset {
+                return Err(Error::corrupt(
+                    Location::object(&url),
+                    format!(
+                        "its header says {} samples with records from byte {}; the manifest, {} from byte {data_offset}",
+                        header.samples, header.data_offset, info.samples
+                    ),
+                ));
+            }
+            None
+        }
+        Some(f) => {
+            let ix = f.index.as_ref().expect("a shard read by ranges has a sample index");
+            let url = layout.entry_store.url(&ix.key);
+            let b = if ix.bytes == 0 {
+                Bytes::new()
+            } else {
+                layout.entry_store.get_range(&ix.key, 0..ix.bytes).await?
+            };
+            Metrics::add(&m.origin_requests, 1);
+            Metrics::add(&m.origin_bytes, ix.bytes);
+            let samples = src.ds.manifest().shard(key.1 as usize)?.samples;
+            let sum = xxhash_rust::xxh3::xxh3_64(&b);
+            if b.len() as u64 != samples * crate::format::foreign::SAMPLE_INDEX_ENTRY_LEN
+                || Some(sum) != crate::format::hex16(&ix.checksum)
+            {
+                return Err(Error::corrupt(
+                    Location::object(&url),
+                    format!(
+                        "the sample index of {} ({} bytes, XXH3-64 {sum:016x}) is not the one the manifest lists \
+                         ({} bytes for {samples} samples, {})",
+                        src.shard_url(key.1 as usize),
+                        b.len(),
+                        ix.bytes,
+                        ix.checksum
+                    ),
+                ));
+            }
+            Some(b)
+        }
+    };
+    let mut v = shared.vouched.lock().expect("not poisoned");
+    let n = held.as_ref().map_or(0, |b| b.len() as u64);
+    if v.shards.len() >= VOUCHED_SHARDS_MAX || v.index_bytes + n > VOUCHED_INDEX_BYTES_MAX {
+        *v = Vouched::default();
+    }
+    if v.shards.insert(key, held.clone()).is_none() {
+        v.index_bytes += n;
+    }
+    Ok(held)
 }
 
 /// Records `indices` of a shard with no index to read one sample by at the origin (a

@@ -1,0 +1,346 @@
+//! A shard object replaced at the origin, on real packed files read through every path that
+//! reads samples one at a time: the stream's first samples (ranged reads), random access
+//! (`Stream::get`), the global shuffle beyond the resident budget, and `ramjet stream`.
+//!
+//! Regression (issue 42, defect 1): a sample read alone was checked against the per-sample
+//! checksum in its shard's own index, which travels with the shard, so a shard swapped for
+//! another valid one passed: the stream yielded the other shard's records before failing, and
+//! `get` returned a wrong sample with no error. Now nothing of a shard is trusted before its
+//! footer is found to hold the manifest's checksum.
+//!
+//! Also pinned here (defect 2): a truncated or empty shard object is reported as truncated at
+//! once (a range past an object's end is not transient); a manifest listing 0 samples for a
+//! shard is refused when the stream opens; a damaged header fails at the shard's first sample,
+//! the same way on every run.
+//!
+//! Each test packs rows of its own: whole-shard fetches coalesce in a process by the shard's
+//! content (`ShardId`), so two tests' byte-identical shards would share one flight.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use ramjet_engine::cache::CacheConfig;
+use ramjet_engine::format::Manifest;
+use ramjet_engine::order::Shuffle;
+use ramjet_engine::{Error, Stream, StreamConfig};
+use ramjet_tests::{flip_byte, ramjet, ramjet_ok, synth_dataset, text};
+
+/// Packs `rows` JSONL rows of equal size (`tag` makes two datasets' records differ) into
+/// shards of equal size.
+fn packed_rows(tmp: &Path, name: &str, tag: &str, rows: usize) -> PathBuf {
+    let src = tmp.join(format!("{name}.jsonl"));
+    let body: String = (0..rows)
+        .map(|i| format!("{{\"id\": {i}, \"text\": \"{tag}-{i:08}\"}}\n"))
+        .collect();
+    fs::write(&src, body).unwrap();
+    let dst = tmp.join(name);
+    ramjet_ok(&[
+        "pack",
+        src.to_str().unwrap(),
+        dst.to_str().unwrap(),
+        "--shard-size",
+        "4KiB",
+    ]);
+    dst
+}
+
+/// Packs the synthetic YOLO set (shards of unequal sizes).
+fn packed_images(tmp: &Path, n: usize) -> PathBuf {
+    let dst = tmp.join("images");
+    ramjet_ok(&[
+        "pack",
+        synth_dataset(n).to_str().unwrap(),
+        dst.to_str().unwrap(),
+        "--shard-size",
+        "300KiB",
+    ]);
+    dst
+}
+
+fn manifest(dir: &Path) -> Manifest {
+    Manifest::parse(&fs::read(dir.join("manifest.json")).unwrap(), "manifest.json").unwrap()
+}
+
+/// Every record of a clean dataset, by global index.
+fn records(dir: &Path) -> HashMap<u64, Bytes> {
+    let mut cfg = StreamConfig::new(dir.to_str().unwrap());
+    cfg.order.shuffle = Shuffle::None;
+    let mut out = HashMap::new();
+    for s in Stream::open(cfg).unwrap() {
+        let s = s.unwrap();
+        out.insert(s.global_index, s.record);
+    }
+    out
+}
+
+/// The global index range of shard `i`.
+fn span(m: &Manifest, i: usize) -> std::ops::Range<u64> {
+    let start = m.shard_start(i).unwrap();
+    start..start + m.shard(i).unwrap().samples
+}
+
+/// The error must be a data error that names `key`.
+fn names(e: &Error, key: &str) {
+    assert!(e.is_data_error(), "not a data error: {e}");
+    assert!(e.to_string().contains(key), "the error does not name {key}: {e}");
+}
+
+/// The ways a stream reads samples one at a time from the origin.
+#[derive(Debug, Clone, Copy)]
+enum Path_ {
+    /// The first samples of a plain stream (ranged reads while the first shards download).
+    First,
+    /// The global shuffle, with a disk cache and no resident budget: every sample read alone.
+    Global,
+}
+
+/// Streams `dir` along `how`: every sample delivered must be the clean set's, and none of shard
+/// `bad`; the stream must end with a data error naming it. Returns the samples delivered, in
+/// order.
+fn stream_checked(dir: &Path, how: Path_, clean: &HashMap<u64, Bytes>, bad: usize) -> Vec<u64> {
+    let m = manifest(dir);
+    let key = m.shard(bad).unwrap().key.clone();
+    let bad_span = span(&m, bad);
+    let cache = tempfile::tempdir().unwrap();
+    let mut cfg = StreamConfig::new(dir.to_str().unwrap());
+    if let Path_::Global = how {
+        cfg.order.shuffle = Shuffle::Global;
+        cfg.cache = Some(CacheConfig::new(cache.path(), 1 << 30));
+        cfg.resident_bytes_max = 0;
+    }
+    let mut s = Stream::open(cfg).unwrap_or_else(|e| panic!("{how:?}: open: {e}"));
+    let mut n = Vec::new();
+    loop {
+        match s.next_sample() {
+            Ok(Some(x)) => {
+                assert!(
+                    !bad_span.contains(&x.global_index),
+                    "{how:?}: a sample of the bad shard was delivered"
+                );
+                assert_eq!(
+                    Some(&x.record),
+                    clean.get(&x.global_index),
+                    "{how:?}: sample {} is not the clean set's",
+                    x.global_index
+                );
+                n.push(x.global_index);
+            }
+            Ok(None) => panic!("{how:?}: the stream ended cleanly after {} samples", n.len()),
+            Err(e) => {
+                names(&e, &key);
+                return n;
+            }
+        }
+    }
+}
+
+/// Random access to every sample: those of shard `bad` fail naming `key`, every other one is
+/// the clean set's.
+fn get_checked(dir: &Path, m: &Manifest, bad: usize, clean: &HashMap<u64, Bytes>, key: &str) {
+    let s = Stream::open(StreamConfig::new(dir.to_str().unwrap())).unwrap();
+    let bad_span = span(m, bad);
+    for g in 0..m.samples {
+        match s.get(0, g) {
+            Ok(x) => {
+                assert!(
+                    !bad_span.contains(&g),
+                    "get({g}) of the replaced shard returned a sample"
+                );
+                assert_eq!(Some(&x.record), clean.get(&g), "get({g}) is not the clean set's");
+            }
+            Err(e) => {
+                assert!(bad_span.contains(&g), "get({g}) failed outside the replaced shard: {e}");
+                names(&e, key);
+            }
+        }
+    }
+}
+
+/// `ramjet stream` fails naming the shard.
+fn cli_fails_naming(dir: &Path, key: &str) {
+    let o = ramjet(&["stream", dir.to_str().unwrap(), "--shuffle", "none"], &[]);
+    let t = text(&o);
+    assert!(
+        !o.status.success(),
+        "ramjet stream succeeded over a replaced shard:\n{t}"
+    );
+    assert!(t.contains(key), "ramjet stream's error does not name {key}:\n{t}");
+}
+
+/// Every path, on a dataset whose shard `bad` was replaced.
+fn every_path_refuses(dir: &Path, bad: usize, clean: &HashMap<u64, Bytes>) {
+    let m = manifest(dir);
+    let key = m.shard(bad).unwrap().key.clone();
+    for how in [Path_::First, Path_::Global] {
+        stream_checked(dir, how, clean, bad);
+    }
+    get_checked(dir, &m, bad, clean, &key);
+    cli_fails_naming(dir, &key);
+}
+
+#[test]
+fn a_shard_swapped_for_another_of_the_same_dataset_and_size_yields_no_wrong_sample() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "c", 1000);
+    let clean = records(&dir);
+    let m = manifest(&dir);
+    assert!(m.shard_count() >= 4, "the test needs 4 shards, has {}", m.shard_count());
+    let (a, b) = (m.shard(1).unwrap(), m.shard(2).unwrap());
+    assert_eq!(
+        (a.bytes, a.samples),
+        (b.bytes, b.samples),
+        "the test needs two shards of one size"
+    );
+    fs::copy(dir.join(&b.key), dir.join(&a.key)).unwrap();
+    every_path_refuses(&dir, 1, &clean);
+}
+
+#[test]
+fn a_shard_swapped_for_another_of_the_same_dataset_and_another_size_yields_no_wrong_sample() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_images(t.path(), 40);
+    let clean = records(&dir);
+    let m = manifest(&dir);
+    assert!(m.shard_count() >= 3, "the test needs 3 shards, has {}", m.shard_count());
+    let (a, b) = (m.shard(1).unwrap(), m.shard(2).unwrap());
+    assert_ne!(a.bytes, b.bytes, "the test needs two shards of different sizes");
+    fs::copy(dir.join(&b.key), dir.join(&a.key)).unwrap();
+    every_path_refuses(&dir, 1, &clean);
+}
+
+#[test]
+fn a_shard_swapped_for_one_of_another_dataset_yields_no_wrong_sample() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "d", 1000);
+    let other = packed_rows(t.path(), "other", "b", 1000);
+    let clean = records(&dir);
+    let (m, o) = (manifest(&dir), manifest(&other));
+    let (a, b) = (m.shard(0).unwrap(), o.shard(0).unwrap());
+    assert_eq!(
+        (a.bytes, a.samples),
+        (b.bytes, b.samples),
+        "the test needs shards of one size"
+    );
+    assert_ne!(a.checksum, b.checksum);
+    fs::copy(other.join(&b.key), dir.join(&a.key)).unwrap();
+    every_path_refuses(&dir, 0, &clean);
+}
+
+#[test]
+fn a_manifest_whose_shard_checksum_is_wrong_yields_no_sample_of_that_shard() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "e", 1000);
+    let clean = records(&dir);
+    let p = dir.join("manifest.json");
+    let mut m = manifest(&dir);
+    let c = &mut m.shards_mut()[2].checksum;
+    *c = format!("{:016x}", u64::from_str_radix(c, 16).unwrap() ^ 1);
+    m.version = m.compute_version();
+    fs::write(&p, m.to_bytes()).unwrap();
+    every_path_refuses(&dir, 2, &clean);
+}
+
+#[test]
+fn a_replaced_shard_in_the_disk_cache_is_refused_and_fetched_again() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "f", 1000);
+    let clean = records(&dir);
+    let cache = t.path().join("cache");
+    let cfg = || {
+        let mut c = StreamConfig::new(dir.to_str().unwrap());
+        c.order.shuffle = Shuffle::Global;
+        c.cache = Some(CacheConfig::new(&cache, 1 << 30));
+        c.resident_bytes_max = 0;
+        c
+    };
+    let warm: usize = Stream::open(cfg()).unwrap().map(|s| s.map(|_| 1).unwrap()).sum();
+    assert_eq!(warm as u64, manifest(&dir).samples);
+    // Every cached copy replaced by the copy of another shard of the same size.
+    let mut copies: Vec<PathBuf> = fs::read_dir(cache.join("shards"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rjs"))
+        .collect();
+    copies.sort();
+    let by_size = |p: &PathBuf| fs::metadata(p).unwrap().len();
+    let mut swapped = 0;
+    for w in copies.windows(2) {
+        if by_size(&w[0]) == by_size(&w[1]) {
+            fs::copy(&w[1], &w[0]).unwrap();
+            swapped += 1;
+        }
+    }
+    assert!(swapped >= 2, "the test needs cached copies of one size");
+    let mut seen = 0;
+    for s in Stream::open(cfg()).unwrap() {
+        let s = s.unwrap_or_else(|e| panic!("a replaced cache copy must be fetched again, not fail: {e}"));
+        assert_eq!(Some(&s.record), clean.get(&s.global_index), "sample {}", s.global_index);
+        seen += 1;
+    }
+    assert_eq!(seen as u64, manifest(&dir).samples);
+}
+
+#[test]
+fn a_truncated_or_empty_shard_object_is_reported_truncated_at_once() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "g", 1000);
+    let m = manifest(&dir);
+    for (shard, keep) in [(1usize, 100usize), (2, 0)] {
+        let key = m.shard(shard).unwrap().key.clone();
+        let p = dir.join(&key);
+        let b = fs::read(&p).unwrap();
+        fs::write(&p, &b[..keep]).unwrap();
+        let mut s = Stream::open(StreamConfig::new(dir.to_str().unwrap())).unwrap();
+        let e = loop {
+            match s.next_sample() {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("a truncated shard streamed to the end"),
+                Err(e) => break e,
+            }
+        };
+        // Not an origin error after every retry: the object is shorter than the manifest says.
+        assert!(
+            matches!(e, Error::Truncated { .. }),
+            "shard {shard} cut to {keep} bytes: {e}"
+        );
+        names(&e, &key);
+        assert!(e.to_string().contains(&format!("found {keep}")), "{e}");
+        fs::write(&p, &b).unwrap();
+    }
+}
+
+#[test]
+fn a_manifest_listing_a_shard_with_0_samples_is_refused_when_the_stream_opens() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "h", 1000);
+    let p = dir.join("manifest.json");
+    let mut m = manifest(&dir);
+    let key = m.shard(1).unwrap().key.clone();
+    m.samples -= m.shard(1).unwrap().samples;
+    m.shards_mut()[1].samples = 0;
+    m.version = m.compute_version();
+    fs::write(&p, m.to_bytes()).unwrap();
+    let e = Stream::open(StreamConfig::new(dir.to_str().unwrap()))
+        .err()
+        .expect("a manifest with a 0-sample shard must be refused");
+    let msg = e.to_string();
+    assert!(msg.contains(&key) && msg.contains("0 samples"), "{msg}");
+}
+
+#[test]
+fn a_flipped_header_byte_fails_at_the_shards_first_sample_on_every_run() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "i", 1000);
+    let clean = records(&dir);
+    let key = manifest(&dir).shard(0).unwrap().key.clone();
+    // The sample count's low byte: the header's checksum no longer matches.
+    flip_byte(&dir.join(&key), 16);
+    let runs: Vec<Vec<u64>> = (0..5).map(|_| stream_checked(&dir, Path_::First, &clean, 0)).collect();
+    let lens: Vec<usize> = runs.iter().map(|r| r.len()).collect();
+    assert!(
+        runs.iter().all(|r| r == &runs[0]),
+        "samples delivered before the error, per run: {lens:?}"
+    );
+}
