@@ -50,13 +50,21 @@ def blocked_copy(packed, tmp_path, what):
     return d, target
 
 
-def unblock(fifo):
-    """Lets a reader blocked opening `fifo` go (it then reads end of file)."""
+def unblock(fifo, original):
+    """Lets every reader blocked opening `fifo` go (they then read end of file) and puts the
+    original file back in its place, so a read that starts later (a retry, a second range of
+    the same shard) finds a file rather than blocking a thread of the process for good. A
+    writer is held open while the file is swapped in, so no opener falls between the two."""
     try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        os.close(fd)
+        fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
     except OSError:
-        pass
+        return
+    try:
+        tmp = fifo.with_name(fifo.name + ".restore")
+        shutil.copy(original, tmp)
+        os.replace(tmp, fifo)
+    finally:
+        os.close(fd)
 
 
 def assert_interrupts(call):
@@ -85,6 +93,7 @@ def test_ctrl_c_interrupts_a_call_blocked_on_its_data(packed, tmp_path, call, bl
     """Regression: inspect, verify and ds[i] waited with the GIL released but never let Python
     deliver signals: Ctrl-C did nothing until the data arrived."""
     d, fifo = blocked_copy(packed, tmp_path, blocked)
+    original = packed / fifo.relative_to(d)
     calls = {
         "inspect": lambda: ramjet.inspect(str(d)),
         "verify": lambda: ramjet.verify(str(d)),
@@ -93,7 +102,7 @@ def test_ctrl_c_interrupts_a_call_blocked_on_its_data(packed, tmp_path, call, bl
     try:
         assert_interrupts(calls[call])
     finally:
-        unblock(fifo)
+        unblock(fifo, original)
 
 
 def test_ctrl_c_interrupts_init(tmp_path):
