@@ -230,19 +230,56 @@ fn columns<'py>(py: Python<'py>, url: &str, names: Vec<String>, parallel: usize)
     Ok(d)
 }
 
-/// Holds the cluster ring of the daemon at `socket` at its current version (counted: each
-/// freeze needs its unfreeze), so a training run sees one ring from start to end.
+/// Holds the cluster ring of the daemon at `socket` at its current version, so a training
+/// run sees one ring from start to end, and returns the lease. The lease is its own
+/// connection to the daemon: `release()` (or leaving its `with` block) releases it, and so
+/// does the connection closing when the holder exits or is killed.
 #[pyfunction]
-fn freeze(py: Python<'_>, socket: &str) -> PyResult<()> {
+fn freeze(py: Python<'_>, socket: &str) -> PyResult<RingFreeze> {
     let c = ramjet_transport::DaemonClient::new(socket);
-    interruptible(py, move || c.freeze())?.map_err(to_py)
+    let lease = interruptible(py, move || c.freeze())?.map_err(to_py)?;
+    Ok(RingFreeze {
+        lease: std::sync::Mutex::new(lease),
+    })
 }
 
-/// Releases one [`freeze`].
-#[pyfunction]
-fn unfreeze(py: Python<'_>, socket: &str) -> PyResult<()> {
-    let c = ramjet_transport::DaemonClient::new(socket);
-    interruptible(py, move || c.unfreeze())?.map_err(to_py)
+/// A freeze of the ring, held until released or until its process ends.
+#[pyclass(module = "ramjet._ramjet")]
+struct RingFreeze {
+    lease: std::sync::Mutex<ramjet_transport::FreezeLease>,
+}
+
+#[pymethods]
+impl RingFreeze {
+    /// Releases the freeze now (a second call does nothing).
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let mut l = std::mem::replace(
+            &mut *self.lease.lock().expect("lease lock"),
+            ramjet_transport::FreezeLease::released(),
+        );
+        interruptible(py, move || l.release())?.map_err(to_py)
+    }
+
+    /// Whether the freeze is still held by this handle.
+    #[getter]
+    fn held(&self) -> bool {
+        self.lease.lock().expect("lease lock").held()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _t: &Bound<'_, PyAny>,
+        _v: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        self.release(py)?;
+        Ok(false)
+    }
 }
 
 /// Engine log lines go to stderr: warnings by default (a cached shard that failed its
@@ -279,11 +316,12 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(columns, m)?)?;
     m.add_function(wrap_pyfunction!(freeze, m)?)?;
-    m.add_function(wrap_pyfunction!(unfreeze, m)?)?;
+    m.add_class::<RingFreeze>()?;
     m.add_class::<dlpack::Tensor>()?;
     m.add_class::<loader::Loader>()?;
     m.add_class::<loader::Reader>()?;
     m.add_function(wrap_pyfunction!(loader::job_progress, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::audit, m)?)?;
     m.add_function(wrap_pyfunction!(loader::epoch_lengths, m)?)?;
     m.add_function(wrap_pyfunction!(loader::init, m)?)?;
     m.add_function(wrap_pyfunction!(loader::loader_defaults, m)?)?;

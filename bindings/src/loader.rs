@@ -273,6 +273,34 @@ pub fn job_progress(states: Vec<String>) -> PyResult<String> {
     serde_json::to_string(&r).map_err(|e| InvalidInputError::new_err(e.to_string()))
 }
 
+/// The exactly-once audit (`ramjet_engine::stream::audit`) of the job position given by
+/// `states` (every consumer's state, taken at the same step) or `resume` (a job state's
+/// `resume` JSON), as the report's JSON.
+#[pyfunction]
+#[pyo3(signature = (config, states=None, resume=None))]
+pub fn audit(py: Python<'_>, config: &str, states: Option<Vec<String>>, resume: Option<String>) -> PyResult<String> {
+    let sc = parse(config)?.stream();
+    let bad = |e: serde_json::Error| InvalidInputError::new_err(format!("audited state: {e}"));
+    let (point, len) = match (states, resume) {
+        (Some(states), None) => {
+            let parsed: Vec<StreamState> = states
+                .iter()
+                .map(|s| serde_json::from_str(s))
+                .collect::<Result<_, _>>()
+                .map_err(bad)?;
+            let (p, len) = StreamState::combine(&parsed).map_err(to_py)?;
+            (p, Some(len))
+        }
+        (None, Some(r)) => (serde_json::from_str(&r).map_err(bad)?, None),
+        _ => return Err(InvalidInputError::new_err("audit takes either states or resume")),
+    };
+    let report = interruptible(py, move || {
+        ramjet_engine::rt::block_on(ramjet_engine::stream::audit(&sc, &point, len)).and_then(|r| r)
+    })?
+    .map_err(to_py)?;
+    serde_json::to_string(&report).map_err(|e| InvalidInputError::new_err(e.to_string()))
+}
+
 /// `(epoch_len, mine)`: samples in an epoch's order and this consumer's share.
 #[pyfunction]
 pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64)> {

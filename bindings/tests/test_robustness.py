@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,169 @@ def test_a_plain_path_and_its_file_url_are_one_dataset_to_the_daemon(packed, tmp
     assert plain["daemon_failures"] == 0 and plain["origin_bytes"] == 0, plain
     assert plain["daemon_origin"] >= shards, plain
     assert url["daemon_failures"] == 0 and url["origin_bytes"] == 0 and url["daemon_origin"] == 0, url
+
+
+# ----- the exactly-once audit ----------------------------------------------------------------
+
+
+def test_the_audit_says_exactly_once_for_a_whole_epoch_and_catches_a_replayed_batch(packed):
+    ds = dataset(packed, shuffle=True, seed=11)
+    with pytest.raises(ramjet.InvalidInputError, match="nothing was read"):
+        ds.audit()
+    seen = [int(i) for b in ds for i in b["_index"]]
+    assert sorted(seen) == list(range(N))
+    r = ds.audit()
+    assert r["exactly_once"] and r["complete"] and r["delivered"] == r["len"] == N, r
+    # A job state whose progress was set back by one batch (4 samples) while the record of what
+    # was yielded is kept: the resumed run yields that batch again, and the audit names it.
+    part = dataset(packed, shuffle=True, seed=11)
+    it = iter(part)
+    for _ in range(3):
+        next(it)
+    mid = part.audit()
+    assert mid["exactly_once"] and not mid["complete"] and mid["delivered"] == 12, mid
+    state = part.state_dict()
+    del it
+    resume = json.loads(state["resume"])
+    resume["progress"]["consumed"] -= 4
+    replay = dataset(packed, shuffle=True, seed=11)
+    replay.load_state_dict({**state, "resume": json.dumps(resume)})
+    assert not replay.audit()["exactly_once"]  # the loaded state alone already disagrees
+    again = [int(i) for b in replay for i in b["_index"]]
+    assert len(again) == N - 8
+    r = replay.audit()
+    assert not r["exactly_once"] and r["delivered"] == N + 4, r
+    assert "4 delivered more than once" in r["message"], r
+
+
+KILLED = textwrap.dedent(
+    """
+    import json, os, sys, time, ramjet
+    url, state_file, seen_file = sys.argv[1:4]
+    ds = ramjet.StreamingDataset(url, batch_size=4, image_size=32, shuffle=True, seed=5)
+    if os.path.exists(state_file):
+        ds.load_state_dict(json.load(open(state_file)))
+    for b in ds:
+        with open(seen_file, "a") as f:
+            f.write("".join(f"{int(i)}\\n" for i in b["_index"]))
+        tmp = state_file + ".tmp"
+        json.dump(ds.state_dict(), open(tmp, "w"))
+        os.replace(tmp, state_file)
+        time.sleep(float(os.environ.get("STEP_S", "0")))
+    print(json.dumps(ds.audit()))
+    """
+)
+
+
+def test_the_audit_holds_across_a_sigkill_and_resume(packed, tmp_path):
+    """A trainer SIGKILLed mid-epoch (its state saved after each batch, as a checkpoint would)
+    resumes in a new process: the audit there says each sample exactly once for the whole
+    epoch, `ramjet audit` says the same of the state saved at the kill, and the samples really
+    were each yielded once (the batch in flight at the kill is yielded again only if its state
+    was not saved, which the audit would then report)."""
+    state, seen = tmp_path / "state.json", tmp_path / "seen.txt"
+    args = [sys.executable, "-c", KILLED, str(packed), str(state), str(seen)]
+    p = subprocess.Popen(args, env={**os.environ, "STEP_S": "0.2"}, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not state.exists() or len(seen.read_text().split()) < 12:
+        assert time.monotonic() < deadline and p.poll() is None, "the trainer made no progress"
+        time.sleep(0.02)
+    p.kill()
+    p.wait()
+    at_kill = json.loads(state.read_text())
+    o = subprocess.run([RAMJET, "audit", str(packed), "--state", str(state)], capture_output=True, text=True)
+    assert o.returncode == 0 and "exactly once" in o.stdout, o.stdout + o.stderr
+    covered = json.loads(at_kill["resume"])["progress"]["consumed"]
+    # Keep exactly what the saved state covers (a batch written after its state was not saved
+    # is read again, which is correct: it was never checkpointed).
+    lines = seen.read_text().split()[:covered]
+    seen.write_text("".join(f"{x}\n" for x in lines))
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["exactly_once"] and r["complete"] and r["delivered"] == N, r
+    assert sorted(int(x) for x in seen.read_text().split()) == list(range(N))
+
+
+# ----- freezes are leases --------------------------------------------------------------------
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time, ramjet._ramjet as r
+    lease = r.freeze(sys.argv[1])
+    print("frozen", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(addr, path):
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_a_freeze_is_released_when_its_holder_is_sigkilled(tmp_path):
+    """Regression (issue 42, defect 4): `freeze` then SIGKILL left the ring frozen for good and a
+    pending member never joined. A freeze is a lease on its connection: the daemon releases it
+    when the holder dies, and the member waiting in the peers file joins within the file's
+    re-read period (1 s)."""
+    me, http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    sock, peers = tmp_path / "d.sock", tmp_path / "peers.txt"
+    peers.write_text(me + "\n")
+    daemon = subprocess.Popen(
+        [RAMJET, "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "cache"), "--listen", me]
+        + ["--advertise", me, "--http", http, "--peers-file", str(peers)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    holder = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                http_json(http, "/stats")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the daemon did not come up"
+                time.sleep(0.05)
+        # In-process: a context manager, and release() twice is harmless.
+        with ramjet._ramjet.freeze(str(sock)) as lease:
+            assert lease.held and http_json(http, "/stats")["frozen"]
+        assert not lease.held and not http_json(http, "/stats")["frozen"]
+        lease.release()
+        # Another process holds a freeze; a member is proposed while frozen and waits.
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(sock)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "frozen"
+        newcomer = "127.0.0.99:7341"
+        peers.write_text(f"{me}\n{newcomer}\n")
+        deadline = time.monotonic() + 10
+        while http_json(http, "/stats")["pending_members"] is None:
+            assert time.monotonic() < deadline, "the peers file change was not seen"
+            time.sleep(0.1)
+        s = http_json(http, "/stats")
+        assert s["frozen"] and newcomer not in s["members"], s
+        holder.kill()
+        holder.wait()
+        t0 = time.monotonic()
+        while True:
+            s = http_json(http, "/stats")
+            if newcomer in s["members"]:
+                break
+            assert time.monotonic() - t0 < 5, f"the killed holder's freeze still holds the ring: {s}"
+            time.sleep(0.05)
+        assert not s["frozen"] and s["pending_members"] is None, s
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+        daemon.kill()
+        daemon.wait()

@@ -286,6 +286,54 @@ fn sigkill_of_a_daemon_mid_epoch_leaves_every_reader_with_correct_data() {
     }
 }
 
+/// Robustness row "no stale lock, socket or partial file after a crash": a daemon SIGKILLed
+/// while it fills its cache for a reader is started again on the same socket and cache
+/// directory. It comes up (the dead daemon's socket file and cache lock are not in its way), the
+/// dead one's partial writes are gone, and a reader through it gets every sample right without
+/// failing over.
+#[test]
+fn a_daemon_killed_mid_fill_restarts_on_its_socket_and_cache_with_nothing_stale() {
+    let url = dataset();
+    let want = reference(url);
+    let dir = tempfile::tempdir().unwrap();
+    let me = names(1, 47).remove(0);
+    let origin = s3().endpoint.clone();
+    let mut first = start_node(dir.path(), &me, std::slice::from_ref(&me), &origin, &[]);
+    let out = dir.path().join("out0");
+    let r = reader(url, &first.sock, &out, &origin, 25);
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&out).map(|s| s.lines().count()).unwrap_or(0) < N / 4 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the reader made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(first.child.id() as i32, libc::SIGKILL) };
+    first.child.wait().unwrap();
+    let m = finish(r);
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want);
+    assert!(
+        u(&m["daemon_failures"]) > 0,
+        "the daemon died under the reader unnoticed: {m}"
+    );
+    assert!(
+        first.sock.exists(),
+        "SIGKILL leaves the socket file behind (what the restart must survive)"
+    );
+    let again = start_node(dir.path(), &me, std::slice::from_ref(&me), &origin, &[]);
+    assert_eq!(again.sock, first.sock);
+    let cache = dir.path().join(format!("cache-{}", me.replace([':', '.'], "_")));
+    let tmp: Vec<_> = std::fs::read_dir(cache.join("tmp"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(tmp.is_empty(), "partial writes of the killed daemon were left: {tmp:?}");
+    let out = dir.path().join("out1");
+    let m = finish(reader(url, &again.sock, &out, &origin, 0));
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want);
+    assert_eq!(u(&m["daemon_failures"]), 0, "{m}");
+}
+
 #[test]
 fn a_wrong_api_key_is_refused_and_counted() {
     let url = dataset();
@@ -677,9 +725,191 @@ fn the_http_port_cannot_freeze_the_ring() {
     let r = http(&a.http, "GARBAGE\r\n\r\n");
     assert!(r.is_empty() || r.starts_with("HTTP/1.1 4"), "{r}");
     assert!(http(&a.http, "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").ends_with("ok\n"));
-    // Over the Unix socket (this user only), freezing works.
-    DaemonClient::new(&a.sock).freeze().unwrap();
+    // Over the Unix socket (this user only), freezing works; the freeze is a lease.
+    let mut lease = DaemonClient::new(&a.sock).freeze().unwrap();
     assert_eq!(a.stats()["frozen"], serde_json::json!(true));
+    lease.release().unwrap();
+    assert_eq!(a.stats()["frozen"], serde_json::json!(false));
+}
+
+/// Issue 42 defect 4: a freeze outlived its holder, so the ring stayed frozen for good after a
+/// trainer was killed. A freeze is now a lease on its connection: released explicitly, or when
+/// the connection closes. (SIGKILL of a real holder process: bindings/tests/test_robustness.py.)
+#[test]
+fn a_freeze_is_a_lease_released_when_its_connection_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let me = names(1, 45).remove(0);
+    let a = start_node(dir.path(), &me, std::slice::from_ref(&me), &s3().endpoint, &[]);
+    let frozen = |n: &Node| n.stats()["frozen"].as_bool().unwrap();
+    let c = DaemonClient::new(&a.sock);
+    let one = c.freeze().unwrap();
+    let mut two = c.freeze().unwrap();
+    assert!(frozen(&a));
+    two.release().unwrap();
+    assert!(!two.held());
+    two.release().unwrap(); // twice: nothing more is released
+    assert!(frozen(&a), "releasing one lease released the other");
+    drop(one); // the connection closes: the daemon releases it
+    let t0 = Instant::now();
+    while frozen(&a) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "a dropped lease still holds the ring"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // An unfreeze on a connection that holds nothing is refused, not counted against another
+    // holder's freeze.
+    let held = c.freeze().unwrap();
+    let mut raw = std::os::unix::net::UnixStream::connect(&a.sock).unwrap();
+    raw.write_all(&wire::encode(&wire::Msg::Unfreeze)).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = raw.read(&mut buf).unwrap();
+    let (reply, _) = wire::parse_frame(&buf[..n]).unwrap().unwrap();
+    assert!(
+        matches!(&reply, wire::Msg::Fail { message } if message.contains("holds no freeze")),
+        "{reply:?}"
+    );
+    assert!(frozen(&a));
+    drop(held);
+}
+
+/// Raises this process's soft descriptor limit to `want` (or fails the test, naming the hard
+/// limit, when it cannot): the flood below holds thousands of sockets.
+fn raise_nofile(want: u64) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
+    assert!(
+        r.rlim_max >= want,
+        "this test holds {want} descriptors; the hard limit is {} (raise `ulimit -Hn`)",
+        r.rlim_max
+    );
+    if r.rlim_cur < want {
+        r.rlim_cur = want;
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) }, 0);
+    }
+}
+
+/// Issue 42 defect 3: 1,100 idle TCP connections to the peer port made every local loader
+/// fail over to direct reads and `/health` stop answering (one budget for every class, and an
+/// unauthenticated connection held 10 s). Now each class has its own budget, a connection
+/// still in the handshake is bounded per address and cut off after the handshake timeout:
+/// 2,000 idle unauthenticated connections, reopened as the daemon closes them, while a loader
+/// streams the whole dataset through the daemon and `/health` is polled.
+#[test]
+fn a_flood_of_idle_peer_connections_starves_neither_loaders_nor_health() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    const FLOOD: usize = 2_000;
+    raise_nofile(3 * FLOOD as u64);
+    let url = dataset();
+    let want = reference(url);
+    let dir = tempfile::tempdir().unwrap();
+    let me = names(1, 46).remove(0);
+    let origin = s3().endpoint.clone();
+    let node = start_node(dir.path(), &me, std::slice::from_ref(&me), &origin, &[]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (opened, reopened) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let flood = {
+        let (stop, opened, reopened, peer) = (stop.clone(), opened.clone(), reopened.clone(), node.peer.clone());
+        std::thread::spawn(move || {
+            let addr: std::net::SocketAddr = peer.parse().unwrap();
+            let connect = || {
+                let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+                s.set_nonblocking(true).ok()?;
+                Some(s)
+            };
+            let mut conns: Vec<Option<std::net::TcpStream>> = Vec::with_capacity(FLOOD);
+            while conns.len() < FLOOD && !stop.load(Ordering::Relaxed) {
+                conns.push(connect());
+                opened.fetch_add(1, Ordering::Relaxed);
+            }
+            let mut byte = [0u8; 1];
+            while !stop.load(Ordering::Relaxed) {
+                for c in conns.iter_mut() {
+                    let closed = match c {
+                        None => true,
+                        Some(s) => match s.read(&mut byte) {
+                            Ok(n) => n == 0,
+                            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+                        },
+                    };
+                    if closed {
+                        *c = connect();
+                        reopened.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let t0 = Instant::now();
+    while opened.load(Ordering::Relaxed) < FLOOD as u64 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the flood did not open {FLOOD} connections"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // `/health` answers all along (each poll on a fresh connection, within 2 s).
+    let health = {
+        let (stop, http) = (stop.clone(), node.http.clone());
+        std::thread::spawn(move || {
+            let (mut ok, mut bad) = (0u32, Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                let r = std::net::TcpStream::connect_timeout(&http.parse().unwrap(), Duration::from_secs(2)).and_then(
+                    |mut s| {
+                        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+                        s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")?;
+                        let mut r = String::new();
+                        s.read_to_string(&mut r)?;
+                        Ok(r)
+                    },
+                );
+                match r {
+                    Ok(r) if r.ends_with("ok\n") => ok += 1,
+                    other => bad.push(format!("{:?} after {:?}", other, t.elapsed())),
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (ok, bad)
+        })
+    };
+    // A loader reads the whole dataset through the daemon, with the flood going on. Twice:
+    // cold (the daemon fetches from the origin) and warm (from its cache).
+    let mut failures = 0;
+    for round in 0..2 {
+        let out = dir.path().join(format!("out{round}"));
+        let m = finish(reader(url, &node.sock, &out, &origin, 0));
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "round {round}");
+        failures += u(&m["daemon_failures"]);
+    }
+    let flood_reopened = reopened.load(Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    let (ok, bad) = health.join().unwrap();
+    let s = node.stats();
+    assert_eq!(failures, 0, "loaders failed over to direct reads under the flood: {s}");
+    assert!(
+        bad.is_empty(),
+        "/health failed {} times ({ok} answered): {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+    assert!(ok > 0);
+    let refused = &s["connections_refused"];
+    assert_eq!(u(&refused["local"]), 0, "{s}");
+    assert_eq!(u(&refused["http"]), 0, "{s}");
+    // The flood was bounded (per address, then closed after the handshake timeout).
+    assert!(u(&refused["handshake"]) > 0, "{s}");
+    assert!(flood_reopened > 0, "the daemon closed none of the idle connections");
 }
 
 /// Regression: a daemon without RAMJET_API_KEY listened on any address it was given, and held
@@ -729,15 +959,18 @@ fn a_daemon_without_a_key_stays_on_loopback_and_bounds_datasets_and_connections(
             .unwrap();
         assert_eq!(d.datasets_open(), 1);
     }
-    // The client's pooled connection is one; hold a second open, and the third is closed.
+    // HTTP has a budget of two of its own (the client's local connection is not in it): hold
+    // two open, and the third is closed.
     let http_addr = d.http_addr().unwrap().to_string();
     let _held = std::net::TcpStream::connect(&http_addr).unwrap();
+    let _held2 = std::net::TcpStream::connect(&http_addr).unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let r = http(
         &http_addr,
         "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
     );
     assert!(r.is_empty(), "a connection beyond connections_max was served: {r}");
+    assert!(u(&serde_json::to_value(d.stats()).unwrap()["connections_refused"]["http"]) > 0);
     drop(_held);
     std::thread::sleep(Duration::from_millis(200));
     let r = http(

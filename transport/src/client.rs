@@ -154,14 +154,22 @@ impl DaemonClient {
         Ok((reply, fds.pop().map(File::from)))
     }
 
-    /// Holds the ring version (call when an epoch starts).
-    pub fn freeze(&self) -> Result<()> {
-        self.simple(&Msg::Freeze)
-    }
-
-    /// Releases one freeze (call when the epoch ends).
-    pub fn unfreeze(&self) -> Result<()> {
-        self.simple(&Msg::Unfreeze)
+    /// Holds the ring version (call when a training run or an epoch starts) until the lease
+    /// is released: by [`FreezeLease::release`], or when its connection closes (the lease is
+    /// dropped, or its process exits or is killed). A dedicated connection carries it, so a
+    /// killed trainer never leaves the ring frozen.
+    pub fn freeze(&self) -> Result<FreezeLease> {
+        let what = "freeze";
+        let mut c = connect_checked(&self.socket).map_err(|e| self.err(what, e))?;
+        c.set_read_timeout(Some(self.timeout)).map_err(|e| self.err(what, e))?;
+        c.set_write_timeout(Some(self.timeout)).map_err(|e| self.err(what, e))?;
+        match call_on(&mut c, &Msg::Freeze).map_err(|e| self.err(what, e))? {
+            Msg::Ok => Ok(FreezeLease {
+                socket: self.socket.clone(),
+                conn: Some(c),
+            }),
+            r => Err(self.err(what, std::io::Error::other(format!("unexpected reply {r:?}")))),
+        }
     }
 
     fn simple(&self, m: &Msg) -> Result<()> {
@@ -169,6 +177,64 @@ impl DaemonClient {
             (Msg::Ok, _) => Ok(()),
             (r, _) => Err(self.err("request", std::io::Error::other(format!("unexpected reply {r:?}")))),
         }
+    }
+}
+
+/// Sends `m` on `c` and reads one reply frame (no descriptor expected).
+fn call_on(c: &mut UnixStream, m: &Msg) -> std::io::Result<Msg> {
+    use std::io::Read;
+    c.write_all(&wire::encode(m))?;
+    let mut buf = Vec::with_capacity(256);
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some((reply, _)) = wire::parse_frame(&buf)? {
+            return Ok(reply);
+        }
+        let n = c.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "daemon closed the connection",
+            ));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// A freeze of the ring held on its own connection to the daemon (see
+/// [`DaemonClient::freeze`]). Dropping it closes the connection, which releases it too.
+#[derive(Debug)]
+pub struct FreezeLease {
+    socket: PathBuf,
+    conn: Option<UnixStream>,
+}
+
+impl FreezeLease {
+    /// Releases the freeze now and waits for the daemon to confirm it. Releasing a lease
+    /// twice is a no-op.
+    pub fn release(&mut self) -> Result<()> {
+        let Some(mut c) = self.conn.take() else {
+            return Ok(());
+        };
+        let err = |e: std::io::Error| Error::io(format!("host daemon at {} (unfreeze)", self.socket.display()), e);
+        match call_on(&mut c, &Msg::Unfreeze).map_err(err)? {
+            Msg::Ok => Ok(()),
+            Msg::Fail { message } => Err(err(std::io::Error::other(message))),
+            r => Err(err(std::io::Error::other(format!("unexpected reply {r:?}")))),
+        }
+    }
+
+    /// A handle that holds nothing (what is left after [`release`](Self::release)).
+    pub fn released() -> FreezeLease {
+        FreezeLease {
+            socket: PathBuf::new(),
+            conn: None,
+        }
+    }
+
+    /// Whether the lease is still held by this handle (not yet released).
+    pub fn held(&self) -> bool {
+        self.conn.is_some()
     }
 }
 

@@ -16,7 +16,7 @@ pub mod stats;
 pub mod sys;
 pub mod wire;
 
-pub use client::{default_socket, ensure_daemon, DaemonClient, HostDaemon};
+pub use client::{default_socket, ensure_daemon, DaemonClient, FreezeLease, HostDaemon};
 pub use daemon::{read_members, Daemon, DaemonConfig, TransportKind};
 pub use error::Error;
 pub use peer::{PeerTransport, ShardGet, TcpTransport};

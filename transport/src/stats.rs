@@ -35,6 +35,12 @@ pub struct Stats {
     pub peer_corrupt: AtomicU64,
     /// Local readers that reported a corrupt copy.
     pub local_corrupt: AtomicU64,
+    /// Connections closed on accept because their class's budget (or their address's share
+    /// of it) was full, by class: local, peer, handshake, http.
+    pub connections_refused: [AtomicU64; 4],
+    /// When a refusal of each class was last logged (ms since start of the process's clock),
+    /// so a flood is logged once a second, not once a connection.
+    refusal_logged_ms: [AtomicU64; 4],
     latency: [Mutex<Histogram<u64>>; 3],
 }
 
@@ -53,6 +59,8 @@ impl Default for Stats {
             peer_served_bytes: AtomicU64::new(0),
             peer_corrupt: AtomicU64::new(0),
             local_corrupt: AtomicU64::new(0),
+            connections_refused: Default::default(),
+            refusal_logged_ms: Default::default(),
             latency: [h(), h(), h()],
         }
     }
@@ -67,6 +75,17 @@ impl Stats {
         let us = (took.as_micros() as u64).clamp(1, 600_000_000);
         let mut h = self.latency[src.index()].lock().expect("histogram lock");
         let _ = h.record(us);
+    }
+
+    /// Whether a refusal of class `i` should be logged now (at most once a second per class).
+    pub fn refusal_log_due(&self, i: usize) -> bool {
+        static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let now = T0.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64 + 1_000;
+        let last = self.refusal_logged_ms[i].load(Relaxed);
+        now >= last + 1_000
+            && self.refusal_logged_ms[i]
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
     }
 
     fn latency_of(&self, src: ReadSource) -> Latency {
@@ -166,6 +185,10 @@ pub struct StatsDoc {
     pub peer_corrupt: u64,
     /// Local reports of corrupt copies.
     pub local_corrupt: u64,
+    /// Connections closed on accept because their class (or their address's share of it)
+    /// was full, by class (`local`, `peer`, `handshake`, `http`).
+    #[serde(default)]
+    pub connections_refused: BTreeMap<String, u64>,
     /// GET requests this daemon sent to the origin.
     pub origin_requests: u64,
     /// Bytes this daemon fetched from the origin.
@@ -197,6 +220,10 @@ impl StatsDoc {
         self.peer_served_bytes = s.peer_served_bytes.load(Relaxed);
         self.peer_corrupt = s.peer_corrupt.load(Relaxed);
         self.local_corrupt = s.local_corrupt.load(Relaxed);
+        for (i, class) in ["local", "peer", "handshake", "http"].into_iter().enumerate() {
+            self.connections_refused
+                .insert(class.into(), s.connections_refused[i].load(Relaxed));
+        }
     }
 
     /// Prometheus text exposition.
@@ -262,6 +289,15 @@ impl StatsDoc {
             "Requests refused by validation.",
             "counter",
             one(self.requests_refused),
+        );
+        counter(
+            "connections_refused_total",
+            "Connections closed on accept: their class (or their address's share) was full.",
+            "counter",
+            self.connections_refused
+                .iter()
+                .map(|(k, v)| (format!("{{class=\"{k}\"}}"), *v as f64))
+                .collect(),
         );
         counter(
             "peer_served_total",

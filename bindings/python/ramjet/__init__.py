@@ -645,6 +645,41 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         epoch = json.loads(resume)["progress"]["epoch"]
         return {"version": 1, "epoch": epoch, "resume": resume}
 
+    def audit(self) -> Dict[str, Any]:
+        """The exactly-once audit of the epoch in progress (or just finished): whether each
+        sample the job yielded so far came exactly once, across every rank and every resume.
+
+        Each consumer keeps, as it yields, a count and an order-independent digest of the
+        samples (carried in :meth:`state_dict`, so they survive a restart, also with another
+        world size); this compares their sum with what the epoch's order gives for the
+        positions the job's progress covers. Under torch.distributed every rank must call it at
+        the same step (it gathers the ranks' states, as :meth:`state_dict` does). Returns a
+        dict: ``exactly_once``, ``complete`` (the whole epoch was read), ``delivered`` and
+        ``expected`` counts, the two digests, ``epoch``, ``len`` and ``message``. Its cost is
+        one hash per sample delivered so far in the epoch, in Rust.
+
+        In a DataLoader worker there is no job view: audit the workers' saved states with
+        ``ramjet audit URL --state FILE...`` instead."""
+        if torch is not None and torch.utils.data.get_worker_info() is not None:
+            raise InvalidInputError(
+                "audit() needs the whole job: call it in the trainer, or run `ramjet audit` on the workers' states"
+            )
+        if self._state is None:
+            if self._resume is None:
+                raise InvalidInputError("audit(): nothing was read yet, and no state was loaded")
+            return json.loads(_ramjet.audit(self._config(), resume=self._resume))
+        states = [self._state]
+        world = self._topology()["world"]
+        if world > 1:
+            if torch is None or not torch.distributed.is_initialized():
+                raise InvalidInputError("audit() with world_size > 1 needs torch.distributed to gather the ranks' states")
+            gathered: List[Optional[str]] = [None] * world
+            torch.distributed.all_gather_object(gathered, self._state)
+            states = [s for s in gathered if s is not None]
+            if len(states) != world:
+                raise InvalidInputError("audit(): some ranks have not read any batch yet")
+        return json.loads(_ramjet.audit(self._config(), states=states))
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continues from a :meth:`state_dict`: the next iteration yields the rest of its epoch.
 

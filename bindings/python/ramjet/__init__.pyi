@@ -126,6 +126,9 @@ class StreamingDataset:
         """Samples this consumer reads per epoch."""
     def state_dict(self) -> Dict[str, Any]:
         """The job's position after the last yielded batch (collective under torch.distributed)."""
+    def audit(self) -> Dict[str, Any]:
+        """The exactly-once audit of the epoch in progress: ``exactly_once``, ``complete``,
+        ``delivered``, ``expected``, ``message``."""
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a state_dict: the next iteration yields the rest of its epoch."""
     def metrics(self) -> Dict[str, float]:

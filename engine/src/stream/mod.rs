@@ -41,8 +41,8 @@ mod state;
 use plan::{plan_epoch, EpochPlan};
 use prefetch::prefetcher;
 use source::{fetch_sample_ranged, fetch_shard, read_samples};
+pub use state::{audit, epoch_lengths, Audit, AuditReport, ResumePoint, StreamState};
 use state::{check_consumer_state, check_saved_for, checked_epoch_positions};
-pub use state::{epoch_lengths, ResumePoint, StreamState};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -417,6 +417,13 @@ pub struct Stream {
     cursor: usize,
     /// Maps the current plan's positions to samples.
     order_cursor: Option<OrderCursor>,
+    /// The resumed position's audit (the job's at its base, this consumer's own since), for
+    /// the first plan when it is the resumed one.
+    audit_resume: Option<(EpochProgress, Audit, Audit)>,
+    /// The job's audit at the current plan's base.
+    audit_base: Audit,
+    /// This consumer's deliveries in the current plan.
+    audit: Audit,
     live: HashMap<ShardKey, Live>,
     /// Samples the prefetcher read one by one (at the start, and all of them under the global
     /// shuffle), by (epoch, position).
@@ -550,14 +557,18 @@ impl Stream {
                 weight: sc.weight,
             })
             .collect();
-        let (start, skip) = match (&cfg.resume_consumer, &cfg.resume) {
+        let (start, skip, audit_resume) = match (&cfg.resume_consumer, &cfg.resume) {
             (Some(c), _) => {
                 let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
                 let n = checked_epoch_positions(&shapes)?;
                 let topo = cfg.topology;
                 let len = effective_len(n, topo.consumers() as u64, cfg.order.tail);
                 check_consumer_state(c, &versions, &cfg.order, topo, len)?;
-                (c.base.clone(), c.delivered as usize)
+                (
+                    c.base.clone(),
+                    c.delivered as usize,
+                    Some((c.base.clone(), c.audit_base, c.audit)),
+                )
             }
             (None, Some(r)) => {
                 let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
@@ -574,7 +585,11 @@ impl Stream {
                 r.progress
                     .validate(len)
                     .map_err(|why| Error::invalid("resume state", why))?;
-                (r.progress.clone(), 0)
+                (
+                    r.progress.clone(),
+                    0,
+                    Some((r.progress.clone(), r.audit, Audit::default())),
+                )
             }
             (None, None) => (
                 EpochProgress {
@@ -582,6 +597,7 @@ impl Stream {
                     ..EpochProgress::default()
                 },
                 0,
+                None,
             ),
         };
         checked_epoch_positions(&shapes)?;
@@ -667,6 +683,9 @@ impl Stream {
             plan: None,
             cursor: 0,
             order_cursor: None,
+            audit_resume,
+            audit_base: Audit::default(),
+            audit: Audit::default(),
             live: HashMap::new(),
             ranged_ready: HashMap::default(),
             prefetch,
@@ -726,6 +745,8 @@ impl Stream {
             base: plan.base.clone(),
             len: plan.len,
             delivered: self.cursor as u64,
+            audit_base: self.audit_base,
+            audit: self.audit,
         })
     }
 
@@ -797,6 +818,10 @@ impl Stream {
                 break;
             }
             if let Some(p) = self.plans.pop_front() {
+                (self.audit_base, self.audit) = match self.audit_resume.take() {
+                    Some((base, job, mine)) if base == p.base => (job, mine),
+                    _ => Default::default(),
+                };
                 self.cursor = p.skip;
                 self.order_cursor = Some(p.order.cursor());
                 self.plan = Some(p);
@@ -832,6 +857,7 @@ impl Stream {
             }
         };
         self.cursor += 1;
+        self.audit.add(id);
         let m = &self.shared.metrics;
         m.mark_first_sample();
         Metrics::add(&m.samples, 1);
@@ -891,6 +917,8 @@ mod tests {
             base: EpochProgress::default(),
             len: 10,
             delivered,
+            audit_base: Audit::default(),
+            audit: Audit::default(),
         }
     }
 

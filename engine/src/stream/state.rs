@@ -42,6 +42,10 @@ pub struct ResumePoint {
     pub order: OrderSpec,
     /// The job's progress.
     pub progress: EpochProgress,
+    /// Count and digest of every sample the job delivered in `progress.epoch` so far (the
+    /// exactly-once audit; zero in a state saved before it existed, or at an epoch's start).
+    #[serde(default)]
+    pub audit: Audit,
 }
 
 /// One consumer's position, to save and later combine with the other consumers' states.
@@ -64,12 +68,179 @@ pub struct StreamState {
     pub len: u64,
     /// Positions of the current deal this consumer has delivered.
     pub delivered: u64,
+    /// The job's audit at `base` (from the state it resumed from; the same for every
+    /// consumer of the deal).
+    #[serde(default)]
+    pub audit_base: Audit,
+    /// Count and digest of the samples this consumer delivered since `base`.
+    #[serde(default)]
+    pub audit: Audit,
+}
+
+/// The key of the exactly-once audit's sample hash.
+const AUDIT_KEY: u64 = 0x7261_6d6a_6574_4155; // "ramjetAU"
+
+/// An order-independent record of delivered samples, cheap enough to keep always: how many,
+/// and the wrapping sum of a keyed 64-bit hash of each one's identity (source, shard, index
+/// in the shard). Records add across consumers and across resumes, so a job's is the sum of
+/// its consumers'; the epoch's order gives the one it should be. A repeated or skipped
+/// sample changes the count; a sample delivered in place of another changes the digest
+/// (missed with probability 2^-64).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Audit {
+    /// Samples delivered.
+    pub count: u64,
+    /// Wrapping sum of [`Audit::sample_hash`] over them.
+    pub digest: u64,
+}
+
+impl Audit {
+    /// The hash of one sample's identity.
+    pub fn sample_hash(id: SampleRef) -> u64 {
+        crate::order::derive(AUDIT_KEY, id.stream as u64, ((id.shard as u64) << 32) | id.index as u64)
+    }
+
+    /// Records one delivered sample.
+    pub fn add(&mut self, id: SampleRef) {
+        self.count += 1;
+        self.digest = self.digest.wrapping_add(Self::sample_hash(id));
+    }
+
+    /// The record of both.
+    pub fn merge(self, o: Audit) -> Audit {
+        Audit {
+            count: self.count.wrapping_add(o.count),
+            digest: self.digest.wrapping_add(o.digest),
+        }
+    }
+}
+
+/// What [`audit`] found: whether the samples delivered so far in an epoch are each position
+/// of its order exactly once.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AuditReport {
+    /// The epoch audited.
+    pub epoch: u64,
+    /// Positions of the epoch's order the job's progress says were delivered.
+    pub expected: u64,
+    /// Samples the consumers counted as delivered.
+    pub delivered: u64,
+    /// The digest the delivered positions' samples give.
+    pub expected_digest: u64,
+    /// The digest the consumers carried.
+    pub digest: u64,
+    /// Positions in the epoch's order.
+    pub len: u64,
+    /// Every position of the epoch was delivered.
+    pub complete: bool,
+    /// Each sample the progress covers was delivered exactly once.
+    pub exactly_once: bool,
+    /// The verdict, in words.
+    pub message: String,
+}
+
+/// Audits a job's position in an epoch, `point` (from [`StreamState::combine`], or a saved
+/// job state): its progress (the positions delivered, by the job's own bookkeeping) against
+/// its audit (what the consumers counted as they delivered). The expected record is computed
+/// from the epoch's order of `cfg`'s sources, one hash per delivered position. `len` is the
+/// epoch's tail-adjusted length when known (a consumer's state records it), else computed
+/// for `cfg`'s topology.
+pub async fn audit(cfg: &StreamConfig, point: &ResumePoint, len: Option<u64>) -> Result<AuditReport> {
+    let (progress, got) = (&point.progress, point.audit);
+    let mut shapes = Vec::with_capacity(cfg.sources.len());
+    for sc in &cfg.sources {
+        let ds = Dataset::open(&sc.url).await?;
+        shapes.push(StreamShape {
+            version: ds.manifest().version.clone(),
+            counts: ds.manifest().shard_counts(),
+            weight: sc.weight,
+        });
+    }
+    let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
+    check_saved_for(
+        "audited state",
+        point.order_version,
+        &point.versions,
+        &point.order,
+        &versions,
+        &cfg.order,
+    )?;
+    let n = checked_epoch_positions(&shapes)?;
+    let len = len.unwrap_or_else(|| effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail));
+    progress
+        .validate(len)
+        .map_err(|why| Error::invalid("audited state", why))?;
+    let order = Arc::new(crate::order::EpochOrder::new(&shapes, &cfg.order, progress.epoch)?);
+    let mut want = Audit::default();
+    if len > 0 {
+        let mut cursor = order.cursor();
+        for p in (0..progress.consumed).chain(progress.ahead.iter().copied()) {
+            want.add(cursor.at(p)?.0);
+        }
+    }
+    let exactly_once = want == got;
+    let message = if exactly_once {
+        format!(
+            "epoch {}: each of the {} samples delivered so far exactly once{}",
+            progress.epoch,
+            got.count,
+            if want.count == len { " (the whole epoch)" } else { "" }
+        )
+    } else if got.count > want.count {
+        format!(
+            "epoch {}: {} samples delivered where the job's progress covers {}: {} delivered more than once",
+            progress.epoch,
+            got.count,
+            want.count,
+            got.count - want.count
+        )
+    } else if got.count < want.count {
+        format!(
+            "epoch {}: {} samples delivered where the job's progress covers {}: {} skipped",
+            progress.epoch,
+            got.count,
+            want.count,
+            want.count - got.count
+        )
+    } else {
+        format!(
+            "epoch {}: {} samples delivered as the progress says, but not the same ones (the \
+             digests differ): some were repeated and as many skipped",
+            progress.epoch, got.count
+        )
+    };
+    Ok(AuditReport {
+        epoch: progress.epoch,
+        expected: want.count,
+        delivered: got.count,
+        expected_digest: want.digest,
+        digest: got.digest,
+        len,
+        complete: want.count == len,
+        exactly_once,
+        message,
+    })
 }
 
 impl StreamState {
     /// The job's progress from the states of all its consumers (taken at the same step).
     /// With one consumer, pass its state alone.
     pub fn job_progress(states: &[StreamState]) -> Result<ResumePoint> {
+        let (mut point, len) = Self::combine(states)?;
+        if point.progress.consumed >= len && point.progress.ahead.is_empty() {
+            point.progress = EpochProgress {
+                epoch: point.progress.epoch + 1,
+                consumed: 0,
+                ahead: Vec::new(),
+            };
+            point.audit = Audit::default();
+        }
+        Ok(point)
+    }
+
+    /// The job's position from the states of all its consumers, in their epoch (a finished
+    /// epoch stays finished rather than rolling over), and the epoch's length.
+    pub fn combine(states: &[StreamState]) -> Result<(ResumePoint, u64)> {
         let first = states
             .first()
             .ok_or_else(|| Error::invalid("stream states", "none given"))?;
@@ -90,6 +261,7 @@ impl StreamState {
                 || s.versions != first.versions
                 || s.order != first.order
                 || s.len != first.len
+                || s.audit_base != first.audit_base
             {
                 return Err(Error::invalid(
                     "stream states",
@@ -126,20 +298,18 @@ impl StreamState {
                 format!("{} states for {c} consumers", states.len()),
             ));
         }
-        let mut progress = first.base.advance(first.len, &delivered);
-        if progress.consumed >= first.len && progress.ahead.is_empty() {
-            progress = EpochProgress {
-                epoch: progress.epoch + 1,
-                consumed: 0,
-                ahead: Vec::new(),
-            };
-        }
-        Ok(ResumePoint {
-            order_version: first.order_version,
-            versions: first.versions.clone(),
-            order: first.order,
-            progress,
-        })
+        let progress = first.base.advance(first.len, &delivered);
+        let audit = states.iter().fold(first.audit_base, |a, s| a.merge(s.audit));
+        Ok((
+            ResumePoint {
+                order_version: first.order_version,
+                versions: first.versions.clone(),
+                order: first.order,
+                progress,
+                audit,
+            },
+            first.len,
+        ))
     }
 }
 

@@ -118,6 +118,29 @@ enum Cmd {
     },
     /// Stream samples through the engine (order, cache, prefetch) and report throughput.
     Stream(Box<StreamArgs>),
+    /// The exactly-once audit: checks saved job or consumer states against the epoch's order
+    /// ("each sample exactly once so far", or which count is off). Exit status 0 when each
+    /// sample was delivered exactly once, 1 when not.
+    Audit {
+        /// The job's sources (dataset URLs), in the order the job lists them.
+        #[arg(required = true)]
+        urls: Vec<String>,
+        /// Saved states: a job's (Python `state_dict()`, or its `resume` JSON) or every
+        /// consumer's (`ramjet stream --state` files, a DataLoader worker's `state_dict()`,
+        /// or raw consumer states), taken at the same step.
+        #[arg(long = "state", required = true)]
+        states: Vec<PathBuf>,
+        /// Sampling weight per source (natural, p:X, r:X, n:N), as the job used.
+        #[arg(long = "weight")]
+        weights: Vec<String>,
+        /// Consumers (ranks x workers) of the job, for a job state whose tail was dropped or
+        /// padded (a consumer's state records its epoch's length itself).
+        #[arg(long, default_value_t = 1)]
+        consumers: usize,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the host cache daemon: owns the node cache, serves local loaders over a Unix
     /// socket and peers over TCP (consistent-hash ring, singleflight, RAMJET_API_KEY).
     Serve(Box<ServeArgs>),
@@ -204,9 +227,18 @@ struct ServeArgs {
     /// Datasets (manifests) held open at once.
     #[arg(long, default_value_t = ramjet_transport::daemon::DATASETS_OPEN_MAX_DEFAULT)]
     datasets_open_max: usize,
-    /// Connections served at once (local, peer and HTTP together).
+    /// Connections served at once in each class (local loaders, authenticated peers, HTTP):
+    /// each class has a budget of its own, so a flood on one port never refuses another.
     #[arg(long, default_value_t = ramjet_transport::daemon::CONNECTIONS_MAX_DEFAULT)]
     connections_max: usize,
+    /// Peer-port connections still in the handshake, at once (each is closed after
+    /// RAMJET_HANDSHAKE_TIMEOUT_MS, default 2000).
+    #[arg(long, default_value_t = ramjet_transport::daemon::HANDSHAKES_MAX_DEFAULT)]
+    handshakes_max: usize,
+    /// Connections from one address held at once among those in the handshake and among HTTP
+    /// connections.
+    #[arg(long, default_value_t = ramjet_transport::daemon::PER_ADDRESS_MAX_DEFAULT)]
+    per_address_max: usize,
     /// Network runtime worker threads (default: one per core; an embedded daemon shares its
     /// process's runtime instead, see `RAMJET_NET_THREADS`).
     #[arg(long, default_value_t = 0)]
@@ -336,6 +368,105 @@ fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(&tmp, bytes).with_context(|| format!("write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
     Ok(())
+}
+
+/// One saved state for `ramjet audit`: a job's position, or one consumer's.
+enum Saved {
+    Job(ramjet_engine::stream::ResumePoint),
+    Consumer(StreamState),
+}
+
+/// Reads any state ramjet saves: `ramjet stream --state` (`{"state": ..., "out_len"}`), a
+/// Python `state_dict()` (`{"resume": "<json>"}` or a worker's `{"consumer": "<json>"}`), a
+/// job's resume JSON, or a consumer's state.
+fn read_saved(p: &std::path::Path) -> anyhow::Result<Saved> {
+    let text = std::fs::read(p).with_context(|| format!("read {}", p.display()))?;
+    let v: serde_json::Value = serde_json::from_slice(&text).with_context(|| format!("{}: not JSON", p.display()))?;
+    let inner = |field: &str| -> anyhow::Result<Option<serde_json::Value>> {
+        match v.get(field) {
+            Some(serde_json::Value::String(s)) => Ok(Some(serde_json::from_str(s)?)),
+            Some(serde_json::Value::Null) | None => Ok(None),
+            Some(other) => Ok(Some(other.clone())),
+        }
+    };
+    let what = |e: serde_json::Error| anyhow::anyhow!("{}: not a ramjet state ({e})", p.display());
+    if let Some(c) = inner("consumer")? {
+        return Ok(Saved::Consumer(serde_json::from_value(c).map_err(what)?));
+    }
+    if let Some(r) = inner("resume")? {
+        return Ok(Saved::Job(serde_json::from_value(r).map_err(what)?));
+    }
+    if let Some(s) = v.get("state") {
+        return Ok(Saved::Consumer(serde_json::from_value(s.clone()).map_err(what)?));
+    }
+    if v.get("progress").is_some() {
+        return Ok(Saved::Job(serde_json::from_value(v).map_err(what)?));
+    }
+    Ok(Saved::Consumer(serde_json::from_value(v).map_err(what)?))
+}
+
+fn audit_cmd(
+    urls: &[String],
+    paths: &[PathBuf],
+    weights: &[String],
+    consumers: usize,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(consumers >= 1, "--consumers must be at least 1");
+    let mut jobs = Vec::new();
+    let mut each = Vec::new();
+    for p in paths {
+        match read_saved(p)? {
+            Saved::Job(j) => jobs.push(j),
+            Saved::Consumer(c) => each.push(c),
+        }
+    }
+    let (point, len) = match (jobs.len(), each.is_empty()) {
+        (0, false) => {
+            let (p, len) = StreamState::combine(&each)?;
+            (p, Some(len))
+        }
+        (1, true) => (jobs.pop().expect("one"), None),
+        _ => anyhow::bail!(
+            "give one job state, or the states of every consumer of the job (got {} job and {} consumer states)",
+            jobs.len(),
+            each.len()
+        ),
+    };
+    let mut cfg = StreamConfig::new(urls[0].clone());
+    cfg.sources = urls
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            Ok(SourceConfig {
+                url: u.clone(),
+                weight: match weights.get(i) {
+                    Some(w) => parse_weight(w)?,
+                    None => Weight::Natural,
+                },
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    cfg.order = point.order;
+    cfg.topology = Topology {
+        rank: 0,
+        world: consumers,
+        ..Topology::default()
+    };
+    let report = runtime()?.block_on(ramjet_engine::stream::audit(&cfg, &point, len))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "audit: {} ({} of {} positions delivered)",
+            report.message, report.expected, report.len
+        );
+    }
+    Ok(if report.exactly_once {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
@@ -480,6 +611,32 @@ fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Raises this process's soft limit on open files to its hard limit: every connection and
+/// every cache file handed out holds a descriptor, and the common soft default (1024) is
+/// below `connections_max` for each class. Says so when the hard limit stays below the
+/// classes' budgets together.
+fn raise_open_files_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    if ok && r.rlim_cur < r.rlim_max {
+        let want = libc::rlimit {
+            rlim_cur: r.rlim_max,
+            rlim_max: r.rlim_max,
+        };
+        // SAFETY: as above; raising the soft limit up to the hard one needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+            r.rlim_cur = r.rlim_max;
+        }
+    }
+    if ok {
+        tracing::info!(open_files_limit = r.rlim_cur, "descriptor limit");
+    }
+}
+
 fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
     // A peer or loader that goes away mid-transfer must cost that transfer an EPIPE, not the
     // daemon its life (`main` restores SIGPIPE's default for the other subcommands, and
@@ -495,6 +652,9 @@ fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
     cfg.insecure = a.insecure;
     cfg.datasets_open_max = a.datasets_open_max;
     cfg.connections_max = a.connections_max;
+    cfg.handshakes_max = a.handshakes_max;
+    cfg.per_address_max = a.per_address_max;
+    raise_open_files_limit();
     cfg.threads = if a.threads > 0 {
         a.threads
     } else {
@@ -914,6 +1074,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Cmd::Stream(a) => return stream_cmd(*a),
+        Cmd::Audit {
+            urls,
+            states,
+            weights,
+            consumers,
+            json,
+        } => return audit_cmd(&urls, &states, &weights, consumers, json),
         Cmd::Serve(a) => return serve_cmd(*a),
         Cmd::Stats {
             hosts,

@@ -34,8 +34,20 @@ pub struct DaemonConfig {
     pub insecure: bool,
     /// Datasets (manifests) held open at once; the least recently used is dropped beyond it.
     pub datasets_open_max: usize,
-    /// Connections served at once, local, peer and HTTP together; more are closed on accept.
+    /// Connections served at once in each class: local loaders, authenticated peers and HTTP
+    /// clients each have a budget of this many, so a flood on one port never refuses another
+    /// class (a loader on the Unix socket is never refused for remote connections). More are
+    /// closed on accept and counted (`connections_refused`).
     pub connections_max: usize,
+    /// Peer-port connections that have not completed the handshake, at once. Each is cut
+    /// off after `handshake_timeout`.
+    pub handshakes_max: usize,
+    /// Connections from one source address held at once, among those still in the handshake
+    /// and among HTTP connections: one address cannot take a whole class's budget.
+    pub per_address_max: usize,
+    /// A peer-port connection that has not completed the authenticated handshake by then is
+    /// closed (`RAMJET_HANDSHAKE_TIMEOUT_MS`).
+    pub handshake_timeout: Duration,
     /// A held manifest is loaded again when older than this (`RAMJET_MANIFEST_REVALIDATE_MS`),
     /// so a dataset re-packed under the same URL is served as it is now.
     pub manifest_revalidate_after: Duration,
@@ -75,6 +87,10 @@ pub enum TransportKind {
 pub const DATASETS_OPEN_MAX_DEFAULT: usize = 64;
 /// Default of [`DaemonConfig::connections_max`].
 pub const CONNECTIONS_MAX_DEFAULT: usize = 1024;
+/// Default of [`DaemonConfig::handshakes_max`].
+pub const HANDSHAKES_MAX_DEFAULT: usize = 256;
+/// Default of [`DaemonConfig::per_address_max`].
+pub const PER_ADDRESS_MAX_DEFAULT: usize = 32;
 
 /// Whether `url` lies under `prefix`, compared by URL components: the same scheme, host and
 /// port, and the prefix's path segments as the first whole segments of the URL's. So
@@ -137,6 +153,9 @@ impl DaemonConfig {
             insecure: false,
             datasets_open_max: DATASETS_OPEN_MAX_DEFAULT,
             connections_max: CONNECTIONS_MAX_DEFAULT,
+            handshakes_max: HANDSHAKES_MAX_DEFAULT,
+            per_address_max: PER_ADDRESS_MAX_DEFAULT,
+            handshake_timeout: env_ms("RAMJET_HANDSHAKE_TIMEOUT_MS", 2_000),
             manifest_revalidate_after: env_ms("RAMJET_MANIFEST_REVALIDATE_MS", 30_000),
             transfer_min_bytes_per_s: std::env::var("RAMJET_PEER_MIN_BYTES_PER_S")
                 .ok()

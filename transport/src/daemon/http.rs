@@ -9,11 +9,11 @@ use super::*;
 pub(super) async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     loop {
-        let Ok((s, _)) = l.accept().await else {
+        let Ok((s, from)) = l.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let Some(permit) = inner.conn_permit("http") else {
+        let Some(permit) = inner.conn_permit(Class::Http, Some(from.ip())) else {
             continue;
         };
         let inner2 = inner.clone();

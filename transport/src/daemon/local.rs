@@ -18,7 +18,7 @@ pub(super) async fn serve_local(inner: Arc<Inner>, l: UnixListener) {
                         continue;
                     }
                 }
-                let Some(permit) = inner.conn_permit("local") else {
+                let Some(permit) = inner.conn_permit(Class::Local, None) else {
                     continue;
                 };
                 let inner2 = inner.clone();
@@ -40,7 +40,27 @@ pub(super) async fn serve_local(inner: Arc<Inner>, l: UnixListener) {
     }
 }
 
-pub(super) async fn local_conn(inner: &Arc<Inner>, mut s: UnixStream) -> std::io::Result<()> {
+/// Serves one loader connection. Freezes taken on it are leases: those it has not released
+/// when it closes (the holder exited, was killed, or dropped its lease) are released then,
+/// so a killed trainer never leaves the ring frozen.
+pub(super) async fn local_conn(inner: &Arc<Inner>, s: UnixStream) -> std::io::Result<()> {
+    let mut held = 0u32;
+    let r = local_requests(inner, s, &mut held).await;
+    if held > 0 {
+        let mut m = inner.membership.write().expect("membership lock");
+        for _ in 0..held {
+            m.unfreeze();
+        }
+        tracing::info!(
+            released = held,
+            frozen = m.frozen(),
+            "freeze lease released: its connection closed"
+        );
+    }
+    r
+}
+
+async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -> std::io::Result<()> {
     loop {
         let msg = wire::read_msg(&mut s).await?;
         match msg {
@@ -93,9 +113,17 @@ pub(super) async fn local_conn(inner: &Arc<Inner>, mut s: UnixStream) -> std::io
             }
             Msg::Freeze => {
                 inner.membership.write().expect("membership lock").freeze();
+                *held += 1;
                 wire::write_msg(&mut s, &Msg::Ok).await?;
             }
+            Msg::Unfreeze if *held == 0 => {
+                let message = "unfreeze on a connection that holds no freeze: a freeze is released \
+                               by the connection that took it (or when that connection closes)"
+                    .to_owned();
+                wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+            }
             Msg::Unfreeze => {
+                *held -= 1;
                 inner.membership.write().expect("membership lock").unfreeze();
                 wire::write_msg(&mut s, &Msg::Ok).await?;
             }

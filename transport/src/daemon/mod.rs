@@ -16,8 +16,10 @@
 //! checked against the allowed prefixes and its manifest), `fetch` (the shard chain: cache,
 //! owner peer, origin, with one flight per shard), `local` (loaders on the Unix socket, fd
 //! passing), `peers` (peer connections over TCP or RDMA), `http` (`/stats`, `/metrics`,
-//! `/health`); this file holds the running daemon and its shared state.
+//! `/health`), `budget` (connection budgets by class and source address); this file holds
+//! the running daemon and its shared state.
 
+mod budget;
 mod config;
 mod fetch;
 mod http;
@@ -25,8 +27,10 @@ mod local;
 mod peers;
 mod validate;
 
+use budget::{Budget, Class, Permit};
 pub use config::{
     read_members, url_under, DaemonConfig, TransportKind, CONNECTIONS_MAX_DEFAULT, DATASETS_OPEN_MAX_DEFAULT,
+    HANDSHAKES_MAX_DEFAULT, PER_ADDRESS_MAX_DEFAULT,
 };
 use http::serve_http;
 use local::serve_local;
@@ -80,8 +84,8 @@ struct Inner {
     /// Flights by shard and whether they ask a peer: a peer's request joins only flights that
     /// go to the origin, so two daemons whose rings disagree never wait on each other.
     flights: Arc<Flights<(ShardId, bool), FlightOut>>,
-    /// One permit per connection served (`connections_max`).
-    conns: Arc<tokio::sync::Semaphore>,
+    /// Connection budgets by class: local, authenticated peers, peer handshakes, HTTP.
+    budgets: [Budget; 4],
     peers: Mutex<HashMap<String, PeerState>>,
     transport: Box<dyn PeerTransport>,
     /// Peer link settings, for the readiness probe's handshakes.
@@ -225,7 +229,12 @@ impl Daemon {
             datasets: Mutex::default(),
             opening: Arc::default(),
             flights: Arc::default(),
-            conns: Arc::new(tokio::sync::Semaphore::new(cfg.connections_max.max(1))),
+            budgets: [
+                Budget::new(Class::Local, cfg.connections_max, usize::MAX),
+                Budget::new(Class::Peer, cfg.connections_max, usize::MAX),
+                Budget::new(Class::Handshake, cfg.handshakes_max, cfg.per_address_max),
+                Budget::new(Class::Http, cfg.connections_max, cfg.per_address_max),
+            ],
             peers: Mutex::default(),
             transport,
             link,
@@ -358,17 +367,26 @@ fn bind_unix(path: &Path) -> std::io::Result<UnixListener> {
 }
 
 impl Inner {
-    /// A connection permit, or `None` (counted, logged) when `connections_max` are served.
-    fn conn_permit(&self, kind: &str) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        match self.conns.clone().try_acquire_owned() {
+    /// A place in `class`'s budget for a connection from `addr` (`None` on the Unix socket),
+    /// or `None` (counted by class, logged at most once a second per class) when the class,
+    /// or this address's share of it, is full.
+    fn conn_permit(&self, class: Class, addr: Option<std::net::IpAddr>) -> Option<Permit> {
+        let b = &self.budgets[class as usize];
+        debug_assert_eq!(b.class(), class);
+        match b.try_take(addr) {
             Ok(p) => Some(p),
-            Err(_) => {
-                self.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    kind,
-                    limit = self.cfg.connections_max,
-                    "connection refused: connections_max reached"
-                );
+            Err(why) => {
+                self.stats.connections_refused[class as usize].fetch_add(1, Ordering::Relaxed);
+                if self.stats.refusal_log_due(class as usize) {
+                    tracing::warn!(
+                        class = class.name(),
+                        from = ?addr,
+                        limit = b.max(),
+                        per_address = b.per_addr(),
+                        reason = ?why,
+                        "connection refused: its class (or this address's share) is full"
+                    );
+                }
                 None
             }
         }

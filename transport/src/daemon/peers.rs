@@ -7,14 +7,15 @@ pub(super) async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
     loop {
         match l.accept().await {
             Ok((s, from)) => {
-                let Some(permit) = inner.conn_permit("peer") else {
+                // Until the handshake completes, the connection holds a place among the
+                // handshakes (bounded per address); then one among the peers.
+                let Some(permit) = inner.conn_permit(Class::Handshake, Some(from.ip())) else {
                     continue;
                 };
                 let inner2 = inner.clone();
                 inner.spawn(async move {
                     let inner = inner2;
-                    let _permit = permit;
-                    if let Err(e) = peer_conn(&inner, s, from).await {
+                    if let Err(e) = peer_conn(&inner, s, from, permit).await {
                         tracing::debug!(%from, error = %e, "peer connection ended");
                     }
                 });
@@ -27,10 +28,15 @@ pub(super) async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
     }
 }
 
-pub(super) async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: SocketAddr) -> std::io::Result<()> {
+pub(super) async fn peer_conn(
+    inner: &Arc<Inner>,
+    mut s: TcpStream,
+    from: SocketAddr,
+    handshaking: Permit,
+) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
     let hs = tokio::time::timeout(
-        Duration::from_secs(10),
+        inner.cfg.handshake_timeout,
         wire::accept(&mut s, inner.cfg.api_key.as_ref()),
     )
     .await;
@@ -47,8 +53,13 @@ pub(super) async fn peer_conn(inner: &Arc<Inner>, mut s: TcpStream, from: Socket
         }
         Err(_) => {
             inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%from, timeout = ?inner.cfg.handshake_timeout, "peer handshake timed out");
             return Ok(());
         }
+    };
+    drop(handshaking);
+    let Some(_permit) = inner.conn_permit(Class::Peer, Some(from.ip())) else {
+        return Ok(());
     };
     // Every frame from here on is bound to this session.
     let mut s = wire::Channel { stream: s, session };

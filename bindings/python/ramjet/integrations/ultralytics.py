@@ -538,16 +538,15 @@ def streaming_train(
         os.environ["RAMJET_SOCKET"] = socket
     args = dict(train_args)
     args.setdefault("amp", False)
-    frozen = False
+    # The freeze is a lease on its own connection: released at the end, after an error too,
+    # and by the daemon when this process is killed.
+    lease = _ramjet.freeze(socket) if socket is not None else None
     try:
-        if socket is not None:
-            _ramjet.freeze(socket)
-            frozen = True
         yolo.train(trainer=RamjetDetectionTrainer, data=data, epochs=epochs, batch=batch, workers=workers, **args)
     finally:
-        if frozen:
+        if lease is not None:
             try:
-                _ramjet.unfreeze(socket)
-            except ramjet.Error as e:  # pragma: no cover - the daemon went away
+                lease.release()
+            except ramjet.Error as e:  # pragma: no cover - the daemon went away (which released it)
                 LOGGER.warning(f"ramjet: could not unfreeze the ring at {socket}: {e}")
     return yolo
