@@ -6,7 +6,9 @@
 Each rank reads its own share of every epoch (ramjet takes rank and world size from
 torch.distributed) and trains a small CNN to predict each image's mean colour. The script checks
 that the ranks' samples are disjoint and together cover every epoch, that a state_dict taken
-mid-epoch agrees on every rank, and reports the loss of the first and the last epoch. With
+mid-epoch agrees on every rank, that ramjet's exactly-once audit (``ds.audit()``, gathered over
+the ranks) holds mid-epoch and at each epoch's end, and reports the loss of the first and the
+last epoch. With
 --out, rank 0 writes all of it as JSON.
 """
 
@@ -65,6 +67,14 @@ def main():
                 states = [None] * world
                 dist.all_gather_object(states, sd)
                 assert all(s == sd for s in states), "ranks disagree on the job state"
+                mid = ds.audit()  # collective too
+                assert mid["exactly_once"] and not mid["complete"], mid
+        # The exactly-once audit (collective, like state_dict): the ranks' counts and digests
+        # against the epoch's order.
+        report = ds.audit()
+        if rank == 0:
+            print(f"epoch {epoch} audit: {report['message']}", flush=True)
+        assert report["exactly_once"] and report["complete"], report
         everyone = [None] * world
         dist.all_gather_object(everyone, (seen, losses))
         epochs.append(everyone)

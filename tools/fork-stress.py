@@ -93,10 +93,10 @@ def main() -> int:
         try:
             for i in range(a.runs):
                 run_dir = work / f"run{i}"
-                run_dir.mkdir()
+                (run_dir / "reports").mkdir(parents=True)
                 t0 = time.monotonic()
                 p = subprocess.Popen(
-                    [sys.executable, "-c", FORKED, *urls, str(run_dir / "cache"), str(run_dir / "d.sock")],
+                    [sys.executable, "-c", FORKED, *urls, str(run_dir / "cache"), str(run_dir / "d.sock"), str(run_dir / "reports")],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,

@@ -157,6 +157,16 @@ fn main() {
     // Cache fills bypass the page cache (O_DIRECT): read the files once, so the peer serves
     // them page-cached, as a warm peer does (the disk path has its own bench, `io_uring`).
     ramjet_benches::warm_page_cache(&dir.path().join("peer"));
+    // Deterministic, unlike the timings below, so asserted: with the ring each shard crosses
+    // from the origin once for the whole cluster; without it, once per node.
+    assert!(
+        (r1 - 1.0).abs() < 0.01,
+        "origin bytes with the ring: {r1:.3}x the dataset, not 1.00x"
+    );
+    assert!(
+        (r3 - 3.0).abs() < 0.03,
+        "origin bytes without the ring: {r3:.3}x the dataset, not 3.00x"
+    );
     let passes = if full { 5 } else { 1 };
     let secs = if full { 5 } else { 1 };
     // Interleave the two, three rounds, and take medians (the machine is noisy).

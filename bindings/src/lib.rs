@@ -304,6 +304,10 @@ fn init_log() {
 fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     init_log();
+    // One-time process setup happens here, at import, before the trainer can fork DataLoader
+    // workers: a `Once` a worker inherits half-done (run by a thread of the parent at the
+    // moment of the fork) would block that worker's first S3 client for good.
+    ramjet_engine::store::ensure_crypto_provider();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("Error", py.get_type::<RamjetError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;

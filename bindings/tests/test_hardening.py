@@ -120,18 +120,29 @@ def test_ctrl_c_interrupts_init(tmp_path):
 
 FORKED = textwrap.dedent(
     """
-    import json, sys, threading, torch, ramjet
-    urls, cache, sock = sys.argv[1:4], sys.argv[4], sys.argv[5]
+    import json, os, sys, threading, time, torch, ramjet
+    urls, (cache, sock, reports) = sys.argv[1:4], sys.argv[4:7]
+
+    class Reporting(ramjet.StreamingDataset):
+        # Each worker writes its loader's counters when its share ends: the parent then knows
+        # whether the workers read through the daemon or fell back to the origin.
+        def __iter__(self):
+            yield from super().__iter__()
+            with open(os.path.join(reports, f"{os.getpid()}-{time.monotonic_ns()}.json"), "w") as f:
+                json.dump(self.metrics(), f)
+
     ramjet.init(cache, socket=sock)
     count = lambda url: sum(len(b["_index"]) for b in ramjet.StreamingDataset(url, batch_size=4, image_size=32, shuffle=False))
     # The parent's daemon fetches A (taking the cache's fetch and admission locks over and over)
-    # while persistent DataLoader workers are forked, reading B.
+    # while persistent DataLoader workers are forked (explicitly: Python 3.14 defaults to
+    # forkserver), reading B.
     got = {}
     t = threading.Thread(target=lambda: got.__setitem__("a", count(urls[0])))
     t.start()
     dl = torch.utils.data.DataLoader(
-        ramjet.StreamingDataset(urls[1], batch_size=4, image_size=32, shuffle=False),
-        batch_size=None, num_workers=2, persistent_workers=True,
+        Reporting(urls[1], batch_size=4, image_size=32, shuffle=False),
+        batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="fork",
+        timeout=120,
     )
     got["b"] = sum(len(b["_index"]) for b in dl)
     t.join()
@@ -143,6 +154,24 @@ FORKED = textwrap.dedent(
 )
 
 
+def run_bounded(args, timeout):
+    """Runs `args` in a session of its own; past `timeout` the whole process group is killed
+    and the test fails with the group's stacks (py-spy, when installed) and its output."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+        stacks = ""
+        spy = Path(sys.executable).with_name("py-spy")
+        if spy.exists():
+            d = subprocess.run([str(spy), "dump", "--native", "--pid", str(p.pid)], capture_output=True, text=True)
+            stacks = d.stdout[-20000:]
+        os.killpg(p.pid, 9)
+        out, err = p.communicate()
+        pytest.fail(f"{args[:3]} hung past {timeout} s\nstacks:\n{stacks}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}")
+
+
 def test_a_cache_shared_with_forked_workers_under_init_never_deadlocks(tmp_path):
     if "AWS_ENDPOINT_URL" not in os.environ:
         pytest.fail("the local S3 server is not configured: run tools/test.sh")
@@ -152,15 +181,21 @@ def test_a_cache_shared_with_forked_workers_under_init_never_deadlocks(tmp_path)
         u = f"s3://{BUCKET}/pytest-hard/{name}-{uuid.uuid4().hex[:8]}"
         run("pack", str(tmp_path / "synth"), u, "--shard-size", "200KiB")
         urls.append(u)
-    p = subprocess.run(
-        [sys.executable, "-c", FORKED, *urls, str(tmp_path / "cache"), str(tmp_path / "d.sock")],
-        capture_output=True,
-        text=True,
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    rc, out, err = run_bounded(
+        [sys.executable, "-c", FORKED, *urls, str(tmp_path / "cache"), str(tmp_path / "d.sock"), str(reports)],
         timeout=240,
     )
-    assert p.returncode == 0, p.stderr[-4000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rc == 0, err[-4000:]
+    got = json.loads(out.strip().splitlines()[-1])
     assert got == {"a": 48, "b": 48, "c": 48, "b2": 48}, got
+    # The workers read through the parent's daemon: none fell back to the origin.
+    workers = [json.loads(f.read_text()) for f in reports.iterdir()]
+    assert len(workers) == 4, f"expected 2 workers x 2 epochs of reports, got {len(workers)}"
+    for m in workers:
+        assert m["daemon_failures"] == 0 and m["origin_bytes"] == 0, m
+    assert sum(m["daemon_origin"] + m["daemon_cache_local"] for m in workers) > 0, workers
 
 
 def test_tampered_resume_state_raises_invalid_input_not_a_panic(packed):

@@ -3,12 +3,15 @@
 import io
 import json
 import os
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -381,23 +384,48 @@ def test_fork_after_use_restarts_cleanly(classes):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: the inherited loader has no threads; a new one must start
+        code = 1
         try:
             got = indices(epoch(ds))
             os.write(w, json.dumps(got).encode())
+            code = 0
+        except BaseException as e:  # reported through the pipe and the exit status
+            os.write(w, json.dumps({"error": repr(e)}).encode())
         finally:
-            os._exit(0)
+            os._exit(code)
     os.close(w)
-    data = b""
-    while chunk := os.read(r, 1 << 16):
-        data += chunk
-    os.waitpid(pid, 0)
+    # Bounded: a child that hangs is killed and the test fails, naming the wait.
+    data, deadline = b"", time.monotonic() + 120
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the forked child gave no result in 120 s (got {data[-200:]!r})")
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, data
     assert json.loads(data) == first
 
 
 EMBEDDED = textwrap.dedent(
     """
-    import json, sys, torch, ramjet
-    url, cache, sock = sys.argv[1:4]
+    import json, os, sys, time, torch, ramjet
+    url, cache, sock, reports = sys.argv[1:5]
+
+    class Reporting(ramjet.StreamingDataset):
+        # Each worker writes its loader's counters when its share ends.
+        def __iter__(self):
+            yield from super().__iter__()
+            with open(os.path.join(reports, f"{os.getpid()}-{time.monotonic_ns()}.json"), "w") as f:
+                json.dump(self.metrics(), f)
+
     path = ramjet.init(cache, socket=sock)
     assert path == sock, path
     def run(**kw):
@@ -408,7 +436,8 @@ EMBEDDED = textwrap.dedent(
     n2, warm = run()
     # DataLoader workers (forked) share the daemon of their parent.
     dl = torch.utils.data.DataLoader(
-        ramjet.StreamingDataset(url, batch_size=8, image_size=32, shuffle=False), batch_size=None, num_workers=2
+        Reporting(url, batch_size=8, image_size=32, shuffle=False), batch_size=None, num_workers=2,
+        multiprocessing_context="fork", timeout=120,
     )
     n3 = sum(len(b["_index"]) for b in dl)
     print(json.dumps({"n": [n1, n2, n3], "cold": cold, "warm": warm}))
@@ -420,8 +449,10 @@ def test_init_starts_an_embedded_daemon_that_every_dataset_and_worker_shares(cla
     url, truth = classes
     shards = ramjet.inspect(url)["shards"]
     sock = str(tmp_path / "d.sock")
+    reports = tmp_path / "reports"
+    reports.mkdir()
     p = subprocess.run(
-        [sys.executable, "-c", EMBEDDED, url, str(tmp_path / "cache"), sock],
+        [sys.executable, "-c", EMBEDDED, url, str(tmp_path / "cache"), sock, str(reports)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -429,6 +460,12 @@ def test_init_starts_an_embedded_daemon_that_every_dataset_and_worker_shares(cla
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["n"] == [len(truth)] * 3
+    # The workers read through their parent's daemon (its cache is warm by then): no fallback.
+    workers = [json.loads(f.read_text()) for f in reports.iterdir()]
+    assert len(workers) == 2, workers
+    for m in workers:
+        assert m["daemon_failures"] == 0 and m["origin_bytes"] == 0, m
+        assert m["daemon_cache_local"] > 0, m
     assert r["cold"]["daemon_origin"] == shards and r["cold"]["origin_bytes"] == 0, r["cold"]
     # (The loader prefetches on into later epochs, so counts can exceed one epoch's shards.)
     warm = r["warm"]
@@ -688,7 +725,12 @@ def test_a_cuda_dataset_in_a_forked_worker_is_a_clear_error(classes):
     # A spawned worker unpickles its own copy in a fresh process: no fork error there (it then
     # fails at the copy to a GPU this machine does not have, or succeeds on one that has it).
     err = _device_error_in_worker(ds, "spawn")
-    assert err is None or "forked process" not in err, err
+    info = ramjet.gpu_info()
+    if info["error"] is None and info["devices"] > 0:
+        assert err is None, err
+    else:  # exactly the no-GPU refusal of the page-locked batch buffers, naming the device
+        assert err is not None and "device cuda:0" in err and info["error"] in err, err
+        assert "forked process" not in err, err
     # The CPU device is fine in forked workers, as before.
     ds.device = "cpu"
     assert _device_error_in_worker(ds, "fork") is None

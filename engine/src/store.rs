@@ -186,7 +186,11 @@ impl DatasetUrl {
 }
 
 /// Installs the process-wide TLS crypto provider once (ring; no C toolchain needed).
-fn ensure_crypto_provider() {
+/// Installs rustls' process-wide crypto provider, once. Called at first use, and early by
+/// embedders that fork (the Python module calls it at import): a `Once` first run in one
+/// thread while another forks is inherited half-done by the child, whose first S3 client then
+/// waits on it forever.
+pub fn ensure_crypto_provider() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // An Err means another part of the process installed one first, which is fine.

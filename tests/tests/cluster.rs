@@ -697,13 +697,23 @@ fn the_request_that_starts_a_flight_has_a_deadline() {
     assert!(u(&a.stats()["singleflight_timeouts"]) >= 1);
 }
 
+/// Sends `request` and reads the answer to its end. An empty string is a connection the
+/// daemon closed without answering (end of file or a reset: a refusal); no answer within 10 s
+/// fails the test as a timeout, so a hung daemon never passes for a refusing one.
 fn http(addr: &str, request: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(request.as_bytes()).unwrap();
-    let mut r = String::new();
-    let _ = s.read_to_string(&mut r);
-    r
+    let _ = s.write_all(request.as_bytes()); // a refused connection may be reset mid-write
+    let mut r = Vec::new();
+    match s.read_to_end(&mut r) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            panic!("{addr}: no answer and no close within 10 s (a hang, not a refusal)")
+        }
+        Err(e) => panic!("{addr}: {e}"),
+    }
+    String::from_utf8_lossy(&r).into_owned()
 }
 
 /// Regression: `POST /freeze` on the HTTP port froze the ring for anyone who could reach it,
@@ -772,6 +782,61 @@ fn a_freeze_is_a_lease_released_when_its_connection_closes() {
         "{reply:?}"
     );
     assert!(frozen(&a));
+    drop(held);
+}
+
+/// Issue 48: the descriptor the daemon handed a loader was a copy of the one its cache pinned
+/// the shard with, and a shared flock belongs to the open file description: the loader (and any
+/// worker it forked) then held the pin for as long as it kept the descriptor, and the shard could
+/// never be evicted. It is now a fresh open: with the received descriptor still open, an
+/// exclusive lock on the cached file (what eviction takes) is granted.
+#[test]
+fn a_handed_out_descriptor_holds_no_lock_on_the_cached_shard() {
+    use std::os::fd::AsRawFd;
+    let url = dataset();
+    let id = shard_ids(url)[0];
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ramjet_transport::DaemonConfig::new(
+        dir.path().join("h.sock"),
+        CacheConfig::new(dir.path().join("cache"), 1 << 30),
+    );
+    let d = ramjet_transport::Daemon::start(cfg).unwrap();
+    let ds = block_on(Dataset::open(url)).unwrap();
+    let get = |s: &mut std::os::unix::net::UnixStream| -> Option<std::os::fd::OwnedFd> {
+        s.write_all(&wire::encode(&wire::Msg::Get {
+            manifest_url: ds.manifest_url().to_owned(),
+            shard: 0,
+            checksum: id.checksum,
+            bytes: id.bytes,
+        }))
+        .unwrap();
+        let (mut buf, mut chunk, mut fds) = (Vec::new(), [0u8; 4096], Vec::new());
+        loop {
+            if let Some((m, _)) = wire::parse_frame(&buf).unwrap() {
+                assert!(matches!(m, wire::Msg::Data { .. }), "{m:?}");
+                return fds.pop();
+            }
+            let n = ramjet_transport::sys::recv_with_fds(s.as_raw_fd(), &mut chunk, &mut fds).unwrap();
+            assert!(n > 0, "the daemon closed the connection");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    };
+    let mut s = std::os::unix::net::UnixStream::connect(d.socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    get(&mut s).expect("a descriptor"); // fills the cache
+    let cached = dir.path().join("cache/shards").join(id.file_name());
+    assert!(cached.exists(), "the shard was not cached");
+    let held = get(&mut s).expect("a descriptor of the cached file");
+    let probe = std::fs::File::open(&cached).unwrap();
+    let t0 = Instant::now();
+    // SAFETY: flock on a descriptor this test owns.
+    while unsafe { libc::flock(probe.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the descriptor handed to the loader still pins the cached shard"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     drop(held);
 }
 

@@ -139,7 +139,8 @@ fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
     for (rank, k) in [(0usize, 7usize), (1, 5)] {
         let mut s = Stream::open(config(url, rank_of(rank, 2), Some(cache.path()))).unwrap();
         for _ in 0..k {
-            seen.push(s.next_sample().unwrap().unwrap().id);
+            let x = s.next_sample().unwrap().unwrap();
+            seen.push((x.position, x.id));
         }
         states.push(s.state().unwrap());
     }
@@ -148,11 +149,16 @@ fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
     for rank in 0..3 {
         let mut c = config(url, rank_of(rank, 3), Some(cache.path()));
         c.resume = Some(point.clone());
+        let mut last = None;
         for x in Stream::open(c).unwrap() {
-            seen.push(x.unwrap().id);
+            let x = x.unwrap();
+            // Each consumer goes on in the order's direction.
+            assert!(last < Some(x.position), "consumer {rank} of 3 went back in the order");
+            last = Some(x.position);
+            seen.push((x.position, x.id));
         }
     }
-    let mut ids = seen.clone();
+    let mut ids: Vec<SampleRef> = seen.iter().map(|x| x.1).collect();
     ids.sort();
     ids.dedup();
     assert_eq!(
@@ -160,6 +166,14 @@ fn resume_after_a_world_size_change_delivers_exactly_the_rest() {
         (N, N),
         "samples lost or repeated across the resume"
     );
+    // Not only the same set: every position holds the sample the one global order puts there
+    // (the order after the resume at a new world size is the order without it).
+    let reference: BTreeMap<u64, SampleRef> = run_job(url, 1, 1, cache.path(), Tail::Uneven)
+        .into_iter()
+        .flatten()
+        .collect();
+    let by_pos: BTreeMap<u64, SampleRef> = seen.into_iter().collect();
+    assert_eq!(by_pos, reference, "the order changed across the resume");
 }
 
 /// The exactly-once audit of a job's combined states (Issue 42).
@@ -355,6 +369,7 @@ fn sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run() {
         .unwrap();
     let t0 = Instant::now();
     while lines(&b).len() < N / 2 + 3 {
+        assert!(child.try_wait().unwrap().is_none(), "the reader exited early");
         assert!(t0.elapsed() < Duration::from_secs(60), "the reader made no progress");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -410,6 +425,7 @@ fn ramjet_audit_after_sigkill_and_resume_and_after_a_replay() {
             .unwrap();
         let t0 = Instant::now();
         while lines(&out).len() < N / 2 {
+            assert!(child.try_wait().unwrap().is_none(), "the reader exited early");
             assert!(t0.elapsed() < Duration::from_secs(60), "the reader made no progress");
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -852,14 +868,26 @@ fn read_into_outage(srv: &PrivateS3, url: &str, env: &[(&str, &str)], out: &Path
         "--out",
         out.to_str().unwrap(),
     ];
-    let child = Command::new(ramjet_bin())
+    let mut child = Command::new(ramjet_bin())
         .args(args)
         .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Bounded, and the reader must still be alive: one that died early would otherwise hold
+    // this loop (and CI) for good.
+    let t0 = Instant::now();
     while lines(out).len() < 5 {
+        if let Some(st) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            let _ = std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err);
+            panic!("the reader exited ({st}) before the outage:\n{err}");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the reader made no progress in 60 s"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     srv.script("stop");

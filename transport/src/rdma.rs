@@ -418,13 +418,15 @@ mod tests {
 
     #[test]
     fn opening_a_device_where_there_is_none_is_a_clear_error() {
+        // A named device that does not exist is refused on any host.
+        let e = RdmaDevice::open(Some("ramjet_no_such_device"), 0).unwrap_err();
+        assert!(matches!(&e, Error::Rdma(m) if m.starts_with("RDMA: ")), "{e}");
         if std::path::Path::new("/sys/class/infiniband").exists() {
-            return; // a host with RDMA: nothing to check here
+            // A host with RDMA: "no device at all" cannot be shown here; said, not hidden.
+            eprintln!("this host has RDMA devices: the no-device case was not checked");
+            return;
         }
         let e = RdmaDevice::open(None, 0).unwrap_err();
-        eprintln!("{e}");
         assert!(matches!(&e, Error::Rdma(m) if m.starts_with("RDMA: ")), "{e}");
-        let e = RdmaDevice::open(Some("mlx5_9"), 0).unwrap_err();
-        assert!(e.to_string().contains("RDMA"), "{e}");
     }
 }

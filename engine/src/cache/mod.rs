@@ -400,12 +400,32 @@ impl CachedShard {
         self.pin.file()
     }
 
-    /// The open file, to hand whole to a reader that verifies it (the host daemon passing the
-    /// descriptor to a loader, or sending the file to a peer): counted as a hit.
-    pub fn hand_out(&self) -> &File {
+    /// The file opened afresh, to hand whole to a reader that verifies it (the host daemon
+    /// passing the descriptor to a loader, or sending the file to a peer): counted as a hit.
+    ///
+    /// A fresh open file description, never a copy of the pinned one: the pin's shared lock
+    /// belongs to its description, so a copy handed to a loader (or inherited by a worker the
+    /// loader forks) would hold the lock, and keep the shard from eviction, for as long as any
+    /// copy lives. The fresh file is checked to be the pinned one (same device and inode).
+    pub fn hand_out(&self) -> Result<File> {
+        let f = self.reopen()?;
         Metrics::add(&self.metrics.cache_hits, 1);
         Metrics::add(&self.metrics.cache_bytes, self.id.bytes);
-        self.pin.file()
+        Ok(f)
+    }
+
+    /// The pinned file opened again (a new open file description, without the pin's lock).
+    fn reopen(&self) -> Result<File> {
+        use std::os::unix::fs::MetadataExt;
+        let err = |e: std::io::Error| Error::io(self.path.display(), e);
+        let f = File::open(&self.path).map_err(err)?;
+        let (a, b) = (f.metadata().map_err(err)?, self.pin.file().metadata().map_err(err)?);
+        if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
+            return Err(err(std::io::Error::other(
+                "the cached file was replaced while pinned (a corrupt copy deleted and fetched again)",
+            )));
+        }
+        Ok(f)
     }
 
     /// The whole shard, hashed as it is read (through the I/O core). `Ok(None)` when it fails
@@ -430,7 +450,7 @@ impl CachedShard {
     /// The copy must have the size and, in its footer, the checksum of the shard it is cached
     /// as: a file of another shard put in its place is refused, deleted and counted as corrupt.
     pub fn records(&self) -> Result<crate::format::ShardReader<File>> {
-        let f = self.file().try_clone().map_err(|e| Error::io(self.path.display(), e))?;
+        let f = self.reopen()?;
         let name = self.path.display().to_string();
         crate::format::ShardReader::open_expecting(f, &name, self.id.bytes, self.id.checksum).inspect_err(|e| {
             if e.is_data_error() {

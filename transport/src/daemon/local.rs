@@ -81,10 +81,15 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 match r {
                     Ok((body, src, n)) => {
                         let (_pinned, file) = match body {
-                            Body::File(f) => {
-                                let file = f.hand_out().try_clone()?;
-                                (Some(f), file)
-                            }
+                            Body::File(f) => match f.hand_out() {
+                                Ok(file) => (Some(f), file),
+                                Err(e) => {
+                                    inner.stats.failures.fetch_add(1, Ordering::Relaxed);
+                                    let message = e.to_string();
+                                    wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                                    continue;
+                                }
+                            },
                             Body::Memory(b) => (None, sys::memfd_with("ramjet-shard", &b)?),
                         };
                         let frame = wire::encode(&Msg::Data {

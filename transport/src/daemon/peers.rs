@@ -118,7 +118,10 @@ pub(super) async fn peer_conn(
                 })
                 .await?;
                 match body {
-                    Some(Body::File(f)) => send_file(&s.stream, f.hand_out(), n).await?,
+                    Some(Body::File(f)) => {
+                        let file = f.hand_out().map_err(std::io::Error::other)?;
+                        send_file(&s.stream, &file, n).await?
+                    }
                     Some(Body::Memory(b)) => s.stream.write_all(&b).await?,
                     None => {}
                 }
@@ -176,7 +179,10 @@ pub(super) async fn rdma_write(link: &ServerRdma, body: Body, n: u64, addr: u64,
     };
     let data = match body {
         Body::File(f) => {
-            sys::read_private(f.hand_out(), n).map_err(|e| Error::Engine(format!("read the cached shard: {e}")))?
+            let file = f
+                .hand_out()
+                .map_err(|e| Error::Engine(format!("open the cached shard: {e}")))?;
+            sys::read_private(&file, n).map_err(|e| Error::Engine(format!("read the cached shard: {e}")))?
         }
         Body::Memory(b) => b,
     };
