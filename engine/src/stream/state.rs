@@ -5,6 +5,18 @@ use super::*;
 /// Samples in one epoch's order (after tail handling) and this consumer's share of them,
 /// from the manifests alone: nothing is prefetched and no thread outlives the call.
 pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
+    let shapes = source_shapes(cfg).await?;
+    let n = checked_epoch_positions(&shapes)?;
+    let consumers = cfg.topology.consumers() as u64;
+    let len = effective_len(n, consumers, cfg.order.tail);
+    let c = cfg.topology.consumer() as u64;
+    let mine = if len > c { (len - c).div_ceil(consumers) } else { 0 };
+    Ok((len, mine))
+}
+
+/// The order's view of `cfg`'s sources (versions, shard counts, weights), from their
+/// manifests alone.
+async fn source_shapes(cfg: &StreamConfig) -> Result<Vec<StreamShape>> {
     let mut shapes = Vec::with_capacity(cfg.sources.len());
     for sc in &cfg.sources {
         let ds = Dataset::open(&sc.url).await?;
@@ -14,12 +26,7 @@ pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
             weight: sc.weight,
         });
     }
-    let n = checked_epoch_positions(&shapes)?;
-    let consumers = cfg.topology.consumers() as u64;
-    let len = effective_len(n, consumers, cfg.order.tail);
-    let c = cfg.topology.consumer() as u64;
-    let mine = if len > c { (len - c).div_ceil(consumers) } else { 0 };
-    Ok((len, mine))
+    Ok(shapes)
 }
 
 /// An epoch's positions over `shapes`, refused when the counts overflow. The order is
@@ -147,15 +154,7 @@ pub struct AuditReport {
 /// for `cfg`'s topology.
 pub async fn audit(cfg: &StreamConfig, point: &ResumePoint, len: Option<u64>) -> Result<AuditReport> {
     let (progress, got) = (&point.progress, point.audit);
-    let mut shapes = Vec::with_capacity(cfg.sources.len());
-    for sc in &cfg.sources {
-        let ds = Dataset::open(&sc.url).await?;
-        shapes.push(StreamShape {
-            version: ds.manifest().version.clone(),
-            counts: ds.manifest().shard_counts(),
-            weight: sc.weight,
-        });
-    }
+    let shapes = source_shapes(cfg).await?;
     let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
     check_saved_for(
         "audited state",
