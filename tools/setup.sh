@@ -40,6 +40,11 @@ fi
 
 echo "setup: fetching Rust crates"
 cargo fetch --locked -q 2>/dev/null || cargo fetch -q
+# The Rust tests run under cargo-nextest (one process per test, each under the watchdog).
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-nextest"
+  cargo install cargo-nextest --locked -q
+fi
 
 req="$RAMJET_ROOT/tools/requirements-dev.txt"
 stamp="$RAMJET_VENV/.ramjet-requirements"

@@ -9,7 +9,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$RAMJET_ROOT"
 
-step() { printf '\n== %s\n' "$*"; }
 
 # A run of this script builds everything once, from clean on a CI machine: incremental
 # artifacts (1.4 GB of target/debug) would never be reused, and CI machines can be short of
@@ -17,8 +16,18 @@ step() { printf '\n== %s\n' "$*"; }
 export CARGO_INCREMENTAL=0
 df -h "$RAMJET_ROOT" | sed 's/^/disk: /'
 
+# Step times, so that a slow step shows in the log.
+t0=$SECONDS
+step() { printf '\n== [%dm%02ds] %s\n' $(((SECONDS - t0) / 60)) $(((SECONDS - t0) % 60)) "$*"; }
+
 step "setup"
 tools/setup.sh
+
+# Every Rust test process runs under the watchdog (tools/test-watchdog.sh): a test that hangs
+# fails alone past RAMJET_TEST_LIMIT_S, naming itself, with every thread's stack.
+host="$(rustc -vV | sed -n 's/^host: //p')"
+runner_var="CARGO_TARGET_$(printf '%s' "$host" | tr 'a-z-' 'A-Z_')_RUNNER"
+export "$runner_var=$RAMJET_ROOT/tools/test-watchdog.sh"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -50,13 +59,31 @@ on_exit() {
 }
 trap on_exit EXIT
 
-step "cargo test (unit, integration, property, fuzz corpus, benches in test mode)"
+step "Rust tests (cargo-nextest: unit, integration, property, fuzz corpus; one process per test)"
 # This machine has io_uring: its suites must run, and fail rather than skip if it is missing.
-RAMJET_EXPECT_IO_URING=1 cargo test --workspace --all-targets --locked
+RAMJET_EXPECT_IO_URING=1 cargo nextest run --workspace --lib --bins --tests --examples --locked
+# Benchmarks once in test mode (their own harness, so cargo test runs them, still watched).
+cargo test -p ramjet-benches --benches --locked
+rm -rf "${TMPDIR:-/tmp}"/ramjet-tests-*
 
-step "python package (maturin develop --release) and pytest"
-# No debug info in this wheel (the release profile keeps line tables for profiling): 0.5 GB less.
-CARGO_PROFILE_RELEASE_DEBUG=0 VIRTUAL_ENV="$RAMJET_VENV" "$RAMJET_VENV/bin/maturin" develop --release --quiet -m bindings/Cargo.toml
+step "the watchdog stops a planted hang alone, naming it, with stacks (tests/tests/watchdog.rs)"
+if RAMJET_TEST_LIMIT_S=5 cargo nextest run -p ramjet-tests --test watchdog --run-ignored only --locked \
+  >"$RAMJET_STATE/planted-hang.log" 2>&1; then
+  cat "$RAMJET_STATE/planted-hang.log"; echo "the planted hang passed: the watchdog did not stop it"; exit 1
+fi
+for want in "ran past its limit of 5 s" "watchdog::planted_hang_waits_forever" \
+  "FAIL .*a_planted_hang_fails_alone_naming_itself" "2 tests run: 1 passed, 1 failed"; do
+  grep -q -E "$want" "$RAMJET_STATE/planted-hang.log" || {
+    cat "$RAMJET_STATE/planted-hang.log"; echo "the planted hang's output lacks: $want"; exit 1
+  }
+done
+echo "planted hang: failed alone after 5 s with its stacks; the test beside it passed"
+
+step "python package (maturin develop, dev profile) and pytest"
+# The dev profile (dependencies at opt-level 2, ours at 1) reuses what the Rust steps above
+# built: 2 minutes here instead of 10 for a release build, which only the benchmarks need
+# (their figures come from release builds: tools/ramjet-bench, docs/benchmarks.md).
+VIRTUAL_ENV="$RAMJET_VENV" "$RAMJET_VENV/bin/maturin" develop --profile dev --quiet -m bindings/Cargo.toml
 # The peers' venv (MosaicML Streaming, WebDataset): the foreign-format tests write their golden
 # fixtures with the real writers there, never in the core venv.
 RAMJET_BENCH_PYTHON="$(tools/bench-venv.sh)"

@@ -441,8 +441,18 @@ def test_a_learner_killed_half_way_leaves_nothing_that_is_used(fixtures, tmp_pat
         # A learner holds the lock: an open waits for it, and one killed while waiting leaves
         # nothing either.
         waiting = [subprocess.Popen([RAMJET, "inspect", url, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        time.sleep(1.5)
-        assert all(p.poll() is None for p in waiting), [p.communicate() for p in waiting]
+        # Wait for both to be blocked on the learner's lock (an event: /proc/locks lists each
+        # blocked flock waiter with "->"), not for a pause after which they may simply not have
+        # reached it yet.
+        deadline = time.monotonic() + 60
+        while True:
+            with open("/proc/locks") as f:
+                blocked = {int(line.split()[5]) for line in f if " -> FLOCK " in line}
+            if all(p.pid in blocked for p in waiting):
+                break
+            assert all(p.poll() is None for p in waiting), [p.communicate() for p in waiting]
+            assert time.monotonic() < deadline, f"the opens never waited on the lock: blocked={blocked}"
+            time.sleep(0.02)
         waiting[0].send_signal(signal.SIGKILL)
         waiting[0].wait()
         fcntl.flock(lock, fcntl.LOCK_UN)

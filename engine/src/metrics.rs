@@ -27,6 +27,8 @@ pub struct Metrics {
     pub cache_corrupt: AtomicU64,
     /// Samples fetched individually with ranged GETs (fast first batch, random access).
     pub ranged_samples: AtomicU64,
+    /// Times the prefetcher stopped at a closed first-batch gate ([`crate::Stream::open_gated`]).
+    pub first_gate_waits: AtomicU64,
     /// Whole-shard fetches that joined one already in flight in this process (another
     /// dataset, loader or random access wanted the same shard).
     pub shards_coalesced: AtomicU64,
@@ -68,6 +70,7 @@ impl Default for Metrics {
             cache_evictions: AtomicU64::new(0),
             cache_corrupt: AtomicU64::new(0),
             ranged_samples: AtomicU64::new(0),
+            first_gate_waits: AtomicU64::new(0),
             shards_coalesced: AtomicU64::new(0),
             resident_samples: AtomicU64::new(0),
             samples: AtomicU64::new(0),
@@ -109,6 +112,8 @@ pub struct MetricsSnapshot {
     pub cache_corrupt: u64,
     /// Samples fetched with ranged GETs.
     pub ranged_samples: u64,
+    /// See [`Metrics::first_gate_waits`].
+    pub first_gate_waits: u64,
     /// See [`Metrics::shards_coalesced`].
     pub shards_coalesced: u64,
     /// Samples read by random access from a whole shard held in memory.
@@ -174,6 +179,7 @@ impl Metrics {
             cache_evictions: g(&self.cache_evictions),
             cache_corrupt: g(&self.cache_corrupt),
             ranged_samples: g(&self.ranged_samples),
+            first_gate_waits: g(&self.first_gate_waits),
             shards_coalesced: g(&self.shards_coalesced),
             resident_samples: g(&self.resident_samples),
             samples: g(&self.samples),

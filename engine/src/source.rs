@@ -104,7 +104,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                 }
             }
             Step::CacheLocked(cache) => {
-                lock = Some(download_lock(cache, at.id).await?);
+                lock = download_lock(cache, at.id).await?;
                 if let Some(bytes) = cache_get(cache, at.id).await? {
                     return Ok(Got {
                         bytes,
@@ -170,14 +170,52 @@ async fn verify(at: &ShardAt<'_>, bytes: Bytes) -> Result<()> {
 /// The shard's host-wide download lock, polled: the holder (this process or another) may be
 /// minutes into a download, and a blocking-pool thread asleep in `flock` meanwhile would be
 /// one fewer for the work that frees it (the pool is shared by the whole process).
-pub async fn download_lock(cache: &Cache, id: ShardId) -> Result<FetchGuard> {
+pub async fn download_lock(cache: &Cache, id: ShardId) -> Result<Option<FetchGuard>> {
+    download_lock_within(cache, id, fetch_lock_wait()).await
+}
+
+/// How long [`download_lock`] waits for another holder: `RAMJET_FETCH_LOCK_WAIT_MS`, 120 s
+/// unless set (a 64 MiB shard downloads in about a minute at 1 MB/s).
+pub fn fetch_lock_wait() -> std::time::Duration {
+    std::time::Duration::from_millis(
+        std::env::var("RAMJET_FETCH_LOCK_WAIT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(120_000),
+    )
+}
+
+/// [`download_lock`] with its limit given: `None` when another holder kept the lock past
+/// `limit`. The caller then fetches without it (the shard is fetched twice on this host, and
+/// nothing waits on a holder that may be stuck; the cache's inserts are atomic, so two copies
+/// never mix).
+pub async fn download_lock_within(
+    cache: &Cache,
+    id: ShardId,
+    limit: std::time::Duration,
+) -> Result<Option<FetchGuard>> {
+    let start = std::time::Instant::now();
     let mut pause = std::time::Duration::from_millis(2);
+    let mut said = start;
     loop {
         let c = cache.clone();
         if let Some(g) = blocking("cache task", move || c.try_fetch_lock(id)).await? {
-            return Ok(g);
+            return Ok(Some(g));
         }
-        tokio::time::sleep(pause).await;
+        let waited = start.elapsed();
+        if waited >= limit {
+            tracing::warn!(
+                shard = %id.file_name(),
+                waited_ms = waited.as_millis() as u64,
+                "another process has held this shard's download lock past RAMJET_FETCH_LOCK_WAIT_MS: fetching it without the lock"
+            );
+            return Ok(None);
+        }
+        if said.elapsed() >= std::time::Duration::from_secs(15) {
+            said = std::time::Instant::now();
+            tracing::info!(shard = %id.file_name(), waited_s = waited.as_secs(), "waiting for another process's download of this shard");
+        }
+        tokio::time::sleep(pause.min(limit - waited)).await;
         pause = (pause * 2).min(std::time::Duration::from_millis(50));
     }
 }

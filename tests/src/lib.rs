@@ -166,18 +166,51 @@ pub fn s3_prefix(name: &str) -> String {
     )
 }
 
-/// A synthetic YOLO dataset of `n` images, generated once per process and size.
+/// The folder that the processes of one test run share: under cargo-nextest (one process per
+/// test) the run's `NEXTEST_RUN_ID`; under `cargo test`, this process.
+fn run_dir() -> PathBuf {
+    let run = std::env::var("NEXTEST_RUN_ID").unwrap_or_else(|_| format!("pid{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("ramjet-tests-{run}"));
+    std::fs::create_dir_all(&dir).expect("run folder");
+    dir
+}
+
+/// Runs `make` once per test run and returns what it made, shared by every test process of the
+/// run (a dataset packed once, not once per test). Processes that ask at the same time wait on
+/// a file lock for the first one; a `make` that panics leaves nothing behind, so the next asks
+/// again.
+pub fn once_per_run(key: &str, make: impl FnOnce() -> String) -> String {
+    let dir = run_dir();
+    let lock = std::fs::File::create(dir.join(format!("{key}.lock"))).expect("lock file");
+    // SAFETY: flock on a file descriptor we own; released when `lock` is dropped.
+    let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+    assert_eq!(rc, 0, "flock {key}.lock: {}", std::io::Error::last_os_error());
+    let done = dir.join(key);
+    if let Ok(v) = std::fs::read_to_string(&done) {
+        return v;
+    }
+    let v = make();
+    let tmp = dir.join(format!("{key}.tmp"));
+    std::fs::write(&tmp, &v).expect("write run value");
+    std::fs::rename(&tmp, &done).expect("publish run value");
+    v
+}
+
+/// A synthetic YOLO dataset of `n` images, generated once per test run and size.
 pub fn synth_dataset(n: usize) -> PathBuf {
-    static CACHE: OnceLock<Mutex<Vec<(usize, tempfile::TempDir)>>> = OnceLock::new();
+    static CACHE: OnceLock<Mutex<Vec<(usize, PathBuf)>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
     let mut c = cache.lock().unwrap();
     if let Some((_, d)) = c.iter().find(|(k, _)| *k == n) {
-        return d.path().join("ds");
+        return d.clone();
     }
-    let d = tempfile::tempdir().expect("tempdir");
-    let out = d.path().join("ds");
-    ramjet_ok(&["synth", out.to_str().unwrap(), "--samples", &n.to_string()]);
-    c.push((n, d));
+    let out = PathBuf::from(once_per_run(&format!("synth-{n}"), || {
+        let out = run_dir().join(format!("synth-{n}.d"));
+        let _ = std::fs::remove_dir_all(&out);
+        ramjet_ok(&["synth", out.to_str().unwrap(), "--samples", &n.to_string()]);
+        out.to_string_lossy().into_owned()
+    }));
+    c.push((n, out.clone()));
     out
 }
 

@@ -13,26 +13,29 @@ use std::time::{Duration, Instant};
 use ramjet_engine::cache::{CacheConfig, ShardId};
 use ramjet_engine::{Dataset, ReadSource, ShardProvider, ShardRequest, Stream, StreamConfig};
 use ramjet_tests::{
-    block_on, free_port, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, test_index_dir, text, CountingProxy,
+    block_on, free_port, once_per_run, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, test_index_dir, text,
+    CountingProxy,
 };
 use ramjet_transport::{wire, DaemonClient, Ring};
 
 const N: usize = 120;
 
-/// The synthetic set packed once per process into ~30 small shards on S3.
+/// The synthetic set packed once per test run into ~30 small shards on S3.
 fn dataset() -> &'static str {
     static URL: OnceLock<String> = OnceLock::new();
     URL.get_or_init(|| {
         s3();
-        let url = s3_prefix("cluster");
-        ramjet_ok(&[
-            "pack",
-            synth_dataset(N).to_str().unwrap(),
-            &url,
-            "--shard-size",
-            "160KiB",
-        ]);
-        url
+        once_per_run("cluster-dataset", || {
+            let url = s3_prefix("cluster");
+            ramjet_ok(&[
+                "pack",
+                synth_dataset(N).to_str().unwrap(),
+                &url,
+                "--shard-size",
+                "160KiB",
+            ]);
+            url
+        })
     })
 }
 
@@ -159,10 +162,12 @@ fn finish(c: Child) -> serde_json::Value {
 fn reference(url: &str) -> String {
     static REF: OnceLock<String> = OnceLock::new();
     REF.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        let out = d.path().join("ref.txt");
-        ramjet_ok(&["stream", url, "--shuffle", "none", "--out", out.to_str().unwrap()]);
-        std::fs::read_to_string(out).unwrap()
+        once_per_run("cluster-reference", || {
+            let d = tempfile::tempdir().unwrap();
+            let out = d.path().join("ref.txt");
+            ramjet_ok(&["stream", url, "--shuffle", "none", "--out", out.to_str().unwrap()]);
+            std::fs::read_to_string(out).unwrap()
+        })
     })
     .clone()
 }
@@ -1257,4 +1262,170 @@ fn foreign_dataset_through_the_ring(indexed: bool) {
     // Nothing was written beside the data without `ramjet index`.
     let beside = block_on(ramjet_engine::Store::open(&url).unwrap().size("manifest.json"));
     assert_eq!(beside.is_ok(), indexed, "a manifest beside the data: {beside:?}");
+}
+
+/// The daemon answers only loaders of its own user (or root): a process of another user that
+/// reaches its socket (here the socket is opened to everyone on purpose, past the 0600 mode
+/// that normally stops it first) gets no reply and its connection closed, and the refusal is
+/// counted; the same request from this user is served.
+#[test]
+fn the_daemon_refuses_a_loader_of_another_user() {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        assert!(
+            std::env::var_os("RAMJET_SKIP_ROOT_TESTS").is_some(),
+            "this test needs root to run a loader as another user (CI runs as root); \
+             set RAMJET_SKIP_ROOT_TESTS=1 to skip it"
+        );
+        eprintln!("SKIPPED (RAMJET_SKIP_ROOT_TESTS): needs root to run a loader as another user");
+        return;
+    }
+    let url = dataset();
+    let ids = shard_ids(url);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let sock = dir.path().join("d.sock");
+    let host = ramjet_transport::ensure_daemon(&sock, CacheConfig::new(dir.path().join("cache"), 1 << 30)).unwrap();
+    let daemon = host.embedded.as_ref().expect("an embedded daemon");
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let ds = block_on(Dataset::open(url)).unwrap();
+    let get = wire::encode(&wire::Msg::Get {
+        manifest_url: ds.manifest_url().to_owned(),
+        shard: 0,
+        checksum: ids[0].checksum,
+        bytes: ids[0].bytes,
+    });
+    // Everything the child needs is made before the fork: it only makes system calls.
+    // SAFETY: a zeroed sockaddr_un is a valid value; the path is copied in below.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let path = sock.as_os_str().as_encoded_bytes();
+    assert!(path.len() < addr.sun_path.len());
+    for (d, s) in addr.sun_path.iter_mut().zip(path) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: the child makes plain system calls on memory prepared before the fork and leaves
+    // with _exit; it never returns into the harness. Its exit code is what it saw:
+    // 0 = the connection closed with no reply; 1 = a reply came; 2..5 = it could not try.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: see above.
+        unsafe {
+            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                libc::_exit(2);
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if fd < 0 {
+                libc::_exit(3);
+            }
+            let tv = libc::timeval { tv_sec: 20, tv_usec: 0 };
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            );
+            let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+            if libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                libc::_exit(4);
+            }
+            // The write may fail once the daemon has closed the connection: either way, no reply.
+            libc::send(fd, get.as_ptr().cast(), get.len(), libc::MSG_NOSIGNAL);
+            let mut b = [0u8; 64];
+            let n = libc::recv(fd, b.as_mut_ptr().cast(), b.len(), 0);
+            libc::_exit(match n {
+                0 => 0,
+                n if n > 0 => 1,
+                _ if *libc::__errno_location() == libc::ECONNRESET => 0,
+                _ => 5,
+            });
+        }
+    }
+    let mut status = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        // SAFETY: reaps our own child without blocking.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if r == pid {
+            break;
+        }
+        if Instant::now() > deadline {
+            // SAFETY: ends and reaps our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+            }
+            panic!("the other user's loader did not finish in 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(libc::WIFEXITED(status), "child status {status:#x}");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "the other user's loader (uid 65534) got a reply, or could not ask (2 setuid, 3 socket, 4 connect, 5 recv error)"
+    );
+    assert_eq!(daemon.stats().requests_refused, 1, "the refusal is counted");
+    // The same request from this user is served.
+    let got = host
+        .client
+        .fetch(&ShardRequest {
+            manifest_url: ds.manifest_url(),
+            shard: 0,
+            id: ids[0],
+        })
+        .unwrap();
+    assert_eq!(got.bytes.len() as u64, ids[0].bytes);
+    assert_eq!(daemon.stats().requests_refused, 1);
+}
+
+/// A daemon alive but stuck (it accepts and never answers) costs a loader its request timeout
+/// (`RAMJET_DAEMON_TIMEOUT_MS`, here 300 ms), not the test's or the job's: each request gives
+/// up, is counted, and the shard is read from the origin; every sample arrives, in order.
+#[test]
+fn a_stuck_daemon_costs_a_loader_its_request_timeout_and_nothing_else() {
+    let url = dataset();
+    let ids = shard_ids(url);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("stuck.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    listener.set_nonblocking(true).unwrap();
+    let holder = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((c, _)) => held.push(c),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        held.len()
+    });
+    let client = std::sync::Arc::new(DaemonClient::new(&sock).with_timeout(Duration::from_millis(300)));
+    let mut cfg = StreamConfig::new(url);
+    cfg.provider = Some(client);
+    let start = Instant::now();
+    let mut s = Stream::open(cfg).unwrap();
+    let mut got = Vec::new();
+    while let Some(x) = s.next_sample().unwrap() {
+        got.push(x.global_index);
+    }
+    let took = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let accepted = holder.join().unwrap();
+    let m = s.metrics();
+    got.sort_unstable();
+    assert_eq!(got, (0..N as u64).collect::<Vec<_>>(), "every sample once");
+    assert!(accepted >= 1, "the loader asked the stuck daemon");
+    assert!(m.daemon_failures >= 1, "{m:?}");
+    assert_eq!((m.daemon_origin, m.daemon_cache_local), (0, 0), "{m:?}");
+    assert!(
+        m.origin_bytes >= ids.iter().map(|i| i.bytes).sum::<u64>(),
+        "every shard from the origin: {m:?}"
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
 }

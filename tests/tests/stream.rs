@@ -12,24 +12,26 @@ use std::time::{Duration, Instant};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{EpochProgress, OrderSpec, SampleRef, Shuffle, Tail, Topology, Weight};
 use ramjet_engine::{SourceConfig, Stream, StreamConfig, StreamState};
-use ramjet_tests::{ramjet, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text};
+use ramjet_tests::{once_per_run, ramjet, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text};
 
 const N: usize = 40;
 
-/// The synthetic set packed once per process into small shards on S3.
+/// The synthetic set packed once per test run into small shards on S3.
 fn dataset() -> &'static str {
     static URL: OnceLock<String> = OnceLock::new();
     URL.get_or_init(|| {
         s3();
-        let url = s3_prefix("stream");
-        ramjet_ok(&[
-            "pack",
-            synth_dataset(N).to_str().unwrap(),
-            &url,
-            "--shard-size",
-            "400KiB",
-        ]);
-        url
+        once_per_run("stream-dataset", || {
+            let url = s3_prefix("stream");
+            ramjet_ok(&[
+                "pack",
+                synth_dataset(N).to_str().unwrap(),
+                &url,
+                "--shard-size",
+                "400KiB",
+            ]);
+            url
+        })
     })
 }
 
@@ -590,6 +592,11 @@ fn the_next_epoch_is_prefetched_before_this_one_ends() {
     // No cache: every shard fetch is a miss, so the miss count says how many were fetched.
     let mut c = config(url, Topology::default(), None);
     c.epochs = Some(2);
+    let shards = ramjet_tests::block_on(ramjet_engine::Dataset::open(url))
+        .unwrap()
+        .manifest()
+        .shards()
+        .count() as u64;
     let mut s = Stream::open(c).unwrap();
     let per_epoch = s.metrics_handle();
     let mut last_of_epoch0 = None;
@@ -597,13 +604,17 @@ fn the_next_epoch_is_prefetched_before_this_one_ends() {
     while let Some(x) = s.next_sample().unwrap() {
         n += 1;
         if x.epoch == 0 && s.epoch_len() == Some(n) {
-            // The consumer is at the end of epoch 0; give the prefetcher a moment.
-            std::thread::sleep(Duration::from_millis(300));
+            // The consumer is at the end of epoch 0: epoch 1's fetches start (waited for, up
+            // to 30 s, on the miss count: they are epoch 1's only when more than an epoch's).
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while per_epoch.snapshot().cache_misses <= shards && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             last_of_epoch0 = Some(per_epoch.snapshot());
         }
     }
     let at_boundary = last_of_epoch0.expect("epoch 0 ended");
-    let shards = s.metrics().cache_misses / 2;
+    assert_eq!(s.metrics().cache_misses, 2 * shards, "each shard fetched once an epoch");
     assert!(
         at_boundary.cache_misses > shards,
         "at the end of epoch 0 only {} shard fetches had started ({shards} per epoch): epoch 1 was not prefetched",
@@ -661,8 +672,20 @@ fn a_gated_stream_holds_its_reads_after_the_first_batch_until_the_gate_opens() {
     for _ in 0..8 {
         s.next_sample().unwrap().expect("a sample");
     }
+    // Wait for the prefetcher to reach the closed gate (an event, not a pause: a check after
+    // a sleep would pass as well if the prefetcher had simply not run yet).
+    let handle = s.metrics_handle();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while handle.snapshot().first_gate_waits == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the prefetcher never reached the gate in 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let first = s.metrics();
-    std::thread::sleep(Duration::from_millis(500));
+    // Held there: still nothing more read a while later.
+    std::thread::sleep(Duration::from_millis(300));
     let held = s.metrics();
     assert_eq!(
         held.origin_requests, first.origin_requests,
@@ -1005,4 +1028,61 @@ fn a_consumer_resumes_exactly_from_its_own_state() {
             assert!(e.contains(&format!("consumer {w} of 2")), "{e}");
         }
     }
+}
+
+/// A download lock that another process holds past `RAMJET_FETCH_LOCK_WAIT_MS` (a holder alive
+/// but stuck) is gone around: the stream fetches the shards itself, in bounded time, with the
+/// same samples as a run with no cache, and says which shard it stopped waiting for.
+#[test]
+fn a_download_lock_held_past_its_limit_is_gone_around_not_waited_on_forever() {
+    let url = dataset();
+    let t = tempfile::tempdir().unwrap();
+    let cache = t.path().join("cache");
+    std::fs::create_dir_all(cache.join("fetch")).unwrap();
+    // Hold every shard's download lock, as a stuck holder would.
+    let ds = ramjet_tests::block_on(ramjet_engine::Dataset::open(url)).unwrap();
+    let mut held = Vec::new();
+    for s in ds.manifest().shards() {
+        let s = s.unwrap();
+        let id = ramjet_engine::cache::ShardId {
+            checksum: s.checksum_u64().unwrap(),
+            bytes: s.bytes,
+        };
+        let f = std::fs::File::create(cache.join("fetch").join(format!("{}.lock", id.file_name()))).unwrap();
+        // SAFETY: flock on a descriptor we own; released when `f` is dropped at the test's end.
+        let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&f), libc::LOCK_EX | libc::LOCK_NB) };
+        assert_eq!(rc, 0, "flock: {}", std::io::Error::last_os_error());
+        held.push(f);
+    }
+    assert!(!held.is_empty());
+    let (plain, cached) = (t.path().join("plain.txt"), t.path().join("cached.txt"));
+    ramjet_ok(&["stream", url, "--seed", "5", "--out", plain.to_str().unwrap()]);
+    let start = Instant::now();
+    let o = ramjet(
+        &[
+            "stream",
+            url,
+            "--seed",
+            "5",
+            "--cache-dir",
+            cache.to_str().unwrap(),
+            "--out",
+            cached.to_str().unwrap(),
+        ],
+        &[("RAMJET_FETCH_LOCK_WAIT_MS", "300")],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        start.elapsed() < Duration::from_secs(120),
+        "took {:?} with the locks held",
+        start.elapsed()
+    );
+    assert_eq!(lines(&cached), lines(&plain), "same samples, same order");
+    assert_eq!(lines(&plain).len(), N);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("download lock") && err.contains(".rjs"),
+        "the shard it stopped waiting for is named:\n{err}"
+    );
+    drop(held);
 }

@@ -94,21 +94,34 @@ enum Path_ {
     First,
     /// The global shuffle, with a disk cache and no resident budget: every sample read alone.
     Global,
+    /// Whole shards only (no ranged first samples): each shard fetched and checked whole.
+    Whole,
 }
 
 /// Streams `dir` along `how`: every sample delivered must be the clean set's, and none of shard
 /// `bad`; the stream must end with a data error naming it. Returns the samples delivered, in
 /// order.
 fn stream_checked(dir: &Path, how: Path_, clean: &HashMap<u64, Bytes>, bad: usize) -> Vec<u64> {
+    stream_checked_as(dir, how, clean, bad, true)
+}
+
+/// [`stream_checked`]; with `whole` false, samples of shard `bad` that are unchanged may be
+/// delivered (each sample read alone is checked against its own checksum, and a flipped byte
+/// changes one sample only): every delivered sample must still be the clean set's.
+fn stream_checked_as(dir: &Path, how: Path_, clean: &HashMap<u64, Bytes>, bad: usize, whole: bool) -> Vec<u64> {
     let m = manifest(dir);
     let key = m.shard(bad).unwrap().key.clone();
-    let bad_span = span(&m, bad);
+    let bad_span = if whole { span(&m, bad) } else { 0..0 };
     let cache = tempfile::tempdir().unwrap();
     let mut cfg = StreamConfig::new(dir.to_str().unwrap());
-    if let Path_::Global = how {
-        cfg.order.shuffle = Shuffle::Global;
-        cfg.cache = Some(CacheConfig::new(cache.path(), 1 << 30));
-        cfg.resident_bytes_max = 0;
+    match how {
+        Path_::Global => {
+            cfg.order.shuffle = Shuffle::Global;
+            cfg.cache = Some(CacheConfig::new(cache.path(), 1 << 30));
+            cfg.resident_bytes_max = 0;
+        }
+        Path_::Whole => cfg.first_ranged_samples_max = 0,
+        Path_::First => {}
     }
     let mut s = Stream::open(cfg).unwrap_or_else(|e| panic!("{how:?}: open: {e}"));
     let mut n = Vec::new();
@@ -139,13 +152,20 @@ fn stream_checked(dir: &Path, how: Path_, clean: &HashMap<u64, Bytes>, bad: usiz
 /// Random access to every sample: those of shard `bad` fail naming `key`, every other one is
 /// the clean set's.
 fn get_checked(dir: &Path, m: &Manifest, bad: usize, clean: &HashMap<u64, Bytes>, key: &str) {
+    get_checked_as(dir, m, bad, clean, key, true)
+}
+
+/// [`get_checked`]; with `whole` false, unchanged samples of shard `bad` may be returned, and
+/// at least one of its samples must fail.
+fn get_checked_as(dir: &Path, m: &Manifest, bad: usize, clean: &HashMap<u64, Bytes>, key: &str, whole: bool) {
     let s = Stream::open(StreamConfig::new(dir.to_str().unwrap())).unwrap();
     let bad_span = span(m, bad);
+    let mut failed = 0;
     for g in 0..m.samples {
         match s.get(0, g) {
             Ok(x) => {
                 assert!(
-                    !bad_span.contains(&g),
+                    !whole || !bad_span.contains(&g),
                     "get({g}) of the replaced shard returned a sample"
                 );
                 assert_eq!(Some(&x.record), clean.get(&g), "get({g}) is not the clean set's");
@@ -153,9 +173,11 @@ fn get_checked(dir: &Path, m: &Manifest, bad: usize, clean: &HashMap<u64, Bytes>
             Err(e) => {
                 assert!(bad_span.contains(&g), "get({g}) failed outside the replaced shard: {e}");
                 names(&e, key);
+                failed += 1;
             }
         }
     }
+    assert!(failed > 0, "no get() of the damaged shard {key} failed");
 }
 
 /// `ramjet stream` fails naming the shard.
@@ -173,7 +195,7 @@ fn cli_fails_naming(dir: &Path, key: &str) {
 fn every_path_refuses(dir: &Path, bad: usize, clean: &HashMap<u64, Bytes>) {
     let m = manifest(dir);
     let key = m.shard(bad).unwrap().key.clone();
-    for how in [Path_::First, Path_::Global] {
+    for how in [Path_::First, Path_::Global, Path_::Whole] {
         stream_checked(dir, how, clean, bad);
     }
     get_checked(dir, &m, bad, clean, &key);
@@ -343,4 +365,47 @@ fn a_flipped_header_byte_fails_at_the_shards_first_sample_on_every_run() {
         runs.iter().all(|r| r == &runs[0]),
         "samples delivered before the error, per run: {lens:?}"
     );
+}
+
+/// A byte of a record flipped in a shard at the origin (bit rot, a bad copy): on every path
+/// (the first samples' ranged reads, whole shards, the global shuffle, random access, the CLI)
+/// the stream fails naming the shard, and no changed sample is ever yielded. A shard fetched
+/// whole yields none of its samples; a sample read alone is checked against its own checksum,
+/// so the shard's unchanged samples may come, each the clean set's. Shard 0 is where the
+/// ranged first reads land; shard 2 is reached whole.
+#[test]
+fn a_record_byte_flipped_at_the_origin_is_refused_on_every_path() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "f", 1000);
+    let clean = records(&dir);
+    let m = manifest(&dir);
+    assert!(m.shard_count() >= 3, "the test needs 3 shards, has {}", m.shard_count());
+    for bad in [0usize, 2] {
+        let copy = t.path().join(format!("flipped-{bad}"));
+        ramjet_tests::copy_tree(&dir, &copy);
+        let sh = m.shard(bad).unwrap();
+        // The middle of the shard: record bytes (the header is at the start, the index and
+        // footer at the end).
+        let at = sh.bytes / 2;
+        flip_byte(&copy.join(&sh.key), at);
+        let changed = {
+            let a = fs::read(dir.join(&sh.key)).unwrap();
+            let b = fs::read(copy.join(&sh.key)).unwrap();
+            a.iter().zip(&b).filter(|(x, y)| x != y).count()
+        };
+        assert_eq!(changed, 1, "one byte of shard {bad} differs");
+        for how in [Path_::First, Path_::Global, Path_::Whole] {
+            let got = stream_checked_as(&copy, how, &clean, bad, false);
+            if let Path_::Whole = how {
+                // Checked whole before any of its samples: none of the shard is delivered.
+                let span = span(&m, bad);
+                assert!(
+                    !got.iter().any(|g| span.contains(g)),
+                    "{how:?}: a sample of the damaged shard"
+                );
+            }
+        }
+        get_checked_as(&copy, &m, bad, &clean, &sh.key, false);
+        cli_fails_naming(&copy, &sh.key);
+    }
 }

@@ -74,6 +74,21 @@ pub fn connect_checked(socket: &Path) -> std::io::Result<UnixStream> {
     Ok(c)
 }
 
+/// How long a loader waits for the host daemon's answer before it gives up on that request
+/// and reads the origin itself (`RAMJET_DAEMON_TIMEOUT_MS`, 90 s unless set): longer than the
+/// daemon's own wait for another reader's fetch (`RAMJET_SINGLEFLIGHT_TIMEOUT_MS`, 30 s) plus a
+/// shard's fetch, shorter than any test's limit, so a daemon alive but stuck never stalls a
+/// loader for long.
+pub fn daemon_timeout() -> Duration {
+    Duration::from_millis(
+        std::env::var("RAMJET_DAEMON_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&ms| ms > 0)
+            .unwrap_or(90_000),
+    )
+}
+
 /// A blocking client of the host daemon. Connections are pooled; every method may be called
 /// from many threads.
 #[derive(Debug)]
@@ -89,9 +104,15 @@ impl DaemonClient {
         DaemonClient {
             socket: socket.into(),
             idle: Mutex::new(Vec::new()),
-            // Longer than the daemon's own singleflight and peer timeouts.
-            timeout: Duration::from_secs(300),
+            timeout: daemon_timeout(),
         }
+    }
+
+    /// The same client with another limit on each read and write of a request (see
+    /// [`daemon_timeout`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> DaemonClient {
+        self.timeout = timeout;
+        self
     }
 
     /// The socket path.

@@ -259,17 +259,60 @@ impl Endpoint {
     }
 }
 
+/// What a requester needs of the verbs layer: queue pairs to offer an owner, and regions the
+/// owner may write into. [`RdmaDevice`] is the real one; a stand-in lets the negotiation and
+/// the fallback to TCP be tested on hosts without RDMA hardware.
+pub trait Verbs: Send + Sync + 'static {
+    /// A new queue pair in the INIT state.
+    fn endpoint(&self) -> Result<Arc<dyn LinkEndpoint>, Error>;
+    /// Registers `len` bytes at `ptr` for remote writes; returns the remote key and the region
+    /// (deregistered when dropped).
+    ///
+    /// # Safety
+    /// The memory must stay mapped, and not be freed, until the returned region is dropped.
+    unsafe fn register_for_write(&self, ptr: *const u8, len: usize) -> Result<(u32, Box<dyn Send>), Error>;
+}
+
+/// One queue pair as the requester sees it.
+pub trait LinkEndpoint: Send + Sync {
+    /// This side's address, for the owner.
+    fn info(&self) -> QpInfo;
+    /// Connects to the owner's queue pair.
+    fn connect(&self, remote: &QpInfo) -> Result<(), Error>;
+}
+
+impl Verbs for Arc<RdmaDevice> {
+    fn endpoint(&self) -> Result<Arc<dyn LinkEndpoint>, Error> {
+        Ok(Arc::new(Endpoint::new(self)?))
+    }
+
+    unsafe fn register_for_write(&self, ptr: *const u8, len: usize) -> Result<(u32, Box<dyn Send>), Error> {
+        // SAFETY: the caller keeps the memory alive until the region is dropped.
+        let mr = unsafe { self.register(ptr, len, AccessFlags::LocalWrite | AccessFlags::RemoteWrite)? };
+        Ok((mr.rkey(), Box::new(mr)))
+    }
+}
+
+impl LinkEndpoint for Endpoint {
+    fn info(&self) -> QpInfo {
+        Endpoint::info(self)
+    }
+    fn connect(&self, remote: &QpInfo) -> Result<(), Error> {
+        Endpoint::connect(self, remote)
+    }
+}
+
 /// An RDMA connection to a peer: the authenticated TCP control stream and the queue pair.
 struct Link {
     ctl: crate::wire::Channel<TcpStream>,
     /// Held for the link's lifetime: the owner writes into regions through this queue pair.
-    _ep: Arc<Endpoint>,
+    _ep: Arc<dyn LinkEndpoint>,
 }
 
 /// Fetches shards by RDMA WRITE from owners that have RDMA, over TCP from those that do not.
 pub struct RdmaTransport {
     cfg: LinkConfig,
-    dev: Arc<RdmaDevice>,
+    dev: Arc<dyn Verbs>,
     pool: Pool<Link>,
     tcp: TcpTransport,
     no_rdma: Mutex<std::collections::HashSet<String>>,
@@ -278,6 +321,11 @@ pub struct RdmaTransport {
 impl RdmaTransport {
     /// A transport on an opened device.
     pub fn new(cfg: LinkConfig, dev: Arc<RdmaDevice>) -> RdmaTransport {
+        RdmaTransport::with_verbs(cfg, Arc::new(dev))
+    }
+
+    /// A transport on any [`Verbs`] (a stand-in for a device, in tests).
+    pub fn with_verbs(cfg: LinkConfig, dev: Arc<dyn Verbs>) -> RdmaTransport {
         RdmaTransport {
             tcp: TcpTransport::new(cfg.clone()),
             cfg,
@@ -291,10 +339,9 @@ impl RdmaTransport {
     async fn open_link(&self, peer: &str) -> Result<Option<Link>, Error> {
         let mut ctl = peer::connect(&self.cfg, peer).await?;
         let dev = self.dev.clone();
-        let ep = tokio::task::spawn_blocking(move || Endpoint::new(&dev))
+        let ep = tokio::task::spawn_blocking(move || dev.endpoint())
             .await
             .expect("rdma task")?;
-        let ep = Arc::new(ep);
         let hello = Msg::RdmaConnect(ep.info());
         let io = |e: std::io::Error| Error::peer(peer, format!("RDMA connect: {e}"));
         ctl.send(&hello).await.map_err(io)?;
@@ -340,18 +387,15 @@ impl RdmaTransport {
         let dst = buf.as_mut_slice();
         // SAFETY: `buf` outlives the region: the region is dropped below, before the buffer is
         // returned or dropped, and the owner is done writing once it has replied.
-        let mr = unsafe {
-            self.dev
-                .register(dst.as_ptr(), n, AccessFlags::LocalWrite | AccessFlags::RemoteWrite)
-        }
-        .map_err(|e| Error::peer(peer, format!("{}: {e}", get.what)))?;
+        let (rkey, mr) = unsafe { self.dev.register_for_write(dst.as_ptr(), n) }
+            .map_err(|e| Error::peer(peer, format!("{}: {e}", get.what)))?;
         let m = Msg::GetRdma {
             manifest_url: get.manifest_url.clone(),
             shard: get.shard,
             checksum: get.checksum,
             bytes: get.bytes,
             addr: dst.as_ptr() as u64,
-            rkey: mr.rkey(),
+            rkey,
         };
         let reply = peer::request(&self.cfg, &mut link.ctl, peer, get, &m).await;
         drop(mr);

@@ -495,45 +495,168 @@ mod tests {
         })
     }
 
+    /// Both sides' outcomes, each asserted: a refused client must leave the server with an
+    /// error too (never a session), and the reason each side gives is the right one.
     #[tokio::test]
-    async fn matching_keys_are_welcome_and_wrong_ones_refused() {
+    async fn matching_keys_are_welcome_and_wrong_ones_refused_on_both_sides() {
         let (s, c) = pair(Some("k1"), Some("k1")).await;
-        assert!(s.is_ok() && c.is_ok());
-        let (s, c) = pair(Some("k1"), Some("k2")).await;
-        assert!(matches!(s, Err(HandshakeError::Refused(_))));
-        assert!(matches!(c, Err(HandshakeError::Refused(r)) if r.contains("API key")));
+        assert!(s.unwrap().key.is_some() && c.unwrap().key.is_some(), "keyed both ways");
         let (s, c) = pair(None, None).await;
-        assert!(s.is_ok() && c.is_ok());
-        let (_, c) = pair(Some("k1"), None).await;
-        assert!(c.is_err());
-        let (_, c) = pair(None, Some("k1")).await;
-        assert!(c.is_err());
+        assert!(s.unwrap().key.is_none() && c.unwrap().key.is_none());
+        // Wrong key: the server refuses and says why; the client hears that reason.
+        let (s, c) = pair(Some("k1"), Some("k2")).await;
+        assert!(
+            matches!(&s, Err(HandshakeError::Refused(r)) if r.contains("wrong or missing API key")),
+            "{s:?}"
+        );
+        assert!(
+            matches!(&c, Err(HandshakeError::Refused(r)) if r.contains("wrong or missing API key")),
+            "{c:?}"
+        );
+        // A keyed server, a client without a key: the client stops at the hello; the server's
+        // handshake ends in an error (the client hung up), not a session.
+        let (s, c) = pair(Some("k1"), None).await;
+        assert!(
+            matches!(&c, Err(HandshakeError::Refused(r)) if r.contains("requires an API key")),
+            "{c:?}"
+        );
+        assert!(
+            s.is_err(),
+            "the server made a session with a client that sent no key: {s:?}"
+        );
+        // A server without a key, a keyed client: the client refuses to talk in the clear.
+        let (s, c) = pair(None, Some("k1")).await;
+        assert!(
+            matches!(&c, Err(HandshakeError::Refused(r)) if r.contains("without an API key")),
+            "{c:?}"
+        );
+        assert!(
+            s.is_err(),
+            "the server made a session with a client that refused: {s:?}"
+        );
     }
 
+    /// Records every byte a stream writes.
+    struct Tap<S> {
+        inner: S,
+        seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    }
+
+    impl<S: AsyncRead + Unpin> AsyncRead for Tap<S> {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+        }
+    }
+
+    impl<S: AsyncWrite + Unpin> AsyncWrite for Tap<S> {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            let r = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+            if let std::task::Poll::Ready(Ok(n)) = &r {
+                self.seen.lock().unwrap().extend_from_slice(&buf[..*n]);
+            }
+            r
+        }
+        fn poll_flush(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+        }
+        fn poll_shutdown(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    /// The real `connect` and `accept` over a real TCP connection on loopback, every byte of
+    /// both directions recorded, then a sealed request and reply: the key (as text, as hex, as
+    /// the session key's input) never appears in either direction, with matching keys and with
+    /// a wrong one.
     #[tokio::test]
-    async fn the_key_never_crosses_the_wire() {
+    async fn the_key_never_crosses_the_wire_in_either_direction() {
         let secret = "correct horse battery staple";
-        let (mut a, b) = tokio::io::duplex(1 << 16);
-        let (mut br, mut bw) = tokio::io::split(b);
-        let key = ApiKey::new(secret);
-        // A client that records what it sends.
-        let client = async {
-            let mut sent = Vec::new();
-            let hello = read_msg(&mut br).await.unwrap();
-            let Msg::Hello { nonce, .. } = hello else { panic!() };
-            let cn = [7u8; 32];
-            let m = Msg::Auth {
-                nonce: hex(&cn),
-                mac: key.mac("ramjet-client", &unhex(&nonce).unwrap(), &cn),
+        for client_secret in [secret, "a wrong key of the client"] {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let (to_client, to_server) = (
+                std::sync::Arc::new(std::sync::Mutex::new(Vec::new())),
+                std::sync::Arc::new(std::sync::Mutex::new(Vec::new())),
+            );
+            let (sk, ck) = (ApiKey::new(secret), ApiKey::new(client_secret));
+            let (tc, ts) = (to_client.clone(), to_server.clone());
+            let server = async move {
+                let (sock, _) = l.accept().await.unwrap();
+                let mut t = Tap { inner: sock, seen: tc };
+                let sess = accept(&mut t, Some(&sk)).await;
+                if let Ok(mut sess) = sess {
+                    let req = read_frame_body(&mut t).await;
+                    let m = sess.open(&req).unwrap();
+                    write_all(
+                        &mut t,
+                        &sess.seal(&Msg::Data {
+                            bytes: 1,
+                            source: "cache_local".into(),
+                        }),
+                    )
+                    .await;
+                    return Some(m);
+                }
+                None
             };
-            sent.extend(encode(&m));
-            write_msg(&mut bw, &m).await.unwrap();
-            read_msg(&mut br).await.unwrap();
-            sent
-        };
-        let (s, sent) = tokio::join!(accept(&mut a, Some(&key)), client);
-        s.unwrap();
-        assert!(!String::from_utf8_lossy(&sent).contains(secret));
+            let client = async move {
+                let sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+                let mut t = Tap { inner: sock, seen: ts };
+                let mut sess = connect(&mut t, Some(&ck)).await.ok()?;
+                write_all(&mut t, &sess.seal(&Msg::Freeze)).await;
+                let reply = read_frame_body(&mut t).await;
+                Some(sess.open(&reply).unwrap())
+            };
+            let (got, reply) = tokio::join!(server, client);
+            if client_secret == secret {
+                assert_eq!(got, Some(Msg::Freeze));
+                assert!(matches!(reply, Some(Msg::Data { bytes: 1, .. })), "{reply:?}");
+            } else {
+                assert_eq!((got, reply), (None, None), "a wrong key made a session");
+            }
+            let (c, s) = (to_client.lock().unwrap().clone(), to_server.lock().unwrap().clone());
+            assert!(!c.is_empty() && !s.is_empty(), "both directions carried the handshake");
+            for (dir, bytes) in [("server to client", &c), ("client to server", &s)] {
+                for key in [secret, client_secret] {
+                    let text = String::from_utf8_lossy(bytes);
+                    assert!(!text.contains(key), "{dir} carried the key {key:?}");
+                    assert!(!text.contains(&hex(key.as_bytes())), "{dir} carried the key as hex");
+                    assert!(
+                        !bytes.windows(key.len()).any(|w| w == key.as_bytes()),
+                        "{dir} carried the key's bytes"
+                    );
+                }
+            }
+        }
+    }
+
+    async fn write_all<S: AsyncWrite + Unpin>(s: &mut S, b: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        s.write_all(b).await.unwrap();
+        s.flush().await.unwrap();
+    }
+
+    async fn read_frame_body<S: AsyncRead + Unpin>(s: &mut S) -> Vec<u8> {
+        use tokio::io::AsyncReadExt;
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).await.unwrap();
+        let mut b = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut b).await.unwrap();
+        b
     }
 
     #[test]

@@ -308,16 +308,19 @@ impl Cache {
                 Metrics::add(&self.metrics.cache_rejects, 1);
                 return Ok(false);
             }
-            // Written under the admission lock: no other process admits a shard until this
-            // one's bytes are on disk and counted (as a temp file) by every later scan.
+            // Written and moved into place under the admission lock: no other process admits a
+            // shard until this one's bytes are on disk and counted by every later scan. The
+            // rename too: a scan reads `shards/` then `tmp/`, and a rename between the two
+            // would hide the shard from both (a test with four processes admitting at once saw
+            // the budget overshot by half a shard that way).
             if let Err(e) = self.io.write_file(&tmp, data) {
                 let _ = fs::remove_file(&tmp);
                 Metrics::add(&self.metrics.cache_rejects, 1);
                 tracing::warn!(path = %tmp.display(), error = %e, "cache write failed; shard not cached");
                 return Ok(false);
             }
+            fs::rename(&tmp, &dest).map_err(|e| Error::io(dest.display(), e))?;
         }
-        fs::rename(&tmp, &dest).map_err(|e| Error::io(dest.display(), e))?;
         Metrics::add(&self.metrics.cache_inserts, 1);
         Ok(true)
     }
@@ -535,6 +538,7 @@ struct Entry {
 mod tests {
     use super::*;
     use crate::format::{ColumnType, Schema, ShardBuilder, Value};
+    use std::os::unix::process::ExitStatusExt;
     use std::path::Path;
 
     fn shard(tag: u8, n: usize) -> (ShardId, Vec<u8>) {
@@ -744,5 +748,190 @@ mod tests {
             inserted && c.contains(id2),
             "the child's insert or the parent's did not land"
         );
+    }
+
+    /// What a child process of the tests below does, chosen by `RAMJET_CACHE_CHILD`: the test
+    /// binary re-runs itself with this test selected (never run otherwise: it fails when the
+    /// variable is missing).
+    #[test]
+    #[ignore = "a child process of the multi-process cache tests, which start it themselves"]
+    fn cache_child_process() {
+        let what = std::env::var("RAMJET_CACHE_CHILD").expect("only run by the multi-process cache tests");
+        let dir = PathBuf::from(std::env::var("RAMJET_CACHE_DIR").unwrap());
+        let limit: u64 = std::env::var("RAMJET_CACHE_LIMIT").unwrap().parse().unwrap();
+        let c = cache(&dir, limit, io::detect());
+        match what.split_once(':') {
+            // Admits its own 15 shards, three passes, checking the budget after each insert.
+            Some(("admit", k)) => {
+                let k: u8 = k.parse().unwrap();
+                let shards: Vec<_> = (0..15u8).map(|i| shard(k * 16 + i, 20)).collect();
+                for _ in 0..3 {
+                    for (id, data) in &shards {
+                        if c.get(*id).unwrap().is_none() {
+                            c.insert(*id, data).unwrap();
+                        }
+                        // Read under the admission lock: a scan while another process
+                        // admits could see the shard it evicts and the one it writes both.
+                        let u = {
+                            let _g = c.admission_lock().unwrap();
+                            c.usage().unwrap()
+                        };
+                        assert!(u <= limit, "process {k}: usage {u} over the budget {limit}");
+                    }
+                }
+            }
+            // Writes large shards one after another until it is killed.
+            Some(("write", _)) => {
+                let data = vec![7u8; 16 << 20];
+                for k in 0..20 {
+                    let id = ShardId {
+                        checksum: 0xdead_0000 + k,
+                        bytes: data.len() as u64,
+                    };
+                    c.insert(id, &data).unwrap();
+                }
+            }
+            _ => panic!("unknown child {what}"),
+        }
+    }
+
+    fn child(what: &str, dir: &Path, limit: u64) -> std::process::Child {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "cache::tests::cache_child_process",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("RAMJET_CACHE_CHILD", what)
+            .env("RAMJET_CACHE_DIR", dir)
+            .env("RAMJET_CACHE_LIMIT", limit.to_string())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Bytes on disk under `shards/` then `tmp/` (in that order: a rename from `tmp/` to
+    /// `shards/` between the two reads is missed, never counted twice).
+    fn on_disk(dir: &Path) -> u64 {
+        ["shards", "tmp"]
+            .iter()
+            .flat_map(|s| fs::read_dir(dir.join(s)).into_iter().flatten().flatten())
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    }
+
+    /// Four processes admit shards into one cache at once (each its own 15, room for 5): the
+    /// bytes on disk, sampled by this process all along (between admissions), never exceed
+    /// the budget, and each process saw its own usage within it after every insert.
+    #[test]
+    fn the_budget_holds_with_several_processes_admitting_at_once() {
+        let d = tempfile::tempdir().unwrap();
+        let size = shard(0, 20).0.bytes;
+        let limit = size * 5 + size / 2;
+        cache(d.path(), limit, io::detect());
+        let kids: Vec<_> = (1..=4).map(|k| child(&format!("admit:{k}"), d.path(), limit)).collect();
+        let mut kids: Vec<_> = kids.into_iter().map(Some).collect();
+        let (mut samples, mut most) = (0u64, 0u64);
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        let mut outs = Vec::new();
+        let sampler = cache(d.path(), limit, io::detect());
+        while kids.iter().any(Option::is_some) {
+            // Sampled under the admission lock, as the admitting processes see it: a scan while
+            // one admits could count the shard it evicts and the one it writes both.
+            let u = {
+                let _g = sampler.admission_lock().unwrap();
+                on_disk(d.path())
+            };
+            samples += 1;
+            most = most.max(u);
+            assert!(u <= limit, "{u} bytes on disk, over the budget {limit}");
+            for k in kids.iter_mut() {
+                if let Some(c) = k {
+                    if c.try_wait().unwrap().is_some() {
+                        outs.push(k.take().unwrap().wait_with_output().unwrap());
+                    }
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the admitting processes did not finish in 120 s"
+            );
+        }
+        for o in &outs {
+            assert!(
+                o.status.success(),
+                "a child failed:\n{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        assert!(samples > 10, "sampled {samples} times");
+        assert!(most > limit / 2, "the cache filled ({most} of {limit} bytes at most)");
+        assert!(on_disk(d.path()) <= limit);
+    }
+
+    /// A writer SIGKILLed in the middle of an insert leaves nothing partial under `shards/`
+    /// and no lock held; its temp file is counted in the budget until the next open removes
+    /// it; the shard it was writing is then admitted whole.
+    #[test]
+    fn a_writer_killed_mid_insert_leaves_nothing_partial_and_no_lock() {
+        let limit = 1u64 << 30;
+        for attempt in 0..10 {
+            let d = tempfile::tempdir().unwrap();
+            cache(d.path(), limit, io::detect());
+            let mut w = child("write:0", d.path(), limit);
+            let tmp = d.path().join("tmp");
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            let caught = loop {
+                let partial = fs::read_dir(&tmp)
+                    .unwrap()
+                    .flatten()
+                    .find(|e| e.metadata().is_ok_and(|m| m.len() > 0 && m.len() < 16 << 20));
+                if let Some(p) = partial {
+                    w.kill().unwrap();
+                    break Some(p.file_name().to_string_lossy().into_owned());
+                }
+                if w.try_wait().unwrap().is_some() || std::time::Instant::now() > deadline {
+                    break None;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            let status = w.wait().unwrap();
+            let Some(name) = caught else { continue };
+            let left: Vec<_> = fs::read_dir(&tmp).unwrap().flatten().map(|e| e.file_name()).collect();
+            if left.is_empty() {
+                // The kill landed just after the rename: try again.
+                continue;
+            }
+            assert!(status.signal().is_some(), "the writer was killed, attempt {attempt}");
+            // Under shards/: whole shards only.
+            for e in fs::read_dir(d.path().join("shards")).unwrap().flatten() {
+                assert_eq!(e.metadata().unwrap().len(), 16 << 20, "{:?} is partial", e.path());
+            }
+            // The dead writer's temp file counts against the budget until an open removes it.
+            let c = Cache::open(CacheConfig::new(d.path(), limit), io::detect(), Arc::default()).unwrap();
+            assert_eq!(
+                fs::read_dir(&tmp).unwrap().count(),
+                0,
+                "{name} of the dead writer was left"
+            );
+            // No lock is left held: the shard it was writing is admitted, whole.
+            let being_written: u64 = u64::from_str_radix(name.split('-').next().unwrap(), 16).unwrap();
+            let id = ShardId {
+                checksum: being_written,
+                bytes: 16 << 20,
+            };
+            assert!(!c.contains(id), "{name}: a partial shard became visible");
+            assert!(c.insert(id, &vec![7u8; 16 << 20]).unwrap());
+            assert_eq!(fs::metadata(c.path_of(id)).unwrap().len(), 16 << 20);
+            assert_eq!(c.usage().unwrap(), on_disk(d.path()));
+            return;
+        }
+        panic!("no kill landed in the middle of an insert in 10 attempts");
     }
 }

@@ -454,6 +454,9 @@ impl FirstSamples<'_> {
                 // origin's work) made its decode take 28-47 ms instead of 7, in 5 cold starts
                 // of 11 (docs/benchmarks.md). A dropped sender opens the gate too.
                 if let Some(g) = gate.as_mut() {
+                    if !*g.borrow() {
+                        Metrics::add(&shared.metrics.first_gate_waits, 1);
+                    }
                     let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
                 }
             }
@@ -520,6 +523,9 @@ impl FirstSamples<'_> {
         if fetched.is_none() {
             if taken >= first_batch {
                 if let Some(g) = gate.as_mut() {
+                    if !*g.borrow() {
+                        Metrics::add(&shared.metrics.first_gate_waits, 1);
+                    }
                     // A dropped sender (the consumer went away) opens the gate too.
                     let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
                 }
