@@ -46,7 +46,36 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
+/// DLPack 1.0's `DLPackVersion`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+/// DLPack 1.0's `DLManagedTensorVersioned`: the version first, then the context, the deleter,
+/// the flags (read-only, copied) and the tensor last, so the struct can grow.
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
 const CAPSULE_NAME: &CStr = c"dltensor";
+/// The capsule of a [`DLManagedTensorVersioned`] (DLPack 1.0, array API 2023.12).
+const CAPSULE_NAME_VERSIONED: &CStr = c"dltensor_versioned";
+/// The DLPack version ramjet exports when the consumer accepts a versioned tensor.
+const DLPACK_VERSION: DLPackVersion = DLPackVersion { major: 1, minor: 0 };
+
+/// Whether a consumer that passed `max_version` gets the versioned capsule: it accepts DLPack
+/// 1.x (a consumer that passes no `max_version` predates versioning and gets the legacy one).
+pub fn wants_versioned(max_version: Option<(u32, u32)>) -> bool {
+    max_version.is_some_and(|(major, _)| major >= DLPACK_VERSION.major)
+}
 
 /// Element types ramjet exports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,6 +178,30 @@ unsafe extern "C" fn managed_deleter(m: *mut DLManagedTensor) {
     }
 }
 
+unsafe extern "C" fn managed_deleter_versioned(m: *mut DLManagedTensorVersioned) {
+    if m.is_null() {
+        return;
+    }
+    // SAFETY: as for `managed_deleter`: both were made by `Box::into_raw` in `__dlpack__`, and
+    // the protocol calls the deleter exactly once.
+    unsafe {
+        drop(Box::from_raw((*m).manager_ctx.cast::<Ctx>()));
+        drop(Box::from_raw(m));
+    }
+}
+
+unsafe extern "C" fn capsule_destructor_versioned(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by CPython with a live capsule; a consumer renames it
+    // "used_dltensor_versioned" once it owns the tensor.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, CAPSULE_NAME_VERSIONED.as_ptr()) == 1 {
+            let m =
+                ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME_VERSIONED.as_ptr()).cast::<DLManagedTensorVersioned>();
+            managed_deleter_versioned(m);
+        }
+    }
+}
+
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     // SAFETY: called by CPython with a live capsule. A consumer renames it "used_dltensor"
     // once it owns the tensor; only an unconsumed capsule still owns it here.
@@ -162,7 +215,9 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 
 #[pymethods]
 impl Tensor {
-    /// Exports the tensor as a DLPack capsule (CPU, compact row-major).
+    /// Exports the tensor as a DLPack capsule (CPU, compact row-major): a versioned one
+    /// (`"dltensor_versioned"`, DLPack 1.0) when the consumer's `max_version` accepts it, the
+    /// legacy `"dltensor"` otherwise.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__(
         &self,
@@ -172,7 +227,6 @@ impl Tensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let _ = max_version;
         // The protocol's rules (ramjet_cuda::dlpack): host memory takes only stream=None, and
         // a request for another device is refused rather than copied.
         let stream = match stream {
@@ -192,29 +246,59 @@ impl Tensor {
             _storage: self.storage.clone(),
             shape: self.shape.clone(),
         });
-        let managed = Box::new(DLManagedTensor {
-            dl_tensor: DLTensor {
-                data: self.storage.ptr(),
-                device: DLDevice {
-                    device_type: KDL_CPU,
-                    device_id: 0,
-                },
-                ndim: self.shape.len() as i32,
-                dtype: self.dtype.dl(),
-                shape: ctx.shape.as_mut_ptr(),
-                strides: std::ptr::null_mut(),
-                byte_offset: 0,
+        let dl_tensor = DLTensor {
+            data: self.storage.ptr(),
+            device: DLDevice {
+                device_type: KDL_CPU,
+                device_id: 0,
             },
-            manager_ctx: Box::into_raw(ctx).cast::<c_void>(),
-            deleter: Some(managed_deleter),
-        });
-        let raw = Box::into_raw(managed);
-        // SAFETY: `raw` is a valid DLManagedTensor; the capsule takes ownership and its
-        // destructor releases it unless a consumer took it over.
-        let cap = unsafe { ffi::PyCapsule_New(raw.cast::<c_void>(), CAPSULE_NAME.as_ptr(), Some(capsule_destructor)) };
+            ndim: self.shape.len() as i32,
+            dtype: self.dtype.dl(),
+            shape: ctx.shape.as_mut_ptr(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        };
+        let manager_ctx = Box::into_raw(ctx).cast::<c_void>();
+        let cap = if wants_versioned(max_version) {
+            let raw = Box::into_raw(Box::new(DLManagedTensorVersioned {
+                version: DLPACK_VERSION,
+                manager_ctx,
+                deleter: Some(managed_deleter_versioned),
+                // Writable, and not a copy.
+                flags: 0,
+                dl_tensor,
+            }));
+            // SAFETY: `raw` is a valid DLManagedTensorVersioned; the capsule takes ownership
+            // and its destructor releases it unless a consumer took it over.
+            let cap = unsafe {
+                ffi::PyCapsule_New(
+                    raw.cast::<c_void>(),
+                    CAPSULE_NAME_VERSIONED.as_ptr(),
+                    Some(capsule_destructor_versioned),
+                )
+            };
+            if cap.is_null() {
+                // SAFETY: the capsule was not created, so we still own `raw`.
+                unsafe { managed_deleter_versioned(raw) };
+            }
+            cap
+        } else {
+            let raw = Box::into_raw(Box::new(DLManagedTensor {
+                dl_tensor,
+                manager_ctx,
+                deleter: Some(managed_deleter),
+            }));
+            // SAFETY: `raw` is a valid DLManagedTensor; the capsule takes ownership and its
+            // destructor releases it unless a consumer took it over.
+            let cap =
+                unsafe { ffi::PyCapsule_New(raw.cast::<c_void>(), CAPSULE_NAME.as_ptr(), Some(capsule_destructor)) };
+            if cap.is_null() {
+                // SAFETY: the capsule was not created, so we still own `raw`.
+                unsafe { managed_deleter(raw) };
+            }
+            cap
+        };
         if cap.is_null() {
-            // SAFETY: the capsule was not created, so we still own `raw`.
-            unsafe { managed_deleter(raw) };
             return Err(PyErr::fetch(py));
         }
         // SAFETY: `cap` is a new, owned reference.

@@ -82,3 +82,23 @@ def test_a_missing_library_says_where_it_looked_and_how_to_install(tmp_path, no_
         for needle in ("libnvjpeg.so.13", "RAMJET_NVJPEG", str(tmp_path / "site"), str(tmp_path / "ld"),
                        "ramjet[cuda]"):
             assert needle in err, (needle, err)
+
+
+def test_pageable_columns_are_copied_before_the_pinned_image():
+    """Issue 40, item 3: a non_blocking copy from pageable memory is staged and waits on the host;
+    queued after the pinned image's copy it would wait for that copy too. The batch's small
+    pageable columns are copied first, the pinned ones after, each group in batch order."""
+    from ramjet import _copy_order
+
+    class T:
+        def __init__(self, pinned):
+            self.pinned = pinned
+
+        def is_pinned(self):
+            return self.pinned
+
+        def to(self, *a, **k):
+            return self
+
+    batch = {"image": T(True), "_index": T(False), "label": T(False), "meta": "not a tensor", "mask": T(True)}
+    assert _copy_order(batch) == ["_index", "label", "image", "mask"]

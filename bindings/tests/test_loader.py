@@ -642,6 +642,40 @@ def test_dlpack_takes_only_stream_none_on_the_host_and_refuses_other_devices(cla
     assert torch.from_dlpack(t).data_ptr() == t.data_ptr
 
 
+def test_dlpack_versioned_capsule_when_the_consumer_accepts_it(classes):
+    """Issue 40, item 8: a consumer whose max_version accepts DLPack 1.x gets the versioned
+    capsule ("dltensor_versioned": DLManagedTensorVersioned, version 1.0, not read-only, not a
+    copy); one that passes none, or only 0.x, gets the legacy "dltensor". Both are consumed
+    without a copy, and a capsule nobody consumed frees its tensor."""
+    import ctypes
+
+    url, _ = classes
+    ds = dataset(url)
+    next(iter(ds))
+    cols, _ = ds._loader.next_batch()
+    t = cols["image"]
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
+    get_ptr.restype, get_ptr.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    assert get_name(t.__dlpack__()) == b"dltensor"
+    assert get_name(t.__dlpack__(max_version=(0, 8))) == b"dltensor"
+    cap = t.__dlpack__(max_version=(1, 3))
+    assert get_name(cap) == b"dltensor_versioned"
+
+    class Versioned(ctypes.Structure):
+        _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("ctx", ctypes.c_void_p),
+                    ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("data", ctypes.c_void_p)]
+
+    v = Versioned.from_address(get_ptr(cap, b"dltensor_versioned"))
+    assert (v.major, v.minor, v.flags) == (1, 0, 0)
+    assert v.data == t.data_ptr and v.deleter
+    del cap  # unconsumed: its destructor frees the tensor
+    # torch asks with its own max_version and shares the memory either way.
+    assert torch.from_dlpack(t).data_ptr() == t.data_ptr
+    assert np.from_dlpack(t).ctypes.data == t.data_ptr
+
+
 def test_device_resolution_covers_every_case():
     ok = {"driver": True, "devices": 2, "error": None}
     resolve = ramjet._resolve_device

@@ -137,23 +137,32 @@ pub struct Export {
 impl Export {
     /// Starts an export for `__dlpack__(stream=...)`: makes the consumer's stream wait for the
     /// buffer to be ready (unless the consumer asked for no synchronisation).
+    ///
+    /// `-1` ("the consumer synchronises itself") is refused for pooled device buffers: the
+    /// release must be fenced on the stream that actually uses the memory, and `-1` names
+    /// none. Recording it on the legacy default stream, as this did, orders nothing after
+    /// non-blocking streams (torch's side streams, ramjet's own), so a buffer could be reused
+    /// while a kernel still read it (issue 40, item 5).
     pub fn begin(ops: &dyn StreamOps, device: Device, stream: Option<i64>) -> Result<Export, String> {
         let stream = ConsumerStream::parse(device, stream)?;
+        if stream == ConsumerStream::NoSync {
+            return Err(
+                "stream=-1 is not accepted for ramjet's pooled GPU buffers: pass the stream that will \
+                        use the tensor (torch.cuda.current_stream().cuda_stream), so that the buffer is \
+                        reused only after that stream's work on it"
+                    .into(),
+            );
+        }
         if let Some(h) = stream.handle() {
             ops.wait_ready(h).map_err(|e| e.to_string())?;
         }
         Ok(Export { stream })
     }
 
-    /// The consumer freed the tensor: the fence after which its memory may be reused. With
-    /// `-1` the release is recorded on the legacy default stream, which orders after the
-    /// work of every blocking stream.
+    /// The consumer freed the tensor: the fence after which its memory may be reused,
+    /// recorded on the consumer's own stream (the one it named in `__dlpack__`).
     pub fn release(&self, ops: &dyn StreamOps) -> Result<Box<dyn crate::pool::Fence>, crate::GpuError> {
-        let on = match self.stream {
-            ConsumerStream::NoSync => Some(1),
-            s => s.handle(),
-        };
-        ops.record_release(on)
+        ops.record_release(self.stream.handle())
     }
 
     /// The consumer's stream as parsed.
@@ -251,12 +260,10 @@ mod tests {
 
     #[test]
     fn each_stream_argument_waits_and_releases_on_the_consumer_s_stream() {
-        let cases: [(Option<i64>, &[&str]); 4] = [
+        let cases: [(Option<i64>, &[&str]); 3] = [
             (None, &["wait 0x1", "release Some(1)"]),
             (Some(2), &["wait 0x2", "release Some(2)"]),
             (Some(0xabc000), &["wait 0xabc000", "release Some(11255808)"]),
-            // -1: nothing to wait on; the release orders after the legacy stream.
-            (Some(-1), &["release Some(1)"]),
         ];
         for (arg, want) in cases {
             let ops = Recorder::default();
@@ -264,7 +271,13 @@ mod tests {
             let _fence = e.release(&ops).unwrap();
             assert_eq!(*ops.calls.lock().unwrap(), want, "stream={arg:?}");
         }
+        // -1 names no stream to fence the release on (the legacy stream orders nothing after
+        // non-blocking ones): refused, saying what to pass, before any stream is touched.
         let ops = Recorder::default();
+        let e = Export::begin(&ops, Device::cuda(0), Some(-1))
+            .err()
+            .expect("-1 refused");
+        assert!(e.contains("stream=-1") && e.contains("current_stream"), "{e}");
         assert!(Export::begin(&ops, Device::cuda(0), Some(0)).is_err());
         assert!(
             ops.calls.lock().unwrap().is_empty(),

@@ -26,8 +26,9 @@ unsafe impl Send for Stream {}
 // SAFETY: as above; the handle itself is never mutated.
 unsafe impl Sync for Stream {}
 
-/// GPU `ordinal`'s primary context (the one torch uses), bound to this thread, or why it
-/// cannot be had. Checks for the driver first, so cudarc never panics.
+/// GPU `ordinal`'s primary context (the one torch uses), or why it cannot be had. The calling
+/// thread's current context is left as it was (every call made with it here borrows it:
+/// [`crate::current`]). Checks for the driver first, so cudarc never panics.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
     let n = crate::device_count()?;
     if ordinal >= n {
@@ -36,9 +37,7 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
             reason: format!("GPU {ordinal} asked for; the driver sees {n}"),
         });
     }
-    let ctx = CudaContext::new(ordinal).map_err(err("retaining the primary context"))?;
-    ctx.bind_to_thread().map_err(err("binding the context"))?;
-    Ok(ctx)
+    crate::current::retain_primary(ordinal)
 }
 
 /// One GPU: its primary context and ramjet's stream on it.
@@ -52,6 +51,7 @@ impl Gpu {
     /// Checks for the driver first, so cudarc never panics.
     pub fn open(ordinal: usize) -> Result<Gpu, GpuError> {
         let ctx = context(ordinal)?;
+        let _current = crate::current::enter(&ctx)?;
         let stream =
             result::stream::create(result::stream::StreamKind::NonBlocking).map_err(err("creating a stream"))?;
         Ok(Gpu {
@@ -105,7 +105,7 @@ impl Gpu {
                 reason: format!("{bytes} B asked; source {} B, destination {} B", src.len(), dst.len()),
             });
         }
-        self.ctx.bind_to_thread().map_err(err("binding the context"))?;
+        let _current = crate::current::enter(&self.ctx)?;
         // SAFETY: both buffers hold at least `bytes` bytes (checked above); the source is
         // pinned, so the copy is asynchronous, and the caller keeps it alive until a later
         // event completes.
@@ -124,7 +124,7 @@ impl Gpu {
 
 impl Drop for Gpu {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if let Ok(_current) = crate::current::enter(&self.ctx) {
             // SAFETY: the stream was created in `open` and is destroyed once; pending work
             // still completes (the driver defers the release).
             let _ = unsafe { result::stream::destroy(self.stream.0) };
@@ -145,7 +145,7 @@ impl Event {
     /// Records a new event on `stream` (a handle; 1 and 2 are the legacy and per-thread
     /// default streams).
     pub fn record(ctx: &Arc<CudaContext>, stream: u64) -> Result<Event, GpuError> {
-        ctx.bind_to_thread().map_err(err("binding the context"))?;
+        let _current = crate::current::enter(ctx)?;
         let ev =
             result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(err("creating an event"))?;
         let e = Event { ctx: ctx.clone(), ev };
@@ -156,7 +156,7 @@ impl Event {
 
     /// Makes `stream` wait for this event (asynchronously).
     pub fn make_wait(&self, stream: u64) -> Result<(), GpuError> {
-        self.ctx.bind_to_thread().map_err(err("binding the context"))?;
+        let _current = crate::current::enter(&self.ctx)?;
         // SAFETY: a live event, and a stream handle the caller vouches for.
         unsafe {
             result::stream::wait_event(
@@ -171,7 +171,7 @@ impl Event {
 
 impl Fence for Event {
     fn is_complete(&self) -> Result<bool, GpuError> {
-        self.ctx.bind_to_thread().map_err(err("binding the context"))?;
+        let _current = crate::current::enter(&self.ctx)?;
         // SAFETY: a live event.
         match unsafe { result::event::query(self.ev) } {
             Ok(()) => Ok(true),
@@ -183,7 +183,7 @@ impl Fence for Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if let Ok(_current) = crate::current::enter(&self.ctx) {
             // SAFETY: created in `record`, destroyed once; the driver defers the release if
             // it has not completed.
             let _ = unsafe { result::event::destroy(self.ev) };
@@ -243,17 +243,26 @@ impl std::fmt::Display for KernelError {
 impl std::error::Error for KernelError {}
 
 impl FusedKernel {
-    /// Compiles [`KERNEL_SRC`] to PTX for `compute_80` (the driver finishes it for the GPU it
-    /// runs on) and loads it on `gpu`.
+    /// Compiles [`KERNEL_SRC`] to a cubin for `gpu`'s own compute capability (cached on disk,
+    /// [`crate::nvrtc::cache_dir`]), or to PTX where the driver can load NVRTC's PTX
+    /// ([`crate::nvrtc::targets`]), and loads it on `gpu`.
     pub fn load(gpu: &Gpu, nvrtc: &Nvrtc) -> Result<FusedKernel, KernelError> {
-        let ptx = nvrtc
-            .compile(KERNEL_SRC, "ramjet_fused.cu", "compute_80")
-            .map_err(KernelError::Nvrtc)?;
         let g = |doing| move |e| KernelError::Gpu(err(doing)(e));
-        gpu.ctx.bind_to_thread().map_err(g("binding the context"))?;
-        // SAFETY: `ptx` is NUL-terminated PTX text, which cuModuleLoadData accepts.
-        let module =
-            unsafe { result::module::load_data(ptx.as_ptr().cast()) }.map_err(g("loading the kernel's PTX"))?;
+        let cc = gpu
+            .ctx
+            .compute_capability()
+            .map_err(g("reading the compute capability"))?;
+        let mut driver = 0;
+        // SAFETY: one valid out-pointer.
+        unsafe { sys::cuDriverGetVersion(&mut driver).result() }.map_err(g("reading the driver's version"))?;
+        let cache = crate::nvrtc::cache_dir();
+        let (image, _target) =
+            crate::nvrtc::compile_for_device(nvrtc, KERNEL_SRC, "ramjet_fused.cu", cc, driver, cache.as_deref())
+                .map_err(KernelError::Nvrtc)?;
+        let _current = crate::current::enter(&gpu.ctx).map_err(KernelError::Gpu)?;
+        // SAFETY: `image` is an ELF cubin or NUL-terminated PTX, both of which
+        // cuModuleLoadData accepts, and it lives across the call.
+        let module = unsafe { result::module::load_data(image.image()) }.map_err(g("loading the kernel"))?;
         let name = CString::new(KERNEL_NAME).expect("no NUL");
         // SAFETY: a module loaded above.
         let func = unsafe { result::module::get_function(module, name) }.map_err(g("finding the kernel"))?;
@@ -296,7 +305,7 @@ impl FusedKernel {
         if host_jobs.is_empty() {
             return Ok(());
         }
-        self.ctx.bind_to_thread().map_err(err("binding the context"))?;
+        let _current = crate::current::enter(&self.ctx)?;
         let (mut s, mut jb, mut o) = (src.addr(), jobs.addr(), out.addr());
         let (mut ow, mut oh, mut ty) = (p.ow, p.oh, p.out as i32);
         let [mut a0, mut a1, mut a2] = p.a;
@@ -327,7 +336,7 @@ impl FusedKernel {
 
 impl Drop for FusedKernel {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if let Ok(_current) = crate::current::enter(&self.ctx) {
             // SAFETY: loaded in `load`, unloaded once.
             let _ = unsafe { result::module::unload(self.module) };
         }

@@ -7,6 +7,7 @@
 //! loaded by absolute path in [`libs`].
 #![deny(missing_docs)]
 
+pub mod current;
 pub mod dlpack;
 pub mod gpu;
 pub mod kernel;

@@ -33,6 +33,8 @@ pub struct Nvrtc {
     log: GetFn,
     destroy: DestroyFn,
     version: VersionFn,
+    /// `nvrtcGetCUBINSize` / `nvrtcGetCUBIN` (NVRTC 11.1 and later).
+    cubin: Option<(SizeFn, GetFn)>,
     // Last: the symbols above point into it and must not outlive it.
     _lib: libloading::Library,
 }
@@ -109,6 +111,9 @@ impl Nvrtc {
             log: sym(&lib, path, "nvrtcGetProgramLog")?,
             destroy: sym(&lib, path, "nvrtcDestroyProgram")?,
             version: sym(&lib, path, "nvrtcVersion")?,
+            cubin: sym(&lib, path, "nvrtcGetCUBINSize")
+                .ok()
+                .zip(sym(&lib, path, "nvrtcGetCUBIN").ok()),
             _lib: lib,
         })
     }
@@ -135,6 +140,53 @@ impl Nvrtc {
     /// Compiles `src` (named `name` in messages) to PTX for virtual architecture `arch`
     /// (`"compute_80"`), which the driver then compiles for the GPU it runs on.
     pub fn compile(&self, src: &str, name: &str, arch: &str) -> Result<CString, NvrtcError> {
+        let ptx = self.build(src, name, arch, |prog| self.read(prog, self.ptx_size, self.ptx, "PTX"))?;
+        CString::new(ptx.trim_end_matches('\0')).map_err(|_| NvrtcError::Compile {
+            log: "the PTX contains a NUL byte".into(),
+        })
+    }
+
+    /// Compiles `src` to a cubin for real architecture `arch` (`"sm_90"`): machine code the
+    /// driver loads as it is, with no JIT, whatever PTX version the driver accepts.
+    pub fn compile_cubin(&self, src: &str, name: &str, arch: &str) -> Result<Vec<u8>, NvrtcError> {
+        let Some((size, get)) = self.cubin else {
+            return Err(NvrtcError::Symbol {
+                path: self.path.clone(),
+                name: "nvrtcGetCUBIN",
+            });
+        };
+        self.build(src, name, arch, |prog| {
+            let mut n = 0usize;
+            // SAFETY: a live program and a valid out-pointer.
+            let code = unsafe { size(prog, &mut n) };
+            if code != 0 {
+                return Err(NvrtcError::Call {
+                    name: "nvrtcGetCUBINSize",
+                    code,
+                });
+            }
+            let mut buf = vec![0u8; n];
+            // SAFETY: `buf` holds the `n` bytes NVRTC said it will write.
+            let code = unsafe { get(prog, buf.as_mut_ptr().cast()) };
+            if code != 0 {
+                return Err(NvrtcError::Call {
+                    name: "nvrtcGetCUBIN",
+                    code,
+                });
+            }
+            Ok(buf)
+        })
+    }
+
+    /// Creates, compiles for `--gpu-architecture=arch`, reads the result with `out`, and
+    /// destroys the program on every path.
+    fn build<T>(
+        &self,
+        src: &str,
+        name: &str,
+        arch: &str,
+        out: impl FnOnce(Prog) -> Result<T, NvrtcError>,
+    ) -> Result<T, NvrtcError> {
         let c_src = CString::new(src).map_err(|_| NvrtcError::Compile {
             log: "the source contains a NUL byte".into(),
         })?;
@@ -172,10 +224,7 @@ impl Nvrtc {
                     log: self.read(prog, self.log_size, self.log, "log").unwrap_or_default(),
                 });
             }
-            let ptx = self.read(prog, self.ptx_size, self.ptx, "PTX")?;
-            CString::new(ptx.trim_end_matches('\0')).map_err(|_| NvrtcError::Compile {
-                log: "the PTX contains a NUL byte".into(),
-            })
+            out(prog)
         })();
         // SAFETY: `prog` was created above and is destroyed once.
         unsafe { (self.destroy)(&mut prog) };
@@ -199,6 +248,133 @@ impl Nvrtc {
             .map(|c| c.to_string_lossy().into_owned())
             .unwrap_or_else(|_| String::from_utf8_lossy(&buf).into_owned()))
     }
+}
+
+/// What a kernel is compiled to for one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// Machine code for a real architecture (`sm_90`): loaded as it is, no JIT.
+    Cubin(String),
+    /// PTX for a virtual architecture (`compute_90`), which the driver compiles at load.
+    Ptx(String),
+}
+
+/// The targets to try, in order, for a GPU of compute capability `cc`, given NVRTC's version
+/// and the driver's (`cuDriverGetVersion`: 1000 × major + 10 × minor). A cubin for the device
+/// first. PTX only as a fallback, and only when NVRTC is no newer than the driver: a newer
+/// NVRTC writes a PTX version the driver refuses (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`),
+/// as CUDA 13.1's NVRTC would under driver 580 (CUDA 13.0).
+pub fn targets(cc: (i32, i32), nvrtc: (i32, i32), driver: i32) -> Vec<Target> {
+    let mut v = vec![Target::Cubin(format!("sm_{}{}", cc.0, cc.1))];
+    let drv = (driver / 1000, (driver % 1000) / 10);
+    if nvrtc <= drv {
+        v.push(Target::Ptx(format!("compute_{}{}", cc.0, cc.1)));
+    }
+    v
+}
+
+/// A compiled kernel, ready for `cuModuleLoadData`.
+#[derive(Debug)]
+pub enum Compiled {
+    /// An ELF cubin.
+    Cubin(Vec<u8>),
+    /// NUL-terminated PTX text.
+    Ptx(CString),
+}
+
+impl Compiled {
+    /// The image `cuModuleLoadData` takes (valid while `self` lives).
+    pub fn image(&self) -> *const std::ffi::c_void {
+        match self {
+            Compiled::Cubin(b) => b.as_ptr().cast(),
+            Compiled::Ptx(p) => p.as_ptr().cast(),
+        }
+    }
+}
+
+/// Where compiled cubins are kept between processes: `RAMJET_KERNEL_CACHE`, else
+/// `$XDG_CACHE_HOME/ramjet/kernels`, else `~/.cache/ramjet/kernels`.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("RAMJET_KERNEL_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("ramjet/kernels"))
+}
+
+/// FNV-1a, 64 bits: a stable name for a source text (the cache's key; not a checksum).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The cache file of `src` compiled for `arch` by NVRTC `version`.
+pub fn cache_file(dir: &Path, src: &str, arch: &str, version: (i32, i32)) -> PathBuf {
+    dir.join(format!(
+        "{:016x}-{arch}-nvrtc{}.{}.cubin",
+        fnv1a(src.as_bytes()),
+        version.0,
+        version.1
+    ))
+}
+
+/// Compiles `src` for the first of [`targets`] that works, and returns it with the target it
+/// was built for. A cubin is read from, or written to, `cache` when given (an unreadable or
+/// damaged cache file is compiled again and replaced; a cache that cannot be written costs
+/// only the next process's compile). Without a cubin, and without a PTX that this driver can
+/// load, the error says both.
+pub fn compile_for_device(
+    nvrtc: &Nvrtc,
+    src: &str,
+    name: &str,
+    cc: (i32, i32),
+    driver: i32,
+    cache: Option<&Path>,
+) -> Result<(Compiled, Target), NvrtcError> {
+    let version = nvrtc.version()?;
+    let mut errors = Vec::new();
+    for t in targets(cc, version, driver) {
+        match &t {
+            Target::Cubin(arch) => {
+                let file = cache.map(|d| cache_file(d, src, arch, version));
+                if let Some(b) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+                    if b.len() > 64 && b.starts_with(b"\x7fELF") {
+                        return Ok((Compiled::Cubin(b), t));
+                    }
+                }
+                match nvrtc.compile_cubin(src, name, arch) {
+                    Ok(b) => {
+                        if let (Some(f), Some(d)) = (&file, cache) {
+                            let tmp = f.with_extension(format!("tmp{}", std::process::id()));
+                            let written = std::fs::create_dir_all(d)
+                                .and_then(|_| std::fs::write(&tmp, &b))
+                                .and_then(|_| std::fs::rename(&tmp, f));
+                            if written.is_err() {
+                                let _ = std::fs::remove_file(&tmp);
+                            }
+                        }
+                        return Ok((Compiled::Cubin(b), t));
+                    }
+                    Err(e) => errors.push(format!("{arch}: {e}")),
+                }
+            }
+            Target::Ptx(arch) => match nvrtc.compile(src, name, arch) {
+                Ok(p) => return Ok((Compiled::Ptx(p), t)),
+                Err(e) => errors.push(format!("{arch}: {e}")),
+            },
+        }
+    }
+    let drv = (driver / 1000, (driver % 1000) / 10);
+    if version > drv {
+        errors.push(format!(
+            "no PTX fallback: NVRTC {}.{} is newer than the driver's CUDA {}.{}, whose JIT would refuse its PTX",
+            version.0, version.1, drv.0, drv.1
+        ));
+    }
+    Err(NvrtcError::Compile { log: errors.join("\n") })
 }
 
 #[cfg(test)]
@@ -234,6 +410,75 @@ mod tests {
             !ptx.contains("fma.rn.f32"),
             "a multiply-add was fused: the reference would differ"
         );
+    }
+
+    /// Issue 40, item 1: a cubin for the device's own architecture (no JIT, no PTX version
+    /// for the driver to refuse), compiled here with the real NVRTC (no GPU needed), for the
+    /// lent machines' Hopper (sm_90) and for sm_80.
+    #[test]
+    fn the_fused_kernel_compiles_to_a_cubin_for_the_device_architecture() {
+        let nvrtc = Nvrtc::find(&search()).unwrap_or_else(|e| panic!("{e}"));
+        for arch in ["sm_90", "sm_80"] {
+            let b = nvrtc
+                .compile_cubin(crate::kernel::KERNEL_SRC, "ramjet_fused.cu", arch)
+                .unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert!(b.starts_with(b"\x7fELF") && b.len() > 1024, "{arch}: not an ELF cubin");
+            let name = crate::kernel::KERNEL_NAME.as_bytes();
+            assert!(
+                b.windows(name.len()).any(|w| w == name),
+                "{arch}: the kernel's symbol is missing"
+            );
+        }
+    }
+
+    #[test]
+    fn ptx_is_a_fallback_only_when_nvrtc_is_no_newer_than_the_driver() {
+        let cubin = Target::Cubin("sm_90".into());
+        let ptx = Target::Ptx("compute_90".into());
+        // Driver 580 = CUDA 13.0 (13000).
+        assert_eq!(targets((9, 0), (13, 0), 13000), vec![cubin.clone(), ptx.clone()]);
+        assert_eq!(targets((9, 0), (12, 8), 13000), vec![cubin.clone(), ptx]);
+        assert_eq!(
+            targets((9, 0), (13, 1), 13000),
+            vec![cubin],
+            "a newer NVRTC's PTX would be refused"
+        );
+        assert_eq!(targets((8, 6), (13, 0), 13020)[0], Target::Cubin("sm_86".into()));
+    }
+
+    /// The cubin is cached per (source, architecture, NVRTC version): a second compile reads
+    /// the file; a damaged file is compiled again and replaced; another source or architecture
+    /// has its own file.
+    #[test]
+    fn cubins_are_cached_by_source_architecture_and_nvrtc_version() {
+        let nvrtc = Nvrtc::find(&search()).unwrap_or_else(|e| panic!("{e}"));
+        let version = nvrtc.version().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let src = crate::kernel::KERNEL_SRC;
+        let (first, t) = compile_for_device(&nvrtc, src, "k.cu", (9, 0), 13000, Some(dir.path())).unwrap();
+        assert_eq!(t, Target::Cubin("sm_90".into()));
+        let file = cache_file(dir.path(), src, "sm_90", version);
+        let Compiled::Cubin(bytes) = first else {
+            panic!("not a cubin")
+        };
+        assert_eq!(std::fs::read(&file).unwrap(), bytes, "written to the cache");
+        // Read back without NVRTC's work: a marked file comes back as it is.
+        let mut marked = bytes.clone();
+        let last = marked.len() - 1;
+        marked[last] ^= 0x5a;
+        std::fs::write(&file, &marked).unwrap();
+        let (again, _) = compile_for_device(&nvrtc, src, "k.cu", (9, 0), 13000, Some(dir.path())).unwrap();
+        assert!(
+            matches!(again, Compiled::Cubin(b) if b == marked),
+            "the cached file is used"
+        );
+        // A damaged file (not ELF) is compiled again and replaced.
+        std::fs::write(&file, b"garbage").unwrap();
+        let (fixed, _) = compile_for_device(&nvrtc, src, "k.cu", (9, 0), 13000, Some(dir.path())).unwrap();
+        assert!(matches!(fixed, Compiled::Cubin(b) if b == bytes));
+        assert_eq!(std::fs::read(&file).unwrap(), bytes);
+        assert_ne!(file, cache_file(dir.path(), src, "sm_80", version));
+        assert_ne!(file, cache_file(dir.path(), "other source", "sm_90", version));
     }
 
     #[test]

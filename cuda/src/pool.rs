@@ -372,7 +372,7 @@ impl Allocator for CudaHost {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<u64, GpuError> {
-        self.ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        let _current = crate::current::enter(&self.ctx)?;
         // SAFETY: a plain allocation call with a live, current context.
         let p = unsafe { cudarc::driver::result::malloc_host(bytes, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(driver_err("allocating pinned host memory"))?;
@@ -380,7 +380,7 @@ impl Allocator for CudaHost {
     }
 
     unsafe fn free(&mut self, addr: u64, _bytes: usize) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if let Ok(_current) = crate::current::enter(&self.ctx) {
             // SAFETY: the caller guarantees `addr` came from `malloc_host` and is unused.
             let _ = unsafe { cudarc::driver::result::free_host(addr as *mut std::ffi::c_void) };
         }
@@ -407,13 +407,13 @@ impl Allocator for CudaDevice {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<u64, GpuError> {
-        self.ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        let _current = crate::current::enter(&self.ctx)?;
         // SAFETY: a plain allocation call with a live, current context.
         unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(driver_err("allocating device memory"))
     }
 
     unsafe fn free(&mut self, addr: u64, _bytes: usize) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if let Ok(_current) = crate::current::enter(&self.ctx) {
             // SAFETY: the caller guarantees `addr` came from `malloc_sync` and is unused.
             let _ = unsafe { cudarc::driver::result::free_sync(addr) };
         }

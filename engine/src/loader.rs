@@ -407,6 +407,10 @@ impl Loader {
         // first touches that would otherwise fall into the first batch's decode.
         if let Some(spec) = ctx.cfg.image.clone() {
             let len = spec.bytes() * ctx.cfg.batch_size;
+            // The whole working set now (page-locked memory for a GPU: never allocated or
+            // freed mid-training, where it would synchronise the GPU's streams).
+            ctx.pool.count_in(metrics.clone());
+            ctx.pool.prefill(len);
             for _ in 0..threads {
                 let (ctx, spec) = (ctx.clone(), spec.clone());
                 decode.spawn(move || {

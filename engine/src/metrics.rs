@@ -29,6 +29,11 @@ pub struct Metrics {
     pub ranged_samples: AtomicU64,
     /// Times the prefetcher stopped at a closed first-batch gate ([`crate::Stream::open_gated`]).
     pub first_gate_waits: AtomicU64,
+    /// Batch buffers allocated after the loader's working set was (a consumer holding more
+    /// batches than the pool keeps; pinned memory then synchronises the GPU's streams).
+    pub host_buffer_late_allocs: AtomicU64,
+    /// Batch buffers freed after the working set was allocated.
+    pub host_buffer_late_frees: AtomicU64,
     /// Whole-shard fetches that joined one already in flight in this process (another
     /// dataset, loader or random access wanted the same shard).
     pub shards_coalesced: AtomicU64,
@@ -71,6 +76,8 @@ impl Default for Metrics {
             cache_corrupt: AtomicU64::new(0),
             ranged_samples: AtomicU64::new(0),
             first_gate_waits: AtomicU64::new(0),
+            host_buffer_late_allocs: AtomicU64::new(0),
+            host_buffer_late_frees: AtomicU64::new(0),
             shards_coalesced: AtomicU64::new(0),
             resident_samples: AtomicU64::new(0),
             samples: AtomicU64::new(0),
@@ -114,6 +121,10 @@ pub struct MetricsSnapshot {
     pub ranged_samples: u64,
     /// See [`Metrics::first_gate_waits`].
     pub first_gate_waits: u64,
+    /// See [`Metrics::host_buffer_late_allocs`].
+    pub host_buffer_late_allocs: u64,
+    /// See [`Metrics::host_buffer_late_frees`].
+    pub host_buffer_late_frees: u64,
     /// See [`Metrics::shards_coalesced`].
     pub shards_coalesced: u64,
     /// Samples read by random access from a whole shard held in memory.
@@ -180,6 +191,8 @@ impl Metrics {
             cache_corrupt: g(&self.cache_corrupt),
             ranged_samples: g(&self.ranged_samples),
             first_gate_waits: g(&self.first_gate_waits),
+            host_buffer_late_allocs: g(&self.host_buffer_late_allocs),
+            host_buffer_late_frees: g(&self.host_buffer_late_frees),
             shards_coalesced: g(&self.shards_coalesced),
             resident_samples: g(&self.resident_samples),
             samples: g(&self.samples),

@@ -199,6 +199,14 @@ def _convert(d: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
     return out
 
 
+def _copy_order(batch: Dict[str, Any]) -> List[str]:
+    """The keys of a batch's tensors in the order their host-to-device copies are queued:
+    pageable ones (small columns: indexes, labels) before pinned ones (the image, in ramjet's
+    page-locked buffer), each group in the batch's own order."""
+    tensors = [k for k, v in batch.items() if hasattr(v, "is_pinned") and hasattr(v, "to")]
+    return [k for k in tensors if not batch[k].is_pinned()] + [k for k in tensors if batch[k].is_pinned()]
+
+
 def _parse_size(s: Union[int, str, None], name: str = "cache_limit") -> Optional[int]:
     """A byte count given as an int or a string such as ``"64GiB"``; ``InvalidInputError``
     naming ``name`` for anything else, and for a count that is not positive."""
@@ -576,7 +584,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             self._copy_stream = torch.cuda.Stream(dev)
         consumer = torch.cuda.current_stream(dev)
         with torch.cuda.stream(self._copy_stream):
-            out = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            # Pageable columns first: a non_blocking copy from pageable memory is staged and
+            # waits on the host, so made after the pinned image's copy it would wait for that
+            # copy too; made first, it is done before the asynchronous ones are queued.
+            out = {k: batch[k] for k in batch}
+            for k in _copy_order(batch):
+                out[k] = batch[k].to(dev, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
         consumer.wait_event(done)
