@@ -136,6 +136,8 @@ for name, s in doc["steps"].items():
     assert s["rc"] in (0, None), f"step {name} failed: {s}"
 assert doc["steps"]["rust_gpu"]["figures"]["rust_tests_passed"] > 0
 assert doc["steps"]["cpu_scale"]["figures"]["ramjet_t2_img_s"] > 0
+k = doc["steps"]["kernel"]["figures"]  # the kernel's CPU reference against torchvision
+assert k["u8_interior_max_abs_diff_vs_torchvision"] <= 1 and k["kernel_rrc_u8_img_s"] > 0, k
 print("device check dry run:", {n: s.get("skipped", s["rc"]) for n, s in doc["steps"].items()})
 PY
 

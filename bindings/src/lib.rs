@@ -10,6 +10,7 @@ use pyo3::types::PyDict;
 
 use ramjet_engine::{Dataset, Error};
 
+mod augment;
 mod dlpack;
 mod loader;
 
@@ -321,6 +322,8 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(columns, m)?)?;
     m.add_function(wrap_pyfunction!(freeze, m)?)?;
     m.add_class::<RingFreeze>()?;
+    m.add_class::<augment::FusedAugment>()?;
+    m.add_function(wrap_pyfunction!(augment::fused_reference, m)?)?;
     m.add_class::<dlpack::Tensor>()?;
     m.add_class::<loader::Loader>()?;
     m.add_class::<loader::Reader>()?;

@@ -102,3 +102,132 @@ def test_pageable_columns_are_copied_before_the_pinned_image():
 
     batch = {"image": T(True), "_index": T(False), "label": T(False), "meta": "not a tensor", "mask": T(True)}
     assert _copy_order(batch) == ["_index", "label", "image", "mask"]
+
+
+# ----- on a GPU (RAMJET_GPU_TESTS=1: the device check, tools/device-check/run.py) -------------
+# Datasets are packed into local folders by the ramjet CLI (RAMJET_BIN: the bundle's), so these
+# need no S3 server.
+
+import subprocess  # noqa: E402
+
+import torch  # noqa: E402
+
+ON_GPU = pytest.mark.skipif(os.environ.get("RAMJET_GPU_TESTS") != "1", reason="needs a GPU: RAMJET_GPU_TESTS=1")
+RAMJET = os.environ.get("RAMJET_BIN") or str(Path(__file__).resolve().parents[2] / "target/debug/ramjet")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu")
+    for argv in ([RAMJET, "synth", str(d / "synth"), "--samples", "96"], [RAMJET, "pack", str(d / "synth"), str(d / "ds")]):
+        out = subprocess.run(argv, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+    return str(d / "ds")
+
+
+def _ds(url, **kw):
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("image_size", 64)
+    kw.setdefault("shuffle", False)
+    kw.setdefault("seed", 3)
+    return ramjet.StreamingDataset(url, **kw)
+
+
+@ON_GPU
+@pytest.mark.parametrize("normalize", [False, True])
+def test_device_cuda_batches_are_the_cpu_path_s(packed, normalize):
+    """The same augmentation (train: random crops and flips from the seed) on both paths: uint8
+    equal bit for bit, normalised float32 equal too (the GPU path only copies)."""
+    cpu = list(_ds(packed, normalize=normalize))
+    gpu = list(_ds(packed, normalize=normalize, device="cuda"))
+    assert len(cpu) == len(gpu) == 12
+    for a, b in zip(cpu, gpu):
+        assert b["image"].device.type == "cuda" and b["image"].dtype == a["image"].dtype
+        assert torch.equal(a["image"], b["image"].cpu())
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert torch.equal(a[k], b[k].cpu()), k
+
+
+@ON_GPU
+def test_batches_come_from_pinned_memory_shared_not_copied(packed):
+    ds = _ds(packed, device="cuda")
+    next(iter(ds))  # starts the loader with its pinned pool
+    cols, _meta = ds._loader.next_batch()
+    img = cols["image"]
+    t = torch.from_dlpack(img)
+    assert t.is_pinned(), "the loader's image buffer is not page-locked"
+    assert t.data_ptr() == img.data_ptr, "DLPack copied the batch instead of sharing it"
+
+
+@ON_GPU
+def test_the_trainer_s_device_and_stream_are_unchanged(packed):
+    torch.cuda.set_device(0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        before = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+        for _ in _ds(packed, device="cuda:0"):
+            assert (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream) == before
+        assert (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream) == before
+
+
+@ON_GPU
+def test_a_slow_consumer_never_sees_a_buffer_reused_early(packed):
+    """Three epochs with every GPU batch held, the consumer's stream kept busy (so it lags the
+    copies by far), and nothing read until the end: each batch still holds its own samples."""
+    want = [b["image"].clone() for b in _ds(packed)] * 3
+    ds = _ds(packed, device="cuda", prefetch_batches=2)
+    held = []
+    for epoch in range(3):
+        ds.set_epoch(0)
+        for b in ds:
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time per step on the consumer's stream
+            held.append(b["image"])
+    torch.cuda.synchronize()
+    assert len(held) == len(want)
+    for i, (g, w) in enumerate(zip(held, want)):
+        assert torch.equal(g.cpu(), w), f"batch {i} changed after it was yielded"
+
+
+@ON_GPU
+def test_no_pinned_allocation_or_free_in_steady_state(packed):
+    ds = _ds(packed, device="cuda")
+    for _ in range(3):
+        ds.set_epoch(0)
+        for b in ds:
+            b["image"].float().mean()
+    m = ds.metrics()
+    assert m["host_buffer_late_allocs"] == 0 and m["host_buffer_late_frees"] == 0, m
+
+
+def _random_images(sizes, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    jobs, chunks, off = [], [], 0
+    for i, (w, h) in enumerate(sizes):
+        img = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+        cw, ch = max(1.0, w * 0.61), max(1.0, h * 0.73)
+        cx, cy = (w - cw) * 0.37, (h - ch) * (0.0 if i % 3 == 0 else 0.9)
+        jobs.append((off, w, h, 3 * w, i % 2, cx, cy, cw, ch))
+        chunks.append(img.flatten())
+        off += img.numel()
+    return torch.cat(chunks), jobs
+
+
+@ON_GPU
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.bfloat16, torch.float32])
+def test_the_fused_kernel_on_torch_tensors_is_its_reference_bit_for_bit(dtype):
+    from ramjet._fused import FusedAugment, reference
+
+    src, jobs = _random_images([(500, 375), (375, 500), (64, 48), (1200, 900), (224, 224), (31, 17)])
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    want = reference(src.numpy().tobytes(), jobs, (96, 112), dtype, mean, std)
+    aug = FusedAugment("cuda:0")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # on torch's stream of the moment, not the default one
+        got = aug(src.cuda(), jobs, (96, 112), dtype, mean, std)
+    side.synchronize()
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ramjet.InvalidInputError, match="image 1"):
+        bad = list(jobs)
+        bad[1] = (src.numel(), *bad[1][1:])  # past the source's end
+        aug(src.cuda(), bad, (96, 112), dtype, mean, std)

@@ -12,8 +12,9 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext};
 
 use crate::dlpack::StreamOps;
-use crate::kernel::{Job, Params, KERNEL_NAME, KERNEL_SRC};
+use crate::kernel::{Job, Params, BLOCK, KERNEL_NAME, KERNEL_SRC, WEIGHTS_NAME};
 use crate::nvrtc::{Nvrtc, NvrtcError};
+use crate::pipeline::GpuPipeline;
 use crate::pool::{CudaDevice, CudaHost, Fence, Pool, PoolBuf};
 use crate::{driver_err as err, GpuError};
 
@@ -40,10 +41,12 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
     crate::current::retain_primary(ordinal)
 }
 
-/// One GPU: its primary context and ramjet's stream on it.
+/// One GPU: its primary context and ramjet's two streams on it, one for work (kernels) and one
+/// for host-to-device copies ([`crate::pipeline`] joins them with events).
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Stream,
+    copy: Stream,
 }
 
 impl Gpu {
@@ -54,9 +57,18 @@ impl Gpu {
         let _current = crate::current::enter(&ctx)?;
         let stream =
             result::stream::create(result::stream::StreamKind::NonBlocking).map_err(err("creating a stream"))?;
+        let copy = match result::stream::create(result::stream::StreamKind::NonBlocking) {
+            Ok(c) => c,
+            Err(e) => {
+                // SAFETY: created above, destroyed once, nothing queued on it.
+                let _ = unsafe { result::stream::destroy(stream) };
+                return Err(err("creating a stream")(e));
+            }
+        };
         Ok(Gpu {
             ctx,
             stream: Stream(stream),
+            copy: Stream(copy),
         })
     }
 
@@ -73,6 +85,17 @@ impl Gpu {
     /// ramjet's stream, as an integer handle.
     pub fn stream_handle(&self) -> u64 {
         self.stream.0 as u64
+    }
+
+    /// The copy stream, as an integer handle.
+    pub fn copy_stream_handle(&self) -> u64 {
+        self.copy.0 as u64
+    }
+
+    /// A copy/compute pipeline on this GPU's two streams over `slots` (device staging
+    /// buffers; two for double buffering).
+    pub fn pipeline(&self, slots: Vec<PoolBuf<CudaDevice>>) -> Result<GpuPipeline, GpuError> {
+        GpuPipeline::new(self.ctx.clone(), self.copy.0 as u64, self.stream.0 as u64, slots)
     }
 
     /// A pool of pinned host memory of at most `limit` bytes.
@@ -125,9 +148,11 @@ impl Gpu {
 impl Drop for Gpu {
     fn drop(&mut self) {
         if let Ok(_current) = crate::current::enter(&self.ctx) {
-            // SAFETY: the stream was created in `open` and is destroyed once; pending work
-            // still completes (the driver defers the release).
-            let _ = unsafe { result::stream::destroy(self.stream.0) };
+            for s in [self.stream.0, self.copy.0] {
+                // SAFETY: the streams were created in `open` and are destroyed once; pending
+                // work still completes (the driver defers the release).
+                let _ = unsafe { result::stream::destroy(s) };
+            }
         }
     }
 }
@@ -212,14 +237,58 @@ impl StreamOps for CudaStreamOps {
     }
 }
 
-/// The fused kernel, compiled by NVRTC and loaded on one GPU.
+/// A span of device memory the fused kernel reads or writes: a pool buffer ([`DevSpan::of`])
+/// or memory another library allocated (a torch tensor's storage, [`DevSpan::new`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevSpan {
+    addr: u64,
+    len: usize,
+}
+
+impl DevSpan {
+    /// The span `addr .. addr + len`.
+    ///
+    /// # Safety
+    /// It is device memory of the context the kernel runs in (or memory the device can address),
+    /// and stays allocated until the work queued on it completes.
+    pub unsafe fn new(addr: u64, len: usize) -> DevSpan {
+        DevSpan { addr, len }
+    }
+
+    /// A pool buffer's bytes (the caller keeps the buffer until the work completes, as
+    /// [`PoolBuf::release_after`] does).
+    pub fn of(buf: &PoolBuf<CudaDevice>) -> DevSpan {
+        DevSpan {
+            addr: buf.addr(),
+            len: buf.len(),
+        }
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The fused kernel ([`crate::kernel`]), compiled by NVRTC and loaded on one GPU, with the
+/// scratch memory its launches use: the batch's jobs and weight table, uploaded and computed
+/// on the launch's stream, and given back once that stream passes the kernel.
 pub struct FusedKernel {
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
-    func: sys::CUfunction,
+    augment: sys::CUfunction,
+    weights: sys::CUfunction,
+    host: Pool<CudaHost>,
+    dev: Pool<CudaDevice>,
 }
 
-// SAFETY: module and function handles are opaque and usable from any thread with their context.
+// SAFETY: module and function handles are opaque and usable from any thread with their context;
+// the pools are Send.
 unsafe impl Send for FusedKernel {}
 
 /// Why the kernel could not be had or run.
@@ -242,6 +311,10 @@ impl std::fmt::Display for KernelError {
 
 impl std::error::Error for KernelError {}
 
+/// Scratch a launch may hold (jobs and weight table), pinned and on the device alike: a batch
+/// of 256 images at 224x224 takes about 5 MiB, so dozens of launches can be in flight.
+const SCRATCH_LIMIT: usize = 256 << 20;
+
 impl FusedKernel {
     /// Compiles [`KERNEL_SRC`] to a cubin for `gpu`'s own compute capability (cached on disk,
     /// [`crate::nvrtc::cache_dir`]), or to PTX where the driver can load NVRTC's PTX
@@ -263,57 +336,107 @@ impl FusedKernel {
         // SAFETY: `image` is an ELF cubin or NUL-terminated PTX, both of which
         // cuModuleLoadData accepts, and it lives across the call.
         let module = unsafe { result::module::load_data(image.image()) }.map_err(g("loading the kernel"))?;
-        let name = CString::new(KERNEL_NAME).expect("no NUL");
-        // SAFETY: a module loaded above.
-        let func = unsafe { result::module::get_function(module, name) }.map_err(g("finding the kernel"))?;
+        let func = |name: &str| {
+            let name = CString::new(name).expect("no NUL");
+            // SAFETY: a module loaded above.
+            unsafe { result::module::get_function(module, name) }.map_err(g("finding the kernel"))
+        };
+        let (augment, weights) = match (func(KERNEL_NAME), func(WEIGHTS_NAME)) {
+            (Ok(a), Ok(w)) => (a, w),
+            (Err(e), _) | (_, Err(e)) => {
+                // SAFETY: loaded above, unloaded once, nothing from it in use.
+                let _ = unsafe { result::module::unload(module) };
+                return Err(e);
+            }
+        };
         Ok(FusedKernel {
             ctx: gpu.ctx.clone(),
             module,
-            func,
+            augment,
+            weights,
+            host: gpu.pinned_pool(SCRATCH_LIMIT),
+            dev: gpu.device_pool(SCRATCH_LIMIT),
         })
     }
 
-    /// Queues the kernel on `gpu`'s stream: `jobs.len()` images from `src` (HWC uint8, offsets
-    /// in the jobs) into `out` (`[n, 3, oh, ow]` of `p.out`). `jobs` is device memory holding
-    /// the same jobs (the caller copied them); `host_jobs` is checked against `src`'s size
-    /// here, so the kernel never reads outside it.
-    pub fn launch(
-        &self,
-        gpu: &Gpu,
-        src: &PoolBuf<CudaDevice>,
-        host_jobs: &[Job],
-        jobs: &PoolBuf<CudaDevice>,
-        out: &PoolBuf<CudaDevice>,
-        p: &Params,
-    ) -> Result<(), GpuError> {
+    /// Queues the kernel on `gpu`'s stream: `jobs.len()` images from `src` (HWC uint8, byte
+    /// offsets in the jobs) into `out` (`[n, 3, oh, ow]` of `p.out`). Every job is checked
+    /// against `src` ([`crate::kernel::plan`]) and `out`'s size here, so the kernel never
+    /// reads or writes outside them.
+    pub fn launch(&self, gpu: &Gpu, src: DevSpan, jobs: &[Job], out: DevSpan, p: &Params) -> Result<(), GpuError> {
+        self.launch_on(gpu.stream.0 as u64, src, jobs, out, p)
+    }
+
+    /// [`FusedKernel::launch`] on any stream of the kernel's context (a handle: torch's
+    /// `torch.cuda.current_stream().cuda_stream`, 0 for the legacy default stream). `src` and
+    /// `out` must stay allocated until the stream passes the kernel.
+    pub fn launch_on(&self, stream: u64, src: DevSpan, jobs: &[Job], out: DevSpan, p: &Params) -> Result<(), GpuError> {
         let bad = |reason: String| GpuError::Driver {
             doing: "checking the kernel's arguments",
             reason,
         };
-        for (i, j) in host_jobs.iter().enumerate() {
-            let end = j.src as u128 + j.stride.max(0) as u128 * j.h.max(0) as u128;
-            if j.w < 1 || j.h < 1 || (j.stride as i64) < 3 * j.w as i64 || end > src.len() as u128 {
-                return Err(bad(format!("image {i} reaches outside the source buffer: {j:?}")));
-            }
+        let plan = crate::kernel::plan(jobs, p, Some(src.len)).map_err(bad)?;
+        if out.len < jobs.len() * p.image_bytes() {
+            return Err(bad(format!(
+                "the output holds {} B; {} images of {}x{} {:?} need {} B",
+                out.len,
+                jobs.len(),
+                p.ow,
+                p.oh,
+                p.out,
+                jobs.len() * p.image_bytes()
+            )));
         }
-        if p.ow < 1 || p.oh < 1 {
-            return Err(bad(format!("output size {}x{}", p.ow, p.oh)));
-        }
-        if out.len() < host_jobs.len() * p.image_bytes() || jobs.len() < std::mem::size_of_val(host_jobs) {
-            return Err(bad("an output or job buffer is too small".into()));
-        }
-        if host_jobs.is_empty() {
+        if jobs.is_empty() {
             return Ok(());
         }
+        let job_bytes = plan.job_bytes();
+        let table_at = job_bytes.len().div_ceil(256) * 256;
+        let scratch = table_at + plan.table_floats * 4;
+        let stream_h = stream as sys::CUstream;
         let _current = crate::current::enter(&self.ctx)?;
-        let (mut s, mut jb, mut o) = (src.addr(), jobs.addr(), out.addr());
-        let (mut ow, mut oh, mut ty) = (p.ow, p.oh, p.out as i32);
+        let get_both =
+            || -> Result<_, crate::pool::PoolError> { Ok((self.host.get(job_bytes.len())?, self.dev.get(scratch)?)) };
+        let (mut host, dev) = match get_both() {
+            Ok(b) => b,
+            Err(_) => {
+                // Every earlier launch's scratch is still in flight: wait for the stream, once.
+                // SAFETY: a stream handle the caller vouches for, in the current context.
+                unsafe { sys::cuStreamSynchronize(stream_h).result() }.map_err(err("waiting for the stream"))?;
+                get_both().map_err(|e| bad(format!("scratch for {} images: {e}", jobs.len())))?
+            }
+        };
+        host.host_slice_mut().expect("pinned").copy_from_slice(&job_bytes);
+        // SAFETY: `dev` holds `scratch` >= `job_bytes.len()` bytes, `host` is pinned and holds
+        // them, and both are parked until an event recorded after the kernels completes.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dev.addr(), host.addr() as *const c_void, job_bytes.len(), stream_h).result()
+        }
+        .map_err(err("queueing the jobs' upload"))?;
+        let n = jobs.len() as i32;
+        let (mut jb, mut tb, mut s, mut o) = (dev.addr(), dev.addr() + table_at as u64, src.addr, out.addr);
+        let (mut n_, mut ow, mut oh, mut ty) = (n, p.ow, p.oh, p.out as i32);
+        let mut wargs: [*mut c_void; 5] = [
+            (&mut jb as *mut u64).cast(),
+            (&mut tb as *mut u64).cast(),
+            (&mut n_ as *mut i32).cast(),
+            (&mut ow as *mut i32).cast(),
+            (&mut oh as *mut i32).cast(),
+        ];
+        let (gx, gy) = crate::kernel::grid(jobs.len(), (p.ow + p.oh) as u32);
+        // SAFETY: the arguments match `ramjet_fused_weights(const DevJob*, float*, int, int,
+        // int)` in order and type; the jobs were uploaded before on the same stream and the
+        // table has room for every filter (`plan`); the values are copied by the call.
+        unsafe { result::launch_kernel(self.weights, (gx, gy, 1), (BLOCK, 1, 1), 0, stream_h, &mut wargs) }
+            .map_err(err("launching the weight kernel"))?;
         let [mut a0, mut a1, mut a2] = p.a;
         let [mut k0, mut k1, mut k2] = p.k;
-        let mut args: [*mut c_void; 12] = [
+        let mut args: [*mut c_void; 14] = [
             (&mut s as *mut u64).cast(),
             (&mut jb as *mut u64).cast(),
+            (&mut tb as *mut u64).cast(),
             (&mut o as *mut u64).cast(),
+            (&mut n_ as *mut i32).cast(),
             (&mut ow as *mut i32).cast(),
             (&mut oh as *mut i32).cast(),
             (&mut ty as *mut i32).cast(),
@@ -324,13 +447,15 @@ impl FusedKernel {
             (&mut k1 as *mut f32).cast(),
             (&mut k2 as *mut f32).cast(),
         ];
-        let pixels = (p.ow as u32) * (p.oh as u32);
-        let grid = (pixels.div_ceil(256), host_jobs.len() as u32, 1);
-        // SAFETY: the arguments match the kernel's signature in order and type (three device
-        // pointers, three ints, six floats), every buffer was checked to be large enough, and
-        // they outlive the launch call, which copies the argument values.
-        unsafe { result::launch_kernel(self.func, grid, (256, 1, 1), 0, gpu.stream.0, &mut args) }
-            .map_err(err("launching the fused kernel"))
+        let (gx, gy) = crate::kernel::grid(jobs.len(), (p.ow * p.oh) as u32);
+        // SAFETY: the arguments match `ramjet_fused_augment`'s signature in order and type
+        // (four device pointers, four ints, six floats); every image lies inside `src` and the
+        // output fits `out` (checked above); the table was filled before on the same stream.
+        unsafe { result::launch_kernel(self.augment, (gx, gy, 1), (BLOCK, 1, 1), 0, stream_h, &mut args) }
+            .map_err(err("launching the fused kernel"))?;
+        host.release_after(Box::new(Event::record(&self.ctx, stream)?));
+        dev.release_after(Box::new(Event::record(&self.ctx, stream)?));
+        Ok(())
     }
 }
 
@@ -391,41 +516,104 @@ mod tests {
         }
         let pinned = gpu.pinned_pool(64 << 20);
         let device = gpu.device_pool(64 << 20);
-        for out in [OutType::U8, OutType::F16, OutType::BF16, OutType::F32] {
-            let p = Params::normalized(96, 80, out, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
-            let mut want = vec![0u8; jobs.len() * p.image_bytes()];
-            reference(&src, &jobs, &p, &mut want);
-            let job_bytes: Vec<u8> = jobs
-                .iter()
-                .flat_map(|j| {
-                    // SAFETY: `Job` is repr(C) plain data with no padding (40 bytes, checked).
-                    unsafe { std::slice::from_raw_parts((j as *const Job).cast::<u8>(), std::mem::size_of::<Job>()) }
-                        .to_vec()
-                })
-                .collect();
+        let run = |src: &[u8], jobs: &[Job], p: &Params| -> Vec<u8> {
             let mut hs = pinned.get(src.len()).unwrap();
-            hs.host_slice_mut().unwrap().copy_from_slice(&src);
-            let mut hj = pinned.get(job_bytes.len()).unwrap();
-            hj.host_slice_mut().unwrap().copy_from_slice(&job_bytes);
-            let (ds, dj, dout) = (
+            hs.host_slice_mut().unwrap().copy_from_slice(src);
+            let (ds, dout) = (
                 device.get(src.len()).unwrap(),
-                device.get(job_bytes.len()).unwrap(),
-                device.get(want.len()).unwrap(),
+                device.get(jobs.len() * p.image_bytes()).unwrap(),
             );
             gpu.copy_to_device(&hs, &ds, src.len()).unwrap();
-            gpu.copy_to_device(&hj, &dj, job_bytes.len()).unwrap();
-            kernel.launch(&gpu, &ds, &jobs, &dj, &dout, &p).unwrap();
+            kernel
+                .launch(&gpu, DevSpan::of(&ds), jobs, DevSpan::of(&dout), p)
+                .unwrap();
             let done = gpu.record().unwrap();
-            let mut got = vec![0u8; want.len()];
+            let mut got = vec![0u8; dout.len()];
             while !done.is_complete().unwrap() {
                 std::thread::yield_now();
             }
             // SAFETY: `dout` holds `got.len()` bytes and the kernel that wrote it completed.
             unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), dout.addr(), got.len()).result() }.unwrap();
             hs.release_after(Box::new(gpu.record().unwrap()));
-            hj.release_after(Box::new(gpu.record().unwrap()));
-            assert!(got == want, "{out:?}: the GPU's output differs from the reference");
+            got
+        };
+        for out in [OutType::U8, OutType::F16, OutType::BF16, OutType::F32] {
+            let p = Params::normalized(96, 80, out, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
+            let mut want = vec![0u8; jobs.len() * p.image_bytes()];
+            reference(&src, &jobs, &p, &mut want);
+            assert!(
+                run(&src, &jobs, &p) == want,
+                "{out:?}: the GPU's output differs from the reference"
+            );
         }
+        // Past the grid's 65,535 images per launch: 70,000 tiny images, each its own crop.
+        let tiny: Vec<Job> = (0..70_000u64)
+            .map(|i| Job {
+                src: (i % 1000) * 48,
+                w: 4,
+                h: 4,
+                stride: 12,
+                flip: (i % 2) as i32,
+                cx: (i % 3) as f32 * 0.5,
+                cy: 0.25,
+                cw: 2.5 + (i % 3) as f32 * 0.5,
+                ch: 3.0,
+            })
+            .collect();
+        let p = Params::normalized(3, 2, OutType::U8, [0.0; 3], [1.0; 3]);
+        let mut want = vec![0u8; tiny.len() * p.image_bytes()];
+        reference(&src[..48_000], &tiny, &p, &mut want);
+        assert!(
+            run(&src[..48_000], &tiny, &p) == want,
+            "70,000 images: the GPU's output differs"
+        );
+        // The pipeline: copies on the copy stream into two staging slots, the kernel on the
+        // compute stream; six batches queued without a host wait, each output its reference.
+        let p = Params::normalized(64, 48, OutType::BF16, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
+        let batches: Vec<(Vec<u8>, Vec<Job>)> = (0..6u64)
+            .map(|b| {
+                let mut bytes = src.clone();
+                bytes.rotate_left((b * 7919) as usize % src.len());
+                let js = jobs
+                    .iter()
+                    .map(|j| Job {
+                        flip: (b % 2) as i32,
+                        cx: j.cx + b as f32,
+                        ..*j
+                    })
+                    .collect();
+                (bytes, js)
+            })
+            .collect();
+        let slots = (0..2).map(|_| device.get(src.len()).unwrap()).collect();
+        let mut pipe = gpu.pipeline(slots).unwrap();
+        let mut outs = Vec::new();
+        for (bytes, js) in &batches {
+            let mut host = pinned.get(bytes.len()).unwrap();
+            host.host_slice_mut().unwrap().copy_from_slice(bytes);
+            let dout = device.get(js.len() * p.image_bytes()).unwrap();
+            let work = |stream, slot, n| {
+                // SAFETY: the slot is a staging buffer of at least `n` bytes the pipeline keeps
+                // until this work completes.
+                kernel.launch_on(stream, unsafe { DevSpan::new(slot, n) }, js, DevSpan::of(&dout), &p)
+            };
+            // SAFETY: `host` is pinned, holds the batch, and is parked until `copied` completes.
+            let sub = unsafe { pipe.pipeline().submit(host.addr(), bytes.len(), work) }.unwrap();
+            host.release_after(Box::new(sub.copied));
+            outs.push((dout, sub.done));
+        }
+        for (b, ((bytes, js), (dout, done))) in batches.iter().zip(outs).enumerate() {
+            let mut want = vec![0u8; js.len() * p.image_bytes()];
+            reference(bytes, js, &p, &mut want);
+            while !done.is_complete().unwrap() {
+                std::thread::yield_now();
+            }
+            let mut got = vec![0u8; want.len()];
+            // SAFETY: `dout` holds `got.len()` bytes and the kernel that wrote it completed.
+            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), dout.addr(), got.len()).result() }.unwrap();
+            assert!(got == want, "pipelined batch {b} differs from its reference");
+        }
+        drop(pipe);
         let st = pinned.stats();
         assert_eq!(st.in_use, 0, "{st:?}");
     }

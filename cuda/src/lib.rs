@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod kernel;
 pub mod libs;
 pub mod nvrtc;
+pub mod pipeline;
 pub mod pool;
 
 /// Why the GPU cannot be used.

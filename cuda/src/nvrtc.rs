@@ -403,7 +403,9 @@ mod tests {
             .compile(crate::kernel::KERNEL_SRC, "ramjet_fused.cu", "compute_80")
             .unwrap_or_else(|e| panic!("{e}"));
         let ptx = ptx.to_str().unwrap();
-        assert!(ptx.contains(&format!(".entry {}", crate::kernel::KERNEL_NAME)), "{ptx}");
+        for entry in [crate::kernel::KERNEL_NAME, crate::kernel::WEIGHTS_NAME] {
+            assert!(ptx.contains(&format!(".entry {entry}")), "{entry} missing:\n{ptx}");
+        }
         // The conversions the reference mirrors are the rounding ones, and nothing was fused.
         assert!(ptx.contains("cvt.rn.f16.f32") && ptx.contains("cvt.rn.bf16.f32"));
         assert!(
@@ -423,11 +425,12 @@ mod tests {
                 .compile_cubin(crate::kernel::KERNEL_SRC, "ramjet_fused.cu", arch)
                 .unwrap_or_else(|e| panic!("{arch}: {e}"));
             assert!(b.starts_with(b"\x7fELF") && b.len() > 1024, "{arch}: not an ELF cubin");
-            let name = crate::kernel::KERNEL_NAME.as_bytes();
-            assert!(
-                b.windows(name.len()).any(|w| w == name),
-                "{arch}: the kernel's symbol is missing"
-            );
+            for name in [crate::kernel::KERNEL_NAME, crate::kernel::WEIGHTS_NAME] {
+                assert!(
+                    b.windows(name.len()).any(|w| w == name.as_bytes()),
+                    "{arch}: the symbol {name} is missing"
+                );
+            }
         }
     }
 

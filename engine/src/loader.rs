@@ -187,6 +187,11 @@ impl Batch {
     }
 }
 
+/// Host batches out of the loader's hands at once on the GPU path: the one just taken and those
+/// whose copy to the GPU may still be in flight (`ramjet.StreamingDataset._to_device` keeps at
+/// most 3 and waits for the oldest beyond).
+pub const IN_FLIGHT_COPIES: usize = 4;
+
 struct Job {
     seq: u64,
     epoch: u64,
@@ -400,7 +405,14 @@ impl Loader {
         // Every batch cut holds an `ahead` permit until handed out, so at most `ahead` sit in
         // this channel: it never blocks a decode job.
         let (done_tx, done_rx) = bounded::<Done>(ahead);
-        let ctx = Arc::new(Assembler::new(cfg, schema.clone(), metrics.clone(), ahead + 4));
+        // The working set: `ahead` batches decoding or queued, plus the host batches out of
+        // the loader's hands on the GPU path (`IN_FLIGHT_COPIES`).
+        let ctx = Arc::new(Assembler::new(
+            cfg,
+            schema.clone(),
+            metrics.clone(),
+            ahead + IN_FLIGHT_COPIES,
+        ));
         let decode = crate::rt::decode_pool()?;
         // While the first batch is read (over a slow link, several round trips), the decode
         // threads ready themselves, and this loader's first batch buffers get their pages:

@@ -64,6 +64,7 @@ if [ "$dev" = 0 ]; then
 fi
 
 cp tools/device-check/run.py bindings/tests/test_gpu.py benches/python/gpu_feed.py benches/python/cpu_scale.py \
+  benches/python/kernel_bench.py \
   "$out/scripts/"
 
 # What was packed, and the checks of it.
@@ -77,7 +78,7 @@ for p in sorted(out.rglob("*")):
         files[str(p.relative_to(out))] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
 problems = []
 need = ["bin/ramjet", "tests/ramjet_cuda", "tests/fused_kernel", "scripts/run.py", "scripts/test_gpu.py",
-        "scripts/gpu_feed.py", "scripts/cpu_scale.py"]
+        "scripts/gpu_feed.py", "scripts/cpu_scale.py", "scripts/kernel_bench.py"]
 problems += [f"missing {n}" for n in need if n not in files]
 if not dev:
     wheels = [n for n in files if n.startswith("wheels/ramjet-")]

@@ -7,9 +7,10 @@ tools/device-check/build.sh made here:
   python3 BUNDLE/scripts/run.py --bundle BUNDLE --out $OUT
 
 Each step is a process of its own with its own timeout; one failure never hides the next step.
-Everything comes back in at most 3 files (the device tool returns at most 8): `summary.json`
+Everything comes back in at most 5 files (the device tool returns at most 8): `summary.json`
 (one shape for every run: device, driver, commit, date, and per step its rc, seconds and
-figures), `log.txt` (every step's output, in order, under a header line), and `feed.json`.
+figures), `log.txt` (every step's output, in order, under a header line), and the benchmarks'
+`kernel.json`, `feed.json` and `cpu_scale.json`.
 
 Without a GPU (CI's dry run, `--cpu`), steps that need one report "skipped: no GPU" and the rest
 run on the CPU over the same bundle layout, so the script and the bundle stay alive between the
@@ -23,7 +24,10 @@ Steps:
   feed       benches/python/gpu_feed.py: H2D from ramjet's pool against torch's pinned copy, and
              ResNet-50 (AMP bf16, channels_last) fed by ramjet against resident batches
   cpu_scale  the CPU path at 1, 2, 4, 8 and 16 decode threads: img/s and CPU s per 1,000 images
-  kernel     the fused kernel against torchvision v2 on the GPU: not built yet (reported absent)
+  kernel     benches/python/kernel_bench.py: the fused kernel against torchvision v2
+             RandomResizedCrop + normalise on the GPU over the same decoded images, uint8 and
+             bf16 (run after py_gpu, before feed: the steps run in the order py_gpu, kernel,
+             feed, cpu_scale)
 """
 import argparse
 import datetime
@@ -188,6 +192,26 @@ def main() -> int:
            figures=lambda t: {"py_tests_passed": int(t.rsplit(" passed", 1)[0].split()[-1]) if " passed" in t else 0},
            head=head)
 
+    # 5. the fused kernel against torchvision v2 on the GPU, over the same decoded images
+    kernel_json = out / "kernel.json"
+
+    def kernel_figures(_):
+        doc = json.loads(kernel_json.read_text())
+        med = doc["median"]
+        f = {}
+        for t in ("u8", "bf16"):
+            f[f"kernel_rrc_{t}_img_s"] = round(med[f"ramjet_{t}_img_s"], 1)
+            f[f"torchvision_rrc_{t}_img_s"] = round(med[f"torchvision_{t}_img_s"], 1)
+            f[f"kernel_vs_torchvision_{t}_ratio"] = round(med[f"{t}_ratio"], 3)
+        for k in ("u8_mean_abs_diff_vs_torchvision", "u8_interior_max_abs_diff_vs_torchvision"):
+            f[k] = doc[k]
+        return f
+
+    kernel = [py, scripts / "kernel_bench.py", "--out", kernel_json]
+    if not gpu:
+        kernel += ["--cpu", "--images", "16", "--batch", "8", "--rounds", "1"]
+    r.step("kernel", [kernel], 150, figures=kernel_figures, head=head)
+
     # 4 and 6. H2D against torch's pinned copy; ResNet-50 fed by ramjet against resident batches
     feed_json = out / "feed.json"
     feed = [py, scripts / "gpu_feed.py", "--out", feed_json]
@@ -213,9 +237,6 @@ def main() -> int:
     r.step("cpu_scale", [scale], 150,
            figures=lambda _: json.loads(cpu_json.read_text())["figures"], head=head)
 
-    # 5. the fused kernel against torchvision v2: its benchmark is not built yet (issue 40).
-    r.steps["kernel"] = {"rc": None, "seconds": 0.0, "figures": {},
-                         "skipped": "absent: no kernel benchmark in the bundle yet (issue 40, step 5)"}
     r.write_summary(head)
     failed = [n for n, s in r.steps.items() if s["rc"] not in (0, None)]
     print(json.dumps({"mode": head["mode"], "failed": failed,

@@ -597,7 +597,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 v.record_stream(consumer)  # allocated on the copy stream, used on the consumer's
         self._in_flight.append((done, batch))
-        while self._in_flight and (self._in_flight[0][0].query() or len(self._in_flight) > 8):
+        # At most 3 kept here, so with the next batch taken 4 host batches are out of the
+        # loader's hands: its IN_FLIGHT_COPIES, counted in the pinned working set it allocates
+        # at start.
+        while self._in_flight and (self._in_flight[0][0].query() or len(self._in_flight) > 3):
             self._in_flight[0][0].synchronize()
             self._in_flight.pop(0)
         return out
