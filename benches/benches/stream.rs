@@ -200,7 +200,9 @@ fn main() {
     println!(
         "stream benchmark: {n} samples, {mib:.0} MiB in {} shards, median of {reps}, cache I/O {}",
         ds.manifest().shard_count(),
-        ramjet_engine::cache::io::detect().name()
+        ramjet_engine::cache::io::detect()
+            .map(|io| io.name())
+            .unwrap_or("unavailable")
     );
     println!("| scenario | time (s) | MiB/s | CPU s/GiB | baseline | baseline time (s) | baseline CPU s/GiB | ratio (target) |");
     println!("|---|---|---|---|---|---|---|---|");

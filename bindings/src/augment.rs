@@ -126,7 +126,7 @@ pub fn fused_reference<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let p = params(ow, oh, out_type, mean, std)?;
     let j = jobs(&jobs_);
-    ramjet_cuda::kernel::plan(&j, &p, Some(src.len())).map_err(InvalidInputError::new_err)?;
+    ramjet_cuda::kernel::plan(&j, &p, Some(src.len())).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
     let mut out = vec![0u8; j.len() * p.image_bytes()];
     py.detach(|| ramjet_cuda::kernel::reference(src, &j, &p, &mut out));
     Ok(PyBytes::new(py, &out))

@@ -235,8 +235,8 @@ impl Tensor {
                 PyValueError::new_err("__dlpack__: stream must be None or an integer (DLPack protocol)")
             })?),
         };
-        check_requested_device(Device::CPU, dl_device).map_err(PyBufferError::new_err)?;
-        ConsumerStream::parse(Device::CPU, stream).map_err(PyValueError::new_err)?;
+        check_requested_device(Device::CPU, dl_device).map_err(|e| PyBufferError::new_err(e.to_string()))?;
+        ConsumerStream::parse(Device::CPU, stream).map_err(|e| PyValueError::new_err(e.to_string()))?;
         if copy == Some(true) {
             return Err(PyValueError::new_err(
                 "ramjet exports without copying; copy=True is not supported",

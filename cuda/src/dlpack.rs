@@ -22,6 +22,8 @@
 //! ([`crate::pool::PoolBuf::release_after`]), so memory is never reused while a kernel the
 //! trainer queued may still read it.
 
+use crate::GpuError;
+
 /// `kDLCPU`.
 pub const KDL_CPU: i32 = 1;
 /// `kDLCUDA`.
@@ -68,29 +70,30 @@ pub enum ConsumerStream {
 
 impl ConsumerStream {
     /// The stream argument for memory on `device`, or why it is not allowed.
-    pub fn parse(device: Device, stream: Option<i64>) -> Result<ConsumerStream, String> {
+    pub fn parse(device: Device, stream: Option<i64>) -> Result<ConsumerStream, GpuError> {
         match device.kind {
             KDL_CPU | KDL_CUDA_HOST => match stream {
                 None => Ok(ConsumerStream::Host),
-                Some(s) => Err(format!(
+                Some(s) => Err(invalid(format!(
                     "stream={s} given for a tensor in host memory; only stream=None is allowed there"
-                )),
+                ))),
             },
             KDL_CUDA => match stream {
                 None | Some(1) => Ok(ConsumerStream::Legacy),
                 Some(2) => Ok(ConsumerStream::PerThread),
                 Some(-1) => Ok(ConsumerStream::NoSync),
-                Some(0) => Err(
+                Some(0) => Err(invalid(
                     "stream=0 is ambiguous for CUDA (it could mean the legacy, per-thread or default stream); \
-                     pass 1, 2 or a stream handle"
-                        .into(),
-                ),
-                Some(s) if s > 2 => Ok(ConsumerStream::Handle(s as u64)),
-                Some(s) => Err(format!(
-                    "stream={s} is not a valid CUDA stream (valid: None, -1, 1, 2, a handle)"
+                     pass 1, 2 or a stream handle",
                 )),
+                Some(s) if s > 2 => Ok(ConsumerStream::Handle(s as u64)),
+                Some(s) => Err(invalid(format!(
+                    "stream={s} is not a valid CUDA stream (valid: None, -1, 1, 2, a handle)"
+                ))),
             },
-            other => Err(format!("ramjet exports no tensors on DLPack device type {other}")),
+            other => Err(invalid(format!(
+                "ramjet exports no tensors on DLPack device type {other}"
+            ))),
         }
     }
 
@@ -106,15 +109,23 @@ impl ConsumerStream {
     }
 }
 
+/// An argument of `__dlpack__` refused.
+fn invalid(reason: impl Into<String>) -> GpuError {
+    GpuError::Invalid {
+        what: "DLPack export",
+        reason: reason.into(),
+    }
+}
+
 /// Checks `__dlpack__`'s `dl_device` request against where the tensor is: ramjet never copies
 /// between devices on export.
-pub fn check_requested_device(have: Device, requested: Option<(i32, i32)>) -> Result<(), String> {
+pub fn check_requested_device(have: Device, requested: Option<(i32, i32)>) -> Result<(), GpuError> {
     match requested {
-        Some((kind, id)) if (kind, id) != (have.kind, have.id) => Err(format!(
+        Some((kind, id)) if (kind, id) != (have.kind, have.id) => Err(invalid(format!(
             "the tensor is on DLPack device ({}, {}); exporting to ({kind}, {id}) would need a copy, \
              which ramjet does not make on export",
             have.kind, have.id
-        )),
+        ))),
         _ => Ok(()),
     }
 }
@@ -143,18 +154,17 @@ impl Export {
     /// none. Recording it on the legacy default stream, as this did, orders nothing after
     /// non-blocking streams (torch's side streams, ramjet's own), so a buffer could be reused
     /// while a kernel still read it (issue 40, item 5).
-    pub fn begin(ops: &dyn StreamOps, device: Device, stream: Option<i64>) -> Result<Export, String> {
+    pub fn begin(ops: &dyn StreamOps, device: Device, stream: Option<i64>) -> Result<Export, GpuError> {
         let stream = ConsumerStream::parse(device, stream)?;
         if stream == ConsumerStream::NoSync {
-            return Err(
+            return Err(invalid(
                 "stream=-1 is not accepted for ramjet's pooled GPU buffers: pass the stream that will \
                         use the tensor (torch.cuda.current_stream().cuda_stream), so that the buffer is \
-                        reused only after that stream's work on it"
-                    .into(),
-            );
+                        reused only after that stream's work on it",
+            ));
         }
         if let Some(h) = stream.handle() {
-            ops.wait_ready(h).map_err(|e| e.to_string())?;
+            ops.wait_ready(h)?;
         }
         Ok(Export { stream })
     }
@@ -195,14 +205,14 @@ mod tests {
         for (arg, want) in cases {
             match (ConsumerStream::parse(gpu, arg), want) {
                 (Ok(got), Ok(w)) => assert_eq!(got, w, "stream={arg:?}"),
-                (Err(e), Err(w)) => assert!(e.contains(w), "stream={arg:?}: {e}"),
+                (Err(e), Err(w)) => assert!(e.to_string().contains(w), "stream={arg:?}: {e}"),
                 (got, w) => panic!("stream={arg:?}: got {got:?}, want {w:?}"),
             }
         }
         assert_eq!(ConsumerStream::parse(Device::CPU, None), Ok(ConsumerStream::Host));
         for s in [-1, 0, 1, 2, 12345] {
             let e = ConsumerStream::parse(Device::CPU, Some(s)).unwrap_err();
-            assert!(e.contains("only stream=None"), "{e}");
+            assert!(e.to_string().contains("only stream=None"), "{e}");
         }
         assert!(ConsumerStream::parse(Device { kind: 10, id: 0 }, None).is_err());
     }
@@ -212,7 +222,10 @@ mod tests {
         assert!(check_requested_device(Device::cuda(1), None).is_ok());
         assert!(check_requested_device(Device::cuda(1), Some((KDL_CUDA, 1))).is_ok());
         let e = check_requested_device(Device::cuda(1), Some((KDL_CUDA, 0))).unwrap_err();
-        assert!(e.contains("(2, 1)") && e.contains("(2, 0)"), "{e}");
+        assert!(
+            e.to_string().contains("(2, 1)") && e.to_string().contains("(2, 0)"),
+            "{e}"
+        );
         assert!(check_requested_device(Device::CPU, Some((KDL_CUDA, 0))).is_err());
     }
 
@@ -277,7 +290,10 @@ mod tests {
         let e = Export::begin(&ops, Device::cuda(0), Some(-1))
             .err()
             .expect("-1 refused");
-        assert!(e.contains("stream=-1") && e.contains("current_stream"), "{e}");
+        assert!(
+            e.to_string().contains("stream=-1") && e.to_string().contains("current_stream"),
+            "{e}"
+        );
         assert!(Export::begin(&ops, Device::cuda(0), Some(0)).is_err());
         assert!(
             ops.calls.lock().unwrap().is_empty(),

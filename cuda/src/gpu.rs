@@ -13,7 +13,7 @@ use cudarc::driver::{result, sys, CudaContext};
 
 use crate::dlpack::StreamOps;
 use crate::kernel::{Job, Params, BLOCK, KERNEL_NAME, KERNEL_SRC, WEIGHTS_NAME};
-use crate::nvrtc::{Nvrtc, NvrtcError};
+use crate::nvrtc::Nvrtc;
 use crate::pipeline::GpuPipeline;
 use crate::pool::{CudaDevice, CudaHost, Fence, Pool, PoolBuf};
 use crate::{driver_err as err, GpuError};
@@ -291,26 +291,6 @@ pub struct FusedKernel {
 // the pools are Send.
 unsafe impl Send for FusedKernel {}
 
-/// Why the kernel could not be had or run.
-#[derive(Debug)]
-pub enum KernelError {
-    /// Compiling failed.
-    Nvrtc(NvrtcError),
-    /// The driver refused.
-    Gpu(GpuError),
-}
-
-impl std::fmt::Display for KernelError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            KernelError::Nvrtc(e) => write!(f, "{e}"),
-            KernelError::Gpu(e) => write!(f, "{e}"),
-        }
-    }
-}
-
-impl std::error::Error for KernelError {}
-
 /// Scratch a launch may hold (jobs and weight table), pinned and on the device alike: a batch
 /// of 256 images at 224x224 takes about 5 MiB, so dozens of launches can be in flight.
 const SCRATCH_LIMIT: usize = 256 << 20;
@@ -319,8 +299,8 @@ impl FusedKernel {
     /// Compiles [`KERNEL_SRC`] to a cubin for `gpu`'s own compute capability (cached on disk,
     /// [`crate::nvrtc::cache_dir`]), or to PTX where the driver can load NVRTC's PTX
     /// ([`crate::nvrtc::targets`]), and loads it on `gpu`.
-    pub fn load(gpu: &Gpu, nvrtc: &Nvrtc) -> Result<FusedKernel, KernelError> {
-        let g = |doing| move |e| KernelError::Gpu(err(doing)(e));
+    pub fn load(gpu: &Gpu, nvrtc: &Nvrtc) -> Result<FusedKernel, GpuError> {
+        let g = |doing| move |e| err(doing)(e);
         let cc = gpu
             .ctx
             .compute_capability()
@@ -330,9 +310,8 @@ impl FusedKernel {
         unsafe { sys::cuDriverGetVersion(&mut driver).result() }.map_err(g("reading the driver's version"))?;
         let cache = crate::nvrtc::cache_dir();
         let (image, _target) =
-            crate::nvrtc::compile_for_device(nvrtc, KERNEL_SRC, "ramjet_fused.cu", cc, driver, cache.as_deref())
-                .map_err(KernelError::Nvrtc)?;
-        let _current = crate::current::enter(&gpu.ctx).map_err(KernelError::Gpu)?;
+            crate::nvrtc::compile_for_device(nvrtc, KERNEL_SRC, "ramjet_fused.cu", cc, driver, cache.as_deref())?;
+        let _current = crate::current::enter(&gpu.ctx)?;
         // SAFETY: `image` is an ELF cubin or NUL-terminated PTX, both of which
         // cuModuleLoadData accepts, and it lives across the call.
         let module = unsafe { result::module::load_data(image.image()) }.map_err(g("loading the kernel"))?;
@@ -375,7 +354,7 @@ impl FusedKernel {
             doing: "checking the kernel's arguments",
             reason,
         };
-        let plan = crate::kernel::plan(jobs, p, Some(src.len)).map_err(bad)?;
+        let plan = crate::kernel::plan(jobs, p, Some(src.len))?;
         if out.len < jobs.len() * p.image_bytes() {
             return Err(bad(format!(
                 "the output holds {} B; {} images of {}x{} {:?} need {} B",
@@ -395,8 +374,7 @@ impl FusedKernel {
         let scratch = table_at + plan.table_floats * 4;
         let stream_h = stream as sys::CUstream;
         let _current = crate::current::enter(&self.ctx)?;
-        let get_both =
-            || -> Result<_, crate::pool::PoolError> { Ok((self.host.get(job_bytes.len())?, self.dev.get(scratch)?)) };
+        let get_both = || -> Result<_, GpuError> { Ok((self.host.get(job_bytes.len())?, self.dev.get(scratch)?)) };
         let (mut host, dev) = match get_both() {
             Ok(b) => b,
             Err(_) => {

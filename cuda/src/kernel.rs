@@ -21,6 +21,8 @@
 
 use half::{bf16, f16};
 
+use crate::GpuError;
+
 /// The most one uint8 output value may differ from ramjet's CPU path (two-pass resize with
 /// intermediate rounding). The mean difference stays under [`TOLERANCE_U8_MEAN`].
 pub const TOLERANCE_U8: u8 = 2;
@@ -305,28 +307,32 @@ impl Plan {
 /// an image smaller than 1x1, a row stride under `3 * w`, a crop that is not finite, not
 /// positive or larger than the image, or an output under 1x1 or over 2^28 pixels. `src_len`,
 /// when given, is the source buffer's size, which every image must lie inside.
-pub fn plan(jobs: &[Job], p: &Params, src_len: Option<usize>) -> Result<Plan, String> {
+pub fn plan(jobs: &[Job], p: &Params, src_len: Option<usize>) -> Result<Plan, GpuError> {
+    let refuse = |reason: String| GpuError::Invalid {
+        what: "the fused kernel's batch",
+        reason,
+    };
     if p.ow < 1 || p.oh < 1 || (p.ow as i64) * (p.oh as i64) > 1 << 28 {
-        return Err(format!(
+        return Err(refuse(format!(
             "output size {}x{}: each side at least 1, at most 2^28 pixels",
             p.ow, p.oh
-        ));
+        )));
     }
     let mut out = Vec::with_capacity(jobs.len());
     let mut wofs = 0u64;
     for (i, j) in jobs.iter().enumerate() {
         if j.w < 1 || j.h < 1 || (j.stride as i64) < 3 * j.w as i64 {
-            return Err(format!(
+            return Err(refuse(format!(
                 "image {i}: {}x{} with a row stride of {} B",
                 j.w, j.h, j.stride
-            ));
+            )));
         }
         if let Some(len) = src_len {
             let end = j.src as u128 + j.stride as u128 * j.h as u128;
             if end > len as u128 {
-                return Err(format!(
+                return Err(refuse(format!(
                     "image {i} reaches outside the source buffer ({end} B of {len} B): {j:?}"
-                ));
+                )));
             }
         }
         let fine = |v: f32| v.is_finite();
@@ -336,10 +342,10 @@ pub fn plan(jobs: &[Job], p: &Params, src_len: Option<usize>) -> Result<Plan, St
             || j.cw > j.w as f32
             || j.ch > j.h as f32
         {
-            return Err(format!(
+            return Err(refuse(format!(
                 "image {i}: crop {}x{} at ({}, {}) does not fit a {}x{} image",
                 j.cw, j.ch, j.cx, j.cy, j.w, j.h
-            ));
+            )));
         }
         let taps = |size: f32, n: i32| (2.0 * (size / n as f32).max(1.0)).ceil() as i32 + 2;
         let (tx, ty) = (taps(j.cw, p.ow), taps(j.ch, p.oh));
@@ -684,12 +690,12 @@ mod tests {
             (Job { src: 1, ..ok }, "outside the source buffer"),
         ];
         for (bad, want) in cases {
-            let e = plan(&[ok, bad], &p, Some(300)).unwrap_err();
+            let e = plan(&[ok, bad], &p, Some(300)).unwrap_err().to_string();
             assert!(e.contains("image 1") && e.contains(want), "{e}");
         }
         for (w, h) in [(0, 4), (4, -1), (1 << 15, 1 << 14)] {
             let q = Params { ow: w, oh: h, ..p };
-            assert!(plan(&[ok], &q, None).unwrap_err().contains("output size"));
+            assert!(plan(&[ok], &q, None).unwrap_err().to_string().contains("output size"));
         }
     }
 

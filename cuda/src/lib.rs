@@ -16,8 +16,10 @@ pub mod nvrtc;
 pub mod pipeline;
 pub mod pool;
 
-/// Why the GPU cannot be used.
+/// Every error of the GPU path, in one enum: the driver, the buffer pools, the CUDA user
+/// libraries and their search, NVRTC, and arguments refused before anything was queued.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum GpuError {
     /// No CUDA driver library (libcuda) can be loaded in this process.
     NoDriver,
@@ -30,6 +32,65 @@ pub enum GpuError {
     },
     /// The driver works, but sees no GPU.
     NoDevice,
+    /// A buffer pool would go over its byte limit ([`pool::Pool`]): back-pressure.
+    PoolExhausted {
+        /// Bytes asked for (rounded).
+        want: usize,
+        /// Bytes handed out and not yet back.
+        in_use: usize,
+        /// Bytes waiting for their fence.
+        pending: usize,
+        /// The pool's limit.
+        limit: usize,
+    },
+    /// A library's environment variable is set, but leads to no such library ([`libs`]).
+    LibraryEnv {
+        /// Which library.
+        lib: libs::Lib,
+        /// The variable's value.
+        value: String,
+    },
+    /// A library was found nowhere.
+    LibraryNotFound {
+        /// Which library.
+        lib: libs::Lib,
+        /// Every folder looked in, in order.
+        looked_in: Vec<std::path::PathBuf>,
+    },
+    /// A library was found, but the dynamic loader refused it.
+    LibraryLoad {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The loader's reason.
+        reason: String,
+    },
+    /// A symbol is missing from the NVRTC library (not NVRTC, or a very old one).
+    NvrtcSymbol {
+        /// The library.
+        path: std::path::PathBuf,
+        /// The symbol.
+        name: &'static str,
+    },
+    /// The kernel's source did not compile; NVRTC's log.
+    NvrtcCompile {
+        /// What NVRTC said.
+        log: String,
+    },
+    /// Another NVRTC call failed.
+    NvrtcCall {
+        /// The call.
+        name: &'static str,
+        /// Its result code.
+        code: i32,
+    },
+    /// An argument refused before anything was queued: a DLPack stream or device, a kernel
+    /// job, an output size, a staging slot too small.
+    Invalid {
+        /// What was being checked.
+        what: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
 }
 
 impl std::fmt::Display for GpuError {
@@ -42,6 +103,46 @@ impl std::fmt::Display for GpuError {
             ),
             GpuError::Driver { doing, reason } => write!(f, "CUDA driver error while {doing}: {reason}"),
             GpuError::NoDevice => write!(f, "the CUDA driver sees no GPU (check CUDA_VISIBLE_DEVICES)"),
+            GpuError::PoolExhausted {
+                want,
+                in_use,
+                pending,
+                limit,
+            } => write!(
+                f,
+                "buffer pool full: {want} B wanted, {in_use} B in use and {pending} B waiting for the GPU, \
+                 limit {limit} B (batches are being held; drop them or raise the limit)"
+            ),
+            GpuError::LibraryEnv { lib, value } => write!(
+                f,
+                "{}={value:?} holds no {} library ({}); unset it to search the Python environment and the system",
+                lib.env_var(),
+                lib.name(),
+                lib.file_names().join(" or ")
+            ),
+            GpuError::LibraryNotFound { lib, looked_in } => {
+                let places: Vec<String> = looked_in.iter().map(|p| p.display().to_string()).collect();
+                write!(
+                    f,
+                    "no {} library ({}) found; looked in ${} (unset), {}; {}",
+                    lib.name(),
+                    lib.file_names().join(" or "),
+                    lib.env_var(),
+                    if places.is_empty() {
+                        "no other folder".to_owned()
+                    } else {
+                        places.join(", ")
+                    },
+                    lib.install_hint()
+                )
+            }
+            GpuError::LibraryLoad { path, reason } => write!(f, "cannot load {}: {reason}", path.display()),
+            GpuError::NvrtcSymbol { path, name } => {
+                write!(f, "{} is not a usable NVRTC: it has no {name}", path.display())
+            }
+            GpuError::NvrtcCompile { log } => write!(f, "NVRTC could not compile the kernel:\n{log}"),
+            GpuError::NvrtcCall { name, code } => write!(f, "NVRTC: {name} failed with code {code}"),
+            GpuError::Invalid { what, reason } => write!(f, "{what}: {reason}"),
         }
     }
 }

@@ -16,7 +16,7 @@
 //!
 //! Within each place, a newer major version comes first (`.so.13` before `.so.12`).
 
-use std::fmt;
+use crate::GpuError;
 use std::path::{Path, PathBuf};
 
 /// A CUDA user library ramjet loads at run time.
@@ -93,65 +93,6 @@ pub struct Found {
     pub origin: Origin,
 }
 
-/// A library that could not be found or loaded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LibError {
-    /// Its environment variable is set, but leads to no such library.
-    BadEnv {
-        /// Which library.
-        lib: Lib,
-        /// The variable's value.
-        value: String,
-    },
-    /// Found nowhere.
-    NotFound {
-        /// Which library.
-        lib: Lib,
-        /// Every folder looked in, in order.
-        looked_in: Vec<PathBuf>,
-    },
-    /// Found, but the dynamic loader refused it.
-    Load {
-        /// The file.
-        path: PathBuf,
-        /// The loader's reason.
-        reason: String,
-    },
-}
-
-impl fmt::Display for LibError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LibError::BadEnv { lib, value } => write!(
-                f,
-                "{}={value:?} holds no {} library ({}); unset it to search the Python environment and the system",
-                lib.env_var(),
-                lib.name(),
-                lib.file_names().join(" or ")
-            ),
-            LibError::NotFound { lib, looked_in } => {
-                let places: Vec<String> = looked_in.iter().map(|p| p.display().to_string()).collect();
-                write!(
-                    f,
-                    "no {} library ({}) found; looked in ${} (unset), {}; {}",
-                    lib.name(),
-                    lib.file_names().join(" or "),
-                    lib.env_var(),
-                    if places.is_empty() {
-                        "no other folder".to_owned()
-                    } else {
-                        places.join(", ")
-                    },
-                    lib.install_hint()
-                )
-            }
-            LibError::Load { path, reason } => write!(f, "cannot load {}: {reason}", path.display()),
-        }
-    }
-}
-
-impl std::error::Error for LibError {}
-
 /// Where to look: the settings a search runs with, taken from the environment by
 /// [`Search::from_env`] or given whole (tests).
 #[derive(Debug, Clone, Default)]
@@ -202,7 +143,7 @@ impl Search {
     }
 
     /// The library's file, or why there is none (see the module's search order).
-    pub fn find(&self, lib: Lib) -> Result<Found, LibError> {
+    pub fn find(&self, lib: Lib) -> Result<Found, GpuError> {
         if let Some((_, value)) = self.env.iter().find(|(l, _)| *l == lib) {
             let p = Path::new(value);
             let hit = if p.is_dir() {
@@ -216,7 +157,7 @@ impl Search {
                     path: absolute(path),
                     origin: Origin::Env,
                 }),
-                None => Err(LibError::BadEnv {
+                None => Err(GpuError::LibraryEnv {
                     lib,
                     value: value.clone(),
                 }),
@@ -248,7 +189,7 @@ impl Search {
             }
             looked_in.push(dir.clone());
         }
-        Err(LibError::NotFound { lib, looked_in })
+        Err(GpuError::LibraryNotFound { lib, looked_in })
     }
 }
 
@@ -280,11 +221,11 @@ fn absolute(p: PathBuf) -> PathBuf {
 }
 
 /// Loads a library by its absolute path (never by name through the linker's search).
-pub fn load(path: &Path) -> Result<libloading::Library, LibError> {
+pub fn load(path: &Path) -> Result<libloading::Library, GpuError> {
     // SAFETY: loading a shared library runs its initialisers. The CUDA libraries' have no
     // preconditions on the caller; a file that is no library is refused by the loader with an
     // error, which is returned.
-    unsafe { libloading::Library::new(path) }.map_err(|e| LibError::Load {
+    unsafe { libloading::Library::new(path) }.map_err(|e| GpuError::LibraryLoad {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })
@@ -366,7 +307,7 @@ mod tests {
         let missing = t.path().join("no/such/libnvrtc.so.13");
         let s = search(&[(Lib::Nvrtc, &missing)], &[t.path()], &[]);
         let e = s.find(Lib::Nvrtc).unwrap_err();
-        assert!(matches!(e, LibError::BadEnv { lib: Lib::Nvrtc, .. }), "{e:?}");
+        assert!(matches!(e, GpuError::LibraryEnv { lib: Lib::Nvrtc, .. }), "{e:?}");
         let msg = e.to_string();
         assert!(
             msg.contains("RAMJET_NVRTC") && msg.contains("no/such/libnvrtc.so.13"),

@@ -5,7 +5,8 @@
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::path::{Path, PathBuf};
 
-use crate::libs::{self, Lib, LibError, Search};
+use crate::libs::{self, Lib, Search};
+use crate::GpuError;
 
 type Prog = *mut std::ffi::c_void;
 type CreateFn = unsafe extern "C" fn(
@@ -39,64 +40,23 @@ pub struct Nvrtc {
     _lib: libloading::Library,
 }
 
-/// Why compiling failed.
-#[derive(Debug)]
-pub enum NvrtcError {
-    /// The library was not found or not loaded.
-    Lib(LibError),
-    /// A symbol is missing (not an NVRTC library, or a very old one).
-    Symbol {
-        /// The library.
-        path: PathBuf,
-        /// The symbol.
-        name: &'static str,
-    },
-    /// The source did not compile; NVRTC's log.
-    Compile {
-        /// What NVRTC said.
-        log: String,
-    },
-    /// Another NVRTC call failed.
-    Call {
-        /// The call.
-        name: &'static str,
-        /// Its result code.
-        code: i32,
-    },
-}
-
-impl std::fmt::Display for NvrtcError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NvrtcError::Lib(e) => write!(f, "{e}"),
-            NvrtcError::Symbol { path, name } => {
-                write!(f, "{} is not a usable NVRTC: it has no {name}", path.display())
-            }
-            NvrtcError::Compile { log } => write!(f, "NVRTC could not compile the kernel:\n{log}"),
-            NvrtcError::Call { name, code } => write!(f, "NVRTC: {name} failed with code {code}"),
-        }
-    }
-}
-
-impl std::error::Error for NvrtcError {}
-
 impl Nvrtc {
     /// Finds NVRTC with `search` and loads it.
-    pub fn find(search: &Search) -> Result<Nvrtc, NvrtcError> {
-        let found = search.find(Lib::Nvrtc).map_err(NvrtcError::Lib)?;
+    pub fn find(search: &Search) -> Result<Nvrtc, GpuError> {
+        let found = search.find(Lib::Nvrtc)?;
         Nvrtc::open(&found.path)
     }
 
     /// Loads NVRTC from `path`.
-    pub fn open(path: &Path) -> Result<Nvrtc, NvrtcError> {
-        let lib = libs::load(path).map_err(NvrtcError::Lib)?;
-        fn sym<T: Copy>(lib: &libloading::Library, path: &Path, name: &'static str) -> Result<T, NvrtcError> {
+    pub fn open(path: &Path) -> Result<Nvrtc, GpuError> {
+        let lib = libs::load(path)?;
+        fn sym<T: Copy>(lib: &libloading::Library, path: &Path, name: &'static str) -> Result<T, GpuError> {
             let c = format!("{name}\0");
             // SAFETY: each `T` below is the C signature NVRTC documents for `name`; the
             // pointer is copied out and used only while `Nvrtc` (which owns `lib`) lives.
             unsafe { lib.get::<T>(c.as_bytes()) }
                 .map(|s| *s)
-                .map_err(|_| NvrtcError::Symbol {
+                .map_err(|_| GpuError::NvrtcSymbol {
                     path: path.to_path_buf(),
                     name,
                 })
@@ -124,12 +84,12 @@ impl Nvrtc {
     }
 
     /// NVRTC's `(major, minor)` version.
-    pub fn version(&self) -> Result<(i32, i32), NvrtcError> {
+    pub fn version(&self) -> Result<(i32, i32), GpuError> {
         let (mut a, mut b) = (0, 0);
         // SAFETY: two valid out-pointers.
         let code = unsafe { (self.version)(&mut a, &mut b) };
         if code != 0 {
-            return Err(NvrtcError::Call {
+            return Err(GpuError::NvrtcCall {
                 name: "nvrtcVersion",
                 code,
             });
@@ -139,18 +99,18 @@ impl Nvrtc {
 
     /// Compiles `src` (named `name` in messages) to PTX for virtual architecture `arch`
     /// (`"compute_80"`), which the driver then compiles for the GPU it runs on.
-    pub fn compile(&self, src: &str, name: &str, arch: &str) -> Result<CString, NvrtcError> {
+    pub fn compile(&self, src: &str, name: &str, arch: &str) -> Result<CString, GpuError> {
         let ptx = self.build(src, name, arch, |prog| self.read(prog, self.ptx_size, self.ptx, "PTX"))?;
-        CString::new(ptx.trim_end_matches('\0')).map_err(|_| NvrtcError::Compile {
+        CString::new(ptx.trim_end_matches('\0')).map_err(|_| GpuError::NvrtcCompile {
             log: "the PTX contains a NUL byte".into(),
         })
     }
 
     /// Compiles `src` to a cubin for real architecture `arch` (`"sm_90"`): machine code the
     /// driver loads as it is, with no JIT, whatever PTX version the driver accepts.
-    pub fn compile_cubin(&self, src: &str, name: &str, arch: &str) -> Result<Vec<u8>, NvrtcError> {
+    pub fn compile_cubin(&self, src: &str, name: &str, arch: &str) -> Result<Vec<u8>, GpuError> {
         let Some((size, get)) = self.cubin else {
-            return Err(NvrtcError::Symbol {
+            return Err(GpuError::NvrtcSymbol {
                 path: self.path.clone(),
                 name: "nvrtcGetCUBIN",
             });
@@ -160,7 +120,7 @@ impl Nvrtc {
             // SAFETY: a live program and a valid out-pointer.
             let code = unsafe { size(prog, &mut n) };
             if code != 0 {
-                return Err(NvrtcError::Call {
+                return Err(GpuError::NvrtcCall {
                     name: "nvrtcGetCUBINSize",
                     code,
                 });
@@ -169,7 +129,7 @@ impl Nvrtc {
             // SAFETY: `buf` holds the `n` bytes NVRTC said it will write.
             let code = unsafe { get(prog, buf.as_mut_ptr().cast()) };
             if code != 0 {
-                return Err(NvrtcError::Call {
+                return Err(GpuError::NvrtcCall {
                     name: "nvrtcGetCUBIN",
                     code,
                 });
@@ -185,9 +145,9 @@ impl Nvrtc {
         src: &str,
         name: &str,
         arch: &str,
-        out: impl FnOnce(Prog) -> Result<T, NvrtcError>,
-    ) -> Result<T, NvrtcError> {
-        let c_src = CString::new(src).map_err(|_| NvrtcError::Compile {
+        out: impl FnOnce(Prog) -> Result<T, GpuError>,
+    ) -> Result<T, GpuError> {
+        let c_src = CString::new(src).map_err(|_| GpuError::NvrtcCompile {
             log: "the source contains a NUL byte".into(),
         })?;
         let c_name = CString::new(name).unwrap_or_else(|_| c"kernel.cu".into());
@@ -201,7 +161,7 @@ impl Nvrtc {
             if code == 0 {
                 Ok(())
             } else {
-                Err(NvrtcError::Call { name, code })
+                Err(GpuError::NvrtcCall { name, code })
             }
         };
         // SAFETY: valid C strings, no headers (0 and nulls); `prog` receives the program.
@@ -220,7 +180,7 @@ impl Nvrtc {
             // SAFETY: a live program and `opt_ptrs.len()` valid C strings.
             let code = unsafe { (self.compile)(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr()) };
             if code != 0 {
-                return Err(NvrtcError::Compile {
+                return Err(GpuError::NvrtcCompile {
                     log: self.read(prog, self.log_size, self.log, "log").unwrap_or_default(),
                 });
             }
@@ -231,18 +191,18 @@ impl Nvrtc {
         result
     }
 
-    fn read(&self, prog: Prog, size: SizeFn, get: GetFn, what: &'static str) -> Result<String, NvrtcError> {
+    fn read(&self, prog: Prog, size: SizeFn, get: GetFn, what: &'static str) -> Result<String, GpuError> {
         let mut n = 0usize;
         // SAFETY: a live program and a valid out-pointer.
         let code = unsafe { size(prog, &mut n) };
         if code != 0 {
-            return Err(NvrtcError::Call { name: what, code });
+            return Err(GpuError::NvrtcCall { name: what, code });
         }
         let mut buf = vec![0u8; n.max(1)];
         // SAFETY: `buf` holds the `n` bytes NVRTC said it will write.
         let code = unsafe { get(prog, buf.as_mut_ptr().cast()) };
         if code != 0 {
-            return Err(NvrtcError::Call { name: what, code });
+            return Err(GpuError::NvrtcCall { name: what, code });
         }
         Ok(CStr::from_bytes_until_nul(&buf)
             .map(|c| c.to_string_lossy().into_owned())
@@ -333,7 +293,7 @@ pub fn compile_for_device(
     cc: (i32, i32),
     driver: i32,
     cache: Option<&Path>,
-) -> Result<(Compiled, Target), NvrtcError> {
+) -> Result<(Compiled, Target), GpuError> {
     let version = nvrtc.version()?;
     let mut errors = Vec::new();
     for t in targets(cc, version, driver) {
@@ -374,7 +334,7 @@ pub fn compile_for_device(
             version.0, version.1, drv.0, drv.1
         ));
     }
-    Err(NvrtcError::Compile { log: errors.join("\n") })
+    Err(GpuError::NvrtcCompile { log: errors.join("\n") })
 }
 
 #[cfg(test)]
@@ -511,13 +471,13 @@ mod tests {
         .find(|p| p.is_file());
         if let Some(libc) = libc {
             match Nvrtc::open(libc) {
-                Err(NvrtcError::Symbol { name, .. }) => assert_eq!(name, "nvrtcCreateProgram"),
+                Err(GpuError::NvrtcSymbol { name, .. }) => assert_eq!(name, "nvrtcCreateProgram"),
                 Err(e) => panic!("{e}"),
                 Ok(_) => panic!("libc was taken for NVRTC"),
             }
         }
         let fake = dir.path().join("libnvrtc.so.13");
         std::fs::write(&fake, b"no").unwrap();
-        assert!(matches!(Nvrtc::open(&fake), Err(NvrtcError::Lib(_))));
+        assert!(matches!(Nvrtc::open(&fake), Err(GpuError::LibraryLoad { .. })));
     }
 }

@@ -14,7 +14,7 @@
 //! reusing memory a device may still touch would corrupt a later batch.
 //!
 //! The pool holds at most `limit` bytes. A request beyond it first reclaims completed fences,
-//! then frees idle buffers of other sizes, and otherwise fails with [`PoolError::Exhausted`],
+//! then frees idle buffers of other sizes, and otherwise fails with [`GpuError::PoolExhausted`],
 //! which the caller treats as back-pressure (wait for the trainer to drop batches).
 
 use std::collections::BTreeMap;
@@ -56,44 +56,6 @@ pub trait Fence: Send + 'static {
     /// be known (the buffer is then never reused).
     fn is_complete(&self) -> Result<bool, GpuError>;
 }
-
-/// Why a buffer could not be had.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PoolError {
-    /// Giving it would take the pool over its byte limit.
-    Exhausted {
-        /// Bytes asked for (rounded).
-        want: usize,
-        /// Bytes handed out and not yet back.
-        in_use: usize,
-        /// Bytes waiting for their fence.
-        pending: usize,
-        /// The pool's limit.
-        limit: usize,
-    },
-    /// The allocator failed.
-    Alloc(GpuError),
-}
-
-impl std::fmt::Display for PoolError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PoolError::Exhausted {
-                want,
-                in_use,
-                pending,
-                limit,
-            } => write!(
-                f,
-                "buffer pool full: {want} B wanted, {in_use} B in use and {pending} B waiting for the GPU, \
-                 limit {limit} B (batches are being held; drop them or raise the limit)"
-            ),
-            PoolError::Alloc(e) => write!(f, "buffer pool: allocation failed: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for PoolError {}
 
 /// The pool's accounting, in bytes (sizes rounded to the grain) and in calls.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -173,7 +135,7 @@ impl<A: Allocator> Inner<A> {
         }
     }
 
-    fn take(&mut self, cap: usize) -> Result<u64, PoolError> {
+    fn take(&mut self, cap: usize) -> Result<u64, GpuError> {
         if let Some(list) = self.idle.get_mut(&cap) {
             let addr = list.pop().expect("idle lists are never left empty");
             if list.is_empty() {
@@ -186,14 +148,14 @@ impl<A: Allocator> Inner<A> {
         }
         self.make_room(cap);
         if self.stats.allocated + cap > self.limit {
-            return Err(PoolError::Exhausted {
+            return Err(GpuError::PoolExhausted {
                 want: cap,
                 in_use: self.stats.in_use,
                 pending: self.stats.pending,
                 limit: self.limit,
             });
         }
-        let addr = self.alloc.alloc(cap).map_err(PoolError::Alloc)?;
+        let addr = self.alloc.alloc(cap)?;
         self.stats.allocs += 1;
         self.stats.allocated += cap;
         self.stats.in_use += cap;
@@ -252,7 +214,7 @@ impl<A: Allocator> Pool<A> {
     }
 
     /// A buffer of at least `bytes` bytes: an idle one of the same rounded size, else a new one.
-    pub fn get(&self, bytes: usize) -> Result<PoolBuf<A>, PoolError> {
+    pub fn get(&self, bytes: usize) -> Result<PoolBuf<A>, GpuError> {
         let cap = bytes.max(1).div_ceil(Self::GRAIN) * Self::GRAIN;
         let mut g = self.lock();
         g.reclaim();
@@ -587,7 +549,7 @@ mod tests {
         };
         assert_eq!(
             err,
-            PoolError::Exhausted {
+            GpuError::PoolExhausted {
                 want: G,
                 in_use: 2 * G,
                 pending: 2 * G,

@@ -8,8 +8,8 @@
 //! - `rust full`: libjpeg-turbo-rs (the pure-Rust port ramjet used before), whole image;
 //! - `rust crop rows`: libjpeg-turbo-rs with its crop region (it skips the IDCT of MCU rows
 //!   outside the crop, still entropy-decodes every row and converts every column);
-//! - `C full`: libjpeg-turbo (the C library, `jpeg_c`), whole image;
-//! - `C region`: libjpeg-turbo, only the crop's region (`jpeg_c`: columns by iMCU, rows
+//! - `C full`: libjpeg-turbo (the C library, `image::turbo`), whole image;
+//! - `C region`: libjpeg-turbo, only the crop's region (`image::turbo`: columns by iMCU, rows
 //!   skipped above, decoding stopped below);
 //! - `C region, 2^-k scale` and `C region, k/8 scale`: the crop's region at the smallest DCT
 //!   scale that keeps it at least 224, among 1/8, 1/4, 1/2, 1 (ramjet's choice before) or
@@ -24,9 +24,9 @@
 //!
 //! `ONLY="C full;process train, restarts"` runs just the contenders named (`;` between names),
 //! for a profile of one of them; the ratios then print only where both sides ran.
-use ramjet_engine::decode::probe;
+use ramjet_engine::image::probe::probe;
+use ramjet_engine::image::turbo::{Region, Transcoder, TurboJpeg};
 use ramjet_engine::image::{plan, process, ImageSpec, Rect, SampleRng, Scratch, Slot};
-use ramjet_engine::jpeg_c::{Region, Transcoder, TurboJpeg};
 use std::time::Instant;
 // mimalloc keeps freed memory mapped for reuse: with the system allocator every decoded image's
 // buffers were fresh pages, faulted in again image after image (docs/dependencies.md).
@@ -85,7 +85,7 @@ fn main() {
 
     // The same files as `ramjet pack --jpeg-restarts` stores them: transcoded losslessly
     // with a restart marker every RESTART_PX pixels of each MCU row.
-    let restart_px: u32 = std::env::var("RESTART_PX").map_or(ramjet_engine::jpeg_c::JPEG_RESTART_PX, |v| {
+    let restart_px: u32 = std::env::var("RESTART_PX").map_or(ramjet_engine::image::turbo::JPEG_RESTART_PX, |v| {
         v.parse().expect("RESTART_PX")
     });
     let mut tc = Transcoder::new().expect("libjpeg-turbo");

@@ -59,6 +59,57 @@ impl fmt::Display for Location {
     }
 }
 
+/// Why a value was refused (a key, a schema, a brace pattern, a saved position, a shard table,
+/// a boxes column), before the caller names whose it was: the caller turns it into an
+/// [`Error`] that names the object, input or sample (`Error::invalid(what, reason)`,
+/// `Error::corrupt(at, reason)`, a manifest error). Validation helpers return it instead of a
+/// bare `String`, so an unexplained string can never pass for an error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid(String);
+
+impl Invalid {
+    /// The reason.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Invalid(reason.into())
+    }
+
+    /// The reason, as text.
+    pub fn reason(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `text` appears in the reason.
+    pub fn contains(&self, text: &str) -> bool {
+        self.0.contains(text)
+    }
+}
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Invalid {}
+
+impl From<String> for Invalid {
+    fn from(reason: String) -> Self {
+        Invalid(reason)
+    }
+}
+
+impl From<&str> for Invalid {
+    fn from(reason: &str) -> Self {
+        Invalid(reason.to_owned())
+    }
+}
+
+impl From<Invalid> for String {
+    fn from(i: Invalid) -> Self {
+        i.0
+    }
+}
+
 /// Errors a caller can act on.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -10,6 +10,7 @@
 //! as a ramjet shard's is. Whoever writes the manifest writes it last, after the sample indexes
 //! it names.
 
+use crate::error::Invalid;
 use std::collections::BTreeSet;
 
 use bytes::Bytes;
@@ -49,7 +50,7 @@ pub struct ForeignSource {
 }
 
 /// Expands WebDataset's brace patterns: `{000..009}` (a zero-padded range) and `{a,b}`.
-pub fn expand_braces(pattern: &str) -> std::result::Result<Vec<String>, String> {
+pub fn expand_braces(pattern: &str) -> std::result::Result<Vec<String>, Invalid> {
     let Some(open) = pattern.find('{') else {
         return Ok(vec![pattern.to_owned()]);
     };
@@ -66,7 +67,9 @@ pub fn expand_braces(pattern: &str) -> std::result::Result<Vec<String>, String> 
                 .map_err(|_| format!("{pattern:?}: {b:?} is not a number"))?,
         );
         if hi < lo || hi - lo > 10_000_000 {
-            return Err(format!("{pattern:?}: the range {lo}..{hi} is empty or too long"));
+            return Err(Invalid::from(format!(
+                "{pattern:?}: the range {lo}..{hi} is empty or too long"
+            )));
         }
         let width = a.len();
         (lo..=hi).map(|i| format!("{i:0width$}")).collect()

@@ -8,13 +8,11 @@
 
 pub mod cache;
 pub mod dataset;
-pub mod decode;
 pub mod error;
 pub mod format;
 pub mod hostbuf;
 pub mod image;
 pub mod index;
-pub mod jpeg_c;
 pub mod loader;
 pub mod metrics;
 pub mod order;
@@ -26,7 +24,7 @@ pub mod store;
 pub mod stream;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};
-pub use error::{Error, Location, Result};
+pub use error::{Error, Invalid, Location, Result};
 pub use loader::{Batch, ColumnData, Loader, LoaderConfig, Next, OnCorrupt};
 pub use provider::{Fetched, ReadSource, ShardProvider, ShardRequest};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};

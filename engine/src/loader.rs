@@ -18,6 +18,7 @@
 //! last sample, so a consumer that saves the state of the last batch it used resumes exactly
 //! after it.
 
+use crate::error::Invalid;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -852,7 +853,7 @@ fn as_text(v: ValueRef<'_>) -> String {
 }
 
 /// Appends `[[class, cx, cy, w, h], ...]` rows to `out`.
-pub fn parse_boxes(text: &str, out: &mut Vec<f32>) -> std::result::Result<(), String> {
+pub fn parse_boxes(text: &str, out: &mut Vec<f32>) -> std::result::Result<(), Invalid> {
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("boxes are not JSON: {e}"))?;
     let rows = v.as_array().ok_or("boxes are not a JSON array")?;
     for r in rows {

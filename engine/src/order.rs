@@ -12,6 +12,7 @@
 //! is dealt out: position `p` of the (tail-adjusted) order goes to consumer `p mod C`, where
 //! consumer `c = rank * workers + worker` and `C = world * workers`.
 
+use crate::error::Invalid;
 use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -847,20 +848,20 @@ impl EpochProgress {
     /// Checks the progress against an order of `len` positions: `consumed <= len`, and `ahead`
     /// strictly increasing inside `[consumed, len)`. Saved state can be edited or damaged: a
     /// bad one must be refused, not silently end an epoch short.
-    pub fn validate(&self, len: u64) -> std::result::Result<(), String> {
+    pub fn validate(&self, len: u64) -> std::result::Result<(), Invalid> {
         if self.consumed > len {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "consumed {} exceeds the epoch's {len} positions",
                 self.consumed
-            ));
+            )));
         }
         let mut prev: Option<u64> = None;
         for &a in &self.ahead {
             if a < self.consumed || a >= len || prev.is_some_and(|p| a <= p) {
-                return Err(format!(
+                return Err(Invalid::from(format!(
                     "position {a} in `ahead` is out of order or outside [{}, {len})",
                     self.consumed
-                ));
+                )));
             }
             prev = Some(a);
         }

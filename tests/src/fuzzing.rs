@@ -59,7 +59,7 @@ pub fn wire(data: &[u8]) {
 /// whole per-image path (crop-region decode, resize) of a training and an evaluation spec.
 pub fn image(data: &[u8]) {
     use ramjet_engine::image::{decode_rgb, process, ImageSpec, SampleRng, Scratch, Slot};
-    let _ = ramjet_engine::decode::probe(data);
+    let _ = ramjet_engine::image::probe::probe(data);
     let _ = decode_rgb(data, 1, None);
     let _ = decode_rgb(data, 2, Some((0, 8)));
     let mut scratch = Scratch::default();
@@ -118,7 +118,7 @@ pub fn foreign(data: &[u8]) {
     let spec = ForeignSpec {
         format: ForeignFormat::Wds,
         columns,
-        jpeg_restart_px: Some(ramjet_engine::jpeg_c::JPEG_RESTART_PX),
+        jpeg_restart_px: Some(ramjet_engine::image::turbo::JPEG_RESTART_PX),
     };
     let _ = transcode(&spec, &schema, data, "fuzz.tar");
     let _ = transcode_sample(&spec, &schema, data, &Location::sample("fuzz.tar", 0));

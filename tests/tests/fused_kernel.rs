@@ -6,8 +6,8 @@
 //! check on one belongs to the device-check issue (40), not to any test that runs today.
 
 use ramjet_cuda::kernel::{reference, Job, OutType, Params, TOLERANCE_U8, TOLERANCE_U8_MEAN};
+use ramjet_engine::image::turbo::encode_rgb;
 use ramjet_engine::image::{self, ImageConfig, ImageSpec, SampleRng, Scratch, Slot};
-use ramjet_engine::jpeg_c::encode_rgb;
 
 /// Smooth gradients, an edge and some noise: the resize has something to get wrong.
 fn picture(w: u32, h: u32, seed: u64) -> Vec<u8> {

@@ -34,7 +34,7 @@ fn synth_writes_photo_sized_jpegs_and_valid_labels() {
     let mut sizes = Vec::new();
     for i in 0..N {
         let img = fs::read(ds.join(format!("images/{i:06}.jpg"))).unwrap();
-        let info = ramjet_engine::decode::probe(&img).unwrap();
+        let info = ramjet_engine::image::probe::probe(&img).unwrap();
         assert_eq!((info.width, info.height), (640, 480));
         sizes.push(img.len());
         let labels = fs::read_to_string(ds.join(format!("labels/{i:06}.txt"))).unwrap();
@@ -681,5 +681,25 @@ fn jsonl_is_packed_as_a_stream_in_bounded_memory_and_deterministically() {
         let key = ds.manifest().shard(shard).unwrap().key;
         let r = ShardReader::open(fs::File::open(a.join(&key)).unwrap(), &key).unwrap();
         assert_eq!(r.read_sample(i).unwrap()[0], Value::Int64(g as i64));
+    }
+}
+
+/// In a log (stderr not a terminal), long commands print a progress line every
+/// `RAMJET_PROGRESS_S` seconds: plain lines, no redraws joined by carriage returns.
+#[test]
+fn progress_in_a_log_is_plain_lines_every_few_seconds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let o = ramjet(
+        &["synth", dir.to_str().unwrap(), "--samples", "250"],
+        &[("RAMJET_PROGRESS_S", "0.05")],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains('\r'), "carriage returns in a log:\n{err:?}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("synth: ")).collect();
+    assert!(!lines.is_empty(), "no progress line in:\n{err}");
+    for l in &lines {
+        assert!(l.contains("/250 (") && l.ends_with(" s"), "{l}");
     }
 }

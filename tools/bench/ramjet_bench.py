@@ -302,12 +302,12 @@ class Data:
             if not done(fmt):
                 jobs += [(fmt, f, f"{self.prefix}/{fmt}/{f.relative_to(base)}") for f in files]
         if jobs:
-            from tqdm import tqdm
+            from logbar import bar
 
-            with cf.ThreadPoolExecutor(16) as ex, tqdm(total=len(jobs), desc=f"upload copies ({link.name})",
-                                                       unit="obj", file=sys.stderr, leave=False) as bar:
+            with cf.ThreadPoolExecutor(16) as ex, bar(total=len(jobs), desc=f"upload copies ({link.name})",
+                                                       unit="obj", file=sys.stderr, leave=False) as progress:
                 for _ in ex.map(lambda j: c.upload_file(str(j[1]), BUCKET, j[2]), jobs):
-                    bar.update(1)
+                    progress.update(1)
             for fmt in sorted({j[0] for j in jobs}):
                 mark(fmt)
         # ramjet reads the MDS and WebDataset copies in place, through its index of them
@@ -325,7 +325,7 @@ class Data:
         slowly, or not at all until it has registered their volumes, and whichever loader came
         first in cold round 1 paid for it (1.8 s instead of 0.13 s for ramjet's first sample).
         A real S3 endpoint is always warm."""
-        from tqdm import tqdm
+        from logbar import bar
 
         c = s3_client(link.endpoint)
         keys = []
@@ -346,10 +346,10 @@ class Data:
                     time.sleep(0.5)
 
         failed = []
-        with cf.ThreadPoolExecutor(32) as ex, tqdm(total=len(keys), desc=f"warm the origin ({link.name})",
-                                                   unit="obj", file=sys.stderr, leave=False) as bar:
+        with cf.ThreadPoolExecutor(32) as ex, bar(total=len(keys), desc=f"warm the origin ({link.name})",
+                                                   unit="obj", file=sys.stderr, leave=False) as progress:
             for err in ex.map(touch, keys):
-                bar.update(1)
+                progress.update(1)
                 if err:
                     failed.append(err)
         if failed:
@@ -401,12 +401,12 @@ def epoch(batches, *, desc, total, step_ms=0.0, t0=None, meter=None, run_on=None
     run_on: a ramjet loader. Its window ends when its run-on into the next epoch has
     (measure.run_on_end: the next epoch's first batches, decoded after this one's last), and
     its CPU is read once the process is idle (measure.wait_idle)."""
-    from tqdm import tqdm
+    from logbar import bar
 
     meter = meter or Meter().__enter__()
     t0 = now() if t0 is None else t0
     first, n = None, 0
-    with tqdm(total=total, desc=desc, unit="img", file=sys.stderr, leave=False, mininterval=0.5) as bar:
+    with bar(total=total, desc=desc, unit="img", file=sys.stderr, leave=False, mininterval=0.5) as progress:
         for b in batches:
             img = images_of(b)
             if first is None:
@@ -415,7 +415,7 @@ def epoch(batches, *, desc, total, step_ms=0.0, t0=None, meter=None, run_on=None
                 if shape != (3, OUT, OUT) or str(img.dtype) != "torch.uint8":
                     raise RuntimeError(f"{desc}: batches are {img.dtype} {shape}, not uint8 (3, {OUT}, {OUT})")
             n += img.shape[0]
-            bar.update(img.shape[0])
+            progress.update(img.shape[0])
             if step_ms:
                 time.sleep(step_ms / 1000)
     end = now()
@@ -439,7 +439,7 @@ def row(loader, scenario, r, *, origin, total_bytes, step_ms=0.0, **extra):
 
 def export(url, dest, endpoint, desc):
     """P2's pre-export: every object under `url` to local disk, 16 GETs in flight."""
-    from tqdm import tqdm
+    from logbar import bar
 
     bucket, prefix = split_url(url)
     c = s3_client(endpoint)
@@ -456,11 +456,11 @@ def export(url, dest, endpoint, desc):
         return k[1]
 
     total = 0
-    with cf.ThreadPoolExecutor(16) as ex, tqdm(total=sum(s for _, s in keys), desc=desc, unit="B", unit_scale=True,
-                                               file=sys.stderr, leave=False) as bar:
+    with cf.ThreadPoolExecutor(16) as ex, bar(total=sum(s for _, s in keys), desc=desc, unit="B", unit_scale=True,
+                                               file=sys.stderr, leave=False) as progress:
         for n in ex.map(get, keys):
             total += n
-            bar.update(n)
+            progress.update(n)
     return total
 
 

@@ -87,12 +87,12 @@ class YoloData:
                     jobs.append((f, f"{self.prefix}/raw/{split}/{sub}/{f.name}"))
         import concurrent.futures as cf
 
-        from tqdm import tqdm
+        from logbar import bar
 
-        with cf.ThreadPoolExecutor(16) as ex, tqdm(total=len(jobs), desc="upload raw objects", unit="obj",
-                                                   file=sys.stderr, leave=False) as bar:
+        with cf.ThreadPoolExecutor(16) as ex, bar(total=len(jobs), desc="upload raw objects", unit="obj",
+                                                   file=sys.stderr, leave=False) as progress:
             for _ in ex.map(lambda j: c.upload_file(str(j[0]), BUCKET, j[1]), jobs):
-                bar.update(1)
+                progress.update(1)
         c.put_object(Bucket=BUCKET, Key=marker, Body=b"")
 
 

@@ -63,7 +63,7 @@ if [ "$dev" = 0 ]; then
     --platform manylinux2014_x86_64 -d "$out/wheels" "nvidia-nvjpeg>=13.0,<13.1"
 fi
 
-cp tools/device-check/run.py bindings/tests/test_gpu.py benches/python/gpu_feed.py benches/python/cpu_scale.py \
+cp tools/device-check/run.py tools/device-check/run.sh bindings/tests/test_gpu.py benches/python/gpu_feed.py benches/python/cpu_scale.py \
   benches/python/kernel_bench.py \
   "$out/scripts/"
 
@@ -77,7 +77,7 @@ for p in sorted(out.rglob("*")):
     if p.is_file():
         files[str(p.relative_to(out))] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
 problems = []
-need = ["bin/ramjet", "tests/ramjet_cuda", "tests/fused_kernel", "scripts/run.py", "scripts/test_gpu.py",
+need = ["bin/ramjet", "tests/ramjet_cuda", "tests/fused_kernel", "scripts/run.py", "scripts/run.sh", "scripts/test_gpu.py",
         "scripts/gpu_feed.py", "scripts/cpu_scale.py", "scripts/kernel_bench.py"]
 problems += [f"missing {n}" for n in need if n not in files]
 if not dev:

@@ -27,7 +27,7 @@ pub struct IndexReport {
 
 /// Writes `manifest.json` over the foreign dataset `src`, beside it; `progress` is called with
 /// bytes read. `jpeg_restarts`: the shards it transcodes to hold their JPEGs with restart
-/// markers every [`ramjet_engine::jpeg_c::JPEG_RESTART_PX`] pixels
+/// markers every [`ramjet_engine::image::turbo::JPEG_RESTART_PX`] pixels
 /// (`ForeignSpec::jpeg_restart_px`).
 pub fn index(src: &str, jpeg_restarts: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<IndexReport> {
     let t0 = Instant::now();
@@ -43,7 +43,7 @@ pub fn index(src: &str, jpeg_restarts: bool, progress: &(dyn Fn(u64) + Sync)) ->
             &store,
             &store,
             Default::default(),
-            jpeg_restarts.then_some(ramjet_engine::jpeg_c::JPEG_RESTART_PX),
+            jpeg_restarts.then_some(ramjet_engine::image::turbo::JPEG_RESTART_PX),
             progress,
         )
         .await?;

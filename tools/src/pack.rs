@@ -18,12 +18,12 @@ use bytes::Bytes;
 use rayon::prelude::*;
 use serde_json::{Map, Value as Json};
 
-use ramjet_engine::decode::{probe, ImageFormat};
 use ramjet_engine::format::{
     columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value,
     MANIFEST_NAME, SHARD_TABLE_AUTO_MIN,
 };
-use ramjet_engine::jpeg_c::with_restarts_or_given;
+use ramjet_engine::image::probe::{probe, ImageFormat};
+use ramjet_engine::image::turbo::with_restarts_or_given;
 use ramjet_engine::{Error, Result, Store};
 
 /// Input layouts `pack` understands.
@@ -79,7 +79,7 @@ pub struct PackOptions {
     pub jpeg_restarts: bool,
 }
 
-pub use ramjet_engine::jpeg_c::JPEG_RESTART_PX;
+pub use ramjet_engine::image::turbo::JPEG_RESTART_PX;
 
 /// Where a packed dataset lists its shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -455,7 +455,7 @@ fn reason_of(e: &Error) -> String {
 /// With `jpeg_restarts`, a JPEG is stored transcoded ([`with_restarts_or_given`]).
 fn load(it: &Item, kind: SourceKind, jpeg_restarts: bool) -> Result<(Vec<Value>, u64)> {
     let bytes = fs::read(&it.path).map_err(|e| Error::io(it.path.display(), e))?;
-    let info = probe(&bytes).map_err(|r| Error::invalid(it.path.display().to_string(), r))?;
+    let info = probe(&bytes).map_err(|r| Error::invalid(it.path.display().to_string(), r.to_string()))?;
     let n = bytes.len() as u64;
     let bytes = if jpeg_restarts && info.format == ImageFormat::Jpeg {
         with_restarts_or_given(bytes, JPEG_RESTART_PX)

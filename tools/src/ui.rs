@@ -1,8 +1,71 @@
 //! Terminal output: progress bars and human-readable sizes.
+//!
+//! On a terminal a bar is redrawn in place. Written into a log file (stderr not a terminal) it
+//! is a plain line every `RAMJET_PROGRESS_S` seconds (default 5) instead: redraws joined by
+//! carriage returns are unreadable in a log.
+
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use ramjet_engine::Invalid;
 
-/// A byte-counting progress bar with rate and ETA, drawn on stderr when it is a terminal.
+/// One progress line for a log: `pack: 12.0 MiB/48.0 MiB (25%), 6.0 MiB/s, 2 s`.
+pub fn progress_line(msg: &str, pos: u64, len: Option<u64>, elapsed: Duration, bytes: bool) -> String {
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    let show = |n: u64| if bytes { human_bytes(n) } else { n.to_string() };
+    let of = match len {
+        Some(l) if l > 0 => format!("/{} ({:.0}%)", show(l), 100.0 * pos as f64 / l as f64),
+        _ => String::new(),
+    };
+    let rate = (pos as f64 / secs) as u64;
+    format!(
+        "{msg}: {}{of}, {}/s, {:.0} s",
+        show(pos),
+        show(rate),
+        elapsed.as_secs_f64()
+    )
+}
+
+/// Where stderr is no terminal, hides `pb` and prints [`progress_line`]s on a thread of its own
+/// until the bar is finished or dropped.
+fn logged(pb: ProgressBar, msg: &'static str, bytes: bool) -> ProgressBar {
+    if std::io::stderr().is_terminal() {
+        return pb;
+    }
+    pb.set_draw_target(ProgressDrawTarget::hidden());
+    let every = std::env::var("RAMJET_PROGRESS_S")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or(Duration::from_secs(5));
+    let weak = pb.downgrade();
+    let t0 = Instant::now();
+    let _ = std::thread::Builder::new()
+        .name("ramjet-progress".into())
+        .spawn(move || {
+            let mut next = t0 + every;
+            loop {
+                std::thread::sleep(Duration::from_millis(50).min(every));
+                let Some(pb) = weak.upgrade() else { return };
+                if pb.is_finished() {
+                    return;
+                }
+                if Instant::now() >= next {
+                    next += every;
+                    eprintln!(
+                        "{}",
+                        progress_line(msg, pb.position(), pb.length(), t0.elapsed(), bytes)
+                    );
+                }
+            }
+        });
+    pb
+}
+
+/// A byte-counting progress bar with rate and ETA, drawn on stderr when it is a terminal, a
+/// line every few seconds otherwise.
 pub fn bytes_bar(msg: &'static str) -> ProgressBar {
     let pb = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     pb.set_style(
@@ -11,10 +74,11 @@ pub fn bytes_bar(msg: &'static str) -> ProgressBar {
             .progress_chars("=> "),
     );
     pb.set_message(msg);
-    pb
+    logged(pb, msg, true)
 }
 
-/// A counting progress bar with rate and ETA.
+/// A counting progress bar with rate and ETA (a line every few seconds where stderr is no
+/// terminal).
 pub fn count_bar(msg: &'static str) -> ProgressBar {
     let pb = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     pb.set_style(
@@ -23,7 +87,7 @@ pub fn count_bar(msg: &'static str) -> ProgressBar {
             .progress_chars("=> "),
     );
     pb.set_message(msg);
-    pb
+    logged(pb, msg, false)
 }
 
 /// `1536` → `1.5 KiB`.
@@ -43,11 +107,11 @@ pub fn human_bytes(n: u64) -> String {
 }
 
 /// Parses `64MiB`, `64M`, `1.5GB`, `4096`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, Invalid> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
+    let v: f64 = num.parse().map_err(|_| Invalid::from(format!("{s:?} is not a size")))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kib" => 1 << 10,
@@ -56,20 +120,34 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "mb" => 1_000_000,
         "g" | "gib" => 1 << 30,
         "gb" => 1_000_000_000,
-        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+        other => return Err(Invalid::from(format!("unknown size unit {other:?} in {s:?}"))),
     };
-    Ok((v * mult as f64) as u64)
+    let bytes = v * mult as f64;
+    if bytes >= u64::MAX as f64 {
+        return Err(Invalid::from(format!("{s:?} is more bytes than a 64-bit count holds")));
+    }
+    Ok(bytes as u64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     #[test]
+    fn a_log_line_says_how_far_how_fast_and_how_long() {
+        let l = progress_line("pack", 12 << 20, Some(48 << 20), Duration::from_secs(2), true);
+        assert_eq!(l, "pack: 12.0 MiB/48.0 MiB (25%), 6.0 MiB/s, 2 s");
+        let l = progress_line("synth", 30, None, Duration::from_millis(1500), false);
+        assert_eq!(l, "synth: 30, 20/s, 2 s");
+    }
+
+    #[test]
     fn sizes() {
         assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
         assert_eq!(parse_size("4096").unwrap(), 4096);
         assert_eq!(parse_size("1.5k").unwrap(), 1536);
         assert!(parse_size("12 parsecs").is_err());
+        let e = parse_size("99999999999999999999GiB").unwrap_err();
+        assert!(e.contains("more bytes than a 64-bit count holds"), "{e}");
         assert_eq!(human_bytes(1536), "1.5 KiB");
     }
 }

@@ -1,11 +1,14 @@
 //! The transport's one error type. Every variant names what failed: the peer, the request (its
 //! manifest URL and shard), the RDMA device, or the malformed value.
 //!
-//! Flights are shared by every request waiting on the same shard, so the error is `Clone`, and
-//! causes from other crates (the engine's errors, `io::Error`) are kept as their message.
+//! Flights are shared by every request waiting on the same shard, so the error is `Clone`: the
+//! engine's error is kept whole behind an `Arc` (its kind and the object it names intact), and
+//! only causes that are no error of ramjet's (a task that panicked) are kept as their message.
+
+use std::sync::Arc;
 
 /// What went wrong in the daemon, its peers or its client.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A request refused before anything was fetched: a malformed or disallowed URL, a
@@ -20,9 +23,13 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
-    /// The origin, the cache or verification failed (the engine's error, as text).
+    /// The origin, the cache or verification failed: the engine's error itself.
     #[error("{0}")]
-    Engine(String),
+    Engine(Arc<ramjet_engine::Error>),
+    /// A task of the daemon's own failed (panicked or was cancelled), or a cached shard could
+    /// not be handed out: what it was doing and why.
+    #[error("{0}")]
+    Internal(String),
     /// The RDMA device, a registration or a transfer failed.
     #[error("{0}")]
     Rdma(String),
@@ -44,11 +51,30 @@ impl Error {
     }
 }
 
-impl From<ramjet_engine::Error> for Error {
-    fn from(e: ramjet_engine::Error) -> Error {
-        Error::Engine(e.to_string())
+impl Error {
+    /// The engine's error inside, if this is one.
+    pub fn engine(&self) -> Option<&ramjet_engine::Error> {
+        match self {
+            Error::Engine(e) => Some(e),
+            _ => None,
+        }
     }
 }
+
+impl From<ramjet_engine::Error> for Error {
+    fn from(e: ramjet_engine::Error) -> Error {
+        Error::Engine(Arc::new(e))
+    }
+}
+
+/// Equal kinds with equal messages (the engine's error has no equality of its own).
+impl PartialEq for Error {
+    fn eq(&self, other: &Error) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other) && self.to_string() == other.to_string()
+    }
+}
+
+impl Eq for Error {}
 
 /// The transport's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

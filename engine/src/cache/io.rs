@@ -1024,8 +1024,9 @@ impl CacheIo for UringIo {
 }
 
 /// Picks the cache I/O: io_uring (O_DIRECT when `RAMJET_CACHE_DIRECT=1`) when a ring can be
-/// created, else pread; `RAMJET_CACHE_IO=pread|uring` forces one.
-pub fn detect() -> Arc<dyn CacheIo> {
+/// created, else pread; `RAMJET_CACHE_IO=pread|uring` forces one. Another value, or `uring`
+/// where no ring can be made, is an error naming the variable (never a panic).
+pub fn detect() -> crate::Result<Arc<dyn CacheIo>> {
     detect_disk_io()
 }
 
@@ -1035,30 +1036,43 @@ pub fn uring_expected() -> bool {
     std::env::var("RAMJET_EXPECT_IO_URING").is_ok_and(|v| v == "1")
 }
 
-fn detect_disk_io() -> Arc<dyn CacheIo> {
+fn detect_disk_io() -> crate::Result<Arc<dyn CacheIo>> {
     let direct = std::env::var("RAMJET_CACHE_DIRECT").is_ok_and(|v| v == "1");
     // Cache fills bypass the page cache unless told otherwise: a shard is written once and
     // read again only an epoch later, and the copy into the page cache (plus its writeback)
     // cost a cold epoch more CPU than hashing it (docs/benchmarks.md).
     let fill_direct = direct || std::env::var("RAMJET_CACHE_FILL").as_deref() != Ok("buffered");
-    match std::env::var("RAMJET_CACHE_IO").as_deref() {
-        Ok("pread") => return Arc::new(PreadIo),
-        Ok("uring") => {
-            return Arc::new(
-                UringIo::new(direct)
-                    .expect("RAMJET_CACHE_IO=uring but io_uring is unavailable")
-                    .with_direct_fills(fill_direct),
-            )
+    choose_io(std::env::var("RAMJET_CACHE_IO").ok().as_deref(), direct, fill_direct)
+}
+
+/// The cache I/O for a `RAMJET_CACHE_IO` value (`None`: unset).
+fn choose_io(forced: Option<&str>, direct: bool, fill_direct: bool) -> crate::Result<Arc<dyn CacheIo>> {
+    match forced {
+        Some("pread") => return Ok(Arc::new(PreadIo)),
+        Some("uring") => {
+            return match UringIo::new(direct) {
+                Ok(u) => Ok(Arc::new(u.with_direct_fills(fill_direct))),
+                Err(e) => Err(crate::Error::invalid(
+                    "RAMJET_CACHE_IO=uring",
+                    format!("io_uring is unavailable here ({e}); unset it or set pread"),
+                )),
+            }
         }
-        _ => {}
+        Some(v) => {
+            return Err(crate::Error::invalid(
+                format!("RAMJET_CACHE_IO={v:?}"),
+                "must be pread or uring (or unset: io_uring where it works, else pread)",
+            ))
+        }
+        None => {}
     }
-    match UringIo::new(direct) {
+    Ok(match UringIo::new(direct) {
         Ok(u) => Arc::new(u.with_direct_fills(fill_direct)),
         Err(e) => {
             tracing::info!(error = %e, "io_uring unavailable, cache falls back to pread");
             Arc::new(PreadIo)
         }
-    }
+    })
 }
 
 /// Faults to inject.
@@ -1117,6 +1131,19 @@ impl CacheIo for FaultyIo {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_bad_cache_io_setting_is_an_error_naming_the_variable_not_a_panic() {
+        let e = super::choose_io(Some("fast"), false, true).err().expect("refused");
+        let m = e.to_string();
+        assert!(
+            m.contains("RAMJET_CACHE_IO=\"fast\"") && m.contains("pread or uring"),
+            "{m}"
+        );
+        assert_eq!(super::choose_io(Some("pread"), false, true).unwrap().name(), "pread");
+        assert!(super::choose_io(None, false, true).is_ok());
+    }
+
     use super::*;
 
     /// One suite, run against every implementation available here.

@@ -659,7 +659,7 @@ mod tests {
         // PID 0x7ffffffe is never a live process.
         let dead = d.path().join("tmp/abc-10.rjs.2147483646.0");
         fs::write(&dead, b"partial").unwrap();
-        cache(d.path(), 1 << 20, io::detect());
+        cache(d.path(), 1 << 20, io::detect().unwrap());
         assert!(!dead.exists());
     }
 
@@ -759,7 +759,7 @@ mod tests {
         let what = std::env::var("RAMJET_CACHE_CHILD").expect("only run by the multi-process cache tests");
         let dir = PathBuf::from(std::env::var("RAMJET_CACHE_DIR").unwrap());
         let limit: u64 = std::env::var("RAMJET_CACHE_LIMIT").unwrap().parse().unwrap();
-        let c = cache(&dir, limit, io::detect());
+        let c = cache(&dir, limit, io::detect().unwrap());
         match what.split_once(':') {
             // Admits its own 15 shards, three passes, checking the budget after each insert.
             Some(("admit", k)) => {
@@ -833,13 +833,13 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let size = shard(0, 20).0.bytes;
         let limit = size * 5 + size / 2;
-        cache(d.path(), limit, io::detect());
+        cache(d.path(), limit, io::detect().unwrap());
         let kids: Vec<_> = (1..=4).map(|k| child(&format!("admit:{k}"), d.path(), limit)).collect();
         let mut kids: Vec<_> = kids.into_iter().map(Some).collect();
         let (mut samples, mut most) = (0u64, 0u64);
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         let mut outs = Vec::new();
-        let sampler = cache(d.path(), limit, io::detect());
+        let sampler = cache(d.path(), limit, io::detect().unwrap());
         while kids.iter().any(Option::is_some) {
             // Sampled under the admission lock, as the admitting processes see it: a scan while
             // one admits could count the shard it evicts and the one it writes both.
@@ -883,7 +883,7 @@ mod tests {
         let limit = 1u64 << 30;
         for attempt in 0..10 {
             let d = tempfile::tempdir().unwrap();
-            cache(d.path(), limit, io::detect());
+            cache(d.path(), limit, io::detect().unwrap());
             let mut w = child("write:0", d.path(), limit);
             let tmp = d.path().join("tmp");
             let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -914,7 +914,7 @@ mod tests {
                 assert_eq!(e.metadata().unwrap().len(), 16 << 20, "{:?} is partial", e.path());
             }
             // The dead writer's temp file counts against the budget until an open removes it.
-            let c = Cache::open(CacheConfig::new(d.path(), limit), io::detect(), Arc::default()).unwrap();
+            let c = Cache::open(CacheConfig::new(d.path(), limit), io::detect().unwrap(), Arc::default()).unwrap();
             assert_eq!(
                 fs::read_dir(&tmp).unwrap().count(),
                 0,

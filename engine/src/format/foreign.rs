@@ -9,6 +9,7 @@
 //! the host daemon and its peers, the order, resume, decode) a foreign shard is an ordinary
 //! verified ramjet shard. `docs/format.md` ("Foreign shards") describes the layouts read here.
 
+use crate::error::Invalid;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -62,7 +63,7 @@ pub struct ForeignSpec {
     /// Set by `ramjet index --jpeg-restarts`: the ramjet shard a foreign shard transcodes to
     /// holds each JPEG value (a value of a column that [`ForeignSpec::may_hold_jpeg`] whose
     /// bytes start with a JPEG's SOI marker) transcoded losslessly with a restart marker at
-    /// least every this many pixels ([`crate::jpeg_c::with_restarts_or_given`]), so that a crop
+    /// least every this many pixels ([`crate::image::turbo::with_restarts_or_given`]), so that a crop
     /// decodes only its part of the image. The foreign objects are not changed; the caches
     /// hold the transcoded shards. `None`: the JPEGs as given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -101,7 +102,7 @@ impl ForeignSpec {
             for &c in &cols {
                 match values.get_mut(c) {
                     Some(Value::Bytes(b)) if b.starts_with(&JPEG_SOI) => {
-                        *b = crate::jpeg_c::with_restarts_or_given(std::mem::take(b), px);
+                        *b = crate::image::turbo::with_restarts_or_given(std::mem::take(b), px);
                     }
                     _ => {}
                 }
@@ -171,15 +172,15 @@ impl ForeignObject {
 pub const COMPRESSIONS: &[&str] = &["zstd", "gz"];
 
 /// Checks a compression name (`zstd`, `zstd:7`, `gz`; the level is ignored when reading).
-pub fn compression_name(c: &str) -> std::result::Result<&str, String> {
+pub fn compression_name(c: &str) -> std::result::Result<&str, Invalid> {
     let name = c.split(':').next().unwrap_or(c);
     if COMPRESSIONS.contains(&name) {
         Ok(name)
     } else {
-        Err(format!(
+        Err(Invalid::from(format!(
             "compression {c:?} is not supported (ramjet reads {})",
             COMPRESSIONS.join(" and ")
-        ))
+        )))
     }
 }
 
@@ -331,7 +332,7 @@ pub mod mds {
     /// | `int`, `int8`..`int64`, `uint8`..`uint64`, `str_int` | `int64` |
     /// | `float16`, `float32`, `float64`, `str_float` | `float64` |
     /// | `json` | `json` |
-    pub fn column_type(encoding: &str) -> std::result::Result<ColumnType, String> {
+    pub fn column_type(encoding: &str) -> std::result::Result<ColumnType, Invalid> {
         let name = encoding.split(':').next().unwrap_or(encoding);
         Ok(match name {
             "bytes" | "jpeg" | "png" | "pil" | "ndarray" | "jpeg_array" | "jpegarray" | "list[pil]"
@@ -343,12 +344,9 @@ pub mod mds {
             "float16" | "float32" | "float64" | "str_float" => ColumnType::Float64,
             "json" => ColumnType::Json,
             "pkl" => {
-                return Err(
-                    "encoding \"pkl\" is refused: unpickling runs arbitrary code; re-encode the column (json, bytes, ndarray) or pack the dataset with `ramjet pack`"
-                        .into(),
-                )
+                return Err(Invalid::from("encoding \"pkl\" is refused: unpickling runs arbitrary code; re-encode the column (json, bytes, ndarray) or pack the dataset with `ramjet pack`"))
             }
-            other => return Err(format!("MDS encoding {other:?} is not known to ramjet")),
+            other => return Err(Invalid::from(format!("MDS encoding {other:?} is not known to ramjet"))),
         })
     }
 
@@ -479,8 +477,8 @@ pub mod mds {
         Ok(out)
     }
 
-    fn text(b: &[u8]) -> std::result::Result<&str, String> {
-        std::str::from_utf8(b).map_err(|e| format!("not UTF-8: {e}"))
+    fn text(b: &[u8]) -> std::result::Result<&str, Invalid> {
+        std::str::from_utf8(b).map_err(|e| Invalid::from(format!("not UTF-8: {e}")))
     }
 
     fn le<const N: usize>(b: &[u8]) -> std::result::Result<[u8; N], String> {
@@ -501,11 +499,11 @@ pub mod mds {
     }
 
     /// One column's bytes as a ramjet value.
-    fn value(encoding: &str, b: &[u8]) -> std::result::Result<Value, String> {
+    fn value(encoding: &str, b: &[u8]) -> std::result::Result<Value, Invalid> {
         let name = encoding.split(':').next().unwrap_or(encoding);
         if let Some(want) = scalar_size(name) {
             if b.len() as u64 != want {
-                return Err(format!("{} bytes, expected {want}", b.len()));
+                return Err(Invalid::from(format!("{} bytes, expected {want}", b.len())));
             }
         }
         Ok(match column_type(encoding)? {
@@ -1097,7 +1095,7 @@ mod tests {
             jpeg_restart_px: None,
         };
         let rst = ForeignSpec {
-            jpeg_restart_px: Some(crate::jpeg_c::JPEG_RESTART_PX),
+            jpeg_restart_px: Some(crate::image::turbo::JPEG_RESTART_PX),
             ..given.clone()
         };
         let jpg = columns.iter().position(|c| c.encoding == "jpg").unwrap();

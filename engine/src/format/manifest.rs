@@ -10,6 +10,7 @@
 //! Packing writes `manifests/<version>.json` and then, last, `manifest.json`: a reader that
 //! finds `manifest.json` finds every shard it lists already in place.
 
+use crate::error::Invalid;
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
@@ -264,7 +265,7 @@ fn u32_at(b: &[u8], o: usize) -> u32 {
 impl ShardTable {
     /// The table of `shards`, whose keys must be pack's (`shards/<k>-<checksum>.rjs`, key
     /// indices rising), and which all have a sidecar or none does. Held in memory.
-    pub fn build(shards: &[ShardInfo]) -> std::result::Result<ShardTable, String> {
+    pub fn build(shards: &[ShardInfo]) -> std::result::Result<ShardTable, Invalid> {
         let columns = shards.first().is_some_and(|s| s.columns.is_some());
         let mut records = Vec::with_capacity(shards.len() * SHARD_TABLE_RECORD_LEN);
         let mut prev: Option<u64> = None;
@@ -276,7 +277,7 @@ impl ShardTable {
             let k = key_index(&s.key, "shards/", checksum)
                 .ok_or_else(|| format!("shard key {:?} is not shards/<index>-<checksum>.rjs", s.key))?;
             if prev.is_some_and(|p| k <= p) {
-                return Err(format!("shard key {:?}: key indices must rise", s.key));
+                return Err(Invalid::from(format!("shard key {:?}: key indices must rise", s.key)));
             }
             prev = Some(k);
             let (cb, cc) = match (&s.columns, columns) {
@@ -285,12 +286,15 @@ impl ShardTable {
                         .checksum_u64()
                         .ok_or_else(|| format!("columns {:?}: bad checksum", c.key))?;
                     if key_index(&c.key, "columns/", cc) != Some(k) {
-                        return Err(format!("columns key {:?} is not columns/<index>-<checksum>.rjs", c.key));
+                        return Err(Invalid::from(format!(
+                            "columns key {:?} is not columns/<index>-<checksum>.rjs",
+                            c.key
+                        )));
                     }
                     (c.bytes, cc)
                 }
                 (None, false) => (0, 0),
-                _ => return Err("some shards have a columns sidecar and some do not".into()),
+                _ => return Err(Invalid::from("some shards have a columns sidecar and some do not")),
             };
             samples = samples.checked_add(s.samples).ok_or("sample counts overflow 64 bits")?;
             bytes = bytes.checked_add(s.bytes).ok_or("byte counts overflow 64 bits")?;
@@ -341,17 +345,17 @@ impl ShardTable {
 
     /// Reads a whole table held in memory, checking its header, directory and length (the
     /// blocks are checked on first use).
-    pub fn parse(bytes: Bytes) -> std::result::Result<ShardTable, String> {
+    pub fn parse(bytes: Bytes) -> std::result::Result<ShardTable, Invalid> {
         if bytes.len() < SHARD_TABLE_HEADER_LEN {
-            return Err("shorter than its header".into());
+            return Err(Invalid::from("shorter than its header"));
         }
         let count = u64_at(&bytes, 8);
         if shard_table_len(count) != bytes.len() as u64 {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "{} bytes, but its header says {count} shards ({} bytes)",
                 bytes.len(),
                 shard_table_len(count)
-            ));
+            )));
         }
         let head = bytes.slice(..shard_table_head_len(count) as usize);
         let mut t = ShardTable::open(head, Arc::new(WholeTable(bytes.clone())), "shard table")?;
@@ -362,12 +366,16 @@ impl ShardTable {
     /// A table from its `head` (header and directory), whose blocks `reader` reads on demand.
     /// Checks the header and the directory: block sample starts rising from 0 within the total,
     /// first key indices rising, block byte sums adding up to the total.
-    pub fn open(head: Bytes, reader: Arc<dyn TableReader>, object: &str) -> std::result::Result<ShardTable, String> {
+    pub fn open(head: Bytes, reader: Arc<dyn TableReader>, object: &str) -> std::result::Result<ShardTable, Invalid> {
         if head.starts_with(b"RJSTAB01") {
-            return Err("a shard table of the first layout (RJSTAB01, before blocks): pack the dataset again".into());
+            return Err(Invalid::from(
+                "a shard table of the first layout (RJSTAB01, before blocks): pack the dataset again",
+            ));
         }
         if head.len() < SHARD_TABLE_HEADER_LEN || &head[..8] != SHARD_TABLE_MAGIC {
-            return Err("not a shard table (bad magic or shorter than its header)".into());
+            return Err(Invalid::from(
+                "not a shard table (bad magic or shorter than its header)",
+            ));
         }
         let (count, samples, bytes) = (u64_at(&head, 8), u64_at(&head, 16), u64_at(&head, 24));
         let (record, flags, per_block, reserved) = (
@@ -377,19 +385,19 @@ impl ShardTable {
             u32_at(&head, 44),
         );
         if record != SHARD_TABLE_RECORD_LEN || flags > 1 || per_block != SHARD_TABLE_BLOCK_RECORDS || reserved != 0 {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "unsupported header (record length {record}, flags {flags}, block records {per_block})"
-            ));
+            )));
         }
         if count > u32::MAX as u64 || shard_table_len(count) > SHARD_TABLE_BYTES_MAX {
-            return Err(format!("{count} shards is over the table limit"));
+            return Err(Invalid::from(format!("{count} shards is over the table limit")));
         }
         if head.len() as u64 != shard_table_head_len(count) {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "its head is {} bytes, but {count} shards need {}",
                 head.len(),
                 shard_table_head_len(count)
-            ));
+            )));
         }
         let blocks = table_blocks(count) as usize;
         let dir = |b: usize, f: usize| u64_at(&head, SHARD_TABLE_HEADER_LEN + b * SHARD_TABLE_DIR_ENTRY_LEN + f * 8);
@@ -399,17 +407,22 @@ impl ShardTable {
             let end = if b + 1 < blocks { dir(b + 1, 0) } else { samples };
             let n = (SHARD_TABLE_BLOCK_RECORDS as u64).min(count - (b * SHARD_TABLE_BLOCK_RECORDS) as u64);
             if (b == 0 && first != 0) || end < first || end - first > n * crate::format::SHARD_SAMPLES_MAX {
-                return Err(format!("directory entry {b}: sample start {first} out of order"));
+                return Err(Invalid::from(format!(
+                    "directory entry {b}: sample start {first} out of order"
+                )));
             }
             if b > 0 && dir(b, 1) <= dir(b - 1, 1) {
-                return Err(format!("directory entry {b}: key index {} does not rise", dir(b, 1)));
+                return Err(Invalid::from(format!(
+                    "directory entry {b}: key index {} does not rise",
+                    dir(b, 1)
+                )));
             }
             byte_sum = byte_sum.checked_add(dir(b, 2)).ok_or("byte counts overflow 64 bits")?;
         }
         if byte_sum != bytes || (count == 0 && samples != 0) {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "its blocks hold {byte_sum} bytes, its header says {bytes} (or samples without shards)"
-            ));
+            )));
         }
         Ok(ShardTable {
             head,
@@ -875,7 +888,7 @@ impl Manifest {
                 r.checksum
             )));
         }
-        let t = ShardTable::open(head, reader, object).map_err(bad)?;
+        let t = ShardTable::open(head, reader, object).map_err(|r| bad(r.into()))?;
         if t.len() as u64 != r.shards {
             return Err(bad(format!("{} shards, the manifest says {}", t.len(), r.shards)));
         }
@@ -1142,18 +1155,18 @@ impl PartialEq for Manifest {
 
 /// A key a manifest may name: relative, no `.` or `..` segments, no empty segments, no
 /// backslashes or control characters. Keys never escape the dataset prefix.
-pub fn validate_key(key: &str) -> std::result::Result<(), String> {
+pub fn validate_key(key: &str) -> std::result::Result<(), Invalid> {
     if key.is_empty() || key.len() > 1024 {
-        return Err("must be 1..=1024 bytes".into());
+        return Err(Invalid::from("must be 1..=1024 bytes"));
     }
     if key.starts_with('/') {
-        return Err("must be relative".into());
+        return Err(Invalid::from("must be relative"));
     }
     if key.chars().any(|c| c.is_control() || c == '\\') {
-        return Err("contains a control character or backslash".into());
+        return Err(Invalid::from("contains a control character or backslash"));
     }
     if key.split('/').any(|seg| seg.is_empty() || seg == "." || seg == "..") {
-        return Err("contains an empty, '.' or '..' segment".into());
+        return Err(Invalid::from("contains an empty, '.' or '..' segment"));
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! little-endian length followed by that many bytes. `str` and `json` are UTF-8, and `json`
 //! holds one complete JSON value. See `docs/format.md`.
 
+use crate::error::Invalid;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Location, Result};
@@ -86,26 +87,26 @@ impl Schema {
     }
 
     /// Checks names are non-empty, unique and bounded.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), Invalid> {
         if self.columns.is_empty() {
-            return Err("a schema needs at least one column".into());
+            return Err(Invalid::from("a schema needs at least one column"));
         }
         if self.columns.len() > COLUMNS_MAX {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "{} columns, more than the limit of {COLUMNS_MAX}",
                 self.columns.len()
-            ));
+            )));
         }
         let mut seen = std::collections::HashSet::new();
         for c in &self.columns {
             if c.name.is_empty() || c.name.len() > COLUMN_NAME_BYTES_MAX {
-                return Err(format!(
+                return Err(Invalid::from(format!(
                     "column name {:?} must be 1..={COLUMN_NAME_BYTES_MAX} bytes",
                     c.name
-                ));
+                )));
             }
             if !seen.insert(c.name.as_str()) {
-                return Err(format!("duplicate column name {:?}", c.name));
+                return Err(Invalid::from(format!("duplicate column name {:?}", c.name)));
             }
         }
         Ok(())
@@ -117,7 +118,7 @@ impl Schema {
     }
 
     /// Parses canonical JSON (as stored in a shard) and validates it.
-    pub fn from_json(bytes: &[u8]) -> std::result::Result<Self, String> {
+    pub fn from_json(bytes: &[u8]) -> std::result::Result<Self, Invalid> {
         let s: Schema = serde_json::from_slice(bytes).map_err(|e| format!("schema JSON: {e}"))?;
         s.validate()?;
         Ok(s)

@@ -529,7 +529,7 @@ impl Stream {
             })
             .collect();
         let cache = match &cfg.cache {
-            Some(c) => Some(Cache::open(c.clone(), cache_io::detect(), metrics.clone())?),
+            Some(c) => Some(Cache::open(c.clone(), cache_io::detect()?, metrics.clone())?),
             None => None,
         };
         let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;

@@ -56,7 +56,7 @@ impl Inner {
         let (c, id) = (self.cache.clone(), req.id);
         let hit = tokio::task::spawn_blocking(move || c.shard(id))
             .await
-            .map_err(|e| Error::Engine(format!("cache task: {e}")))??;
+            .map_err(|e| Error::Internal(format!("cache task: {e}")))??;
         if let Some(f) = hit {
             return Ok((Body::File(f), ReadSource::CacheLocal, id.bytes));
         }
@@ -64,7 +64,7 @@ impl Inner {
         let c = self.cache.clone();
         let f = tokio::task::spawn_blocking(move || c.shard(id))
             .await
-            .map_err(|e| Error::Engine(format!("cache task: {e}")))?;
+            .map_err(|e| Error::Internal(format!("cache task: {e}")))?;
         let body = match f {
             Ok(Some(f)) => Body::File(f),
             _ => Body::Memory(bytes),
@@ -107,7 +107,7 @@ impl Inner {
                     }
                 }
             },
-            |why| Err(Error::Engine(format!("fetch task failed: {why}"))),
+            |why| Err(Error::Internal(format!("fetch task failed: {why}"))),
         );
         if joined {
             self.stats.coalesced.fetch_add(1, Ordering::Relaxed);
@@ -179,7 +179,7 @@ impl Inner {
             }
         })
         .await
-        .map_err(|e| Error::Engine(format!("cache insert task: {e}")))?;
+        .map_err(|e| Error::Internal(format!("cache insert task: {e}")))?;
         Ok((bytes, src))
     }
 

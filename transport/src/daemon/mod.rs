@@ -68,6 +68,10 @@ struct PeerState {
     down_until: Option<Instant>,
 }
 
+/// A dataset's opening, shared by every request for it while it runs: the engine's error
+/// whole (behind an `Arc`, as every waiter gets it).
+type Opened = std::result::Result<Arc<Dataset>, Arc<ramjet_engine::Error>>;
+
 struct Inner {
     cfg: DaemonConfig,
     me: String,
@@ -80,7 +84,7 @@ struct Inner {
     /// open runs as a task of its own, so one that outlasts a request's wait (a foreign
     /// source being learned, `ramjet_engine::index::open_learned`) goes on, and later
     /// requests join it instead of starting another.
-    opening: Arc<Flights<String, std::result::Result<Arc<Dataset>, String>>>,
+    opening: Arc<Flights<String, Opened>>,
     /// Flights by shard and whether they ask a peer: a peer's request joins only flights that
     /// go to the origin, so two daemons whose rings disagree never wait on each other.
     flights: Arc<Flights<(ShardId, bool), FlightOut>>,
@@ -179,8 +183,12 @@ impl Daemon {
         }
         let rt = ramjet_engine::rt::handle().map_err(std::io::Error::other)?;
         let metrics = Arc::new(Metrics::default());
-        let cache =
-            Cache::open(cfg.cache.clone(), cache_io::detect(), metrics.clone()).map_err(std::io::Error::other)?;
+        let cache = Cache::open(
+            cfg.cache.clone(),
+            cache_io::detect().map_err(std::io::Error::other)?,
+            metrics.clone(),
+        )
+        .map_err(std::io::Error::other)?;
         let me = cfg.me();
         let mut members = cfg.peers.clone();
         if let Some(f) = &cfg.peers_file {

@@ -181,8 +181,8 @@ pub(super) async fn rdma_write(link: &ServerRdma, body: Body, n: u64, addr: u64,
         Body::File(f) => {
             let file = f
                 .hand_out()
-                .map_err(|e| Error::Engine(format!("open the cached shard: {e}")))?;
-            sys::read_private(&file, n).map_err(|e| Error::Engine(format!("read the cached shard: {e}")))?
+                .map_err(|e| Error::Internal(format!("open the cached shard: {e}")))?;
+            sys::read_private(&file, n).map_err(|e| Error::Internal(format!("read the cached shard: {e}")))?
         }
         Body::Memory(b) => b,
     };

@@ -83,12 +83,17 @@ impl Inner {
                 }
             }
         }
-        let (key, u) = (url.to_owned(), url.to_owned());
+        let (key, u, named) = (url.to_owned(), url.to_owned(), url.to_owned());
         let (flight, _) = self.opening.join_or_start(
             std::slice::from_ref(&key),
             key.clone(),
-            || async move { Dataset::open(&u).await.map(Arc::new).map_err(|e| e.to_string()) },
-            |why| Err(format!("its open failed: {why}")),
+            || async move { Dataset::open(&u).await.map(Arc::new).map_err(Arc::new) },
+            move |why| {
+                Err(Arc::new(ramjet_engine::Error::invalid(
+                    named.clone(),
+                    format!("its open failed: {why}"),
+                )))
+            },
         );
         let d = tokio::time::timeout(Duration::from_secs(60), flight)
             .await

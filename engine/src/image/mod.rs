@@ -3,22 +3,32 @@
 //! The crop is chosen in source coordinates from the header alone, before any pixel is
 //! decoded. That lets the decoder skip work: JPEG is decoded at the smallest DCT scale
 //! (1/8, 1/4, 1/2) that still leaves the crop at least as large as the output, and only the
-//! region that covers the crop ([`crate::jpeg_c`]). The crop is then resized (antialiased
+//! region that covers the crop ([`turbo`]). The crop is then resized (antialiased
 //! bilinear, as Pillow and torchvision do) and written channel-first, flipped and normalised
 //! in the same pass.
 //!
 //! Every random choice comes from a generator keyed by (seed, epoch, stream, sample), so a
 //! resumed run replays identical pixels. See `docs/order.md`.
+//!
+//! Submodules: [`probe`] reads an encoded image's format and size from its header, [`turbo`]
+//! is the libjpeg-turbo binding (decode, encode, restart-marker transcoding), and [`error`]
+//! holds [`ImageError`], the one error type of all of them.
+
+pub mod error;
+pub mod probe;
+pub mod turbo;
+
+pub use error::ImageError;
 
 use std::panic::AssertUnwindSafe;
 
 use fast_image_resize::images::{Image as FirImage, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
-use crate::decode::{probe, ImageFormat, ImageInfo};
+use crate::image::probe::{probe, ImageFormat, ImageInfo};
 #[cfg(test)]
-use crate::jpeg_c::cut_at_restarts;
-use crate::jpeg_c::{encode_rgb, scaled, Header, Region, Transcoder, TurboJpeg, JPEG_RESTART_PX};
+use crate::image::turbo::cut_at_restarts;
+use crate::image::turbo::{encode_rgb, scaled, Header, Region, Transcoder, TurboJpeg, JPEG_RESTART_PX};
 
 /// Decompression-bomb limit on declared pixels: an image whose header claims more is refused
 /// before anything is allocated. 2^26 is 8192 x 8192, above any training image in practice.
@@ -350,7 +360,7 @@ pub struct Rgb {
 /// (JPEG only; other formats decode at full size). `rows` asks for only the rows [top,
 /// bottom) of the scaled image (JPEG only): the result then holds those rows alone, and its
 /// size tells what was produced.
-pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, String> {
+pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<Rgb, ImageError> {
     let info = probe(bytes)?;
     check_declared(info.width, info.height, JPEG_BYTES_PER_PIXEL)?;
     match info.format {
@@ -358,7 +368,9 @@ pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<
             let mut t = t.borrow_mut();
             let (t, hdr) = jpeg_header(&mut t, bytes)?;
             if ![1, 2, 4, 8].contains(&denom) {
-                return Err(format!("JPEG scale 1/{denom} is not 1, 1/2, 1/4 or 1/8"));
+                return Err(ImageError::Argument(format!(
+                    "JPEG scale 1/{denom} is not 1, 1/2, 1/4 or 1/8"
+                )));
             }
             let eighths = 8 / denom;
             let sh = scaled(hdr.height, eighths);
@@ -382,13 +394,13 @@ pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<
         // The PNG decoder is third-party Rust fed untrusted bytes: a panic in it is a decode
         // error of this sample, not a crash of the process.
         ImageFormat::Png => std::panic::catch_unwind(AssertUnwindSafe(|| decode_png(bytes)))
-            .unwrap_or_else(|_| Err("the decoder failed on malformed data".into())),
+            .unwrap_or_else(|_| Err(ImageError::Malformed("the decoder failed on malformed data".into()))),
     }
 }
 
 /// The JPEG's header as libjpeg-turbo reads it, refused like `probe`'s when it declares more
 /// than the decode limits; `turbo` is made on first use.
-fn jpeg_header<'t>(turbo: &'t mut Option<TurboJpeg>, bytes: &[u8]) -> Result<(&'t mut TurboJpeg, Header), String> {
+fn jpeg_header<'t>(turbo: &'t mut Option<TurboJpeg>, bytes: &[u8]) -> Result<(&'t mut TurboJpeg, Header), ImageError> {
     if turbo.is_none() {
         *turbo = Some(TurboJpeg::new()?);
     }
@@ -405,38 +417,42 @@ thread_local! {
 }
 
 /// Refuses a declared size above the pixel or memory limit, before any allocation.
-fn check_declared(width: u32, height: u32, bytes_per_pixel: u64) -> Result<(), String> {
+fn check_declared(width: u32, height: u32, bytes_per_pixel: u64) -> Result<(), ImageError> {
     let px = width as u64 * height as u64;
     if px > DECODE_PIXELS_MAX {
-        return Err(format!(
+        return Err(ImageError::TooLarge(format!(
             "image declares {width}x{height} pixels, above the {DECODE_PIXELS_MAX}-pixel decode limit (decompression bomb?)"
-        ));
+        )));
     }
     if px * bytes_per_pixel > DECODE_BYTES_MAX {
-        return Err(format!(
+        return Err(ImageError::TooLarge(format!(
             "image declares {width}x{height} pixels, whose decode would take over the {DECODE_BYTES_MAX}-byte memory limit"
-        ));
+        )));
     }
     Ok(())
 }
 
-fn decode_png(bytes: &[u8]) -> Result<Rgb, String> {
+fn decode_png(bytes: &[u8]) -> Result<Rgb, ImageError> {
     let limits = png::Limits {
         bytes: DECODE_BYTES_MAX as usize,
     };
     let mut dec = png::Decoder::new_with_limits(std::io::Cursor::new(bytes), limits);
     dec.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
-    let mut r = dec.read_info().map_err(|e| format!("malformed PNG: {e}"))?;
+    let mut r = dec
+        .read_info()
+        .map_err(|e| ImageError::Malformed(format!("malformed PNG: {e}")))?;
     let (w, h) = (r.info().width, r.info().height);
     let need = r.output_buffer_size() as u64 + w as u64 * h as u64 * 3;
     check_declared(w, h, 0)?;
     if need > DECODE_BYTES_MAX {
-        return Err(format!(
+        return Err(ImageError::TooLarge(format!(
             "PNG declares {w}x{h} pixels, whose decode would take {need} bytes, over the {DECODE_BYTES_MAX}-byte memory limit"
-        ));
+        )));
     }
     let mut buf = vec![0u8; r.output_buffer_size()];
-    let f = r.next_frame(&mut buf).map_err(|e| format!("malformed PNG: {e}"))?;
+    let f = r
+        .next_frame(&mut buf)
+        .map_err(|e| ImageError::Malformed(format!("malformed PNG: {e}")))?;
     let (w, h) = (f.width, f.height);
     let px = (w * h) as usize;
     let src = &buf[..f.buffer_size()];
@@ -445,7 +461,7 @@ fn decode_png(bytes: &[u8]) -> Result<Rgb, String> {
         png::ColorType::Rgba => src.chunks_exact(4).flat_map(|p| [p[0], p[1], p[2]]).collect(),
         png::ColorType::Grayscale => src.iter().flat_map(|&g| [g, g, g]).collect(),
         png::ColorType::GrayscaleAlpha => src.chunks_exact(2).flat_map(|p| [p[0], p[0], p[0]]).collect(),
-        png::ColorType::Indexed => return Err("malformed PNG: palette was not expanded".into()),
+        png::ColorType::Indexed => return Err(ImageError::Codec("malformed PNG: palette was not expanded".into())),
     };
     Ok(Rgb {
         width: w,
@@ -481,7 +497,7 @@ pub enum Slot<'a> {
 /// a VM can cost several microseconds a page. The loader runs it on the decode threads while
 /// the first batch is still being read. A scratch is primed once: `Ok(false)` says it was
 /// already.
-pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<bool, String> {
+pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<bool, ImageError> {
     if scratch.primed {
         return Ok(false);
     }
@@ -523,6 +539,11 @@ pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<bool, String> {
     Ok(true)
 }
 
+/// A buffer the resizer refused (a size that does not match its pixels).
+fn resizer_err(e: impl std::fmt::Display) -> ImageError {
+    ImageError::Codec(e.to_string())
+}
+
 /// Decodes `bytes`, applies `spec` with the random choices of `rng`, and writes the result
 /// channel-first into `slot`. Returns the decoded source size.
 pub fn process(
@@ -531,7 +552,7 @@ pub fn process(
     rng: &mut SampleRng,
     slot: Slot<'_>,
     scratch: &mut Scratch,
-) -> Result<ImageInfo, String> {
+) -> Result<ImageInfo, ImageError> {
     let info = probe(bytes)?;
     let p = plan(spec, info.width, info.height, rng);
     let (ow, oh) = (spec.width, spec.height);
@@ -547,18 +568,18 @@ pub fn process(
         decode_jpeg_crop(bytes, &info, &p.crop, eighths, (ow, oh), turbo, decoded)?
     } else {
         *decoded = decode_rgb(bytes, 1, None)?.data;
-        let src = ImageRef::new(info.width, info.height, decoded, PixelType::U8x3).map_err(|e| e.to_string())?;
+        let src = ImageRef::new(info.width, info.height, decoded, PixelType::U8x3).map_err(resizer_err)?;
         (src, p.crop)
     };
     let n = (ow * oh * 3) as usize;
     resized.resize(n, 0);
-    let mut dst = FirImage::from_slice_u8(ow, oh, resized, PixelType::U8x3).map_err(|e| e.to_string())?;
+    let mut dst = FirImage::from_slice_u8(ow, oh, resized, PixelType::U8x3).map_err(resizer_err)?;
     let opts = ResizeOptions::new()
         .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
         .crop(crop.x, crop.y, crop.w, crop.h);
     resizer
         .resize(&src, &mut dst, &opts)
-        .map_err(|e| format!("resize failed: {e}"))?;
+        .map_err(|e| ImageError::Codec(format!("resize failed: {e}")))?;
     write_chw(resized, ow as usize, oh as usize, p.flip, spec, slot);
     Ok(info)
 }
@@ -590,13 +611,13 @@ fn decode_jpeg_crop<'s>(
     out: (u32, u32),
     turbo: &mut Option<TurboJpeg>,
     decoded: &'s mut Vec<u8>,
-) -> Result<(ImageRef<'s>, Rect), String> {
+) -> Result<(ImageRef<'s>, Rect), ImageError> {
     let (t, hdr) = jpeg_header(turbo, bytes)?;
     if (hdr.width, hdr.height) != (info.width, info.height) {
-        return Err(format!(
+        return Err(ImageError::Malformed(format!(
             "malformed JPEG: frame headers disagree ({}x{} and {}x{})",
             info.width, info.height, hdr.width, hdr.height
-        ));
+        )));
     }
     // The crop in the scaled image (libjpeg-turbo rounds scaled sizes up).
     let (sw, sh) = (scaled(hdr.width, eighths), scaled(hdr.height, eighths));
@@ -627,7 +648,7 @@ fn decode_jpeg_crop<'s>(
         w: c.w.min(got.w as f64 - (c.x - got.x as f64)),
         h: c.h.min(got.h as f64 - (c.y - got.y as f64)),
     };
-    let src = ImageRef::new(got.w, got.h, decoded, PixelType::U8x3).map_err(|e| e.to_string())?;
+    let src = ImageRef::new(got.w, got.h, decoded, PixelType::U8x3).map_err(resizer_err)?;
     Ok((src, rel))
 }
 

@@ -20,7 +20,7 @@ use std::ptr::NonNull;
 
 use turbojpeg_sys as tj;
 
-use crate::image::{DECODE_BYTES_MAX, DECODE_PIXELS_MAX};
+use crate::image::{ImageError, DECODE_BYTES_MAX, DECODE_PIXELS_MAX};
 
 /// Progressive scans one image may take before it is refused: libjpeg-turbo's advice against
 /// JPEGs built to take forever (thousands of tiny scans).
@@ -72,7 +72,7 @@ unsafe impl Send for Handle {}
 
 impl Handle {
     /// A `kind` instance (`TJINIT_*`) with the limits above, then `extra` parameters.
-    fn new(kind: tj::TJINIT, extra: &[(tj::TJPARAM, c_int)]) -> Result<Self, String> {
+    fn new(kind: tj::TJINIT, extra: &[(tj::TJPARAM, c_int)]) -> Result<Self, ImageError> {
         let limits = [
             (tj::TJPARAM_TJPARAM_STOPONWARNING, 1),
             (tj::TJPARAM_TJPARAM_SCANLIMIT, SCAN_LIMIT),
@@ -83,10 +83,13 @@ impl Handle {
     }
 
     /// A `kind` instance with `params` only (a compressor: the limits above are a reader's).
-    fn with<'p>(kind: tj::TJINIT, params: impl IntoIterator<Item = &'p (tj::TJPARAM, c_int)>) -> Result<Self, String> {
+    fn with<'p>(
+        kind: tj::TJINIT,
+        params: impl IntoIterator<Item = &'p (tj::TJPARAM, c_int)>,
+    ) -> Result<Self, ImageError> {
         // SAFETY: tj3Init takes no pointer; it returns an owned handle or null.
         let raw = unsafe { tj::tj3Init(kind as c_int) };
-        let h = Handle(NonNull::new(raw).ok_or("libjpeg-turbo: tj3Init failed")?);
+        let h = Handle(NonNull::new(raw).ok_or_else(|| ImageError::Codec("libjpeg-turbo: tj3Init failed".into()))?);
         for &(param, value) in params {
             h.set(param, value)?;
         }
@@ -97,11 +100,14 @@ impl Handle {
         self.0.as_ptr()
     }
 
-    fn set(&self, param: tj::TJPARAM, value: c_int) -> Result<(), String> {
+    fn set(&self, param: tj::TJPARAM, value: c_int) -> Result<(), ImageError> {
         // SAFETY: the handle is live (owned by self); tj3Set reads only its integer arguments.
         let rc = unsafe { tj::tj3Set(self.ptr(), param as c_int, value) };
         if rc != 0 {
-            return Err(format!("libjpeg-turbo: setting parameter {param}: {}", self.message()));
+            return Err(ImageError::Codec(format!(
+                "libjpeg-turbo: setting parameter {param}: {}",
+                self.message()
+            )));
         }
         Ok(())
     }
@@ -150,7 +156,7 @@ struct Cuts {
 
 impl TurboJpeg {
     /// A decompressor with ramjet's limits ([`Handle`]).
-    pub fn new() -> Result<Self, String> {
+    pub fn new() -> Result<Self, ImageError> {
         Ok(TurboJpeg {
             handle: Handle::new(tj::TJINIT_TJINIT_DECOMPRESS, &[])?,
             cuts: None,
@@ -169,7 +175,7 @@ impl TurboJpeg {
     }
 
     /// Reads the header of `jpeg`.
-    pub fn header(&mut self, jpeg: &[u8]) -> Result<Header, String> {
+    pub fn header(&mut self, jpeg: &[u8]) -> Result<Header, ImageError> {
         // SAFETY: the handle is live, and `jpeg` is a valid slice of jpeg.len() bytes that
         // outlives the call; the library only reads it.
         let rc = unsafe { tj::tj3DecompressHeader(self.handle.ptr(), jpeg.as_ptr(), jpeg.len() as tj::size_t) };
@@ -177,14 +183,14 @@ impl TurboJpeg {
             c.held = false;
         }
         if rc != 0 {
-            return Err(format!("malformed JPEG: {}", self.error()));
+            return Err(ImageError::Malformed(format!("malformed JPEG: {}", self.error())));
         }
         let (w, h) = (
             self.handle.get(tj::TJPARAM_TJPARAM_JPEGWIDTH),
             self.handle.get(tj::TJPARAM_TJPARAM_JPEGHEIGHT),
         );
         if w <= 0 || h <= 0 {
-            return Err(format!("malformed JPEG: {w}x{h} pixels"));
+            return Err(ImageError::Malformed(format!("malformed JPEG: {w}x{h} pixels")));
         }
         let subsamp = self.handle.get(tj::TJPARAM_TJPARAM_SUBSAMP);
         let mcu_width = usize::try_from(subsamp).ok().and_then(|i| MCU_WIDTH.get(i).copied());
@@ -216,9 +222,11 @@ impl TurboJpeg {
         eighths: u32,
         region: Option<Region>,
         out: &mut Vec<u8>,
-    ) -> Result<Region, String> {
+    ) -> Result<Region, ImageError> {
         if !(1..=8).contains(&eighths) {
-            return Err(format!("JPEG scale {eighths}/8 is not one of 1/8 to 8/8"));
+            return Err(ImageError::Argument(format!(
+                "JPEG scale {eighths}/8 is not one of 1/8 to 8/8"
+            )));
         }
         if let Some(r) = region {
             let mut cuts = self.cuts.take().unwrap_or_default();
@@ -247,12 +255,12 @@ impl TurboJpeg {
         r: Region,
         c: Cut,
         out: &mut Vec<u8>,
-    ) -> Result<Region, String> {
+    ) -> Result<Region, ImageError> {
         let h = self.header(cut)?;
         if h.mcu_width != header.mcu_width {
-            return Err(format!(
+            return Err(ImageError::Malformed(format!(
                 "malformed JPEG: its restart cut reads as {h:?}, not {header:?}"
-            ));
+            )));
         }
         let inner = Region {
             x: r.x - c.x,
@@ -274,7 +282,7 @@ impl TurboJpeg {
         eighths: u32,
         region: Option<Region>,
         out: &mut Vec<u8>,
-    ) -> Result<Region, String> {
+    ) -> Result<Region, ImageError> {
         let (sw, sh) = (scaled(header.width, eighths), scaled(header.height, eighths));
         let full = Region {
             x: 0,
@@ -284,7 +292,9 @@ impl TurboJpeg {
         };
         let mut r = region.unwrap_or(full);
         if r.w == 0 || r.h == 0 || r.x + r.w > sw || r.y + r.h > sh {
-            return Err(format!("JPEG region {r:?} is outside the {sw}x{sh} image"));
+            return Err(ImageError::Argument(format!(
+                "JPEG region {r:?} is outside the {sw}x{sh} image"
+            )));
         }
         match header.mcu_width.map(|m| scaled(m, eighths)) {
             Some(mw) => {
@@ -308,7 +318,10 @@ impl TurboJpeg {
         // SAFETY: the handle is live; the scaling factor is passed by value.
         let rc = unsafe { tj::tj3SetScalingFactor(self.handle.ptr(), factor) };
         if rc != 0 {
-            return Err(format!("libjpeg-turbo: scale {eighths}/8: {}", self.error()));
+            return Err(ImageError::Codec(format!(
+                "libjpeg-turbo: scale {eighths}/8: {}",
+                self.error()
+            )));
         }
         let cropping = if r == full {
             tj::tjregion { x: 0, y: 0, w: 0, h: 0 } // TJUNCROPPED
@@ -323,7 +336,10 @@ impl TurboJpeg {
         // SAFETY: the handle is live and the header was read; the region is passed by value.
         let rc = unsafe { tj::tj3SetCroppingRegion(self.handle.ptr(), cropping) };
         if rc != 0 {
-            return Err(format!("libjpeg-turbo: cropping region {r:?}: {}", self.error()));
+            return Err(ImageError::Codec(format!(
+                "libjpeg-turbo: cropping region {r:?}: {}",
+                self.error()
+            )));
         }
         let pitch = r.w as usize * 3;
         out.resize(pitch * r.h as usize, 0);
@@ -342,7 +358,7 @@ impl TurboJpeg {
             )
         };
         if rc != 0 {
-            return Err(format!("malformed JPEG: {}", self.error()));
+            return Err(ImageError::Malformed(format!("malformed JPEG: {}", self.error())));
         }
         Ok(r)
     }
@@ -598,9 +614,12 @@ pub fn with_restarts_or_given(jpeg: Vec<u8>, max_px: u32) -> Vec<u8> {
 /// `px` (packed RGB, `width` x `height`) compressed as a baseline JPEG with 4:2:0 chroma at
 /// `quality` (1 to 100). The decode threads prime themselves with one at start
 /// ([`crate::image::prime`]); nothing else in ramjet encodes.
-pub fn encode_rgb(px: &[u8], width: u32, height: u32, quality: u8) -> Result<Vec<u8>, String> {
+pub fn encode_rgb(px: &[u8], width: u32, height: u32, quality: u8) -> Result<Vec<u8>, ImageError> {
     if px.len() != width as usize * height as usize * 3 || width == 0 || height == 0 {
-        return Err(format!("{} bytes are not a {width}x{height} RGB image", px.len()));
+        return Err(ImageError::Argument(format!(
+            "{} bytes are not a {width}x{height} RGB image",
+            px.len()
+        )));
     }
     let handle = Handle::with(
         tj::TJINIT_TJINIT_COMPRESS,
@@ -627,7 +646,7 @@ pub fn encode_rgb(px: &[u8], width: u32, height: u32, quality: u8) -> Result<Vec
         )
     };
     // SAFETY: `dst` is null or the buffer tj3Compress8 allocated, with `size` bytes, unused after.
-    unsafe { take_output(rc, dst, size) }.ok_or_else(|| format!("JPEG encode: {}", handle.message()))
+    unsafe { take_output(rc, dst, size) }.ok_or_else(|| ImageError::Codec(format!("JPEG encode: {}", handle.message())))
 }
 
 /// The output of a TurboJPEG call that allocated it (`rc` its status), copied into a `Vec`,
@@ -664,30 +683,32 @@ pub fn restart_interval(per_row: u32, mcu_w: u32, max_px: u32) -> u32 {
 impl Transcoder {
     /// A transcoder with ramjet's decode limits ([`Handle`]), optimal Huffman tables, and
     /// every marker of the source copied.
-    pub fn new() -> Result<Self, String> {
+    pub fn new() -> Result<Self, ImageError> {
         let extra = [(tj::TJPARAM_TJPARAM_OPTIMIZE, 1), (tj::TJPARAM_TJPARAM_SAVEMARKERS, 2)];
         Ok(Transcoder {
             handle: Handle::new(tj::TJINIT_TJINIT_TRANSFORM, &extra)?,
         })
     }
 
-    fn fail(&mut self, what: &str) -> String {
+    /// The last call's error as `kind` (with `what` before the library's message); the
+    /// instance is replaced by a fresh one, as [`TurboJpeg`]'s is.
+    fn fail(&mut self, kind: fn(String) -> ImageError, what: &str) -> ImageError {
         let msg = format!("{what}: {}", self.handle.message());
         if let Ok(fresh) = Transcoder::new() {
             *self = fresh;
         }
-        msg
+        kind(msg)
     }
 
     /// `jpeg` rewritten as a sequential JPEG with optimal Huffman tables and a restart marker
     /// every [`restart_interval`]`(.., max_px)` MCUs, so that [`TurboJpeg::decode`] can cut a
     /// region out of it without entropy-decoding the rest. Every marker (EXIF, ICC, comments)
     /// is kept. The pixels are the original's, bit for bit.
-    pub fn with_restarts(&mut self, jpeg: &[u8], max_px: u32) -> Result<Vec<u8>, String> {
+    pub fn with_restarts(&mut self, jpeg: &[u8], max_px: u32) -> Result<Vec<u8>, ImageError> {
         let h = self.handle.ptr();
         // SAFETY: the handle is live; `jpeg` is a valid slice that outlives the call.
         if unsafe { tj::tj3DecompressHeader(h, jpeg.as_ptr(), jpeg.len() as tj::size_t) } != 0 {
-            return Err(self.fail("malformed JPEG"));
+            return Err(self.fail(ImageError::Malformed, "malformed JPEG"));
         }
         let (w, subsamp) = (
             self.handle.get(tj::TJPARAM_TJPARAM_JPEGWIDTH),
@@ -696,14 +717,14 @@ impl Transcoder {
         let mcu_w = usize::try_from(subsamp)
             .ok()
             .and_then(|i| MCU_WIDTH.get(i).copied())
-            .ok_or_else(|| format!("JPEG chroma subsampling {subsamp} has no restart cut"))?;
+            .ok_or_else(|| ImageError::Malformed(format!("JPEG chroma subsampling {subsamp} has no restart cut")))?;
         let interval = restart_interval((w.max(1) as u32).div_ceil(mcu_w), mcu_w, max_px);
         if self
             .handle
             .set(tj::TJPARAM_TJPARAM_RESTARTBLOCKS, interval as c_int)
             .is_err()
         {
-            return Err(self.fail("libjpeg-turbo: restart interval"));
+            return Err(self.fail(ImageError::Codec, "libjpeg-turbo: restart interval"));
         }
         let transform = tj::tjtransform {
             r: tj::tjregion { x: 0, y: 0, w: 0, h: 0 },
@@ -730,6 +751,6 @@ impl Transcoder {
         };
         // SAFETY: `dst` is null or the buffer tj3Transform allocated, with `size` bytes,
         // unused after.
-        unsafe { take_output(rc, dst, size) }.ok_or_else(|| self.fail("JPEG transcode"))
+        unsafe { take_output(rc, dst, size) }.ok_or_else(|| self.fail(ImageError::Codec, "JPEG transcode"))
     }
 }
