@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ramjet's main job on an embedded default: installs what it needs, starts the local S3
 # server, generates the synthetic YOLO dataset (5,315 photo-like images), packs it into
-# s3://$RAMJET_S3_BUCKET/demo, verifies every checksum, streams it through the engine twice
-# (cold: empty node-local cache; warm: from the cache), prints a summary, then runs
+# s3://$RAMJET_S3_BUCKET/demo, verifies every checksum, streams it through the engine five
+# times (cold: empty node-local cache; then four warm epochs from the cache: the first reads it
+# from the disk, the next three show the steady state), prints a summary, then runs
 # ramjet-bench's quick mode: ramjet beside MosaicML Streaming, WebDataset, boto3 GETs and a torch
 # DataLoader over local files, on the same data (table, JSON and chart in target/bench/ramjet-bench).
 #
@@ -50,8 +51,20 @@ rm -rf "$cache"
 echo
 echo "demo: streaming epoch 1 (cold: empty node-local cache at $cache)"
 "$ramjet" stream "$url" --cache-dir "$cache" --cache-limit 4GiB | tee "$RAMJET_STATE/demo/cold.txt"
-echo "demo: streaming epoch 2 (warm: from the cache)"
-"$ramjet" stream "$url" --cache-dir "$cache" --cache-limit 4GiB | tee "$RAMJET_STATE/demo/warm.txt"
+# Epoch 2 reads the cache from the disk: cache fills bypass the page cache (O_DIRECT, so a cold
+# epoch does not pay for copying every shard into it), and this first warm read is the device's.
+# Epochs 3 to 5 read it from the page cache: the steady state of a dataset that fits in memory.
+for e in 2 3 4 5; do
+  echo "demo: streaming epoch $e (warm: from the cache)"
+  "$ramjet" stream "$url" --cache-dir "$cache" --cache-limit 4GiB | tee "$RAMJET_STATE/demo/warm$e.txt"
+done
+cp "$RAMJET_STATE/demo/warm2.txt" "$RAMJET_STATE/demo/warm.txt"
+secs_of() { head -1 "$1" | sed -E 's/.* in ([0-9.]+) s:.*/\1/'; }
+steady=$(for e in 3 4 5; do secs_of "$RAMJET_STATE/demo/warm$e.txt"; done | sort -g | sed -n 2p)
+steady_line=$(for e in 3 4 5; do
+  f="$RAMJET_STATE/demo/warm$e.txt"
+  if [ "$(secs_of "$f")" = "$steady" ]; then head -1 "$f" | sed 's/^stream: //'; break; fi
+done)
 
 echo
 echo "demo summary"
@@ -59,9 +72,10 @@ echo "  dataset   $samples synthetic 640x480 JPEGs with YOLO boxes ($src)"
 echo "  synth     $(secs "$t0" "$t1") s"
 echo "  pack      $(secs "$t1" "$t2") s -> $url (local S3 at $AWS_ENDPOINT_URL)"
 echo "  verify    $(secs "$t2" "$t3") s, every shard and sample checksum OK"
-echo "  stream    cold: $(head -1 "$RAMJET_STATE/demo/cold.txt" | sed 's/^stream: //')"
-echo "            warm: $(head -1 "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream: //')"
-echo "            warm: $(sed -n 2p "$RAMJET_STATE/demo/warm.txt" | sed 's/^stream: //')"
+echo "  stream    cold:         $(head -1 "$RAMJET_STATE/demo/cold.txt" | sed 's/^stream: //')"
+echo "            first warm:   $(head -1 "$RAMJET_STATE/demo/warm2.txt" | sed 's/^stream: //') (the cache read from the disk)"
+echo "            steady warm:  $steady_line (median of epochs 3-5, from the page cache)"
+echo "            warm:         $(sed -n 2p "$RAMJET_STATE/demo/warm2.txt" | sed 's/^stream: //')"
 
 echo
 echo "demo: ramjet-bench --quick (ramjet and its peers side by side, interleaved rounds; about 3-4 minutes)"
