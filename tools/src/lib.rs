@@ -1,6 +1,7 @@
 //! Library behind the `ramjet` command line, shared with the benchmarks and tests.
 #![deny(missing_docs)]
 
+pub mod cli;
 pub mod index;
 pub mod pack;
 pub mod plansim;

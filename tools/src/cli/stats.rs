@@ -1,0 +1,210 @@
+//! `ramjet stats`: print a cluster view from daemons' /stats (HOST is host:port of their --http).
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+
+use crate::ui::human_bytes;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Daemons' HTTP addresses.
+    #[arg(required = true)]
+    pub hosts: Vec<String>,
+    /// Print the raw JSON documents.
+    #[arg(long)]
+    pub json: bool,
+    /// First wait until the ring is complete: every daemon answers /ready (it is a member
+    /// and has completed an authenticated handshake with every other member), all report
+    /// the same members and ring version, and the members are as many as HOSTS. Exits 1
+    /// after --timeout, naming each daemon that is not ready and why.
+    #[arg(long)]
+    pub wait: bool,
+    /// Seconds --wait waits.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+}
+
+/// Runs the command.
+pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    let Args {
+        hosts,
+        json,
+        wait,
+        timeout,
+    } = a;
+    let timeout =
+        std::time::Duration::try_from_secs_f64(timeout).map_err(|e| anyhow::anyhow!("--timeout {timeout}: {e}"))?;
+    if wait && !wait_ready(&hosts, timeout)? {
+        return Ok(ExitCode::FAILURE);
+    }
+    stats_cmd(&hosts, json)
+}
+
+/// Waits until every daemon at `hosts` (HTTP addresses) is ready and they agree on one ring of
+/// `hosts.len()` members. Prints progress on stderr whenever the picture changes. False on
+/// timeout, after naming what is missing.
+fn wait_ready(hosts: &[String], timeout: std::time::Duration) -> anyhow::Result<bool> {
+    let t0 = std::time::Instant::now();
+    let mut last = String::new();
+    loop {
+        let mut problems = Vec::new();
+        let mut rings = std::collections::BTreeSet::new();
+        let mut not_ready = 0;
+        for h in hosts {
+            let seen = problems.len();
+            match http_get_any(h, "/ready")
+                .and_then(|(_, b)| Ok(serde_json::from_str::<ramjet_transport::ReadyDoc>(&b)?))
+            {
+                Ok(d) => {
+                    if !d.ready {
+                        problems.push(format!("{h} ({}): {}", d.node, d.problems.join("; ")));
+                    } else if d.members.len() != hosts.len() {
+                        problems.push(format!(
+                            "{h} ({}): {} members {:?}, but {} daemons were named",
+                            d.node,
+                            d.members.len(),
+                            d.members,
+                            hosts.len()
+                        ));
+                    }
+                    rings.insert((d.ring_version, d.members));
+                }
+                Err(e) => problems.push(format!("{h}: not answering ({e:#})")),
+            }
+            not_ready += usize::from(problems.len() > seen);
+        }
+        if rings.len() > 1 {
+            problems.push(format!("the daemons disagree on the ring: {rings:?}"));
+        }
+        if problems.is_empty() {
+            let (version, members) = rings.into_iter().next().expect("one ring");
+            eprintln!(
+                "ramjet stats --wait: ring ready after {:.1} s: {} members, version {version}: {}",
+                t0.elapsed().as_secs_f64(),
+                members.len(),
+                members.join(" ")
+            );
+            return Ok(true);
+        }
+        let now = format!(
+            "{} of {} daemons ready: {}",
+            hosts.len() - not_ready,
+            hosts.len(),
+            problems.join(" | ")
+        );
+        if t0.elapsed() >= timeout {
+            eprintln!(
+                "ramjet stats --wait: gave up after {:.0} s: {now}",
+                timeout.as_secs_f64()
+            );
+            return Ok(false);
+        }
+        if now != last {
+            eprintln!("ramjet stats --wait: {:.1} s: {now}", t0.elapsed().as_secs_f64());
+            last = now;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+}
+
+/// GET over plain HTTP/1.1 (the daemons' stats port): the status code and body.
+fn http_get_any(host: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let addr = host.trim_start_matches("http://").trim_end_matches('/');
+    let sock = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .with_context(|| format!("resolve {addr}"))?
+        .next()
+        .with_context(|| format!("resolve {addr}: no address"))?;
+    let mut s = std::net::TcpStream::connect_timeout(&sock, std::time::Duration::from_secs(5))
+        .with_context(|| format!("connect {addr}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let (head, body) = resp.split_once("\r\n\r\n").context("malformed HTTP response")?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("malformed HTTP status line")?;
+    Ok((code, body.to_owned()))
+}
+
+/// GET over plain HTTP/1.1 (the daemons' stats port); an error unless it answers 200.
+fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
+    let (code, body) = http_get_any(host, path)?;
+    anyhow::ensure!(code == 200, "{host}{path}: HTTP {code}: {}", body.trim());
+    Ok(body)
+}
+
+fn stats_cmd(hosts: &[String], json: bool) -> anyhow::Result<ExitCode> {
+    let mut docs = Vec::new();
+    let mut failed = false;
+    for h in hosts {
+        match http_get(h, "/stats").and_then(|b| Ok(serde_json::from_str::<ramjet_transport::StatsDoc>(&b)?)) {
+            Ok(d) => docs.push((h.clone(), d)),
+            Err(e) => {
+                eprintln!("{h}: {e:#}");
+                failed = true;
+            }
+        }
+    }
+    if json {
+        let all: Vec<_> = docs
+            .iter()
+            .map(|(h, d)| serde_json::json!({"host": h, "stats": d}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&all)?);
+    } else {
+        println!(
+            "{:<22} {:>5} {:>8} {:>8} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}  peers",
+            "node", "ring", "local", "peer", "origin", "origin", "cached", "coalesc", "refused", "p50ms"
+        );
+        for (_, d) in &docs {
+            let p50 = d
+                .latency
+                .values()
+                .filter(|l| l.count > 0)
+                .map(|l| l.p50_us)
+                .max()
+                .unwrap_or(0);
+            let down: Vec<&str> = d
+                .peers
+                .iter()
+                .filter(|(_, h)| !h.healthy)
+                .map(|(p, _)| p.as_str())
+                .collect();
+            println!(
+                "{:<22} {:>5} {:>8} {:>8} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6.1}  {} members{}{}",
+                d.node,
+                d.ring_version,
+                d.reads["cache_local"],
+                d.reads["cache_peer"],
+                d.reads["origin"],
+                human_bytes(d.origin_bytes),
+                human_bytes(d.cache_bytes),
+                d.singleflight_coalesced,
+                d.auth_refused,
+                p50 as f64 / 1e3,
+                d.members.len(),
+                if d.frozen { ", frozen" } else { "" },
+                if down.is_empty() {
+                    String::new()
+                } else {
+                    format!(", down: {}", down.join(" "))
+                }
+            );
+        }
+        let total = |f: &dyn Fn(&ramjet_transport::StatsDoc) -> u64| docs.iter().map(|(_, d)| f(d)).sum::<u64>();
+        println!(
+            "cluster: {} nodes, origin {} in {} requests, {} shards from peers, {} from local caches",
+            docs.len(),
+            human_bytes(total(&|d| d.origin_bytes)),
+            total(&|d| d.origin_requests),
+            total(&|d| d.reads["cache_peer"]),
+            total(&|d| d.reads["cache_local"])
+        );
+    }
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
