@@ -415,6 +415,20 @@ pub fn grid(n: usize, per_image: u32) -> (u32, u32) {
     (per_image.div_ceil(BLOCK), (n as u64).clamp(1, GRID_Y_MAX as u64) as u32)
 }
 
+/// The last step of one output value, as the kernel does it: `v / norm` rounded to 8 bits,
+/// then (for the float types) `q * a + k` in channel `c`'s constants, stored at element `at`.
+fn store(out: &mut [u8], p: &Params, c: usize, at: usize, v: f32, norm: f32) {
+    let q = if norm > 0.0 { v / norm } else { 0.0 };
+    let q = (q + 0.5).floor().clamp(0.0, 255.0);
+    let f = q * p.a[c] + p.k[c];
+    match p.out {
+        OutType::U8 => out[at] = q as u8,
+        OutType::F16 => out[2 * at..2 * at + 2].copy_from_slice(&f16::from_f32(f).to_ne_bytes()),
+        OutType::BF16 => out[2 * at..2 * at + 2].copy_from_slice(&bf16::from_f32(f).to_ne_bytes()),
+        OutType::F32 => out[4 * at..4 * at + 4].copy_from_slice(&f.to_ne_bytes()),
+    }
+}
+
 /// The kernels' arithmetic on the CPU: writes `jobs.len()` images of `p` into `out`
 /// (`[n, 3, oh, ow]`, native-endian elements of `p.out`), through the same weight table.
 /// Panics if [`plan`] refuses a job or `out` is too small (the GPU path returns the same as
@@ -452,16 +466,7 @@ pub fn reference(src: &[u8], jobs: &[Job], p: &Params, out: &mut [u8]) {
                 let dx = if j.flip != 0 { ow - 1 - ox } else { ox };
                 let base = i * 3 * plane + (oy * ow + dx) as usize;
                 for (c, &v) in acc.iter().enumerate() {
-                    let q = if norm > 0.0 { v / norm } else { 0.0 };
-                    let q = (q + 0.5).floor().clamp(0.0, 255.0);
-                    let at = base + c * plane;
-                    let f = q * p.a[c] + p.k[c];
-                    match p.out {
-                        OutType::U8 => out[at] = q as u8,
-                        OutType::F16 => out[2 * at..2 * at + 2].copy_from_slice(&f16::from_f32(f).to_ne_bytes()),
-                        OutType::BF16 => out[2 * at..2 * at + 2].copy_from_slice(&bf16::from_f32(f).to_ne_bytes()),
-                        OutType::F32 => out[4 * at..4 * at + 4].copy_from_slice(&f.to_ne_bytes()),
-                    }
+                    store(out, p, c, base + c * plane, v, norm);
                 }
             }
         }
@@ -545,16 +550,14 @@ mod tests {
                     let norm = sum_x * sum_y;
                     let dx = if j.flip != 0 { ow - 1 - ox } else { ox };
                     for (c, &v) in acc.iter().enumerate() {
-                        let q = if norm > 0.0 { v / norm } else { 0.0 };
-                        let q = (q + 0.5).floor().clamp(0.0, 255.0);
-                        let at = i * 3 * plane + (oy * ow + dx) as usize + c * plane;
-                        let f = q * p.a[c] + p.k[c];
-                        match p.out {
-                            OutType::U8 => out[at] = q as u8,
-                            OutType::F16 => out[2 * at..2 * at + 2].copy_from_slice(&f16::from_f32(f).to_ne_bytes()),
-                            OutType::BF16 => out[2 * at..2 * at + 2].copy_from_slice(&bf16::from_f32(f).to_ne_bytes()),
-                            OutType::F32 => out[4 * at..4 * at + 4].copy_from_slice(&f.to_ne_bytes()),
-                        }
+                        store(
+                            &mut out,
+                            p,
+                            c,
+                            i * 3 * plane + (oy * ow + dx) as usize + c * plane,
+                            v,
+                            norm,
+                        );
                     }
                 }
             }
