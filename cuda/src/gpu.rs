@@ -385,55 +385,70 @@ impl FusedKernel {
             }
         };
         host.host_slice_mut().expect("pinned").copy_from_slice(&job_bytes);
-        // SAFETY: `dev` holds `scratch` >= `job_bytes.len()` bytes, `host` is pinned and holds
-        // them, and both are parked until an event recorded after the kernels completes.
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dev.addr(), host.addr() as *const c_void, job_bytes.len(), stream_h).result()
+        let queue = || -> Result<(), GpuError> {
+            // SAFETY: `dev` holds `scratch` >= `job_bytes.len()` bytes, `host` is pinned and holds
+            // them, and both are parked until an event recorded after the kernels completes (or
+            // never reused, where no event can be recorded).
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dev.addr(), host.addr() as *const c_void, job_bytes.len(), stream_h).result()
+            }
+            .map_err(err("queueing the jobs' upload"))?;
+            let n = jobs.len() as i32;
+            let (mut jb, mut tb, mut s, mut o) = (dev.addr(), dev.addr() + table_at as u64, src.addr, out.addr);
+            let (mut n_, mut ow, mut oh, mut ty) = (n, p.ow, p.oh, p.out as i32);
+            let mut wargs: [*mut c_void; 5] = [
+                (&mut jb as *mut u64).cast(),
+                (&mut tb as *mut u64).cast(),
+                (&mut n_ as *mut i32).cast(),
+                (&mut ow as *mut i32).cast(),
+                (&mut oh as *mut i32).cast(),
+            ];
+            let (gx, gy) = crate::kernel::grid(jobs.len(), (p.ow + p.oh) as u32);
+            // SAFETY: the arguments match `ramjet_fused_weights(const DevJob*, float*, int, int,
+            // int)` in order and type; the jobs were uploaded before on the same stream and the
+            // table has room for every filter (`plan`); the values are copied by the call.
+            unsafe { result::launch_kernel(self.weights, (gx, gy, 1), (BLOCK, 1, 1), 0, stream_h, &mut wargs) }
+                .map_err(err("launching the weight kernel"))?;
+            let [mut a0, mut a1, mut a2] = p.a;
+            let [mut k0, mut k1, mut k2] = p.k;
+            let mut args: [*mut c_void; 14] = [
+                (&mut s as *mut u64).cast(),
+                (&mut jb as *mut u64).cast(),
+                (&mut tb as *mut u64).cast(),
+                (&mut o as *mut u64).cast(),
+                (&mut n_ as *mut i32).cast(),
+                (&mut ow as *mut i32).cast(),
+                (&mut oh as *mut i32).cast(),
+                (&mut ty as *mut i32).cast(),
+                (&mut a0 as *mut f32).cast(),
+                (&mut a1 as *mut f32).cast(),
+                (&mut a2 as *mut f32).cast(),
+                (&mut k0 as *mut f32).cast(),
+                (&mut k1 as *mut f32).cast(),
+                (&mut k2 as *mut f32).cast(),
+            ];
+            let (gx, gy) = crate::kernel::grid(jobs.len(), (p.ow * p.oh) as u32);
+            // SAFETY: the arguments match `ramjet_fused_augment`'s signature in order and type
+            // (four device pointers, four ints, six floats); every image lies inside `src` and the
+            // output fits `out` (checked above); the table was filled before on the same stream.
+            unsafe { result::launch_kernel(self.augment, (gx, gy, 1), (BLOCK, 1, 1), 0, stream_h, &mut args) }
+                .map_err(err("launching the fused kernel"))
+        };
+        let fenced = queue().and_then(|()| Ok((Event::record(&self.ctx, stream)?, Event::record(&self.ctx, stream)?)));
+        match fenced {
+            Ok((h, d)) => {
+                host.release_after(Box::new(h));
+                dev.release_after(Box::new(d));
+                Ok(())
+            }
+            Err(e) => {
+                // Work already queued may still read the scratch, and no fence says when it
+                // is done: never reuse it (leaked on purpose, as the pool does for a failed fence).
+                std::mem::forget(host);
+                std::mem::forget(dev);
+                Err(e)
+            }
         }
-        .map_err(err("queueing the jobs' upload"))?;
-        let n = jobs.len() as i32;
-        let (mut jb, mut tb, mut s, mut o) = (dev.addr(), dev.addr() + table_at as u64, src.addr, out.addr);
-        let (mut n_, mut ow, mut oh, mut ty) = (n, p.ow, p.oh, p.out as i32);
-        let mut wargs: [*mut c_void; 5] = [
-            (&mut jb as *mut u64).cast(),
-            (&mut tb as *mut u64).cast(),
-            (&mut n_ as *mut i32).cast(),
-            (&mut ow as *mut i32).cast(),
-            (&mut oh as *mut i32).cast(),
-        ];
-        let (gx, gy) = crate::kernel::grid(jobs.len(), (p.ow + p.oh) as u32);
-        // SAFETY: the arguments match `ramjet_fused_weights(const DevJob*, float*, int, int,
-        // int)` in order and type; the jobs were uploaded before on the same stream and the
-        // table has room for every filter (`plan`); the values are copied by the call.
-        unsafe { result::launch_kernel(self.weights, (gx, gy, 1), (BLOCK, 1, 1), 0, stream_h, &mut wargs) }
-            .map_err(err("launching the weight kernel"))?;
-        let [mut a0, mut a1, mut a2] = p.a;
-        let [mut k0, mut k1, mut k2] = p.k;
-        let mut args: [*mut c_void; 14] = [
-            (&mut s as *mut u64).cast(),
-            (&mut jb as *mut u64).cast(),
-            (&mut tb as *mut u64).cast(),
-            (&mut o as *mut u64).cast(),
-            (&mut n_ as *mut i32).cast(),
-            (&mut ow as *mut i32).cast(),
-            (&mut oh as *mut i32).cast(),
-            (&mut ty as *mut i32).cast(),
-            (&mut a0 as *mut f32).cast(),
-            (&mut a1 as *mut f32).cast(),
-            (&mut a2 as *mut f32).cast(),
-            (&mut k0 as *mut f32).cast(),
-            (&mut k1 as *mut f32).cast(),
-            (&mut k2 as *mut f32).cast(),
-        ];
-        let (gx, gy) = crate::kernel::grid(jobs.len(), (p.ow * p.oh) as u32);
-        // SAFETY: the arguments match `ramjet_fused_augment`'s signature in order and type
-        // (four device pointers, four ints, six floats); every image lies inside `src` and the
-        // output fits `out` (checked above); the table was filled before on the same stream.
-        unsafe { result::launch_kernel(self.augment, (gx, gy, 1), (BLOCK, 1, 1), 0, stream_h, &mut args) }
-            .map_err(err("launching the fused kernel"))?;
-        host.release_after(Box::new(Event::record(&self.ctx, stream)?));
-        dev.release_after(Box::new(Event::record(&self.ctx, stream)?));
-        Ok(())
     }
 }
 
