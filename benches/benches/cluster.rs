@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ramjet_benches::{bench_dataset, full_run, save_results};
+use ramjet_benches::{bench_setup, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::{Dataset, Stream, StreamConfig};
 use ramjet_tests::free_port;
@@ -85,7 +85,7 @@ fn peer_throughput(rt: &tokio::runtime::Runtime, peer: &str, ds: &Dataset, passe
             .map(|(i, sh)| ShardGet {
                 manifest_url: ds.manifest_url().to_owned(),
                 shard: i as u32,
-                checksum: sh.checksum_u64().unwrap(),
+                checksum: sh.checksum_u64(),
                 bytes: sh.bytes,
                 what: format!("shard {i}"),
             })
@@ -125,14 +125,7 @@ fn iperf3(secs: u64) -> Option<f64> {
 }
 
 fn main() {
-    let full = full_run();
-    let n = if full { 5315 } else { 200 };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (url, ds) = bench_dataset(&rt, n);
-    let total = ds.manifest().bytes;
+    let (full, rt, url, ds, total, n) = bench_setup();
     let dir = tempfile::tempdir().unwrap();
 
     let with_ring = three_node_epoch(&url, true, dir.path());

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use futures::stream::{self, StreamExt};
-use ramjet_benches::{bench_dataset, cpu_seconds, full_run, save_results};
+use ramjet_benches::{bench_setup, cpu_seconds, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{OrderSpec, Shuffle};
 use ramjet_engine::{Stream, StreamConfig};
@@ -44,14 +44,7 @@ fn epoch(cfg: &StreamConfig) -> (f64, f64, u64, ramjet_engine::metrics::MetricsS
 }
 
 fn main() {
-    let full = full_run();
-    let n = if full { 5315 } else { 200 };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (url, ds) = bench_dataset(&rt, n);
-    let total = ds.manifest().bytes;
+    let (full, rt, url, ds, total, n) = bench_setup();
     let mib = total as f64 / (1 << 20) as f64;
 
     let reps = if full { 9 } else { 1 };
@@ -200,9 +193,7 @@ fn main() {
     println!(
         "stream benchmark: {n} samples, {mib:.0} MiB in {} shards, median of {reps}, cache I/O {}",
         ds.manifest().shard_count(),
-        ramjet_engine::cache::io::detect()
-            .map(|io| io.name())
-            .unwrap_or("unavailable")
+        ramjet_engine::io::detect().map(|io| io.name()).unwrap_or("unavailable")
     );
     println!("| scenario | time (s) | MiB/s | CPU s/GiB | baseline | baseline time (s) | baseline CPU s/GiB | ratio (target) |");
     println!("|---|---|---|---|---|---|---|---|");

@@ -59,6 +59,28 @@ pub fn synth_dataset(n: usize) -> PathBuf {
     dir
 }
 
+/// The set-up both engine benchmarks share: whether this is a full run (`cargo bench`, not
+/// test mode), its runtime, and the packed set (5,315 images in a full run, 200 in test mode):
+/// its URL, the opened dataset, its bytes and its image count.
+pub fn bench_setup() -> (
+    bool,
+    tokio::runtime::Runtime,
+    String,
+    ramjet_engine::Dataset,
+    u64,
+    usize,
+) {
+    let full = full_run();
+    let n = if full { 5315 } else { 200 };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (url, ds) = bench_dataset(&rt, n);
+    let total = ds.manifest().bytes;
+    (full, rt, url, ds, total, n)
+}
+
 /// The synthetic set of `n` images packed (once) at `s3://BUCKET/bench/stream-N` on the local
 /// S3 server, which is started if needed. Returns its URL and the opened dataset.
 pub fn bench_dataset(rt: &tokio::runtime::Runtime, n: usize) -> (String, ramjet_engine::Dataset) {

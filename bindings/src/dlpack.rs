@@ -11,7 +11,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use ramjet_cuda::dlpack::{check_requested_device, ConsumerStream, Device, KDL_CPU};
-use ramjet_engine::hostbuf::HostBuf;
+use ramjet_engine::buf::HostBuf;
 
 #[repr(C)]
 #[derive(Clone, Copy)]

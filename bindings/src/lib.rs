@@ -126,7 +126,7 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("url", ds.manifest_url())?;
     d.set_item("version", &m.version)?;
-    d.set_item("source", &m.source)?;
+    d.set_item("source", &m.packed_from)?;
     let cols: Vec<(String, &str)> = m.schema.columns.iter().map(|c| (c.name.clone(), c.ty.name())).collect();
     d.set_item("schema", cols)?;
     d.set_item("shards", m.shard_count())?;

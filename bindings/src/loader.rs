@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use serde::Deserialize;
 
+use ramjet_engine::buf::{HostAlloc, HostPool};
 use ramjet_engine::cache::CacheConfig;
-use ramjet_engine::hostbuf::{HostAlloc, HostPool};
 use ramjet_engine::image::{OutType, Scratch};
 use ramjet_engine::loader::{Assembler, Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
 use ramjet_engine::stream::{StreamConfig, StreamState};
@@ -45,7 +45,7 @@ unsafe impl HostAlloc for PinnedAlloc {
         use ramjet_cuda::pool::Allocator;
         let mut a = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let addr = a.alloc(len.max(1)).ok()?;
-        if addr as usize % ramjet_engine::hostbuf::HOST_ALIGN != 0 {
+        if addr as usize % ramjet_engine::buf::HOST_ALIGN != 0 {
             // SAFETY: just allocated with this length, never handed out.
             unsafe { a.free(addr, len.max(1)) };
             return None;
@@ -204,7 +204,7 @@ fn tensor(py: Python<'_>, storage: Storage, shape: Vec<i64>, dtype: DType) -> Py
 /// Decoded images in a pooled buffer, as a tensor of `shape` (zero-copy).
 fn image_tensor(
     py: Python<'_>,
-    buf: ramjet_engine::hostbuf::HostBuf,
+    buf: ramjet_engine::buf::HostBuf,
     shape: Vec<i64>,
     out: OutType,
 ) -> PyResult<Py<Tensor>> {

@@ -81,8 +81,8 @@ def expect(v):
 
 @pytest.fixture
 def index_dir(tmp_path, monkeypatch):
-    """This test's folder of learned indexes (for this process and the `ramjet` it runs)."""
-    d = tmp_path / "learned-indexes"
+    """This test's folder of learned manifests (for this process and the `ramjet` it runs)."""
+    d = tmp_path / "learned-manifestes"
     monkeypatch.setenv("RAMJET_INDEX_DIR", str(d))
     return d
 

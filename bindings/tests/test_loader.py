@@ -558,26 +558,25 @@ def test_columns_come_from_sidecars_without_reading_images(synth):
 
 
 def test_random_access_loads_each_shard_once_then_reads_locally(synth):
-    """Reader.get_bytes: the first sample of a shard is two ranged GETs, its whole shard then
+    """ramjet.Reader.get_bytes: the first sample of a shard is two ranged GETs, its whole shard then
     loads in the background, and the shard's other samples come from memory."""
     url = s3_url("random")
     run("pack", str(synth), url, "--shard-size", "1MiB")
-    cfg = json.loads(ramjet.StreamingDataset(url, image_size=None)._config())
-    r = ramjet._ramjet.Reader(json.dumps(cfg))
+    r = ramjet.Reader(url)
     truth = {i: (synth / "images" / f"{i:06d}.jpg").read_bytes() for i in range(N)}
     import time
 
-    assert r.get_bytes(0, 3, "image") == truth[3]
+    assert r.get_bytes(3, "image") == truth[3]
     deadline = time.monotonic() + 30
     got = {}
     while time.monotonic() < deadline and len(got) < N:
         for i in range(N):
-            got[i] = r.get_bytes(0, i, "image")
+            got[i] = r.get_bytes(i, "image")
         time.sleep(0.05)
     assert got == truth
     before = r.metrics()
     for i in range(N):
-        assert r.get_bytes(0, i, "image") == truth[i]
+        assert r.get_bytes(i, "image") == truth[i]
     after = r.metrics()
     assert after["resident_samples"] - before["resident_samples"] == N
     assert after["ranged_samples"] == before["ranged_samples"]
@@ -587,7 +586,58 @@ def test_random_access_loads_each_shard_once_then_reads_locally(synth):
         after,
     )
     with pytest.raises(ramjet.InvalidInputError, match="not a bytes column"):
-        r.get_bytes(0, 1, "path")
+        r.get_bytes(1, "path")
+
+
+def test_the_public_reader_reads_what_the_dataset_holds_and_reopens_in_a_forked_child(synth):
+    """ramjet.Reader: get(i) is the evaluation transform's sample i (the same as
+    StreamingDataset's __getitem__), len() is the dataset's, a negative index is refused, and a
+    forked child reads through a reader of its own (the parent's, inherited without threads,
+    is never used there)."""
+    url = s3_url("reader")
+    run("pack", str(synth), url, "--shard-size", "1MiB")
+    r = ramjet.Reader(url, image_size=64)
+    assert len(r) == N
+    ds = ramjet.StreamingDataset(url, image_size=64)
+    for i in (0, 5, N - 1):
+        a, b = r.get(i), ds[i]
+        assert set(a) == set(b)
+        assert torch.equal(a["image"], b["image"]), i
+        assert r[i]["path"] == f"images/{i:06d}.jpg"
+    with pytest.raises(IndexError):
+        r.get(-1)
+    parent_native = r._native
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        ok = 0
+        try:
+            got = r.get_bytes(2, "image")
+            ok = int(got == (synth / "images" / "000002.jpg").read_bytes() and r._native is not parent_native)
+        finally:
+            os.write(wr, bytes([ok]))
+            os._exit(0)
+    os.close(wr)
+    got = os.read(rd, 1)
+    os.waitpid(pid, 0)
+    assert got == b"\x01", "the forked child's read failed or used the parent's reader"
+
+
+def test_the_ultralytics_integration_uses_no_private_name():
+    """It reads through the public API only: no ``ramjet._x`` attribute, no ``_ramjet`` import."""
+    import ast
+
+    src = (Path(ramjet.__file__).parent / "integrations" / "ultralytics.py").read_text()
+    bad = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ramjet":
+            if node.attr.startswith("_"):
+                bad.append(f"ramjet.{node.attr} (line {node.lineno})")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ramjet"):
+            bad += [f"from {node.module} import {a.name} (line {node.lineno})" for a in node.names if a.name.startswith("_")]
+            if node.module.startswith("ramjet._"):
+                bad.append(f"from {node.module} (line {node.lineno})")
+    assert not bad, bad
 
 
 def test_the_python_defaults_are_the_engines():

@@ -8,7 +8,7 @@
 //! `cargo run --release -p ramjet-engine --example cache_read -- [--rounds N] [--drop-caches] FILE...`
 use std::time::Instant;
 
-use ramjet_engine::cache::io::{CacheIo, PreadIo, UringIo};
+use ramjet_engine::io::{CacheIo, PreadIo, UringIo};
 
 fn cpu_s() -> f64 {
     let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();

@@ -4,9 +4,9 @@ use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
 
 use crate::error::{Error, Result};
+use crate::foreign;
 use crate::format::{
-    foreign, verify_shard_bytes, ColumnType, Manifest, ShardExpect, ShardInfo, ShardView, TableReader, Value,
-    MANIFEST_BYTES_MAX,
+    verify_shard_bytes, ColumnType, Manifest, ShardExpect, ShardInfo, ShardView, TableReader, Value, MANIFEST_BYTES_MAX,
 };
 use crate::metrics::Metrics;
 use crate::store::{DatasetUrl, Store};
@@ -149,8 +149,8 @@ pub struct Dataset {
     store: Store,
     manifest: Manifest,
     manifest_url: String,
-    /// A foreign dataset opened without `ramjet index`: the folder of its learned index
-    /// (`crate::index::open_learned`), where its sample indexes are.
+    /// A foreign dataset opened without `ramjet index`: the folder of its learned manifest
+    /// (`crate::foreign::open_learned`), where its sample indexes are.
     learned: Option<Store>,
 }
 
@@ -207,9 +207,9 @@ impl Dataset {
     ///
     /// A foreign dataset named itself (an MDS `index.json`, a tar, a brace pattern of tars or
     /// a shard list), or an MDS folder without a ramjet manifest, is read in place through the
-    /// index this host learned on first open (`crate::index::open_learned`).
+    /// index this host learned on first open (`crate::foreign::open_learned`).
     pub async fn open(url: &str) -> Result<Dataset> {
-        if crate::index::names_foreign_source(url) {
+        if crate::foreign::names_foreign_source(url) {
             return Self::open_learned(url).await;
         }
         let loc = DatasetUrl::parse(url);
@@ -221,7 +221,7 @@ impl Dataset {
     /// manifest is read, connections for the first batch's reads are opened
     /// ([`Store::preconnect`]).
     pub async fn open_to_stream(url: &str) -> Result<Dataset> {
-        if crate::index::names_foreign_source(url) {
+        if crate::foreign::names_foreign_source(url) {
             return Self::open_learned(url).await;
         }
         let loc = DatasetUrl::parse(url);
@@ -286,7 +286,7 @@ impl Dataset {
     }
 
     async fn open_learned(url: &str) -> Result<Dataset> {
-        let l = crate::index::open_learned(url).await?;
+        let l = crate::foreign::open_learned(url).await?;
         Ok(Dataset {
             store: l.store,
             manifest: l.manifest,
@@ -296,12 +296,12 @@ impl Dataset {
     }
 
     /// Where the sample indexes of a plain foreign shard are: beside the shards (`ramjet
-    /// index`), or in this host's learned index.
+    /// index`), or in this host's learned manifest.
     pub fn index_store(&self) -> &Store {
         self.learned.as_ref().unwrap_or(&self.store)
     }
 
-    /// The folder of this host's learned index, for a foreign dataset opened without
+    /// The folder of this host's learned manifest, for a foreign dataset opened without
     /// `ramjet index`.
     pub fn learned_index_url(&self) -> Option<String> {
         self.learned
@@ -336,10 +336,10 @@ impl Dataset {
 
     /// A shard object as stored, as a ramjet shard: itself, or, for a foreign shard (MDS,
     /// WebDataset), the ramjet shard it transcodes to once its size and xxh3 are checked
-    /// against the manifest (`crate::format::foreign`), with that shard's checksum. The
+    /// against the manifest (`crate::foreign`), with that shard's checksum. The
     /// result is for [`Dataset::check_shard`] to check, as any ramjet shard.
     pub fn as_ramjet_shard(&self, info: &ShardInfo, stored: Bytes) -> Result<(Bytes, Option<u64>)> {
-        let (Some(obj), Some(spec)) = (&info.foreign, &self.manifest.foreign) else {
+        let (Some(obj), Some(spec)) = (&info.foreign, self.manifest.foreign()) else {
             return Ok((stored, None));
         };
         let url = self.store.url(&info.key);
@@ -398,7 +398,7 @@ impl Dataset {
             // SAFETY: every range's bytes are written by `get_range_into`, which fails unless it
             // filled its whole slice; the ranges cover [0, bytes), so on success every byte was
             // written, and on failure the buffer is dropped unread.
-            let mut buf = unsafe { crate::cache::io::BufPool::global().take(stored_bytes as usize) };
+            let mut buf = unsafe { crate::buf::BufPool::global().take(stored_bytes as usize) };
             // The checksum is computed as the bytes arrive, while they are in the CPU's cache,
             // as far as they arrive in order (all of a shard fetched as one range); the rest
             // is hashed when every range is in.
@@ -463,7 +463,7 @@ impl Dataset {
             });
         }
         let view = ShardView::parse(bytes, &url)?;
-        let expect = info.checksum_u64().expect("validated by Manifest::parse");
+        let expect = info.checksum_u64();
         check_listed(&view, bytes.len(), "shard", info.bytes, expect, &url, hashed)?;
         if view.samples() != info.samples {
             return Err(Error::corrupt(
@@ -520,7 +520,7 @@ impl Dataset {
         };
         let view = ShardView::parse(&bytes, &url)?;
         if let Some(c) = &info.columns {
-            let expect = c.checksum_u64().expect("validated by Manifest::parse");
+            let expect = c.checksum_u64();
             check_listed(&view, bytes.len(), "columns sidecar", c.bytes, expect, &url, None)?;
             let want = self.manifest.schema.without_bytes();
             if view.samples() != info.samples || Some(view.schema()) != want.as_ref() {
@@ -598,14 +598,14 @@ impl Dataset {
         Ok(out)
     }
 
-    /// Checks a plain foreign shard's sample index (`crate::format::foreign::SampleIndexRef`)
+    /// Checks a plain foreign shard's sample index (`crate::foreign::SampleIndexRef`)
     /// against the shard: its size and checksum, and for every sample, that its span of the
     /// object transcodes alone to the record the whole shard transcodes to. Returns each
     /// problem, with its sample where it is one sample's.
     async fn verify_sample_index(&self, info: &ShardInfo, stored: &[u8], rjs: &[u8]) -> Vec<(Option<u64>, String)> {
         let (Some(ix), Some(spec)) = (
             info.foreign.as_ref().and_then(|f| f.index.as_ref()),
-            self.manifest.foreign.as_ref(),
+            self.manifest.foreign(),
         ) else {
             return Vec::new();
         };
@@ -614,7 +614,7 @@ impl Dataset {
             Err(e) => return vec![(None, e.to_string())],
         };
         let sum = xxhash_rust::xxh3::xxh3_64(&got);
-        if got.len() as u64 != ix.bytes || format!("{sum:016x}") != ix.checksum {
+        if got.len() as u64 != ix.bytes || ix.checksum != sum {
             return vec![(
                 None,
                 format!(
@@ -673,7 +673,7 @@ impl Dataset {
     /// `parallelism` shards are checked at once; `progress` is called with bytes read.
     pub async fn verify(&self, parallelism: usize, progress: impl Fn(u64) + Sync) -> VerifyReport {
         let progress = &progress;
-        let table_url = self.manifest.shard_table.as_ref().map(|t| self.store.url(&t.key));
+        let table_url = self.manifest.table_ref().map(|t| self.store.url(&t.key));
         let table_url = &table_url;
         let mut results: Vec<(usize, Vec<ShardProblem>, u64)> = stream::iter(self.manifest.shards().enumerate())
             .map(|(i, info)| {
@@ -722,7 +722,7 @@ impl Dataset {
                     let expect = ShardExpect {
                         bytes: info.bytes,
                         samples: info.samples,
-                        checksum: info.checksum_u64().expect("validated by Manifest::parse"),
+                        checksum: info.checksum_u64(),
                         schema: &self.manifest.schema,
                     };
                     let n = bytes.len() as u64;

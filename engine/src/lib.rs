@@ -1,31 +1,32 @@
 //! ramjet's core: the shard format and manifest, origin access, and dataset-level
 //! operations (open, inspect, verify).
 //!
-//! The path of one sample reads in one direction: manifest → order → plan → source chain →
+//! The path of one sample reads in one direction: manifest → order → plan → fetch chain →
 //! bytes → decode → batch. This crate owns every step that needs neither a GPU nor a network
 //! peer. See `docs/architecture.md`.
 #![deny(missing_docs)]
 
+pub mod buf;
 pub mod cache;
+pub mod chain;
 pub mod dataset;
 pub mod error;
+pub mod foreign;
 pub mod format;
-pub mod hostbuf;
 pub mod image;
-pub mod index;
+pub mod io;
 pub mod loader;
 pub mod metrics;
 pub mod order;
 pub mod provider;
 pub mod rt;
 pub mod singleflight;
-pub mod source;
 pub mod store;
 pub mod stream;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};
 pub use error::{Error, Invalid, Location, Result};
 pub use loader::{Batch, ColumnData, Loader, LoaderConfig, Next, OnCorrupt};
-pub use provider::{Fetched, ReadSource, ShardProvider, ShardRequest};
+pub use provider::{Fetched, FetchedFrom, ShardProvider, ShardRequest};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
 pub use stream::{Sample, SourceConfig, Stream, StreamConfig, StreamState};

@@ -27,14 +27,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 
+use crate::buf::HostPool;
 use crate::error::{Error, Location, Result};
 use crate::format::{ColumnType, Schema, ValueRef};
-use crate::hostbuf::HostPool;
 use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
 use crate::metrics::Metrics;
 use crate::stream::{FirstGate, Sample, Stream, StreamConfig, StreamState};
 
-pub use crate::hostbuf::HostBuf;
+pub use crate::buf::HostBuf;
 
 /// What to do with a sample whose image does not decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
@@ -224,7 +224,7 @@ impl Assembler {
         let pool = cfg
             .pool
             .clone()
-            .unwrap_or_else(|| HostPool::new(Box::new(crate::hostbuf::AlignedAlloc), buffers));
+            .unwrap_or_else(|| HostPool::new(Box::new(crate::buf::AlignedAlloc), buffers));
         Assembler {
             seed: cfg.stream.order.seed,
             cfg,
@@ -666,7 +666,7 @@ async fn read_loop(
 
 thread_local! {
     /// Each decode-pool thread's resize scratch, reused across jobs and loaders. Boxed, to
-    /// keep the static TLS block small (`cache::io`'s `OWN_RING` says why).
+    /// keep the static TLS block small (`io::uring`'s `OWN_RING` says why).
     static SCRATCH: std::cell::RefCell<Box<Scratch>> = std::cell::RefCell::new(Box::default());
 }
 

@@ -53,7 +53,7 @@ pub struct Metrics {
     pub images_decoded: AtomicU64,
     /// Samples left out of delivered batches because their image did not decode (loader only).
     pub samples_skipped: AtomicU64,
-    /// Shards delivered by the host daemon, by source (see [`crate::ReadSource`]).
+    /// Shards delivered by the host daemon, by source (see [`crate::FetchedFrom`]).
     pub provider_shards: [AtomicU64; 3],
     /// Bytes delivered by the host daemon.
     pub provider_bytes: AtomicU64,

@@ -12,7 +12,7 @@ use crate::error::Result;
 
 /// Where a shard's bytes came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReadSource {
+pub enum FetchedFrom {
     /// This host's cache.
     CacheLocal,
     /// Another host's cache (the shard's owner in the ring).
@@ -21,21 +21,21 @@ pub enum ReadSource {
     Origin,
 }
 
-impl ReadSource {
-    /// Every source, in report order.
-    pub const ALL: [ReadSource; 3] = [ReadSource::CacheLocal, ReadSource::CachePeer, ReadSource::Origin];
+impl FetchedFrom {
+    /// Every place a shard is fetched from, in report order.
+    pub const ALL: [FetchedFrom; 3] = [FetchedFrom::CacheLocal, FetchedFrom::CachePeer, FetchedFrom::Origin];
 
     /// Stable name (`cache_local`, `cache_peer`, `origin`).
     pub fn name(self) -> &'static str {
         match self {
-            ReadSource::CacheLocal => "cache_local",
-            ReadSource::CachePeer => "cache_peer",
-            ReadSource::Origin => "origin",
+            FetchedFrom::CacheLocal => "cache_local",
+            FetchedFrom::CachePeer => "cache_peer",
+            FetchedFrom::Origin => "origin",
         }
     }
 
-    /// Parses [`ReadSource::name`].
-    pub fn parse(s: &str) -> Option<ReadSource> {
+    /// Parses [`FetchedFrom::name`].
+    pub fn parse(s: &str) -> Option<FetchedFrom> {
         Self::ALL.into_iter().find(|x| x.name() == s)
     }
 
@@ -62,7 +62,7 @@ pub struct Fetched {
     /// The whole shard.
     pub bytes: Bytes,
     /// Where it came from.
-    pub source: ReadSource,
+    pub from: FetchedFrom,
 }
 
 /// A supplier of whole shards. Blocking: the stream calls it from a blocking task.

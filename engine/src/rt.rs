@@ -9,7 +9,7 @@
 //! | network runtime workers | `ramjet-net` | min(cores, 2) | `RAMJET_NET_THREADS` |
 //! | runtime blocking pool (verification, cache opens, host-daemon calls) | `ramjet-net` | at most [`BLOCKING_THREADS_MAX`], idle ones exit | fixed |
 //! | decode pool | `ramjet-decode-N` | cores | `RAMJET_DECODE_THREADS` |
-//! | I/O core rings (`cache::io`) | `ramjet-io-N` | cores | `RAMJET_IO_THREADS` |
+//! | I/O core rings (`io::uring`) | `ramjet-io-N` | cores | `RAMJET_IO_THREADS` |
 //! | cache writers ([`crate::cache::Filler`]) | `ramjet-cache-fill-N` | 2 | fixed |
 //!
 //! so with the defaults a process holds at most 2 x cores + 8 of them, however many datasets it

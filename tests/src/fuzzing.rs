@@ -75,11 +75,11 @@ pub fn image(data: &[u8]) {
     }
 }
 
-/// Feeds `data` to the foreign-shard readers (`ramjet_engine::format::foreign`): as an MDS
+/// Feeds `data` to the foreign-shard readers (`ramjet_engine::foreign`): as an MDS
 /// shard of one column of each kind, as a WebDataset tar, as one sample's span of each (the
 /// ranged read through a sample index), and to both decompressors (bounded).
 pub fn foreign(data: &[u8]) {
-    use ramjet_engine::format::foreign::{
+    use ramjet_engine::foreign::{
         decompress, mds, transcode, transcode_sample, wds, ForeignColumn, ForeignFormat, ForeignSpec,
     };
     use ramjet_engine::Location;

@@ -35,10 +35,10 @@ pub fn ramjet_bin() -> PathBuf {
     bin
 }
 
-/// The learned-index folder (`ramjet_engine::index::index_dir`) of the `ramjet` processes the
+/// The folder of learned manifests (`ramjet_engine::foreign::learned_dir`) of the `ramjet` processes the
 /// tests run, under `target/`, so that tests never write into the user's own.
 pub fn test_index_dir() -> PathBuf {
-    ramjet_bin().with_file_name("test-learned-index")
+    ramjet_bin().with_file_name("test-learned-manifest")
 }
 
 /// Runs `ramjet ARGS` with extra environment variables; returns its output.

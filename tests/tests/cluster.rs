@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use ramjet_engine::cache::{CacheConfig, ShardId};
-use ramjet_engine::{Dataset, ReadSource, ShardProvider, ShardRequest, Stream, StreamConfig};
+use ramjet_engine::{Dataset, FetchedFrom, ShardProvider, ShardRequest, Stream, StreamConfig};
 use ramjet_tests::{
     block_on, free_port, once_per_run, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, test_index_dir, text,
     CountingProxy,
@@ -45,7 +45,7 @@ fn shard_ids(url: &str) -> Vec<ShardId> {
         .shards()
         .map(Result::unwrap)
         .map(|s| ShardId {
-            checksum: s.checksum_u64().unwrap(),
+            checksum: s.checksum_u64(),
             bytes: s.bytes,
         })
         .collect()
@@ -561,7 +561,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
     }
     let d = host.embedded.as_ref().unwrap().stats();
     assert_eq!(d.requests_refused, 4);
-    assert_eq!(d.reads[ReadSource::CacheLocal.name()], ids.len() as u64);
+    assert_eq!(d.reads[FetchedFrom::CacheLocal.name()], ids.len() as u64);
     // A copy a reader reports corrupt is dropped and fetched again.
     second.client.report_corrupt(&ShardRequest {
         manifest_url: &good,
@@ -576,7 +576,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
             id: ids[0],
         })
         .unwrap();
-    assert_eq!(got.source, ReadSource::Origin);
+    assert_eq!(got.from, FetchedFrom::Origin);
     ds.check_shard(0, &got.bytes).unwrap();
 }
 
@@ -696,7 +696,7 @@ fn the_request_that_starts_a_flight_has_a_deadline() {
         })
         .unwrap();
     let took = t0.elapsed();
-    assert_eq!(got.source, ReadSource::Origin);
+    assert_eq!(got.from, FetchedFrom::Origin);
     ds.check_shard(0, &got.bytes).unwrap();
     assert!(took < Duration::from_secs(15), "the starting request waited {took:?}");
     assert!(u(&a.stats()["singleflight_timeouts"]) >= 1);
@@ -1252,7 +1252,7 @@ fn foreign_dataset_through_the_ring(indexed: bool) {
     );
     for ix in index_dirs.iter().filter(|_| !indexed) {
         let learned = std::fs::read_dir(ix).map(|r| r.count()).unwrap_or(0);
-        assert_eq!(learned, 1, "{}: the daemon's learned index", ix.display());
+        assert_eq!(learned, 1, "{}: the daemon's learned manifest", ix.display());
     }
     let held: u64 = nodes.iter().map(|n| u(&n.stats()["cache_shards"])).sum();
     assert_eq!(held, shards as u64);
@@ -1271,14 +1271,7 @@ fn foreign_dataset_through_the_ring(indexed: bool) {
 #[test]
 fn the_daemon_refuses_a_loader_of_another_user() {
     use std::os::unix::fs::PermissionsExt;
-    // SAFETY: getuid has no preconditions.
-    if unsafe { libc::getuid() } != 0 {
-        assert!(
-            std::env::var_os("RAMJET_SKIP_ROOT_TESTS").is_some(),
-            "this test needs root to run a loader as another user (CI runs as root); \
-             set RAMJET_SKIP_ROOT_TESTS=1 to skip it"
-        );
-        eprintln!("SKIPPED (RAMJET_SKIP_ROOT_TESTS): needs root to run a loader as another user");
+    if !ramjet_transport::sys::root_or_skip("run a loader as another user") {
         return;
     }
     let url = dataset();

@@ -99,7 +99,7 @@ fn mutated_foreign_shards_never_panic() {
 /// first check: the plain MDS shard and the tar transcode to their 3 samples each.
 #[test]
 fn the_foreign_seeds_are_sound_shards() {
-    use ramjet_engine::format::foreign::{mds, wds};
+    use ramjet_engine::foreign::{mds, wds};
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/foreign");
     let m = std::fs::read(dir.join("mds-plain.mds")).unwrap();
     assert_eq!(mds::MdsShard::parse(&m, "seed").unwrap().samples(), 3);

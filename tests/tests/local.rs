@@ -97,7 +97,7 @@ fn packed_samples_match_their_inputs() {
     let t = tempfile::tempdir().unwrap();
     let (dst, m) = packed(t.path());
     assert_eq!(m.samples, N as u64);
-    assert_eq!(m.source, "yolo");
+    assert_eq!(m.packed_from, "yolo");
     assert_eq!(m.meta["classes"].as_array().unwrap().len(), 8);
     let src = synth_dataset(N);
     for (gi, want) in [0usize, 17, N - 1].into_iter().map(|i| (i, i)) {
@@ -393,7 +393,7 @@ fn pack_imagefolder_labels_by_folder() {
     let dst = t.path().join("out");
     pack_to(&src, &dst, &[]);
     let m = manifest(&dst);
-    assert_eq!(m.source, "imagefolder");
+    assert_eq!(m.packed_from, "imagefolder");
     assert_eq!(m.meta["classes"], serde_json::json!(["cat", "dog"]));
     let key = &m.shard(0).unwrap().key;
     let r = ShardReader::open(fs::File::open(dst.join(key)).unwrap(), key).unwrap();
@@ -524,7 +524,7 @@ fn a_missing_sidecar_fails_loudly_and_old_manifests_read_whole_shards() {
         s.columns = None;
     }
     let old = Manifest::new(
-        old.source.clone(),
+        old.packed_from.clone(),
         old.schema.clone(),
         old.meta.clone(),
         old.shards().map(Result::unwrap).collect(),
@@ -546,7 +546,7 @@ fn a_manifest_listing_a_sidecar_key_twice_is_refused() {
     let k = bad.shard(0).unwrap().columns.clone().unwrap();
     bad.shards_mut()[1].columns = Some(k);
     let bad = Manifest::new(
-        bad.source.clone(),
+        bad.packed_from.clone(),
         bad.schema.clone(),
         bad.meta.clone(),
         bad.shards().map(Result::unwrap).collect(),
@@ -566,8 +566,8 @@ fn a_shard_table_manifest_reads_like_a_listed_one() {
     pack_to(&src, &listed, &["--shard-size", "300KiB", "--shard-table", "never"]);
     pack_to(&src, &tabled, &["--shard-size", "300KiB", "--shard-table", "always"]);
     let (ml, mt) = (manifest(&listed), manifest(&tabled));
-    assert_eq!(ml.shard_table, None);
-    let r = mt.shard_table.clone().expect("a shard table");
+    assert_eq!(ml.table_ref(), None);
+    let r = mt.table_ref().cloned().expect("a shard table");
     assert_eq!((mt.format_version, r.shards), (2, ml.shard_count() as u64));
     assert!(ml.shard_count() > 3, "several shards");
     let raw = fs::read(tabled.join(&r.key)).unwrap();
@@ -608,7 +608,7 @@ fn a_damaged_shard_table_is_refused_naming_it() {
         &["--shard-size", "300KiB", "--shard-table", "always"],
     );
     let m = manifest(&dst);
-    let key = m.shard_table.clone().unwrap().key;
+    let key = m.table_ref().unwrap().key.clone();
     let table = dst.join(&key);
     let good = fs::read(&table).unwrap();
     let open = || {
@@ -641,7 +641,7 @@ fn a_damaged_shard_table_is_refused_naming_it() {
     fs::write(&table, &good).unwrap();
     // The manifest rewritten (version recomputed) to name a table of another size.
     let mut bad = m.clone();
-    bad.shard_table.as_mut().unwrap().bytes += 48;
+    bad.table_ref_mut().unwrap().bytes += 48;
     bad.version = bad.compute_version();
     fs::write(dst.join("manifest.json"), bad.to_bytes()).unwrap();
     let e = open();
@@ -667,7 +667,7 @@ fn jsonl_is_packed_as_a_stream_in_bounded_memory_and_deterministically() {
     pack_to(&src, &b, &["--shard-size", "8KiB", "--threads", "1"]);
     let (ma, mb) = (manifest(&a), manifest(&b));
     assert_eq!(ma.samples, 1_000_000);
-    assert!(ma.shard_table.is_some(), "{} shards: a table", ma.shard_count());
+    assert!(ma.table_ref().is_some(), "{} shards: a table", ma.shard_count());
     assert_eq!(ma.version, mb.version, "the same manifest whatever the threads");
     let rss: u64 = out
         .lines()

@@ -107,7 +107,7 @@ fn a_shard_table_on_s3_is_read_a_block_at_a_time() {
     // A byte of shard 1's record, rewritten in place on the server.
     let store = Store::open(&tabled).unwrap();
     let m = Manifest::parse(&block_on(store.get("manifest.json")).unwrap(), "manifest.json").unwrap();
-    let key = m.shard_table.clone().unwrap().key;
+    let key = m.table_ref().unwrap().key.clone();
     let mut raw = block_on(store.get(&key)).unwrap().to_vec();
     raw[ramjet_engine::format::shard_table_head_len(m.shard_count() as u64) as usize + 48] ^= 1;
     block_on(store.put(&key, Bytes::from(raw))).unwrap();

@@ -2,7 +2,7 @@
 //! shard table of 100,000 shards, every shard served by a stub from one real tiny shard
 //! (`ramjet plan-sim`, `tools/src/plansim.rs`). Starting an epoch there must stay small and
 //! quick: the order is computed position by position and the table is read in place, so
-//! nothing is built per sample, and the table is read a block at a time. (The figures from 10^5 to 10^9 are `docs/benchmarks.md`'s;
+//! nothing is built per sample, and the table is read a block at a time. (The figures from 10^5 to 10^9 are `docs/benchmarks-history.md`'s;
 //! these bounds are loose enough for a debug build on a loaded 2-core VM.)
 
 use ramjet_tests::ramjet_ok;

@@ -2,8 +2,8 @@
 peers side by side on the same data, the same S3 server and the same output.
 
 Run it through `tools/ramjet-bench` (it builds ramjet, makes the peers' venv and starts the
-local S3 server); `tools/ramjet-bench --help` lists the options. docs/benchmarks.md explains
-every figure.
+local S3 server); `tools/ramjet-bench --help` lists the options. docs/benchmarks.md gives the current
+figure of each target, docs/benchmarks-history.md how each was measured.
 
 Each loader runs in its own process (so no loader inherits another's warm state), a fresh one
 for every cold round; the parent drives their cold, warm and step epochs in interleaved rounds
@@ -1210,7 +1210,7 @@ def main():
                         f"steal {measure.fmt_steal(lead['steal'])}, other load {measure.fmt_others(lead['others'])}")
 
             # On the WAN-like link the first cold round after the origin comes up is slower for
-            # every loader (docs/benchmarks.md, "The first cold round on the WAN-like link"): by
+            # every loader (docs/benchmarks-history.md, "The first cold round on the WAN-like link"): by
             # default one cold round runs first there and is reported apart, not counted.
             warmups = a.cold_warmup_rounds if a.cold_warmup_rounds is not None else (1 if link_name == "wan" else 0)
             warmups_of[link_name] = warmups

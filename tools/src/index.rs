@@ -1,13 +1,13 @@
 //! `ramjet index`: a ramjet manifest over a foreign dataset's shards, written beside them
-//! (`ramjet_engine::index`). Like `pack`, the manifest goes up last, as
+//! (`ramjet_engine::foreign::scan`). Like `pack`, the manifest goes up last, as
 //! `manifests/<version>.json` and then `manifest.json`.
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use ramjet_engine::foreign::ForeignSource;
 use ramjet_engine::format::{Manifest, MANIFEST_NAME};
-use ramjet_engine::index::ForeignSource;
 use ramjet_engine::{Error, Result, Store};
 
 /// What `ramjet index` did.
@@ -38,7 +38,7 @@ pub fn index(src: &str, jpeg_restarts: bool, progress: &(dyn Fn(u64) + Sync)) ->
     let source = ForeignSource::parse(src)?;
     let store = Store::open(&source.prefix)?;
     rt.block_on(async {
-        let ix = ramjet_engine::index::index_into(
+        let ix = ramjet_engine::foreign::index_into(
             src,
             &store,
             &store,

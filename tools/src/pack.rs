@@ -414,7 +414,7 @@ fn build_shard(
             let c = ColumnsInfo {
                 key: columns_key(idx, built.checksum),
                 bytes: built.bytes.len() as u64,
-                checksum: format!("{:016x}", built.checksum),
+                checksum: built.checksum.into(),
             };
             rt.block_on(store.put(&c.key, Bytes::from(built.bytes)))?;
             Some(c)
@@ -425,7 +425,7 @@ fn build_shard(
         key: key.clone(),
         bytes: shard.bytes.len() as u64,
         samples: shard.samples,
-        checksum: format!("{:016x}", shard.checksum),
+        checksum: shard.checksum.into(),
         columns,
         foreign: None,
     };
@@ -766,7 +766,7 @@ fn pack_jsonl(
                 key: key.clone(),
                 bytes: shard.bytes.len() as u64,
                 samples: shard.samples,
-                checksum: format!("{:016x}", shard.checksum),
+                checksum: shard.checksum.into(),
                 columns: None,
                 foreign: None,
             };

@@ -16,7 +16,7 @@ use bytes::Bytes;
 
 use ramjet_engine::format::{shard_key, ColumnType, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value};
 use ramjet_engine::order::{OrderSpec, Shuffle};
-use ramjet_engine::provider::{Fetched, ReadSource, ShardProvider, ShardRequest};
+use ramjet_engine::provider::{Fetched, FetchedFrom, ShardProvider, ShardRequest};
 use ramjet_engine::{Error, Result, Stream, StreamConfig};
 
 /// Serves one shard's bytes for every request.
@@ -27,7 +27,7 @@ impl ShardProvider for OneShard {
     fn fetch(&self, _req: &ShardRequest<'_>) -> Result<Fetched> {
         Ok(Fetched {
             bytes: self.0.clone(),
-            source: ReadSource::CacheLocal,
+            from: FetchedFrom::CacheLocal,
         })
     }
     fn report_corrupt(&self, req: &ShardRequest<'_>) {
@@ -84,13 +84,13 @@ pub fn prepare(dir: &Path, samples: u64, shard_samples: u64) -> Result<(String, 
     }
     let io = |e: std::io::Error| Error::io(root.display(), e);
     let shards = samples / shard_samples;
-    let checksum = format!("{:016x}", shard.checksum);
+    let checksum = ramjet_engine::format::Checksum(shard.checksum);
     let infos: Vec<ShardInfo> = (0..shards as usize)
         .map(|i| ShardInfo {
             key: shard_key(i, shard.checksum),
             bytes: bytes.len() as u64,
             samples: shard_samples,
-            checksum: checksum.clone(),
+            checksum,
             columns: None,
             foreign: None,
         })
@@ -127,7 +127,7 @@ pub fn first_sample(url: &str, shard: Bytes, shuffle: Shuffle) -> Result<PlanSim
     }
     let m = s.dataset(0).manifest();
     let (samples, shards) = (m.samples, m.shard_count() as u64);
-    let table_bytes = m.shard_table.as_ref().map_or(0, |t| t.bytes);
+    let table_bytes = m.table_ref().map_or(0, |t| t.bytes);
     let table_blocks_read = m.table().map_or(0, |t| t.loaded_blocks() as u64);
     let table_blocks = shards.div_ceil(ramjet_engine::format::SHARD_TABLE_BLOCK_RECORDS as u64);
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();

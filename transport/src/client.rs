@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use ramjet_engine::cache::CacheConfig;
-use ramjet_engine::{Error, Fetched, ReadSource, Result, ShardProvider, ShardRequest};
+use ramjet_engine::{Error, Fetched, FetchedFrom, Result, ShardProvider, ShardRequest};
 
 use crate::daemon::{Daemon, DaemonConfig};
 use crate::sys;
@@ -277,10 +277,10 @@ impl ShardProvider for DaemonClient {
                 if bytes != req.id.bytes {
                     return Err(self.err(&what, std::io::Error::other(format!("announced {bytes} bytes"))));
                 }
-                let source = ReadSource::parse(&source)
+                let from = FetchedFrom::parse(&source)
                     .ok_or_else(|| self.err(&what, std::io::Error::other(format!("unknown source {source:?}"))))?;
                 let bytes = sys::received_shard(&f, bytes).map_err(|e| self.err(&what, e))?;
-                Ok(Fetched { bytes, source })
+                Ok(Fetched { bytes, from })
             }
             Msg::Fail { message } => Err(self.err(&what, std::io::Error::other(message))),
             r => Err(self.err(&what, std::io::Error::other(format!("unexpected reply {r:?}")))),
@@ -357,14 +357,7 @@ mod tests {
     /// (here a real process that dropped to uid 65534) is refused by `SO_PEERCRED`.
     #[test]
     fn a_daemon_socket_served_by_another_user_is_refused() {
-        if sys::my_uid() != 0 {
-            // Never a silent pass: without root this fails unless the skip is asked for by name.
-            assert!(
-                std::env::var_os("RAMJET_SKIP_ROOT_TESTS").is_some(),
-                "this test needs root to start a server as another user (CI runs as root); \
-                 set RAMJET_SKIP_ROOT_TESTS=1 to skip it"
-            );
-            eprintln!("SKIPPED (RAMJET_SKIP_ROOT_TESTS): needs root to start a server as another user");
+        if !sys::root_or_skip("start a server as another user") {
             return;
         }
         let d = tempfile::tempdir().unwrap();

@@ -17,7 +17,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use ramjet_engine::cache::io as cache_io;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
@@ -191,7 +190,7 @@ impl TcpTransport {
         let n = get.bytes as usize;
         // SAFETY: every byte of the buffer is written by the reads below before it is used;
         // a short read returns an error and the buffer is dropped unread.
-        let mut buf = unsafe { cache_io::BufPool::global().take(n) };
+        let mut buf = unsafe { ramjet_engine::buf::BufPool::global().take(n) };
         let dst = buf.as_mut_slice();
         let mut off = 0;
         let limit = self.cfg.transfer_deadline(get.bytes);

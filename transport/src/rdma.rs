@@ -32,7 +32,6 @@ use bytes::Bytes;
 
 use crate::error::Error;
 use futures::future::BoxFuture;
-use ramjet_engine::cache::io as cache_io;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, WorkCompletionStatus};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
@@ -383,7 +382,7 @@ impl RdmaTransport {
         let n = get.bytes as usize;
         // SAFETY: the owner writes every byte of the buffer before it replies `data`; on any
         // other reply the buffer is dropped unread.
-        let mut buf = unsafe { cache_io::BufPool::global().take(n) };
+        let mut buf = unsafe { ramjet_engine::buf::BufPool::global().take(n) };
         let dst = buf.as_mut_slice();
         // SAFETY: `buf` outlives the region: the region is dropped below, before the buffer is
         // returned or dropped, and the owner is done writing once it has replied.

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
-use ramjet_engine::ReadSource;
+use ramjet_engine::FetchedFrom;
 use serde::{Deserialize, Serialize};
 
 /// Live counters of one daemon.
@@ -69,7 +69,7 @@ impl Default for Stats {
 impl Stats {
     /// Records one shard read: its source, size and latency. Recorded per shard (megabytes),
     /// so the histogram lock is far off the per-byte path.
-    pub fn record(&self, src: ReadSource, bytes: u64, took: Duration) {
+    pub fn record(&self, src: FetchedFrom, bytes: u64, took: Duration) {
         self.reads[src.index()].fetch_add(1, Relaxed);
         self.bytes[src.index()].fetch_add(bytes, Relaxed);
         let us = (took.as_micros() as u64).clamp(1, 600_000_000);
@@ -88,7 +88,7 @@ impl Stats {
                 .is_ok()
     }
 
-    fn latency_of(&self, src: ReadSource) -> Latency {
+    fn latency_of(&self, src: FetchedFrom) -> Latency {
         let h = self.latency[src.index()].lock().expect("histogram lock");
         Latency {
             count: h.len(),
@@ -206,7 +206,7 @@ pub struct StatsDoc {
 impl StatsDoc {
     /// Fills the per-source parts from live counters.
     pub fn fill(&mut self, s: &Stats) {
-        for src in ReadSource::ALL {
+        for src in FetchedFrom::ALL {
             self.reads.insert(src.name().into(), s.reads[src.index()].load(Relaxed));
             self.bytes.insert(src.name().into(), s.bytes[src.index()].load(Relaxed));
             self.latency.insert(src.name().into(), s.latency_of(src));
@@ -360,8 +360,8 @@ mod tests {
     #[test]
     fn stats_render_as_json_and_prometheus() {
         let s = Stats::default();
-        s.record(ReadSource::Origin, 100, Duration::from_millis(20));
-        s.record(ReadSource::CachePeer, 50, Duration::from_millis(2));
+        s.record(FetchedFrom::Origin, 100, Duration::from_millis(20));
+        s.record(FetchedFrom::CachePeer, 50, Duration::from_millis(2));
         let mut d = StatsDoc::default();
         d.fill(&s);
         assert_eq!(d.reads["origin"], 1);

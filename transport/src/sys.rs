@@ -173,7 +173,7 @@ pub fn read_private(f: &File, len: u64) -> io::Result<Bytes> {
     }
     let n = usize::try_from(len).map_err(|_| io::Error::other("shard larger than memory"))?;
     // SAFETY: read_exact_at fills all of [0, n) or fails, and then the buffer is dropped unread.
-    let mut buf = unsafe { ramjet_engine::cache::io::BufPool::global().take(n) };
+    let mut buf = unsafe { ramjet_engine::buf::BufPool::global().take(n) };
     f.read_exact_at(buf.as_mut_slice(), 0).map_err(|e| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
             io::Error::new(io::ErrorKind::UnexpectedEof, "the file was truncated while being read")
@@ -210,6 +210,22 @@ pub unsafe fn map_file(f: &File, len: u64) -> io::Result<Bytes> {
 pub fn my_uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
     unsafe { libc::getuid() }
+}
+
+/// For tests that need root (to run a process as another user): true when this process is
+/// root. Otherwise the test is skipped only when `RAMJET_SKIP_ROOT_TESTS` asks for it by name,
+/// and fails when it does not, so it never passes silently. `what` says what root is for.
+#[doc(hidden)]
+pub fn root_or_skip(what: &str) -> bool {
+    if my_uid() == 0 {
+        return true;
+    }
+    assert!(
+        std::env::var_os("RAMJET_SKIP_ROOT_TESTS").is_some(),
+        "this test needs root to {what} (CI runs as root); set RAMJET_SKIP_ROOT_TESTS=1 to skip it"
+    );
+    eprintln!("SKIPPED (RAMJET_SKIP_ROOT_TESTS): needs root to {what}");
+    false
 }
 
 /// The user id of the process at the other end of a connected Unix socket (`SO_PEERCRED`).

@@ -151,7 +151,7 @@ fn one_shard_dataset(dir: &std::path::Path) -> (String, Vec<u8>, u64) {
             key,
             bytes: s.bytes.len() as u64,
             samples: s.samples,
-            checksum: format!("{:016x}", s.checksum),
+            checksum: s.checksum.into(),
             columns: None,
             foreign: None,
         }],

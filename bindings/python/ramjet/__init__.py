@@ -35,6 +35,8 @@ from ramjet._ramjet import (
     OriginError,
     Tensor,
     __version__,
+    columns,
+    freeze,
     inspect,
     verify,
 )
@@ -59,10 +61,13 @@ __all__ = [
     "InvalidInputError",
     "NotFoundError",
     "OriginError",
+    "Reader",
     "Stream",
     "StreamingDataset",
     "Tensor",
     "__version__",
+    "columns",
+    "freeze",
     "gpu_info",
     "init",
     "inspect",
@@ -789,3 +794,76 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self.__dict__.update(state)
         # Unpickled (a spawned worker, another host): a fresh process, where CUDA is usable.
         self._origin_pid = self._pid = os.getpid()
+
+
+class Reader:
+    """Random access to one dataset's samples by global index, for map-style datasets.
+
+    ``Reader(url, **options)`` takes :class:`StreamingDataset`'s options (checked the same way,
+    by the engine) and reads sample ``i`` on request: from a shard held in memory, the node
+    cache, or the origin with ranged GETs (a shard read often is then loaded whole in the
+    background and held, up to ``resident_bytes``). Every sample read was verified against the
+    manifest. Nothing is prefetched.
+
+    - ``get(i)``: the sample decoded as a dict, with the evaluation transform (``augment="train"``
+      is read as ``"eval"``: a reader has no epoch to draw random crops from);
+    - ``get_bytes(i, column)``: one ``bytes`` column undecoded (an encoded image, for a
+      framework that decodes itself);
+    - ``len(reader)``: the dataset's samples.
+
+    A forked child (a DataLoader worker) opens its own on first use; the parent's is kept, never
+    dropped, in the child.
+    """
+
+    def __init__(self, url: str, *, resident_bytes: Optional[int] = None, **options: Any) -> None:
+        options.setdefault("image_size", None)
+        ds = StreamingDataset(url, shuffle=False, rank=0, world_size=1, **options)
+        cfg = json.loads(ds._config())
+        if cfg.get("image") is not None and cfg["image"]["augment"] == "train":
+            cfg["image"]["augment"] = "eval"
+        if resident_bytes is not None:
+            cfg["resident_bytes_max"] = _int("resident_bytes", resident_bytes, 0)
+        self.url = url
+        self.device = ds.device
+        self._config_json = json.dumps(cfg)
+        self._native: Any = None
+        self._pid = -1
+        self._len: Optional[int] = None
+
+    def _reader(self) -> Any:
+        if self._native is None or self._pid != os.getpid():
+            if self._native is not None:
+                _inherited.append(self._native)
+            self._native = _ramjet.Reader(self._config_json)
+            self._pid = os.getpid()
+        return self._native
+
+    def get(self, index: int) -> Dict[str, Any]:
+        """Sample ``index``, decoded (images as ``(3, H, W)`` tensors when ``image_size`` is set,
+        else every column as stored)."""
+        if index < 0:
+            raise IndexError(index)
+        return _convert(self._reader().get(0, int(index)), self.device)
+
+    def get_bytes(self, index: int, column: str) -> bytes:
+        """Column ``column`` of sample ``index``, a ``bytes`` column, undecoded."""
+        if index < 0:
+            raise IndexError(index)
+        return self._reader().get_bytes(0, int(index), column)
+
+    def metrics(self) -> Dict[str, float]:
+        """Counters of the reads so far: ranged and resident samples, origin bytes."""
+        return {} if self._native is None else dict(self._native.metrics())
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = int(inspect(self.url)["samples"])
+        return self._len
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        return self.get(index)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        s = self.__dict__.copy()
+        s["_native"] = None
+        return s

@@ -36,6 +36,32 @@ def gpu_info() -> Dict[str, Any]:
 def verify(url: str, parallel: int = 4) -> VerifyResult:
     """Re-read every shard and check every checksum; ``problems`` names each bad shard and sample."""
 
+def columns(url: str, names: list[str]) -> dict[str, list[Any]]:
+    """Columns ``names`` of every sample, in sample order, from the columns sidecars when the
+    dataset has them (labels without the images); ``bytes`` columns are refused."""
+
+class RingFreeze:
+    """A lease holding the cluster ring at one version; released by ``release()`` or ``with``."""
+
+    def release(self) -> None: ...
+    def __enter__(self) -> "RingFreeze": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+def freeze(socket: str) -> RingFreeze:
+    """Hold the ring of the daemon at ``socket`` at its current version for a training run."""
+
+class Reader:
+    """Random access to one dataset's samples by global index (see ``ramjet.Reader``'s docstring)."""
+
+    url: str
+    device: str
+    def __init__(self, url: str, *, resident_bytes: Optional[int] = None, **options: Any) -> None: ...
+    def get(self, index: int) -> Dict[str, Any]: ...
+    def get_bytes(self, index: int, column: str) -> bytes: ...
+    def metrics(self) -> Dict[str, float]: ...
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Dict[str, Any]: ...
+
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 

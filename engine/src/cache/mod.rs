@@ -30,7 +30,6 @@
 //! The design keeps ownership in one place (`Cache`), so the host daemon can own it later and
 //! serve other processes without changing the on-disk contract.
 
-pub mod io;
 pub mod lock;
 
 use std::fs::{self, File};
@@ -44,8 +43,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{Error, Result};
 use crate::format::FOOTER_LEN;
+use crate::io::{self, CacheIo};
 use crate::metrics::Metrics;
-use io::CacheIo;
 use lock::FileLock;
 
 /// Cache settings.
@@ -282,7 +281,7 @@ impl Cache {
     /// Stores a verified shard. Returns whether it was admitted; a full disk or a budget full
     /// of in-use or higher-priority shards means "not admitted", and the caller streams the
     /// shard from memory instead. Nothing partial is ever visible under `shards/`.
-    pub fn insert(&self, id: ShardId, data: &[u8]) -> Result<bool> {
+    pub fn insert(&self, id: ShardId, data: &Bytes) -> Result<bool> {
         assert_eq!(
             data.len() as u64,
             id.bytes,
@@ -313,7 +312,7 @@ impl Cache {
             // rename too: a scan reads `shards/` then `tmp/`, and a rename between the two
             // would hide the shard from both (a test with four processes admitting at once saw
             // the budget overshot by half a shard that way).
-            if let Err(e) = self.io.write_file(&tmp, data) {
+            if let Err(e) = self.io.write_file(&tmp, data.clone()) {
                 let _ = fs::remove_file(&tmp);
                 Metrics::add(&self.metrics.cache_rejects, 1);
                 tracing::warn!(path = %tmp.display(), error = %e, "cache write failed; shard not cached");
@@ -541,7 +540,7 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
     use std::path::Path;
 
-    fn shard(tag: u8, n: usize) -> (ShardId, Vec<u8>) {
+    fn shard(tag: u8, n: usize) -> (ShardId, Bytes) {
         let mut b = ShardBuilder::new(Schema::new([("x", ColumnType::Bytes)]).unwrap());
         for i in 0..n {
             b.push(&[Value::Bytes(vec![tag; 1000 + i])], "t").unwrap();
@@ -552,7 +551,7 @@ mod tests {
                 checksum: s.checksum,
                 bytes: s.bytes.len() as u64,
             },
-            s.bytes,
+            Bytes::from(s.bytes),
         )
     }
 
@@ -626,7 +625,7 @@ mod tests {
         assert_eq!(resident_after[1], resident_after[2], "resident set still churning");
         assert_eq!(resident_after[2].len(), 4);
         // The resident ones are the 4 highest-priority shards.
-        let mut by_prio: Vec<&(ShardId, Vec<u8>)> = shards.iter().collect();
+        let mut by_prio: Vec<&(ShardId, Bytes)> = shards.iter().collect();
         by_prio.sort_by_key(|(id, _)| std::cmp::Reverse(id.priority()));
         let mut top: Vec<u64> = by_prio[..4].iter().map(|(id, _)| id.checksum).collect();
         top.sort();
@@ -782,7 +781,7 @@ mod tests {
             }
             // Writes large shards one after another until it is killed.
             Some(("write", _)) => {
-                let data = vec![7u8; 16 << 20];
+                let data = Bytes::from(vec![7u8; 16 << 20]);
                 for k in 0..20 {
                     let id = ShardId {
                         checksum: 0xdead_0000 + k,
@@ -927,7 +926,7 @@ mod tests {
                 bytes: 16 << 20,
             };
             assert!(!c.contains(id), "{name}: a partial shard became visible");
-            assert!(c.insert(id, &vec![7u8; 16 << 20]).unwrap());
+            assert!(c.insert(id, &Bytes::from(vec![7u8; 16 << 20])).unwrap());
             assert_eq!(fs::metadata(c.path_of(id)).unwrap().len(), 16 << 20);
             assert_eq!(c.usage().unwrap(), on_disk(d.path()));
             return;

@@ -10,17 +10,18 @@
 //! Packing writes `manifests/<version>.json` and then, last, `manifest.json`: a reader that
 //! finds `manifest.json` finds every shard it lists already in place.
 
-use crate::error::Invalid;
-use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
-use super::foreign::{ForeignObject, ForeignSpec};
+use super::checksum::Checksum;
 use super::schema::Schema;
-use crate::error::{Error, Result};
+use super::table::{
+    shard_table_head_len, shard_table_len, ShardTable, ShardTableRef, TableReader, SHARD_TABLE_BYTES_MAX,
+};
+use crate::error::{Error, Invalid, Result};
+use crate::foreign::{ForeignObject, ForeignSpec};
 
 /// Value of the `format` field.
 pub const MANIFEST_FORMAT: &str = "ramjet-manifest";
@@ -46,8 +47,8 @@ pub struct ShardInfo {
     pub bytes: u64,
     /// Number of samples.
     pub samples: u64,
-    /// Whole-shard xxh3-64, 16 lowercase hex digits.
-    pub checksum: String,
+    /// Whole-shard xxh3-64 (16 lowercase hex digits in the JSON).
+    pub checksum: Checksum,
     /// The shard's columns sidecar: the same samples with every column except the `bytes`
     /// ones, so labels and sizes are read without the images. Absent in datasets packed
     /// before it existed, and when the schema has no `bytes` column or nothing else.
@@ -55,7 +56,7 @@ pub struct ShardInfo {
     pub columns: Option<ColumnsInfo>,
     /// A foreign shard (MDS, WebDataset) read in place: the object as stored at `key`. Then
     /// `bytes` and `checksum` are those of the ramjet shard it transcodes to (see
-    /// [`crate::format::foreign`]).
+    /// [`crate::foreign`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub foreign: Option<ForeignObject>,
 }
@@ -67,606 +68,174 @@ pub struct ColumnsInfo {
     pub key: String,
     /// Size in bytes.
     pub bytes: u64,
-    /// Whole-file xxh3-64, 16 lowercase hex digits.
-    pub checksum: String,
-}
-
-/// A checksum written as 16 hex digits, as a number.
-pub(crate) fn hex16(s: &str) -> Option<u64> {
-    if s.len() != 16 {
-        return None;
-    }
-    u64::from_str_radix(s, 16).ok()
+    /// Whole-file xxh3-64 (16 lowercase hex digits in the JSON).
+    pub checksum: Checksum,
 }
 
 impl ColumnsInfo {
     /// The checksum as a number.
-    pub fn checksum_u64(&self) -> Option<u64> {
-        hex16(&self.checksum)
+    pub fn checksum_u64(&self) -> u64 {
+        self.checksum.get()
     }
 }
 
 impl ShardInfo {
     /// The checksum as a number.
-    pub fn checksum_u64(&self) -> Option<u64> {
-        hex16(&self.checksum)
+    pub fn checksum_u64(&self) -> u64 {
+        self.checksum.get()
     }
 }
 
-/// A dataset manifest.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// How a manifest lists its shards: one kind a format version.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ShardList {
+    /// Listed in the JSON, in sample order ([`MANIFEST_VERSION`]).
+    Listed(Vec<ShardInfo>),
+    /// In a binary shard table beside the manifest ([`MANIFEST_VERSION_TABLE`]): where it is,
+    /// and its content once [`Manifest::attach_table`] has read its head.
+    Table {
+        /// Where the table is, and what it must be.
+        table_ref: ShardTableRef,
+        /// The table, once attached.
+        table: Option<Arc<ShardTable>>,
+    },
+    /// Foreign shards (MDS, WebDataset) read in place, listed in the JSON, each with its
+    /// [`ShardInfo::foreign`] object ([`MANIFEST_VERSION_FOREIGN`]).
+    Foreign {
+        /// The shards, in sample order.
+        shards: Vec<ShardInfo>,
+        /// Their layout.
+        spec: ForeignSpec,
+    },
+}
+
+/// A dataset manifest. Its JSON form is in `docs/format.md`; in memory, the shards are a
+/// [`ShardList`] of one kind, and every checksum is a number.
+#[derive(Debug, Clone)]
 pub struct Manifest {
     /// Always [`MANIFEST_FORMAT`].
     pub format: String,
-    /// Always [`MANIFEST_VERSION`] for manifests this code writes.
+    /// [`MANIFEST_VERSION`], [`MANIFEST_VERSION_TABLE`] or [`MANIFEST_VERSION_FOREIGN`], as
+    /// its [`ShardList`] is.
     pub format_version: u32,
     /// Content-derived version id (32 hex digits).
     pub version: String,
-    /// What the dataset was packed from: `yolo`, `imagefolder`, `jsonl`, or a caller's word.
-    pub source: String,
+    /// What the dataset was packed from: `yolo`, `imagefolder`, `jsonl`, or a caller's word
+    /// (the JSON's `source` field).
+    pub packed_from: String,
     /// Schema of every shard.
     pub schema: Schema,
     /// Free-form metadata (class names, ...). Keys are sorted, so it serialises canonically.
-    #[serde(default)]
     pub meta: serde_json::Map<String, serde_json::Value>,
     /// Total samples.
     pub samples: u64,
     /// Total shard bytes.
     pub bytes: u64,
-    /// Shards in sample order, when listed here (empty when `shard_table` is set). Read them
-    /// through [`Manifest::shard`], [`Manifest::shards`] and [`Manifest::shard_count`], which
-    /// see both forms.
-    shards: Vec<ShardInfo>,
-    /// The binary shard table that lists the shards instead (large datasets).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shard_table: Option<ShardTableRef>,
-    /// The layout of its shards, when they are foreign (MDS, WebDataset) and read in place.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub foreign: Option<ForeignSpec>,
-    /// The table's content, once loaded ([`Manifest::attach_table`]).
-    #[serde(skip)]
-    table: Option<Arc<ShardTable>>,
-    /// Each shard's first global sample, and the total (built on first use).
-    #[serde(skip)]
+    /// The shards. Read them through [`Manifest::shard`], [`Manifest::shards`] and
+    /// [`Manifest::shard_count`], which see every kind.
+    list: ShardList,
+    /// Each listed shard's first global sample, and the total (built on first use).
     starts: OnceLock<Arc<Vec<u64>>>,
 }
 
-/// Where a manifest's binary shard table is, and what it must be.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ShardTableRef {
-    /// Object key relative to the dataset prefix.
-    pub key: String,
-    /// Size in bytes.
-    pub bytes: u64,
-    /// xxh3-64 of the whole object, 16 lowercase hex digits.
-    pub checksum: String,
-    /// Number of shards it lists.
-    pub shards: u64,
-}
-
-/// Magic of a binary shard table.
-pub const SHARD_TABLE_MAGIC: &[u8; 8] = b"RJSTAB02";
-/// Bytes of the shard table's header.
-pub const SHARD_TABLE_HEADER_LEN: usize = 48;
-/// Bytes of one shard's record in the table.
-pub const SHARD_TABLE_RECORD_LEN: usize = 48;
-/// Bytes of one block's entry in the table's directory.
-pub const SHARD_TABLE_DIR_ENTRY_LEN: usize = 32;
-/// Records per block of the table: a block is read and checked as a whole, on first use.
-pub const SHARD_TABLE_BLOCK_RECORDS: usize = 1024;
-/// Largest shard table a manifest may name (about 44 million shards).
-pub const SHARD_TABLE_BYTES_MAX: u64 = 2 << 30;
-/// Pack lists more shards than this in a binary table rather than in the JSON.
-pub const SHARD_TABLE_AUTO_MIN: usize = 4096;
-
-/// Blocks of a table of `count` shards.
-fn table_blocks(count: u64) -> u64 {
-    count.div_ceil(SHARD_TABLE_BLOCK_RECORDS as u64)
-}
-
-/// Bytes of the head (header and directory) of a table of `count` shards.
-pub fn shard_table_head_len(count: u64) -> u64 {
-    SHARD_TABLE_HEADER_LEN as u64 + table_blocks(count) * SHARD_TABLE_DIR_ENTRY_LEN as u64
-}
-
-/// Bytes of a whole table of `count` shards.
-pub fn shard_table_len(count: u64) -> u64 {
-    shard_table_head_len(count) + count * SHARD_TABLE_RECORD_LEN as u64
-}
-
-/// Reads byte ranges of a stored shard table. Called on first use of each block, from wherever
-/// the order or a reader needs it, so it blocks (a dataset's reader runs the store's request to
-/// completion on its own).
-pub trait TableReader: Send + Sync + std::fmt::Debug {
-    /// The bytes of `range` (exactly its length, or an error).
-    fn read(&self, range: Range<u64>) -> Result<Bytes>;
-}
-
-/// A table held whole in memory (built by pack, or read whole).
-#[derive(Debug)]
-struct WholeTable(Bytes);
-
-impl TableReader for WholeTable {
-    fn read(&self, r: Range<u64>) -> Result<Bytes> {
-        Ok(self.0.slice(r.start as usize..(r.end as usize).min(self.0.len())))
-    }
-}
-
-/// One block of records, checked, with its shards' sample counts summed.
-#[derive(Debug)]
-struct TableBlock {
-    records: Bytes,
-    /// `ends[j]`: samples in the block's records `0..=j`.
-    ends: Vec<u64>,
-}
-
-impl TableBlock {
-    fn field(&self, j: usize, f: usize) -> u64 {
-        let o = j * SHARD_TABLE_RECORD_LEN + f * 8;
-        u64::from_le_bytes(self.records[o..o + 8].try_into().expect("8 bytes"))
-    }
-}
-
-/// A binary shard table (`docs/format.md`): the shards of a large dataset, 48 bytes each, in
-/// blocks of [`SHARD_TABLE_BLOCK_RECORDS`] behind a directory. Opening it reads and checks the
-/// header and directory only; a block is read and checked the first time one of its shards is
-/// asked for, so opening a table costs the same for a thousand shards or a million. Keys are not
-/// stored: shard `i` is `shards/<k:06>-<checksum:016x>.rjs` for its stored key index `k`, and its
-/// sidecar `columns/<k:06>-<sidecar checksum>.rjs`.
-#[derive(Clone)]
-pub struct ShardTable {
-    /// Header and directory, checked against the manifest.
-    head: Bytes,
-    count: usize,
+/// The manifest's JSON, as written: field order is the canonical order the version hashes.
+#[derive(Serialize)]
+struct JsonOut<'a> {
+    format: &'a str,
+    format_version: u32,
+    version: &'a str,
+    source: &'a str,
+    schema: &'a Schema,
+    meta: &'a serde_json::Map<String, serde_json::Value>,
     samples: u64,
     bytes: u64,
-    columns: bool,
-    /// The whole table, when it is held in memory.
-    whole: Option<Bytes>,
-    reader: Arc<dyn TableReader>,
-    /// The table's object, for errors.
-    object: String,
-    blocks: Box<[OnceLock<Arc<TableBlock>>]>,
-    /// Held while a block is read.
-    loading: Arc<std::sync::Mutex<()>>,
+    shards: &'a [ShardInfo],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shard_table: Option<&'a ShardTableRef>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    foreign: Option<&'a ForeignSpec>,
 }
 
-impl std::fmt::Debug for ShardTable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardTable")
-            .field("object", &self.object)
-            .field("shards", &self.count)
-            .field("samples", &self.samples)
-            .field("bytes", &self.bytes)
-            .field("columns", &self.columns)
-            .field(
-                "loaded_blocks",
-                &self.blocks.iter().filter(|b| b.get().is_some()).count(),
-            )
-            .finish()
-    }
+/// The manifest's JSON, as read.
+#[derive(Deserialize)]
+struct JsonIn {
+    format: String,
+    format_version: u32,
+    version: String,
+    source: String,
+    schema: Schema,
+    #[serde(default)]
+    meta: serde_json::Map<String, serde_json::Value>,
+    samples: u64,
+    bytes: u64,
+    shards: Vec<ShardInfo>,
+    #[serde(default)]
+    shard_table: Option<ShardTableRef>,
+    #[serde(default)]
+    foreign: Option<ForeignSpec>,
 }
 
-impl PartialEq for ShardTable {
-    /// The head's checksum covers the blocks' checksums, so equal heads mean equal tables.
-    fn eq(&self, o: &ShardTable) -> bool {
-        self.head == o.head
-    }
-}
-
-fn u64_at(b: &[u8], o: usize) -> u64 {
-    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
-}
-
-fn u32_at(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
-}
-
-impl ShardTable {
-    /// The table of `shards`, whose keys must be pack's (`shards/<k>-<checksum>.rjs`, key
-    /// indices rising), and which all have a sidecar or none does. Held in memory.
-    pub fn build(shards: &[ShardInfo]) -> std::result::Result<ShardTable, Invalid> {
-        let columns = shards.first().is_some_and(|s| s.columns.is_some());
-        let mut records = Vec::with_capacity(shards.len() * SHARD_TABLE_RECORD_LEN);
-        let mut prev: Option<u64> = None;
-        let (mut samples, mut bytes) = (0u64, 0u64);
-        for s in shards {
-            let checksum = s
-                .checksum_u64()
-                .ok_or_else(|| format!("shard {:?}: bad checksum", s.key))?;
-            let k = key_index(&s.key, "shards/", checksum)
-                .ok_or_else(|| format!("shard key {:?} is not shards/<index>-<checksum>.rjs", s.key))?;
-            if prev.is_some_and(|p| k <= p) {
-                return Err(Invalid::from(format!("shard key {:?}: key indices must rise", s.key)));
-            }
-            prev = Some(k);
-            let (cb, cc) = match (&s.columns, columns) {
-                (Some(c), true) => {
-                    let cc = c
-                        .checksum_u64()
-                        .ok_or_else(|| format!("columns {:?}: bad checksum", c.key))?;
-                    if key_index(&c.key, "columns/", cc) != Some(k) {
-                        return Err(Invalid::from(format!(
-                            "columns key {:?} is not columns/<index>-<checksum>.rjs",
-                            c.key
-                        )));
-                    }
-                    (c.bytes, cc)
-                }
-                (None, false) => (0, 0),
-                _ => return Err(Invalid::from("some shards have a columns sidecar and some do not")),
-            };
-            samples = samples.checked_add(s.samples).ok_or("sample counts overflow 64 bits")?;
-            bytes = bytes.checked_add(s.bytes).ok_or("byte counts overflow 64 bits")?;
-            for v in [s.samples, s.bytes, checksum, k, cb, cc] {
-                records.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        let count = shards.len() as u64;
-        let mut b = Vec::with_capacity(shard_table_len(count) as usize);
-        b.extend_from_slice(SHARD_TABLE_MAGIC);
-        for v in [count, samples, bytes] {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-        for v in [
-            SHARD_TABLE_RECORD_LEN as u32,
-            columns as u32,
-            SHARD_TABLE_BLOCK_RECORDS as u32,
-            0,
-        ] {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-        let mut first = 0u64;
-        for (blk, chunk) in records
-            .chunks(SHARD_TABLE_BLOCK_RECORDS * SHARD_TABLE_RECORD_LEN)
-            .enumerate()
-        {
-            let s = &shards[blk * SHARD_TABLE_BLOCK_RECORDS..];
-            let n = chunk.len() / SHARD_TABLE_RECORD_LEN;
-            let key = u64_at(chunk, 24);
-            let block_bytes: u64 = s[..n].iter().map(|x| x.bytes).sum();
-            for v in [first, key, block_bytes, xxh3_64(chunk)] {
-                b.extend_from_slice(&v.to_le_bytes());
-            }
-            first += s[..n].iter().map(|x| x.samples).sum::<u64>();
-        }
-        b.extend_from_slice(&records);
-        let whole = Bytes::from(b);
-        ShardTable::open(
-            whole.slice(..shard_table_head_len(count) as usize),
-            Arc::new(WholeTable(whole.clone())),
-            "shard table",
-        )
-        .map(|mut t| {
-            t.whole = Some(whole);
-            t
-        })
-    }
-
-    /// Reads a whole table held in memory, checking its header, directory and length (the
-    /// blocks are checked on first use).
-    pub fn parse(bytes: Bytes) -> std::result::Result<ShardTable, Invalid> {
-        if bytes.len() < SHARD_TABLE_HEADER_LEN {
-            return Err(Invalid::from("shorter than its header"));
-        }
-        let count = u64_at(&bytes, 8);
-        if shard_table_len(count) != bytes.len() as u64 {
-            return Err(Invalid::from(format!(
-                "{} bytes, but its header says {count} shards ({} bytes)",
-                bytes.len(),
-                shard_table_len(count)
-            )));
-        }
-        let head = bytes.slice(..shard_table_head_len(count) as usize);
-        let mut t = ShardTable::open(head, Arc::new(WholeTable(bytes.clone())), "shard table")?;
-        t.whole = Some(bytes);
-        Ok(t)
-    }
-
-    /// A table from its `head` (header and directory), whose blocks `reader` reads on demand.
-    /// Checks the header and the directory: block sample starts rising from 0 within the total,
-    /// first key indices rising, block byte sums adding up to the total.
-    pub fn open(head: Bytes, reader: Arc<dyn TableReader>, object: &str) -> std::result::Result<ShardTable, Invalid> {
-        if head.starts_with(b"RJSTAB01") {
-            return Err(Invalid::from(
-                "a shard table of the first layout (RJSTAB01, before blocks): pack the dataset again",
-            ));
-        }
-        if head.len() < SHARD_TABLE_HEADER_LEN || &head[..8] != SHARD_TABLE_MAGIC {
-            return Err(Invalid::from(
-                "not a shard table (bad magic or shorter than its header)",
-            ));
-        }
-        let (count, samples, bytes) = (u64_at(&head, 8), u64_at(&head, 16), u64_at(&head, 24));
-        let (record, flags, per_block, reserved) = (
-            u32_at(&head, 32) as usize,
-            u32_at(&head, 36),
-            u32_at(&head, 40) as usize,
-            u32_at(&head, 44),
-        );
-        if record != SHARD_TABLE_RECORD_LEN || flags > 1 || per_block != SHARD_TABLE_BLOCK_RECORDS || reserved != 0 {
-            return Err(Invalid::from(format!(
-                "unsupported header (record length {record}, flags {flags}, block records {per_block})"
-            )));
-        }
-        if count > u32::MAX as u64 || shard_table_len(count) > SHARD_TABLE_BYTES_MAX {
-            return Err(Invalid::from(format!("{count} shards is over the table limit")));
-        }
-        if head.len() as u64 != shard_table_head_len(count) {
-            return Err(Invalid::from(format!(
-                "its head is {} bytes, but {count} shards need {}",
-                head.len(),
-                shard_table_head_len(count)
-            )));
-        }
-        let blocks = table_blocks(count) as usize;
-        let dir = |b: usize, f: usize| u64_at(&head, SHARD_TABLE_HEADER_LEN + b * SHARD_TABLE_DIR_ENTRY_LEN + f * 8);
-        let mut byte_sum = 0u64;
-        for b in 0..blocks {
-            let first = dir(b, 0);
-            let end = if b + 1 < blocks { dir(b + 1, 0) } else { samples };
-            let n = (SHARD_TABLE_BLOCK_RECORDS as u64).min(count - (b * SHARD_TABLE_BLOCK_RECORDS) as u64);
-            if (b == 0 && first != 0) || end < first || end - first > n * crate::format::SHARD_SAMPLES_MAX {
-                return Err(Invalid::from(format!(
-                    "directory entry {b}: sample start {first} out of order"
-                )));
-            }
-            if b > 0 && dir(b, 1) <= dir(b - 1, 1) {
-                return Err(Invalid::from(format!(
-                    "directory entry {b}: key index {} does not rise",
-                    dir(b, 1)
-                )));
-            }
-            byte_sum = byte_sum.checked_add(dir(b, 2)).ok_or("byte counts overflow 64 bits")?;
-        }
-        if byte_sum != bytes || (count == 0 && samples != 0) {
-            return Err(Invalid::from(format!(
-                "its blocks hold {byte_sum} bytes, its header says {bytes} (or samples without shards)"
-            )));
-        }
-        Ok(ShardTable {
-            head,
-            count: count as usize,
-            samples,
-            bytes,
-            columns: flags == 1,
-            whole: None,
-            reader,
-            object: object.to_owned(),
-            blocks: (0..blocks).map(|_| OnceLock::new()).collect(),
-            loading: Default::default(),
-        })
-    }
-
-    /// The table's bytes, when held in memory (built or parsed whole).
-    pub fn as_bytes(&self) -> Option<&Bytes> {
-        self.whole.as_ref()
-    }
-
-    /// xxh3-64 of the table's head (header and directory): what the manifest records. The
-    /// directory holds each block's checksum, so it covers every record.
-    pub fn checksum(&self) -> u64 {
-        xxh3_64(&self.head)
-    }
-
-    /// Number of shards.
-    pub fn len(&self) -> usize {
-        self.count
-    }
-
-    /// Whether it lists no shard.
-    pub fn is_empty(&self) -> bool {
-        self.count == 0
-    }
-
-    /// Total samples (from the header, checked against the manifest and every block).
-    pub fn samples(&self) -> u64 {
-        self.samples
-    }
-
-    /// Blocks read so far.
-    pub fn loaded_blocks(&self) -> usize {
-        self.blocks.iter().filter(|b| b.get().is_some()).count()
-    }
-
-    fn dir(&self, b: usize, f: usize) -> u64 {
-        u64_at(
-            &self.head,
-            SHARD_TABLE_HEADER_LEN + b * SHARD_TABLE_DIR_ENTRY_LEN + f * 8,
-        )
-    }
-
-    fn bad(&self, reason: String) -> Error {
-        Error::Manifest {
-            object: self.object.clone(),
-            reason,
-        }
-    }
-
-    /// Block `b`, read and checked on first use: its checksum, each shard's sample count
-    /// against the shard limit and their sum against the directory, key indices rising from the
-    /// directory's first one and below the next block's, and the byte sum. A failed read is not
-    /// kept: the next use reads again.
-    fn block(&self, b: usize) -> Result<&TableBlock> {
-        if let Some(t) = self.blocks[b].get() {
-            return Ok(t);
-        }
-        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
-        let n = SHARD_TABLE_BLOCK_RECORDS.min(self.count - lo);
-        let at = self.head.len() as u64 + (lo * SHARD_TABLE_RECORD_LEN) as u64;
-        // One read per block: a second user waits for the first's (loads are rare, so one lock
-        // per table serves; nothing else takes it).
-        let _loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = self.blocks[b].get() {
-            return Ok(t);
-        }
-        let records = self.reader.read(at..at + (n * SHARD_TABLE_RECORD_LEN) as u64)?;
-        let what = format!("block {b} (shards {lo}..{})", lo + n);
-        if records.len() != n * SHARD_TABLE_RECORD_LEN {
-            return Err(self.bad(format!(
-                "{what}: {} bytes, expected {}",
-                records.len(),
-                n * SHARD_TABLE_RECORD_LEN
-            )));
-        }
-        let sum = xxh3_64(&records);
-        if sum != self.dir(b, 3) {
-            return Err(self.bad(format!(
-                "{what}: checksum {sum:016x}, the directory says {:016x}: the table was edited or damaged",
-                self.dir(b, 3)
-            )));
-        }
-        let mut t = TableBlock {
-            records,
-            ends: Vec::with_capacity(n),
+impl Serialize for Manifest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let (shards, shard_table, foreign): (&[ShardInfo], _, _) = match &self.list {
+            ShardList::Listed(v) => (v, None, None),
+            ShardList::Table { table_ref, .. } => (&[], Some(table_ref), None),
+            ShardList::Foreign { shards, spec } => (shards, None, Some(spec)),
         };
-        let (mut acc, mut bytes, mut prev) = (0u64, 0u64, None::<u64>);
-        for j in 0..n {
-            let (samples, k) = (t.field(j, 0), t.field(j, 3));
-            if samples == 0 {
-                return Err(self.bad(format!(
-                    "shard {} lists 0 samples; a shard holds at least one (no writer lists an empty one)",
-                    lo + j
-                )));
-            }
-            if samples > crate::format::SHARD_SAMPLES_MAX {
-                return Err(self.bad(format!(
-                    "shard {} claims {samples} samples, over the shard limit of {}",
-                    lo + j,
-                    crate::format::SHARD_SAMPLES_MAX
-                )));
-            }
-            let rises = match prev {
-                None => k == self.dir(b, 1),
-                Some(p) => k > p,
-            };
-            if !rises {
-                return Err(self.bad(format!("shard {}: key index {k} does not rise", lo + j)));
-            }
-            prev = Some(k);
-            acc += samples;
-            bytes = bytes.saturating_add(t.field(j, 1));
-            t.ends.push(acc);
+        JsonOut {
+            format: &self.format,
+            format_version: self.format_version,
+            version: &self.version,
+            source: &self.packed_from,
+            schema: &self.schema,
+            meta: &self.meta,
+            samples: self.samples,
+            bytes: self.bytes,
+            shards,
+            shard_table,
+            foreign,
         }
-        let last = b + 1 == self.blocks.len();
-        let span = if last { self.samples } else { self.dir(b + 1, 0) } - self.dir(b, 0);
-        if acc != span || bytes != self.dir(b, 2) || (!last && prev.is_some_and(|p| p >= self.dir(b + 1, 1))) {
-            return Err(self.bad(format!(
-                "{what}: its shards hold {acc} samples in {bytes} bytes; the directory says {span} in {}",
-                self.dir(b, 2)
-            )));
-        }
-        let _ = self.blocks[b].set(Arc::new(t));
-        Ok(self.blocks[b].get().expect("set above"))
+        .serialize(s)
     }
+}
 
-    fn record(&self, i: usize) -> Result<(&TableBlock, usize)> {
-        if i >= self.count {
-            return Err(self.bad(format!("no shard {i}: the table lists {}", self.count)));
-        }
-        Ok((
-            self.block(i / SHARD_TABLE_BLOCK_RECORDS)?,
-            i % SHARD_TABLE_BLOCK_RECORDS,
-        ))
-    }
-
-    /// Samples of shard `i`.
-    pub fn shard_samples(&self, i: usize) -> Result<u64> {
-        let (t, j) = self.record(i)?;
-        Ok(t.field(j, 0))
-    }
-
-    /// Bytes and checksum of shard `i`.
-    pub fn shard_bytes_checksum(&self, i: usize) -> Result<(u64, u64)> {
-        let (t, j) = self.record(i)?;
-        Ok((t.field(j, 1), t.field(j, 2)))
-    }
-
-    /// Global index of shard `i`'s first sample.
-    pub fn shard_start(&self, i: usize) -> Result<u64> {
-        let (t, j) = self.record(i)?;
-        let before = if j == 0 { 0 } else { t.ends[j - 1] };
-        Ok(self.dir(i / SHARD_TABLE_BLOCK_RECORDS, 0) + before)
-    }
-
-    /// Shard `i` as the JSON would list it.
-    pub fn info(&self, i: usize) -> Result<ShardInfo> {
-        let (t, j) = self.record(i)?;
-        let (samples, bytes, checksum, k) = (t.field(j, 0), t.field(j, 1), t.field(j, 2), t.field(j, 3));
-        Ok(ShardInfo {
-            key: super::shard_key(k as usize, checksum),
-            bytes,
-            samples,
-            checksum: format!("{checksum:016x}"),
-            columns: self.columns.then(|| {
-                let cc = t.field(j, 5);
-                ColumnsInfo {
-                    key: super::columns_key(k as usize, cc),
-                    bytes: t.field(j, 4),
-                    checksum: format!("{cc:016x}"),
-                }
-            }),
-            foreign: None,
+impl<'de> Deserialize<'de> for Manifest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Manifest, D::Error> {
+        let j = JsonIn::deserialize(d)?;
+        let list = match (j.shard_table, j.foreign) {
+            (None, None) => ShardList::Listed(j.shards),
+            (None, Some(spec)) => ShardList::Foreign { shards: j.shards, spec },
+            (Some(_), Some(_)) => {
+                return Err(serde::de::Error::custom(
+                    "foreign shards are listed in the manifest, not in a shard table",
+                ))
+            }
+            (Some(_), None) if !j.shards.is_empty() => {
+                return Err(serde::de::Error::custom(
+                    "it lists shards and names a shard table: one or the other",
+                ))
+            }
+            (Some(table_ref), None) => ShardList::Table { table_ref, table: None },
+        };
+        Ok(Manifest {
+            format: j.format,
+            format_version: j.format_version,
+            version: j.version,
+            packed_from: j.source,
+            schema: j.schema,
+            meta: j.meta,
+            samples: j.samples,
+            bytes: j.bytes,
+            list,
+            starts: OnceLock::new(),
         })
     }
-
-    /// The shard holding global sample `g`, and the sample's index in it (`None` past the
-    /// end): a binary search of the directory, then of one block.
-    pub fn locate(&self, g: u64) -> Result<Option<(usize, u64)>> {
-        if g >= self.samples {
-            return Ok(None);
-        }
-        let (mut lo, mut hi) = (0usize, self.blocks.len());
-        // The last block whose first sample is at or before g (empty blocks come before it).
-        while hi - lo > 1 {
-            let mid = (lo + hi) / 2;
-            if self.dir(mid, 0) <= g {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        let t = self.block(lo)?;
-        let local = g - self.dir(lo, 0);
-        let j = t.ends.partition_point(|&e| e <= local);
-        let before = if j == 0 { 0 } else { t.ends[j - 1] };
-        Ok(Some((lo * SHARD_TABLE_BLOCK_RECORDS + j, local - before)))
-    }
-}
-
-impl crate::order::ShardCounts for ShardTable {
-    fn shards(&self) -> u64 {
-        self.count as u64
-    }
-    fn total(&self) -> u64 {
-        self.samples
-    }
-    fn samples(&self, shard: u64) -> Result<u64> {
-        self.shard_samples(shard as usize)
-    }
-    fn locate(&self, o: u64) -> Result<(u64, u64)> {
-        let (s, i) = ShardTable::locate(self, o)?
-            .ok_or_else(|| self.bad(format!("no sample {o}: it holds {}", self.samples)))?;
-        Ok((s as u64, i))
-    }
-}
-
-/// `k` for a key `<prefix><k:06>-<checksum:016x>.rjs` (exactly as pack names it).
-fn key_index(key: &str, prefix: &str, checksum: u64) -> Option<u64> {
-    let rest = key.strip_prefix(prefix)?;
-    let k: u64 = rest.split('-').next()?.parse().ok()?;
-    let named = if prefix == "shards/" {
-        super::shard_key(k as usize, checksum)
-    } else {
-        super::columns_key(k as usize, checksum)
-    };
-    (named == key).then_some(k)
 }
 
 impl Manifest {
     /// A manifest over `shards`, with totals and the version computed.
     pub fn new(
-        source: impl Into<String>,
+        packed_from: impl Into<String>,
         schema: Schema,
         meta: serde_json::Map<String, serde_json::Value>,
         shards: Vec<ShardInfo>,
@@ -675,15 +244,12 @@ impl Manifest {
             format: MANIFEST_FORMAT.into(),
             format_version: MANIFEST_VERSION,
             version: String::new(),
-            source: source.into(),
+            packed_from: packed_from.into(),
             schema,
             meta,
             samples: shards.iter().map(|s| s.samples).sum(),
             bytes: shards.iter().map(|s| s.bytes).sum(),
-            shards,
-            shard_table: None,
-            foreign: None,
-            table: None,
+            list: ShardList::Listed(shards),
             starts: OnceLock::new(),
         };
         m.version = m.compute_version();
@@ -693,22 +259,25 @@ impl Manifest {
     /// A manifest over foreign shards read in place (`ramjet index`): every shard has its
     /// [`ShardInfo::foreign`], laid out as `spec` says.
     pub fn new_foreign(
-        source: impl Into<String>,
+        packed_from: impl Into<String>,
         schema: Schema,
         meta: serde_json::Map<String, serde_json::Value>,
         shards: Vec<ShardInfo>,
         spec: ForeignSpec,
     ) -> Self {
-        let mut m = Self::new(source, schema, meta, shards);
+        let mut m = Self::new(packed_from, schema, meta, shards);
         m.format_version = MANIFEST_VERSION_FOREIGN;
-        m.foreign = Some(spec);
+        let ShardList::Listed(shards) = std::mem::replace(&mut m.list, ShardList::Listed(Vec::new())) else {
+            unreachable!("Manifest::new lists its shards")
+        };
+        m.list = ShardList::Foreign { shards, spec };
         m.version = m.compute_version();
         m
     }
 
     /// A manifest whose shards are listed in `table`, stored under `key`.
     pub fn with_table(
-        source: impl Into<String>,
+        packed_from: impl Into<String>,
         schema: Schema,
         meta: serde_json::Map<String, serde_json::Value>,
         table: ShardTable,
@@ -718,56 +287,98 @@ impl Manifest {
             format: MANIFEST_FORMAT.into(),
             format_version: MANIFEST_VERSION_TABLE,
             version: String::new(),
-            source: source.into(),
+            packed_from: packed_from.into(),
             schema,
             meta,
             samples: table.samples,
             bytes: table.bytes,
-            shards: Vec::new(),
-            shard_table: Some(ShardTableRef {
-                key: key.into(),
-                bytes: shard_table_len(table.len() as u64),
-                checksum: format!("{:016x}", table.checksum()),
-                shards: table.len() as u64,
-            }),
-            foreign: None,
-            table: Some(Arc::new(table)),
+            list: ShardList::Table {
+                table_ref: ShardTableRef {
+                    key: key.into(),
+                    bytes: shard_table_len(table.len() as u64),
+                    checksum: Checksum(table.checksum()),
+                    shards: table.len() as u64,
+                },
+                table: Some(Arc::new(table)),
+            },
             starts: OnceLock::new(),
         };
         m.version = m.compute_version();
         m
     }
 
+    /// How the shards are listed.
+    pub fn list(&self) -> &ShardList {
+        &self.list
+    }
+
+    /// The foreign layout, for a manifest over foreign shards.
+    pub fn foreign(&self) -> Option<&ForeignSpec> {
+        match &self.list {
+            ShardList::Foreign { spec, .. } => Some(spec),
+            _ => None,
+        }
+    }
+
+    /// Where its shard table is, for a manifest with one.
+    pub fn table_ref(&self) -> Option<&ShardTableRef> {
+        match &self.list {
+            ShardList::Table { table_ref, .. } => Some(table_ref),
+            _ => None,
+        }
+    }
+
+    /// Where its shard table is, to edit (tools and tests that write a manifest by hand; the
+    /// version must then be recomputed).
+    pub fn table_ref_mut(&mut self) -> Option<&mut ShardTableRef> {
+        match &mut self.list {
+            ShardList::Table { table_ref, .. } => Some(table_ref),
+            _ => None,
+        }
+    }
+
+    /// The shards listed in the JSON (`None` with a shard table).
+    fn listed_shards(&self) -> Option<&[ShardInfo]> {
+        match &self.list {
+            ShardList::Listed(v) | ShardList::Foreign { shards: v, .. } => Some(v),
+            ShardList::Table { .. } => None,
+        }
+    }
+
+    /// The listed shards, or the attached table, or the error that the table is not loaded.
+    fn either(&self) -> Result<std::result::Result<&[ShardInfo], &ShardTable>> {
+        match &self.list {
+            ShardList::Listed(v) | ShardList::Foreign { shards: v, .. } => Ok(Ok(v)),
+            ShardList::Table { table: Some(t), .. } => Ok(Err(t)),
+            ShardList::Table { table_ref, table: None } => Err(Error::Manifest {
+                object: table_ref.key.clone(),
+                reason: "the shard table is not loaded".into(),
+            }),
+        }
+    }
+
     /// Number of shards.
     pub fn shard_count(&self) -> usize {
-        match (&self.table, &self.shard_table) {
-            (Some(t), _) => t.len(),
-            (None, Some(r)) => r.shards as usize,
-            (None, None) => self.shards.len(),
+        match &self.list {
+            ShardList::Listed(v) | ShardList::Foreign { shards: v, .. } => v.len(),
+            ShardList::Table { table: Some(t), .. } => t.len(),
+            ShardList::Table { table_ref, table: None } => table_ref.shards as usize,
         }
     }
 
-    fn no_table(&self) -> Error {
-        Error::Manifest {
-            object: self.shard_table.as_ref().map_or_else(String::new, |r| r.key.clone()),
-            reason: "the shard table is not loaded".into(),
-        }
-    }
-
-    fn listed(&self, i: usize) -> Result<&ShardInfo> {
-        self.shards.get(i).ok_or_else(|| Error::Manifest {
+    fn listed<'a>(&self, v: &'a [ShardInfo], i: usize) -> Result<&'a ShardInfo> {
+        v.get(i).ok_or_else(|| Error::Manifest {
             object: format!("manifest {}", self.version),
-            reason: format!("no shard {i}: it lists {}", self.shards.len()),
+            reason: format!("no shard {i}: it lists {}", v.len()),
         })
     }
 
     /// Shard `i`. With a shard table, the first use of a block of shards reads and checks it,
     /// which can fail (`docs/format.md`); past the end is an error too.
     pub fn shard(&self, i: usize) -> Result<ShardInfo> {
-        match (&self.table, &self.shard_table) {
-            (Some(t), _) => t.info(i),
-            (None, Some(_)) => Err(self.no_table()),
-            (None, None) => self.listed(i).cloned(),
+        match self.either()? {
+            Ok(v) => self.listed(v, i).cloned(),
+            Err(t) => t.info(i),
         }
     }
 
@@ -778,41 +389,41 @@ impl Manifest {
 
     /// The listed shards, to edit (tools and tests that write a manifest by hand; the
     /// version must then be recomputed). Empty for a manifest with a shard table.
-    pub fn shards_mut(&mut self) -> &mut Vec<ShardInfo> {
+    pub fn shards_mut(&mut self) -> &mut [ShardInfo] {
         self.starts = OnceLock::new();
-        &mut self.shards
+        match &mut self.list {
+            ShardList::Listed(v) | ShardList::Foreign { shards: v, .. } => v,
+            ShardList::Table { .. } => &mut [],
+        }
     }
 
     /// Samples of shard `i`, without building its [`ShardInfo`].
     pub fn shard_samples(&self, i: usize) -> Result<u64> {
-        match (&self.table, &self.shard_table) {
-            (Some(t), _) => t.shard_samples(i),
-            (None, Some(_)) => Err(self.no_table()),
-            (None, None) => Ok(self.listed(i)?.samples),
+        match self.either()? {
+            Ok(v) => Ok(self.listed(v, i)?.samples),
+            Err(t) => t.shard_samples(i),
         }
     }
 
     /// Bytes and checksum of shard `i`, without building its [`ShardInfo`].
     pub fn shard_bytes_checksum(&self, i: usize) -> Result<(u64, u64)> {
-        match (&self.table, &self.shard_table) {
-            (Some(t), _) => t.shard_bytes_checksum(i),
-            (None, Some(_)) => Err(self.no_table()),
-            (None, None) => {
-                let s = self.listed(i)?;
-                Ok((s.bytes, s.checksum_u64().expect("validated")))
+        match self.either()? {
+            Ok(v) => {
+                let s = self.listed(v, i)?;
+                Ok((s.bytes, s.checksum.get()))
             }
+            Err(t) => t.shard_bytes_checksum(i),
         }
     }
 
     /// Global index of shard `i`'s first sample.
     pub fn shard_start(&self, i: usize) -> Result<u64> {
-        match (&self.table, &self.shard_table) {
-            (Some(t), _) => t.shard_start(i),
-            (None, Some(_)) => Err(self.no_table()),
-            (None, None) => {
-                self.listed(i)?;
-                Ok(self.listed_starts()[i])
+        match self.either()? {
+            Ok(v) => {
+                self.listed(v, i)?;
+                Ok(self.listed_starts(v)[i])
             }
+            Err(t) => t.shard_start(i),
         }
     }
 
@@ -820,7 +431,7 @@ impl Manifest {
     /// to have them: `ramjet pack --jpeg-restarts` records it in `meta.jpeg_restart_px`,
     /// `ramjet index --jpeg-restarts` in `foreign.jpeg_restart_px`.
     pub fn jpeg_restart_px(&self) -> Option<u32> {
-        self.foreign.as_ref().and_then(|f| f.jpeg_restart_px).or_else(|| {
+        self.foreign().and_then(|f| f.jpeg_restart_px).or_else(|| {
             self.meta
                 .get("jpeg_restart_px")
                 .and_then(|v| v.as_u64())
@@ -830,30 +441,41 @@ impl Manifest {
 
     /// Whether every shard has a columns sidecar (and there is at least one shard).
     pub fn has_columns(&self) -> bool {
-        match &self.table {
-            Some(t) => t.columns && !t.is_empty(),
-            None => !self.shards.is_empty() && self.shards.iter().all(|s| s.columns.is_some()),
+        match self.either() {
+            Ok(Err(t)) => t.columns && !t.is_empty(),
+            Ok(Ok(v)) => !v.is_empty() && v.iter().all(|s| s.columns.is_some()),
+            Err(_) => false,
         }
     }
 
     /// The shard table still to load: the manifest names one and [`Manifest::attach_table`]
     /// was not called.
     pub fn table_to_load(&self) -> Option<&ShardTableRef> {
-        self.shard_table.as_ref().filter(|_| self.table.is_none())
+        match &self.list {
+            ShardList::Table { table_ref, table: None } => Some(table_ref),
+            _ => None,
+        }
     }
 
     /// The loaded shard table, if the manifest has one.
     pub fn table(&self) -> Option<&ShardTable> {
-        self.table.as_deref()
+        match &self.list {
+            ShardList::Table { table: Some(t), .. } => Some(t),
+            _ => None,
+        }
     }
 
     /// The shards' sample counts as the order reads them: the shard table itself, or the
     /// listed shards' counts.
     pub fn shard_counts(&self) -> Arc<dyn crate::order::ShardCounts> {
-        match &self.table {
-            Some(t) => t.clone(),
-            None => Arc::new(crate::order::CountList::new(
-                self.shards.iter().map(|s| s.samples).collect(),
+        match &self.list {
+            ShardList::Table { table: Some(t), .. } => t.clone(),
+            _ => Arc::new(crate::order::CountList::new(
+                self.listed_shards()
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|s| s.samples)
+                    .collect(),
             )),
         }
     }
@@ -869,8 +491,7 @@ impl Manifest {
             reason,
         };
         let r = self
-            .shard_table
-            .as_ref()
+            .table_ref()
             .ok_or_else(|| bad("the manifest names no shard table".into()))?;
         let head = reader.read(0..shard_table_head_len(r.shards))?;
         if head.len() as u64 != shard_table_head_len(r.shards) {
@@ -882,7 +503,7 @@ impl Manifest {
             )));
         }
         let sum = xxh3_64(&head);
-        if Some(sum) != hex16(&r.checksum) {
+        if sum != r.checksum.get() {
             return Err(bad(format!(
                 "checksum {sum:016x}, the manifest says {}: the table was edited or damaged",
                 r.checksum
@@ -903,7 +524,9 @@ impl Manifest {
                 "it lists columns sidecars, but the schema has nothing to put in them".into(),
             ));
         }
-        self.table = Some(Arc::new(t));
+        if let ShardList::Table { table, .. } = &mut self.list {
+            *table = Some(Arc::new(t));
+        }
         Ok(())
     }
 
@@ -932,15 +555,10 @@ impl Manifest {
         if m.format != MANIFEST_FORMAT {
             return Err(bad(format!("format is {:?}, expected {MANIFEST_FORMAT:?}", m.format)));
         }
-        let (want_version, kind) = match (&m.shard_table, &m.foreign) {
-            (Some(_), None) => (MANIFEST_VERSION_TABLE, "with a shard table"),
-            (None, None) => (MANIFEST_VERSION, "without a shard table"),
-            (None, Some(_)) => (MANIFEST_VERSION_FOREIGN, "over foreign shards"),
-            (Some(_), Some(_)) => {
-                return Err(bad(
-                    "foreign shards are listed in the manifest, not in a shard table".into()
-                ))
-            }
+        let (want_version, kind) = match &m.list {
+            ShardList::Table { .. } => (MANIFEST_VERSION_TABLE, "with a shard table"),
+            ShardList::Listed(_) => (MANIFEST_VERSION, "without a shard table"),
+            ShardList::Foreign { .. } => (MANIFEST_VERSION_FOREIGN, "over foreign shards"),
         };
         if m.format_version != want_version {
             return Err(bad(format!(
@@ -957,146 +575,125 @@ impl Manifest {
             )));
         }
         // Checked: the counts are untrusted input, and a sum that wraps would pass the check.
-        if let Some(r) = &m.shard_table {
-            if !m.shards.is_empty() {
-                return Err(bad("it lists shards and names a shard table: one or the other".into()));
+        let shards = match &m.list {
+            ShardList::Listed(v) | ShardList::Foreign { shards: v, .. } => v,
+            ShardList::Table { table_ref: r, .. } => {
+                m.check_table_ref(r).map_err(bad)?;
+                // The records are checked when the table is attached.
+                return Ok(m);
             }
-            validate_key(&r.key).map_err(|why| bad(format!("shard table key {:?}: {why}", r.key)))?;
-            if hex16(&r.checksum).is_none() {
-                return Err(bad(format!(
-                    "shard table checksum {:?} is not 16 hex digits",
-                    r.checksum
-                )));
-            }
-            if r.shards > u32::MAX as u64 {
-                return Err(bad(format!("{} shards exceeds the limit of {}", r.shards, u32::MAX)));
-            }
-            let want = shard_table_len(r.shards);
-            if r.bytes != want || r.bytes > SHARD_TABLE_BYTES_MAX {
-                return Err(bad(format!(
-                    "its shard table of {} shards must be {want} bytes (at most {SHARD_TABLE_BYTES_MAX}), not {}",
-                    r.shards, r.bytes
-                )));
-            }
-            // The records are checked when the table is attached.
-            return Ok(m);
-        }
-        let samples = m.shards.iter().try_fold(0u64, |a, s| a.checked_add(s.samples));
-        let total = m.shards.iter().try_fold(0u64, |a, s| a.checked_add(s.bytes));
-        let (Some(samples), Some(total)) = (samples, total) else {
-            return Err(bad("its shards' sample or byte counts overflow 64 bits".into()));
         };
-        if samples != m.samples || total != m.bytes {
-            return Err(bad(format!(
+        m.check_listed(shards).map_err(bad)?;
+        Ok(m)
+    }
+
+    /// The checks of a shard table's reference (its records are checked when attached).
+    fn check_table_ref(&self, r: &ShardTableRef) -> std::result::Result<(), String> {
+        validate_key(&r.key).map_err(|why| format!("shard table key {:?}: {why}", r.key))?;
+        if r.shards > u32::MAX as u64 {
+            return Err(format!("{} shards exceeds the limit of {}", r.shards, u32::MAX));
+        }
+        let want = shard_table_len(r.shards);
+        if r.bytes != want || r.bytes > SHARD_TABLE_BYTES_MAX {
+            return Err(format!(
+                "its shard table of {} shards must be {want} bytes (at most {SHARD_TABLE_BYTES_MAX}), not {}",
+                r.shards, r.bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// The checks of the shards listed in the JSON. Checked arithmetic: the counts are
+    /// untrusted input, and a sum that wraps would pass the check.
+    fn check_listed(&self, shards: &[ShardInfo]) -> std::result::Result<(), String> {
+        let samples = shards.iter().try_fold(0u64, |a, s| a.checked_add(s.samples));
+        let total = shards.iter().try_fold(0u64, |a, s| a.checked_add(s.bytes));
+        let (Some(samples), Some(total)) = (samples, total) else {
+            return Err("its shards' sample or byte counts overflow 64 bits".into());
+        };
+        if samples != self.samples || total != self.bytes {
+            return Err(format!(
                 "totals ({} samples, {} bytes) do not match its shards ({samples}, {total})",
-                m.samples, m.bytes
-            )));
+                self.samples, self.bytes
+            ));
         }
-        if m.shards.len() as u64 > u32::MAX as u64 {
-            return Err(bad(format!(
-                "{} shards exceeds the limit of {}",
-                m.shards.len(),
-                u32::MAX
-            )));
+        if shards.len() as u64 > u32::MAX as u64 {
+            return Err(format!("{} shards exceeds the limit of {}", shards.len(), u32::MAX));
         }
+        let foreign = self.foreign().is_some();
         let mut keys = std::collections::HashSet::new();
-        for s in &m.shards {
+        for s in shards {
             // A shard listed with 0 samples would be left out of every epoch without a word,
             // whatever it holds: the stream would run short. No writer lists an empty shard.
             if s.samples == 0 {
-                return Err(bad(format!(
+                return Err(format!(
                     "shard {:?} lists 0 samples; a shard holds at least one (no writer lists an empty one)",
                     s.key
-                )));
+                ));
             }
             if s.samples > crate::format::SHARD_SAMPLES_MAX {
-                return Err(bad(format!(
+                return Err(format!(
                     "shard {:?} claims {} samples, over the shard limit of {}",
                     s.key,
                     s.samples,
                     crate::format::SHARD_SAMPLES_MAX
-                )));
+                ));
             }
-            validate_key(&s.key).map_err(|r| bad(format!("shard key {:?}: {r}", s.key)))?;
+            validate_key(&s.key).map_err(|r| format!("shard key {:?}: {r}", s.key))?;
             if !keys.insert(s.key.as_str()) {
-                return Err(bad(format!("shard key {:?} listed twice", s.key)));
+                return Err(format!("shard key {:?} listed twice", s.key));
             }
-            if s.checksum_u64().is_none() {
-                return Err(bad(format!(
-                    "shard {:?} checksum {:?} is not 16 hex digits",
-                    s.key, s.checksum
-                )));
-            }
-            match (&s.foreign, &m.foreign) {
-                (Some(f), Some(_)) => {
-                    if f.checksum_u64().is_none() {
-                        return Err(bad(format!(
-                            "shard {:?} foreign checksum {:?} is not 16 hex digits",
-                            s.key, f.checksum
-                        )));
-                    }
+            match (&s.foreign, foreign) {
+                (Some(f), true) => {
                     if let Some(c) = &f.compression {
-                        super::foreign::compression_name(c).map_err(|r| bad(format!("shard {:?}: {r}", s.key)))?;
+                        crate::foreign::compression_name(c).map_err(|r| format!("shard {:?}: {r}", s.key))?;
                     }
                     if let Some(ix) = &f.index {
-                        validate_key(&ix.key).map_err(|r| bad(format!("sample index key {:?}: {r}", ix.key)))?;
+                        validate_key(&ix.key).map_err(|r| format!("sample index key {:?}: {r}", ix.key))?;
                         if !keys.insert(ix.key.as_str()) {
-                            return Err(bad(format!("key {:?} listed twice", ix.key)));
+                            return Err(format!("key {:?} listed twice", ix.key));
                         }
-                        if hex16(&ix.checksum).is_none()
-                            || Some(ix.bytes) != s.samples.checked_mul(super::foreign::SAMPLE_INDEX_ENTRY_LEN)
+                        if Some(ix.bytes) != s.samples.checked_mul(crate::foreign::SAMPLE_INDEX_ENTRY_LEN)
                             || f.compression.is_some()
                         {
-                            return Err(bad(format!(
-                                "shard {:?}: its sample index must be 24 bytes a sample with a 16-hex-digit checksum, of a plain object",
+                            return Err(format!(
+                                "shard {:?}: its sample index must be 24 bytes a sample, of a plain object",
                                 s.key
-                            )));
+                            ));
                         }
                     }
                 }
-                (None, None) => {}
-                (Some(_), None) => {
-                    return Err(bad(format!(
-                        "shard {:?} is foreign, but the manifest says no format",
-                        s.key
-                    )))
+                (None, false) => {}
+                (Some(_), false) => {
+                    return Err(format!("shard {:?} is foreign, but the manifest says no format", s.key))
                 }
-                (None, Some(_)) => {
-                    return Err(bad(format!(
+                (None, true) => {
+                    return Err(format!(
                         "shard {:?} is not foreign, in a manifest over foreign shards",
                         s.key
-                    )))
+                    ))
                 }
             }
             if let Some(c) = &s.columns {
-                validate_key(&c.key).map_err(|r| bad(format!("columns key {:?}: {r}", c.key)))?;
+                validate_key(&c.key).map_err(|r| format!("columns key {:?}: {r}", c.key))?;
                 if !keys.insert(c.key.as_str()) {
-                    return Err(bad(format!("key {:?} listed twice", c.key)));
-                }
-                if c.checksum_u64().is_none() {
-                    return Err(bad(format!(
-                        "columns {:?} checksum {:?} is not 16 hex digits",
-                        c.key, c.checksum
-                    )));
+                    return Err(format!("key {:?} listed twice", c.key));
                 }
             }
         }
-        if m.shards.iter().any(|s| s.columns.is_some()) && m.schema.without_bytes().is_none() {
-            return Err(bad(
-                "it lists columns sidecars, but its schema has nothing to put in them".into(),
-            ));
+        if shards.iter().any(|s| s.columns.is_some()) && self.schema.without_bytes().is_none() {
+            return Err("it lists columns sidecars, but its schema has nothing to put in them".into());
         }
-        Ok(m)
+        Ok(())
     }
 
     /// Index of the shard holding global sample `index`, and the sample's index inside it
     /// (`None` past the end): a binary search of the shards' prefix sums, `O(log shards)`.
     pub fn locate(&self, index: u64) -> Result<Option<(usize, u64)>> {
-        match (&self.table, &self.shard_table) {
-            (Some(t), _) => t.locate(index),
-            (None, Some(_)) => Err(self.no_table()),
-            (None, None) => {
-                let starts = self.listed_starts();
+        match self.either()? {
+            Err(t) => t.locate(index),
+            Ok(v) => {
+                let starts = self.listed_starts(v);
                 if index >= *starts.last().expect("at least the total") {
                     return Ok(None);
                 }
@@ -1107,12 +704,12 @@ impl Manifest {
     }
 
     /// Each listed shard's first global sample, then the total (`shards + 1` entries).
-    fn listed_starts(&self) -> &Arc<Vec<u64>> {
+    fn listed_starts(&self, shards: &[ShardInfo]) -> &Arc<Vec<u64>> {
         self.starts.get_or_init(|| {
-            let mut v = Vec::with_capacity(self.shards.len() + 1);
+            let mut v = Vec::with_capacity(shards.len() + 1);
             let mut acc = 0u64;
             v.push(0);
-            for s in &self.shards {
+            for s in shards {
                 acc += s.samples;
                 v.push(acc);
             }
@@ -1127,28 +724,22 @@ impl PartialEq for Manifest {
             &self.format,
             self.format_version,
             &self.version,
-            &self.source,
+            &self.packed_from,
             &self.schema,
             &self.meta,
             self.samples,
             self.bytes,
-            &self.shards,
-            &self.shard_table,
-            &self.foreign,
-            &self.table,
+            &self.list,
         ) == (
             &o.format,
             o.format_version,
             &o.version,
-            &o.source,
+            &o.packed_from,
             &o.schema,
             &o.meta,
             o.samples,
             o.bytes,
-            &o.shards,
-            &o.shard_table,
-            &o.foreign,
-            &o.table,
+            &o.list,
         )
     }
 }
@@ -1174,7 +765,9 @@ pub fn validate_key(key: &str) -> std::result::Result<(), Invalid> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{shard_key, ColumnType};
+    use crate::format::table::WholeTable;
+    use crate::format::{shard_key, ColumnType, SHARD_TABLE_HEADER_LEN, SHARD_TABLE_RECORD_LEN};
+    use bytes::Bytes;
 
     fn infos(n: usize) -> Vec<ShardInfo> {
         (0..n)
@@ -1184,7 +777,7 @@ mod tests {
                     key: shard_key(i * 2, c),
                     bytes: 100 + i as u64,
                     samples: 3 + i as u64 % 5,
-                    checksum: format!("{c:016x}"),
+                    checksum: Checksum(c),
                     columns: None,
                     foreign: None,
                 }

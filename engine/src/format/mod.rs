@@ -1,23 +1,27 @@
 //! Shard layout, manifest and checksums: writers and readers. `docs/format.md` describes
 //! every byte.
 
-pub mod foreign;
+mod checksum;
 mod manifest;
 mod schema;
 mod shard;
+mod table;
 
-pub(crate) use manifest::hex16;
+pub use checksum::Checksum;
 pub use manifest::{
-    shard_table_head_len, shard_table_len, validate_key, ColumnsInfo, Manifest, ShardInfo, ShardTable, ShardTableRef,
-    TableReader, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, MANIFEST_VERSION_FOREIGN,
-    MANIFEST_VERSION_TABLE, SHARD_TABLE_AUTO_MIN, SHARD_TABLE_BLOCK_RECORDS, SHARD_TABLE_DIR_ENTRY_LEN,
-    SHARD_TABLE_HEADER_LEN, SHARD_TABLE_MAGIC, SHARD_TABLE_RECORD_LEN,
+    validate_key, ColumnsInfo, Manifest, ShardInfo, ShardList, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME,
+    MANIFEST_VERSION, MANIFEST_VERSION_FOREIGN, MANIFEST_VERSION_TABLE,
 };
 pub use schema::{decode_record, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef, COLUMNS_MAX};
 pub use shard::{
     check_footer, sample_checksum, shard_checksum, verify_shard_bytes, BuiltShard, Header, IndexEntry, Problem, ReadAt,
     ShardBuilder, ShardExpect, ShardHasher, ShardReader, ShardView, FOOTER_LEN, FOOTER_MAGIC, FORMAT_VERSION,
     HEADER_LEN, INDEX_ENTRY_LEN, SHARD_MAGIC, SHARD_SAMPLES_MAX,
+};
+pub use table::{
+    shard_table_head_len, shard_table_len, ShardTable, ShardTableRef, TableReader, SHARD_TABLE_AUTO_MIN,
+    SHARD_TABLE_BLOCK_RECORDS, SHARD_TABLE_DIR_ENTRY_LEN, SHARD_TABLE_HEADER_LEN, SHARD_TABLE_MAGIC,
+    SHARD_TABLE_RECORD_LEN,
 };
 
 /// Key under which shard number `index` with checksum `checksum` is stored. The checksum in

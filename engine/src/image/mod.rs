@@ -668,7 +668,7 @@ fn write_chw(hwc: &[u8], w: usize, h: usize, flip: bool, spec: &ImageSpec, slot:
 /// [`planar`] for uint8 output: 16 pixels at a time with byte shuffles where the CPU has
 /// SSSE3 ([`deinterleave`]), the rest of each row as [`planar`] does it. The same bytes either
 /// way (`the_shuffled_planar_write_is_the_scalar_one`); the scalar loop cost 6% of a warm
-/// loader's CPU (docs/benchmarks.md, "The quick run's verdicts, and the run-on").
+/// loader's CPU (docs/benchmarks-history.md, "The quick run's verdicts, and the run-on").
 fn planar_u8(hwc: &[u8], w: usize, h: usize, flip: bool, out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
     if deinterleave::available() {

@@ -138,7 +138,7 @@ pub struct TurboJpeg {
     handle: Handle,
     /// The buffers of restart-marker cuts, from the first cut on. Boxed: decoders live in
     /// thread-locals, whose size counts against the Python extension's static TLS block
-    /// (`cache::io`'s `OWN_RING` says why).
+    /// (`io::uring`'s `OWN_RING` says why).
     cuts: Option<Box<Cuts>>,
 }
 
@@ -588,7 +588,7 @@ const UPSAMPLE_REACH: u32 = 2;
 /// this many pixels of each MCU row: a crop then skips all but at most this much of each row it
 /// does not need. On the synthetic set, 32 px made the files as large as its own JPEGs (optimal
 /// Huffman tables make up for the markers: 64 px saved 2.4%, 16 px cost 4.1%), and `process`
-/// took 3% less CPU per image than at 64 px, as little as at 16 px (`docs/benchmarks.md`,
+/// took 3% less CPU per image than at 64 px, as little as at 16 px (`docs/benchmarks-history.md`,
 /// "Restart markers every 32 px").
 pub const JPEG_RESTART_PX: u32 = 32;
 

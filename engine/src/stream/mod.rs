@@ -28,19 +28,18 @@
 //! One module per concept: `plan` (pure: an epoch's order dealt to this consumer), `prefetch`
 //! (the task that sends the consumer everything it gets: the plan, the first samples, whole
 //! shards in first-use order, bounded by bytes), `source` (the stream's steps of the source
-//! chain `crate::source`: host daemon, disk cache, origin; one flight per shard in the
+//! chain `crate::chain`: host daemon, disk cache, origin; one flight per shard in the
 //! process; single samples), `sample` (one sample read on its own: random access and global
 //! shuffle), `state` (what a consumer saves and resumes from); this file holds the consumer.
 
+mod fetch;
 mod plan;
 mod prefetch;
 mod sample;
-mod source;
 mod state;
 
-use plan::{plan_epoch, EpochPlan};
+use plan::EpochPlan;
 use prefetch::prefetcher;
-use source::{fetch_sample_ranged, fetch_shard, read_samples};
 pub use state::{audit, epoch_lengths, Audit, AuditReport, ResumePoint, StreamState};
 use state::{check_consumer_state, check_saved_for, checked_epoch_positions};
 
@@ -49,10 +48,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use futures::stream::{self, StreamExt};
 use tokio::sync::mpsc;
 
-use crate::cache::{io as cache_io, Cache, CacheConfig, ShardId};
+use crate::cache::{Cache, CacheConfig, ShardId};
 use crate::dataset::Dataset;
 use crate::error::{Error, Location, Result};
 use crate::format::{decode_record, IndexEntry, Schema, ShardReader, ValueRef, INDEX_ENTRY_LEN};
@@ -61,8 +59,7 @@ use crate::order::{
     effective_len, EpochProgress, OrderCursor, OrderSpec, SampleRef, Shuffle, StreamShape, Topology, Weight,
     ORDER_VERSION,
 };
-use crate::provider::{ShardProvider, ShardRequest};
-use crate::singleflight::Flights;
+use crate::provider::ShardProvider;
 
 /// One input dataset and its mixing weight.
 #[derive(Debug, Clone, serde::Deserialize)]
@@ -299,7 +296,7 @@ struct Shared {
     metrics: Arc<Metrics>,
     cfg: StreamConfig,
     shapes: Vec<StreamShape>,
-    /// Which source chain this stream fetches through (its host-daemon client and its cache
+    /// Which fetch chain this stream fetches through (its host-daemon client and its cache
     /// directory): whole-shard fetches coalesce in the process only between streams of the
     /// same chain (streams that stand for different hosts, as in the cluster benchmark, never
     /// share one).
@@ -308,8 +305,8 @@ struct Shared {
     /// `index_bytes_max` (`None` otherwise).
     indexes: Option<std::sync::Mutex<HeldIndexes>>,
     /// Shards whose samples read one at a time from the origin are tied to the manifest
-    /// (`source::vouch`).
-    vouched: std::sync::Mutex<source::Vouched>,
+    /// (`fetch::vouch`).
+    vouched: std::sync::Mutex<fetch::Vouched>,
 }
 
 type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
@@ -529,7 +526,7 @@ impl Stream {
             })
             .collect();
         let cache = match &cfg.cache {
-            Some(c) => Some(Cache::open(c.clone(), cache_io::detect()?, metrics.clone())?),
+            Some(c) => Some(Cache::open(c.clone(), crate::io::detect()?, metrics.clone())?),
             None => None,
         };
         let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
@@ -900,10 +897,10 @@ mod tests {
 
     #[test]
     fn aligned_buf_into_bytes_keeps_alignment() {
-        let b = cache_io::AlignedBuf::zeroed(10);
+        let b = crate::buf::AlignedBuf::zeroed(10);
         let bytes = b.into_bytes();
         assert_eq!(bytes.len(), 10);
-        assert_eq!(bytes.as_ptr() as usize % cache_io::IO_ALIGN, 0);
+        assert_eq!(bytes.as_ptr() as usize % crate::buf::IO_ALIGN, 0);
         let _ = crate::format::ReadAt::size(&bytes[..]);
     }
 

@@ -2,8 +2,12 @@
 //! point. Nothing per sample or per shard (a shard table's block of counts is read when the
 //! order first reaches it): positions and samples are computed as they are read.
 
-use super::*;
+use super::Shared;
+use crate::error::Result;
+use crate::order::effective_len;
+use crate::order::EpochProgress;
 use crate::order::{Deal, EpochOrder};
+use std::sync::Arc;
 
 /// One epoch as dealt to this consumer.
 pub(super) struct EpochPlan {

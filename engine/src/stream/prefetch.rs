@@ -9,8 +9,21 @@
 //! walking this consumer's positions one group of the order at a time (a unit, or a round of
 //! the shard-block shuffle), as the fetches are pulled.
 
-use super::*;
+use super::fetch::fetch_shard;
+use super::fetch::read_samples;
+use super::plan::plan_epoch;
+use super::plan::EpochPlan;
+use super::{slice_record, Gate, Live, Msg, Shared, RANGED_AHEAD_MAX, SAMPLE_BATCHES_IN_FLIGHT};
+use crate::error::Result;
+use crate::metrics::Metrics;
+use crate::order::EpochProgress;
 use crate::order::OrderCursor;
+use crate::order::SampleRef;
+use bytes::Bytes;
+use futures::stream::{self, StreamExt};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::sync::mpsc;
 
 pub(super) async fn prefetcher(
     shared: Arc<Shared>,
@@ -452,7 +465,7 @@ impl FirstSamples<'_> {
                 // The consumer's first batch is read: nothing more until it is decoded. Over
                 // the WAN-like link on two cores, the next reads (theirs and a same-host
                 // origin's work) made its decode take 28-47 ms instead of 7, in 5 cold starts
-                // of 11 (docs/benchmarks.md). A dropped sender opens the gate too.
+                // of 11 (docs/benchmarks-history.md). A dropped sender opens the gate too.
                 if let Some(g) = gate.as_mut() {
                     if !*g.borrow() {
                         Metrics::add(&shared.metrics.first_gate_waits, 1);

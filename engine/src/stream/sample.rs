@@ -2,7 +2,16 @@
 //! cache (a pinned `CachedShard`, two reads), or two ranged GETs while the whole shard loads in
 //! the background. (The global shuffle reads its samples in batches: `prefetch`.)
 
-use super::*;
+use super::fetch::fetch_sample_ranged;
+use super::fetch::fetch_shard;
+use super::{slice_record, CachedReader, Live, Sample, Source, Stream, OPEN_READERS_MAX};
+use crate::error::Error;
+use crate::error::Location;
+use crate::error::Result;
+use crate::metrics::Metrics;
+use crate::order::SampleRef;
+use bytes::Bytes;
+use std::sync::Arc;
 
 impl Stream {
     /// One sample, by its index in stream `stream`'s dataset (random access, as a map-style

@@ -1,6 +1,16 @@
 //! What a consumer saves and resumes from, checked against the sources and the order.
 
-use super::*;
+use super::StreamConfig;
+use crate::dataset::Dataset;
+use crate::error::Error;
+use crate::error::Result;
+use crate::order::effective_len;
+use crate::order::EpochProgress;
+use crate::order::OrderSpec;
+use crate::order::SampleRef;
+use crate::order::StreamShape;
+use crate::order::Topology;
+use std::sync::Arc;
 
 /// Samples in one epoch's order (after tail handling) and this consumer's share of them,
 /// from the manifests alone: nothing is prefetched and no thread outlives the call.

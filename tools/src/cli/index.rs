@@ -31,14 +31,14 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         "index: {} samples in {} {} shards ({} read) in {:.2} s ({}/s) -> {}",
         r.manifest.samples,
         r.manifest.shard_count(),
-        r.manifest.source,
+        r.manifest.packed_from,
         human_bytes(r.bytes_read),
         secs,
         human_bytes((r.bytes_read as f64 / secs.max(1e-9)) as u64),
         r.manifest_url
     );
     println!("index: schema {}", r.manifest.schema.describe());
-    if let Some(px) = r.manifest.foreign.as_ref().and_then(|f| f.jpeg_restart_px) {
+    if let Some(px) = r.manifest.foreign().and_then(|f| f.jpeg_restart_px) {
         println!("index: the shards it reads as hold their JPEGs with a restart marker every {px} px");
     }
     if r.foreign_hashes_checked > 0 {

@@ -26,7 +26,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         let v = serde_json::json!({
             "url": ds.manifest_url(),
             "version": m.version,
-            "source": m.source,
+            "source": m.packed_from,
             "schema": m.schema,
             "shards": m.shard_count(),
             "samples": m.samples,
@@ -42,7 +42,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             println!("index    learned on this host, kept in {l} (no `ramjet index` beside the data)");
         }
         println!("version  {}", m.version);
-        println!("source   {}", m.source);
+        println!("source   {}", m.packed_from);
         println!("schema   {}", m.schema.describe());
         println!("shards   {}", m.shard_count());
         println!("samples  {}", m.samples);

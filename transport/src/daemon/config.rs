@@ -1,6 +1,12 @@
 //! The daemon's settings, member lists and URL prefixes.
 
-use super::*;
+use crate::error::Error;
+use crate::ring::VNODES_DEFAULT;
+use crate::wire::ApiKey;
+use ramjet_engine::cache::CacheConfig;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
 
 /// Settings of a daemon.
 #[derive(Debug, Clone)]

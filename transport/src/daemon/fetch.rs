@@ -1,12 +1,22 @@
 //! The shard chain of the daemon: the cache, else one flight per shard through the engine's
-//! source chain (`ramjet_engine::source`: the cache again, the owner peer when this daemon is
+//! fetch chain (`ramjet_engine::chain`: the cache again, the owner peer when this daemon is
 //! not the owner and the request is local, the origin), verified, then cached; and the health
 //! of the peers asked.
 
-use super::*;
-use ramjet_engine::source::{Outcome, ShardAt, Step, Upstream, UpstreamFetch};
+use super::{Body, FlightOut, Inner, PeerState, Req};
+use crate::error::Error;
+use crate::peer::ShardGet;
+use crate::stats::PeerHealth;
+use bytes::Bytes;
+use ramjet_engine::cache::ShardId;
+use ramjet_engine::chain::{Outcome, ShardAt, Step, Upstream, UpstreamFetch};
+use ramjet_engine::FetchedFrom;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
 
-/// The shard's owner peer as a step of the daemon's source chain: its bytes are verified by
+/// The shard's owner peer as a step of the daemon's fetch chain: its bytes are verified by
 /// the chain; its health follows each answer.
 struct OwnerPeer<'a> {
     inner: &'a Arc<Inner>,
@@ -25,7 +35,7 @@ impl Upstream for OwnerPeer<'_> {
                 what: self.what.clone(),
             };
             let b = self.inner.transport.fetch(&self.owner, &get).await?;
-            Ok((b, ReadSource::CachePeer))
+            Ok((b, FetchedFrom::CachePeer))
         })
     }
 
@@ -52,13 +62,13 @@ impl Upstream for OwnerPeer<'_> {
 
 impl Inner {
     /// A shard for a local loader or a peer: the cache, else the flight for it.
-    pub(super) async fn serve(self: &Arc<Self>, req: &Req, from_peer: bool) -> Result<(Body, ReadSource, u64), Error> {
+    pub(super) async fn serve(self: &Arc<Self>, req: &Req, from_peer: bool) -> Result<(Body, FetchedFrom, u64), Error> {
         let (c, id) = (self.cache.clone(), req.id);
         let hit = tokio::task::spawn_blocking(move || c.shard(id))
             .await
             .map_err(|e| Error::Internal(format!("cache task: {e}")))??;
         if let Some(f) = hit {
-            return Ok((Body::File(f), ReadSource::CacheLocal, id.bytes));
+            return Ok((Body::File(f), FetchedFrom::CacheLocal, id.bytes));
         }
         let (bytes, src) = self.obtain(req, !from_peer).await?;
         let c = self.cache.clone();
@@ -119,7 +129,7 @@ impl Inner {
             Err(_) => {
                 self.stats.singleflight_timeouts.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(shard = %req.describe(), "gave up waiting on the fetch in flight; reading the origin");
-                self.origin(req).await.map(|b| (b, ReadSource::Origin))
+                self.origin(req).await.map(|b| (b, FetchedFrom::Origin))
             }
         }
     }
@@ -136,7 +146,7 @@ impl Inner {
             .map_err(Error::from)
     }
 
-    /// The flight, through the source chain (`ramjet_engine::source`, the same as a loader's
+    /// The flight, through the fetch chain (`ramjet_engine::chain`, the same as a loader's
     /// stream): the cache (a flight that finished between this request's cache lookup and its
     /// start has left the shard there), else the owner peer (for local requests), else the
     /// origin; verified; cached when this daemon owns the shard.
@@ -165,11 +175,11 @@ impl Inner {
             steps.push(Step::Upstream(p));
         }
         steps.push(Step::Origin);
-        let got = ramjet_engine::source::fetch(&steps, &at, &self.metrics).await?;
+        let got = ramjet_engine::chain::fetch(&steps, &at, &self.metrics).await?;
         let (bytes, src) = (got.bytes, got.from);
         // Each node caches the shards it owns, so the cluster's caches add up instead of
         // all holding the same hot set; the others are served from memory.
-        if src == ReadSource::CacheLocal || owner.as_deref().is_some_and(|o| o != self.me) {
+        if src == FetchedFrom::CacheLocal || owner.as_deref().is_some_and(|o| o != self.me) {
             return Ok((bytes, src));
         }
         let (c, id, b) = (self.cache.clone(), req.id, bytes.clone());

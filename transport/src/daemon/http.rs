@@ -1,6 +1,11 @@
 //! `/stats`, `/metrics`, `/health` and `/ready` over hyper (HTTP/1.1), read-only.
 
-use super::*;
+use super::budget::Class;
+use super::Inner;
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
 
 /// Serves `/stats`, `/metrics`, `/health` and `/ready` with hyper (HTTP/1.1). Read-only: the
 /// ring is frozen and unfrozen over the Unix socket, which only this user can reach. `/ready`
@@ -87,7 +92,7 @@ fn response(status: hyper::StatusCode, ctype: &str, body: String) -> hyper::Resp
 
 #[cfg(test)]
 mod tests {
-    use super::{read_members, url_under};
+    use crate::daemon::config::{read_members, url_under};
 
     /// Regression: `--allow s3://bucket/data` was a bare string prefix, and admitted
     /// `s3://bucket/database/..` and `s3://bucket/data-other/..`.

@@ -1,7 +1,21 @@
 //! Loaders on the Unix socket: requests answered with the cache file's descriptor (or the
 //! bytes), from this user only.
 
-use super::*;
+use super::budget::Class;
+use super::{Body, Inner};
+use crate::sys;
+use crate::wire;
+use crate::wire::Msg;
+use ramjet_engine::cache::ShardId;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use std::time::Instant;
+use tokio::io::Interest;
+use tokio::net::UnixListener;
+use tokio::net::UnixStream;
 
 pub(super) async fn serve_local(inner: Arc<Inner>, l: UnixListener) {
     let me = sys::my_uid();

@@ -37,31 +37,26 @@ use local::serve_local;
 use peers::serve_peers;
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ramjet_engine::cache::{io as cache_io, Cache, CacheConfig, ShardId};
+use ramjet_engine::cache::{Cache, ShardId};
 use ramjet_engine::metrics::Metrics;
 use ramjet_engine::singleflight::Flights;
-use ramjet_engine::{Dataset, ReadSource};
-use tokio::io::{AsyncWriteExt, Interest};
-use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use ramjet_engine::{Dataset, FetchedFrom};
+use tokio::net::{TcpListener, UnixListener};
 
 use crate::error::Error;
-use crate::peer::{LinkConfig, PeerTransport, ShardGet, TcpTransport};
-use crate::ring::{Membership, VNODES_DEFAULT};
+use crate::peer::{LinkConfig, PeerTransport, TcpTransport};
+use crate::ring::Membership;
 use crate::stats::ReadyDoc;
 use crate::stats::{PeerHealth, Stats, StatsDoc};
-use crate::sys;
-use crate::wire::{self, ApiKey, HandshakeError, Msg, SHARD_MAX, URL_MAX};
 
-type FlightOut = Result<(Bytes, ReadSource), Error>;
+type FlightOut = Result<(Bytes, FetchedFrom), Error>;
 
 struct PeerState {
     health: PeerHealth,
@@ -82,7 +77,7 @@ struct Inner {
     datasets: Mutex<HashMap<String, HeldDataset>>,
     /// Datasets being opened, by URL: one open at a time for all the requests naming one. An
     /// open runs as a task of its own, so one that outlasts a request's wait (a foreign
-    /// source being learned, `ramjet_engine::index::open_learned`) goes on, and later
+    /// source being learned, `ramjet_engine::foreign::open_learned`) goes on, and later
     /// requests join it instead of starting another.
     opening: Arc<Flights<String, Opened>>,
     /// Flights by shard and whether they ask a peer: a peer's request joins only flights that
@@ -185,7 +180,7 @@ impl Daemon {
         let metrics = Arc::new(Metrics::default());
         let cache = Cache::open(
             cfg.cache.clone(),
-            cache_io::detect().map_err(std::io::Error::other)?,
+            ramjet_engine::io::detect().map_err(std::io::Error::other)?,
             metrics.clone(),
         )
         .map_err(std::io::Error::other)?;

@@ -1,7 +1,23 @@
 //! Peer connections: the authenticated handshake, shard requests, and the bytes sent over TCP
 //! (sendfile) or written over RDMA.
 
-use super::*;
+use super::budget::Class;
+use super::budget::Permit;
+use super::{Body, Inner};
+use crate::error::Error;
+use crate::sys;
+use crate::wire;
+use crate::wire::HandshakeError;
+use crate::wire::Msg;
+use std::fs::File;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::TcpListener;
+use tokio::net::TcpStream;
 
 pub(super) async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
     loop {

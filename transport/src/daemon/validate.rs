@@ -1,7 +1,15 @@
 //! A request checked before anything is fetched: a well-formed URL under an allowed prefix,
 //! a manifest that opens (held, revalidated by age), a shard whose identity matches.
 
-use super::*;
+use super::{url_under, HeldDataset, Inner, Req};
+use crate::error::Error;
+use crate::wire::SHARD_MAX;
+use crate::wire::URL_MAX;
+use ramjet_engine::cache::ShardId;
+use ramjet_engine::Dataset;
+use std::sync::Arc;
+use std::time::Duration;
+use std::time::Instant;
 
 impl Inner {
     /// Validates a request: a well-formed URL under an allowed prefix, a manifest that opens,
@@ -23,7 +31,8 @@ impl Inner {
         if !["s3", "gs", "az", "azure", "abfs", "file", "http", "https"].contains(&scheme) {
             return bad("unsupported scheme");
         }
-        let names_dataset = manifest_url.ends_with(".json") || ramjet_engine::index::names_foreign_source(manifest_url);
+        let names_dataset =
+            manifest_url.ends_with(".json") || ramjet_engine::foreign::names_foreign_source(manifest_url);
         if path.split('/').any(|seg| seg == ".." || seg == ".") || !names_dataset {
             return bad("not a manifest path (path traversal, or neither .json nor a foreign source)");
         }
@@ -50,11 +59,7 @@ impl Inner {
             .shard(shard as usize)
             .map_err(|e| Error::Refused(format!("refused {manifest_url:?} shard {shard}: {e}")))?;
         let id = ShardId {
-            checksum: info.checksum_u64().ok_or_else(|| {
-                Error::Refused(format!(
-                    "refused {manifest_url:?} shard {shard}: manifest checksum unreadable"
-                ))
-            })?,
+            checksum: info.checksum_u64(),
             bytes: info.bytes,
         };
         if id.checksum != checksum || id.bytes != bytes || bytes > SHARD_MAX {

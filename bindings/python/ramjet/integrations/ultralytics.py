@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 import ramjet
-from ramjet import InvalidInputError, NotFoundError, _ramjet
+from ramjet import InvalidInputError, NotFoundError
 
 try:
     import cv2
@@ -89,7 +89,7 @@ def offline_environment(config_dir: Optional[str] = None) -> Dict[str, str]:
 
 
 def _inspect(url: str) -> Dict[str, Any]:
-    info = dict(_ramjet.inspect(url))
+    info = dict(ramjet.inspect(url))
     info["meta"] = json.loads(info.pop("meta_json", "{}"))
     return info
 
@@ -162,7 +162,7 @@ def _label_table(url: str) -> Dict[str, List[Any]]:
             f"{url}: a YOLO dataset needs the columns {list(_LABEL_COLUMNS)} (ramjet pack of a YOLO folder writes "
             f"them); it has {sorted(have)}"
         )
-    return dict(_ramjet.columns(url, list(_LABEL_COLUMNS)))
+    return dict(ramjet.columns(url, list(_LABEL_COLUMNS)))
 
 
 class RamjetYOLODataset(YOLODataset):
@@ -175,8 +175,7 @@ class RamjetYOLODataset(YOLODataset):
     """
 
     def __init__(self, *args: Any, resident_bytes: Optional[int] = None, **kwargs: Any) -> None:
-        self._reader: Any = None
-        self._reader_pid = -1
+        self._reader: Optional[ramjet.Reader] = None
         self._resident_bytes = resident_bytes
         self._index: List[int] = []
         self.skipped: List[Tuple[int, str]] = []
@@ -272,23 +271,16 @@ class RamjetYOLODataset(YOLODataset):
 
     # ----- reads ----------------------------------------------------------------------
 
-    def _engine(self) -> Any:
-        pid = os.getpid()
-        if self._reader is None or self._reader_pid != pid:
-            if self._reader is not None:
-                ramjet._inherited.append(self._reader)  # a forked copy is never dropped
-            cfg = ramjet.StreamingDataset(self.url, image_size=None, shuffle=False, rank=0, world_size=1)
-            config = json.loads(cfg._config())
-            if self._resident_bytes is not None:
-                config["resident_bytes_max"] = int(self._resident_bytes)
-            self._reader = _ramjet.Reader(json.dumps(config))
-            self._reader_pid = pid
+    def _engine(self) -> "ramjet.Reader":
+        if self._reader is None:
+            # A forked worker's copy opens its own native reader on first use (ramjet.Reader).
+            self._reader = ramjet.Reader(self.url, image_size=None, resident_bytes=self._resident_bytes)
         return self._reader
 
     def read_bytes(self, i: int) -> bytes:
         """The encoded image of dataset item ``i`` (its position in this split, as Ultralytics
         indexes it), read through ramjet."""
-        return self._engine().get_bytes(0, self._index[i], "image")
+        return self._engine().get_bytes(self._index[i], "image")
 
     def load_image(self, i: int, rect_mode: bool = True, resize_short: bool = False):
         """Ultralytics' ``load_image``, reading through ramjet instead of a file: the same
@@ -330,7 +322,6 @@ class RamjetYOLODataset(YOLODataset):
     def __getstate__(self) -> Dict[str, Any]:
         s = self.__dict__.copy()
         s["_reader"] = None
-        s["_reader_pid"] = -1
         return s
 
 
@@ -540,7 +531,7 @@ def streaming_train(
     args.setdefault("amp", False)
     # The freeze is a lease on its own connection: released at the end, after an error too,
     # and by the daemon when this process is killed.
-    lease = _ramjet.freeze(socket) if socket is not None else None
+    lease = ramjet.freeze(socket) if socket is not None else None
     try:
         yolo.train(trainer=RamjetDetectionTrainer, data=data, epochs=epochs, batch=batch, workers=workers, **args)
     finally:

@@ -1,12 +1,27 @@
-//! A stream's sources for one shard or sample. A whole shard goes through the source chain
-//! (`crate::source`, shared with the host daemon) with the stream's steps: the host daemon,
-//! else the disk cache, else the origin (holding the host-wide download lock), each read
-//! verified; one flight per shard in the process (`crate::singleflight`). Single samples are
+//! A stream's steps of the fetch chain, for one shard or sample. A whole shard goes through
+//! the fetch chain (`crate::chain`, shared with the host daemon) with the stream's steps: the
+//! host daemon, else the disk cache, else the origin (holding the host-wide download lock),
+//! each read verified; one flight per shard in the process (`crate::singleflight`). Single samples are
 //! read from a cached shard or with ranged GETs (merged per shard when read together).
 
-use super::*;
-use crate::provider::ReadSource;
-use crate::source::{blocking, Outcome, ShardAt, Step, Upstream, UpstreamFetch};
+use super::{CachedReader, Shared, Source, INSERT_PERMIT_BYTES};
+use crate::cache::ShardId;
+use crate::chain::{blocking, Outcome, ShardAt, Step, Upstream, UpstreamFetch};
+use crate::error::Error;
+use crate::error::Location;
+use crate::error::Result;
+use crate::format::IndexEntry;
+use crate::format::ShardReader;
+use crate::format::INDEX_ENTRY_LEN;
+use crate::metrics::Metrics;
+use crate::order::SampleRef;
+use crate::provider::FetchedFrom;
+use crate::provider::ShardProvider;
+use crate::provider::ShardRequest;
+use crate::singleflight::Flights;
+use bytes::Bytes;
+use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Samples read one by one, together: from the disk cache where their shard is there (one
 /// blocking task; each shard opened once), the rest with ranged GETs merged per shard
@@ -140,7 +155,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     };
     let Some(layout) = Ranged::of(&info, &src.ds) else {
         // A compressed foreign shard has no sample index to read ranges by: it comes whole
-        // (once, through the source chain, then from the cache), and its records are sliced out.
+        // (once, through the fetch chain, then from the cache), and its records are sliced out.
         let indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
         let got = records_of_whole_shard(shared, first.stream, first.shard, &indices).await;
         return slots.into_iter().zip(got).collect();
@@ -291,7 +306,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
 
 /// Where a shard's samples are read from one at a time: a ramjet shard's own index and
 /// records, or a plain foreign shard's sample index and its object
-/// (`crate::format::foreign`).
+/// (`crate::foreign`).
 pub(super) struct Ranged<'a> {
     /// The store and object holding the index entries.
     entry_store: &'a crate::Store,
@@ -322,7 +337,7 @@ impl<'a> Ranged<'a> {
     fn entry_at(&self, i: u64) -> u64 {
         match self.foreign_bytes {
             None => crate::format::Header::entry_offset(i),
-            Some(_) => i * crate::format::foreign::SAMPLE_INDEX_ENTRY_LEN,
+            Some(_) => i * crate::foreign::SAMPLE_INDEX_ENTRY_LEN,
         }
     }
 
@@ -347,8 +362,8 @@ impl<'a> Ranged<'a> {
             return e.check_record(i, &raw, at).map(|()| raw);
         }
         let m = src.ds.manifest();
-        let spec = m.foreign.as_ref().expect("a foreign shard's manifest has its spec");
-        let rec = crate::format::foreign::transcode_sample(spec, &m.schema, &raw, at)?;
+        let spec = m.foreign().expect("a foreign shard's manifest has its spec");
+        let rec = crate::foreign::transcode_sample(spec, &m.schema, &raw, at)?;
         if crate::format::sample_checksum(i, &rec) != e.checksum {
             return Err(Error::corrupt(
                 at.clone(),
@@ -509,9 +524,7 @@ pub(super) async fn vouch(
             Metrics::add(&m.origin_bytes, ix.bytes);
             let samples = src.ds.manifest().shard(key.1 as usize)?.samples;
             let sum = xxhash_rust::xxh3::xxh3_64(&b);
-            if b.len() as u64 != samples * crate::format::foreign::SAMPLE_INDEX_ENTRY_LEN
-                || Some(sum) != crate::format::hex16(&ix.checksum)
-            {
+            if b.len() as u64 != samples * crate::foreign::SAMPLE_INDEX_ENTRY_LEN || sum != ix.checksum.get() {
                 return Err(Error::corrupt(
                     Location::object(&url),
                     format!(
@@ -539,7 +552,7 @@ pub(super) async fn vouch(
 }
 
 /// Records `indices` of a shard with no index to read one sample by at the origin (a
-/// compressed foreign shard, `crate::format::foreign`): the shard whole, through the source
+/// compressed foreign shard, `crate::foreign`): the shard whole, through the source
 /// chain, its view parsed once, each record sliced out of its verified bytes.
 async fn records_of_whole_shard(shared: &Arc<Shared>, stream: u32, shard: u32, indices: &[u64]) -> Vec<Result<Bytes>> {
     let url = shared.sources[stream as usize].shard_url(shard as usize);
@@ -559,7 +572,7 @@ async fn records_of_whole_shard(shared: &Arc<Shared>, stream: u32, shard: u32, i
     }
 }
 
-/// The host daemon as the first step of a stream's source chain (`crate::source`). It is
+/// The host daemon as the first step of a stream's fetch chain (`crate::chain`). It is
 /// called on a blocking thread, at most half the blocking pool at once.
 struct HostDaemon<'a> {
     shared: &'a Arc<Shared>,
@@ -595,7 +608,7 @@ impl Upstream for HostDaemon<'_> {
                 })
             })
             .await?;
-            Ok((got.bytes, got.source))
+            Ok((got.bytes, got.from))
         })
     }
 
@@ -619,7 +632,7 @@ impl Upstream for HostDaemon<'_> {
     }
 }
 
-/// Whole-shard flights keyed by shard and source chain.
+/// Whole-shard flights keyed by shard and fetch chain.
 type ShardFlights = Flights<(ShardId, u64), Result<Bytes>>;
 
 /// Whole-shard fetches in flight in this process (`crate::singleflight`), remade in a forked
@@ -650,7 +663,7 @@ pub(super) async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize
     flight.await
 }
 
-/// A whole shard through the stream's source chain (`crate::source`): the host daemon, else
+/// A whole shard through the stream's fetch chain (`crate::chain`): the host daemon, else
 /// the disk cache, else (holding the host-wide download lock for it) the origin, then stored
 /// in the cache.
 pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
@@ -675,11 +688,11 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: 
         steps.extend([Step::Cache(c), Step::CacheLocked(c)]);
     }
     steps.push(Step::Origin);
-    let got = crate::source::fetch(&steps, &at, &shared.metrics).await?;
+    let got = crate::chain::fetch(&steps, &at, &shared.metrics).await?;
     let (Some(cache), Some(lock)) = (shared.cache.clone(), got.lock) else {
         return Ok(got.bytes);
     };
-    if got.from != ReadSource::Origin {
+    if got.from != FetchedFrom::Origin {
         return Ok(got.bytes);
     }
     let (id, bytes) = (at.id, got.bytes);

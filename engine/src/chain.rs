@@ -1,4 +1,4 @@
-//! The source chain of one whole shard, shared by a consumer's stream and the host daemon.
+//! The fetch chain of one whole shard, shared by a consumer's stream and the host daemon.
 //!
 //! A chain is a list of [`Step`]s tried in order until one delivers: the node-local cache,
 //! the cache again under the host-wide download lock, an [`Upstream`] (for a stream: the host
@@ -22,7 +22,7 @@ use crate::cache::{Cache, FetchGuard, ShardId};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::provider::ReadSource;
+use crate::provider::FetchedFrom;
 
 /// The shard a chain fetches, and how the origin is read.
 pub struct ShardAt<'a> {
@@ -47,7 +47,7 @@ pub type UpstreamError = Box<dyn std::error::Error + Send + Sync>;
 /// What became of an upstream's answer.
 pub enum Outcome {
     /// It delivered bytes that verified (from where it says).
-    Delivered(ReadSource),
+    Delivered(FetchedFrom),
     /// It could not deliver (the error says why).
     Failed(UpstreamError),
     /// It delivered bytes that failed verification.
@@ -55,7 +55,7 @@ pub enum Outcome {
 }
 
 /// What [`Upstream::fetch`] returns: the whole shard, unverified, and where it came from.
-pub type UpstreamFetch<'a> = BoxFuture<'a, std::result::Result<(Bytes, ReadSource), UpstreamError>>;
+pub type UpstreamFetch<'a> = BoxFuture<'a, std::result::Result<(Bytes, FetchedFrom), UpstreamError>>;
 
 /// A holder of whole shards asked before the origin.
 pub trait Upstream: Send + Sync {
@@ -83,7 +83,7 @@ pub struct Got {
     /// Its bytes, verified.
     pub bytes: Bytes,
     /// Where they came from.
-    pub from: ReadSource,
+    pub from: FetchedFrom,
     /// The download lock taken by [`Step::CacheLocked`], held until the caller has written its
     /// cache copy (others on the host wait for it rather than fetch again).
     pub lock: Option<FetchGuard>,
@@ -98,7 +98,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                 if let Some(bytes) = cache_get(cache, at.id).await? {
                     return Ok(Got {
                         bytes,
-                        from: ReadSource::CacheLocal,
+                        from: FetchedFrom::CacheLocal,
                         lock,
                     });
                 }
@@ -108,7 +108,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                 if let Some(bytes) = cache_get(cache, at.id).await? {
                     return Ok(Got {
                         bytes,
-                        from: ReadSource::CacheLocal,
+                        from: FetchedFrom::CacheLocal,
                         lock,
                     });
                 }
@@ -131,7 +131,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                     .await?;
                 return Ok(Got {
                     bytes,
-                    from: ReadSource::Origin,
+                    from: FetchedFrom::Origin,
                     lock,
                 });
             }
@@ -139,7 +139,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
     }
     Err(Error::invalid(
         at.ds.manifest_url(),
-        format!("shard {}: no step of the source chain delivered it", at.shard),
+        format!("shard {}: no step of the fetch chain delivered it", at.shard),
     ))
 }
 

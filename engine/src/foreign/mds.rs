@@ -1,0 +1,371 @@
+//! MosaicML Streaming's MDS format: `index.json` and `.mds` shards.
+
+use serde::Deserialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::{compression_name, ForeignColumn};
+use crate::error::{Error, Invalid, Location, Result};
+use crate::format::{ColumnType, Schema, Value};
+
+/// MDS encodings refused: unpickling is code execution.
+pub const REFUSED: &[&str] = &["pkl"];
+
+/// The ramjet column type an MDS encoding is read as, or why it is refused.
+///
+/// | MDS | ramjet |
+/// |---|---|
+/// | `bytes`, `jpeg`, `png`, `pil`, `ndarray...`, `jpeg_array`, `list[...]` | `bytes` (the MDS bytes as stored) |
+/// | `str`, `str_decimal` | `str` |
+/// | `int`, `int8`..`int64`, `uint8`..`uint64`, `str_int` | `int64` |
+/// | `float16`, `float32`, `float64`, `str_float` | `float64` |
+/// | `json` | `json` |
+pub fn column_type(encoding: &str) -> std::result::Result<ColumnType, Invalid> {
+    let name = encoding.split(':').next().unwrap_or(encoding);
+    Ok(match name {
+        "bytes" | "jpeg" | "png" | "pil" | "ndarray" | "jpeg_array" | "jpegarray" | "list[pil]"
+        | "list[jpeg]" | "list[png]" => ColumnType::Bytes,
+        "str" | "str_decimal" => ColumnType::Str,
+        "int" | "int8" | "int16" | "int32" | "int64" | "uint8" | "uint16" | "uint32" | "uint64" | "str_int" => {
+            ColumnType::Int64
+        }
+        "float16" | "float32" | "float64" | "str_float" => ColumnType::Float64,
+        "json" => ColumnType::Json,
+        "pkl" => {
+            return Err(Invalid::from("encoding \"pkl\" is refused: unpickling runs arbitrary code; re-encode the column (json, bytes, ndarray) or pack the dataset with `ramjet pack`"))
+        }
+        other => return Err(Invalid::from(format!("MDS encoding {other:?} is not known to ramjet"))),
+    })
+}
+
+/// The fixed size of a scalar encoding (others: as `index.json` says).
+fn scalar_size(encoding: &str) -> Option<u64> {
+    Some(match encoding {
+        "int" | "int64" | "uint64" | "float64" => 8,
+        "int32" | "uint32" | "float32" => 4,
+        "int16" | "uint16" | "float16" => 2,
+        "int8" | "uint8" => 1,
+        _ => return None,
+    })
+}
+
+/// One `.mds` shard, decompressed: `u32` sample count, `u32` offsets (count + 1, from the
+/// file start), the writer's JSON config, then the samples back to back.
+pub struct MdsShard<'a> {
+    data: &'a [u8],
+    offsets: Vec<u32>,
+    object: &'a str,
+}
+
+impl<'a> MdsShard<'a> {
+    /// Parses the header and checks every offset.
+    pub fn parse(data: &'a [u8], object: &'a str) -> Result<MdsShard<'a>> {
+        let bad = |r: String| Error::corrupt(Location::object(object), r);
+        if data.len() < 8 {
+            return Err(bad(format!("{} bytes is too short for an MDS shard", data.len())));
+        }
+        let n = u32::from_le_bytes(data[0..4].try_into().expect("4 bytes")) as u64;
+        let table_end = 4 + 4 * (n + 1);
+        if table_end > data.len() as u64 {
+            return Err(bad(format!(
+                "its header claims {n} samples, whose offsets run past its {} bytes",
+                data.len()
+            )));
+        }
+        let offsets: Vec<u32> = data[4..table_end as usize]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        if (offsets[0] as u64) < table_end {
+            return Err(bad(format!(
+                "its first sample starts at {}, inside its header",
+                offsets[0]
+            )));
+        }
+        for (i, w) in offsets.windows(2).enumerate() {
+            if w[1] < w[0] {
+                return Err(Error::corrupt(
+                    Location::sample(object, i as u64),
+                    format!("it ends at {} before it starts at {}", w[1], w[0]),
+                ));
+            }
+        }
+        let end = offsets[n as usize] as u64;
+        if end != data.len() as u64 {
+            return Err(bad(format!(
+                "its samples end at {end}, but the shard has {} bytes (truncated or padded)",
+                data.len()
+            )));
+        }
+        Ok(MdsShard { data, offsets, object })
+    }
+
+    /// Samples in the shard.
+    pub fn samples(&self) -> u64 {
+        self.offsets.len() as u64 - 1
+    }
+
+    /// Where sample `i` lies in the shard.
+    pub fn span(&self, i: u64) -> std::ops::Range<u64> {
+        self.offsets[i as usize] as u64..self.offsets[i as usize + 1] as u64
+    }
+
+    /// Sample `i`'s bytes (checked in bounds by [`MdsShard::parse`]).
+    pub fn sample(&self, i: u64) -> Result<&'a [u8]> {
+        if i >= self.samples() {
+            return Err(Error::corrupt(
+                Location::sample(self.object, i),
+                format!("past the shard's {} samples", self.samples()),
+            ));
+        }
+        let (a, b) = (self.offsets[i as usize], self.offsets[i as usize + 1]);
+        Ok(&self.data[a as usize..b as usize])
+    }
+}
+
+/// One MDS sample's columns as ramjet values: the sizes of the variable columns (`u32`
+/// each), then every column's bytes in order.
+pub fn sample_values(cols: &[ForeignColumn], raw: &[u8], at: &Location) -> Result<Vec<Value>> {
+    let bad = |r: String| Error::corrupt(at.clone(), r);
+    let var = cols.iter().filter(|c| c.size.is_none()).count();
+    if raw.len() < 4 * var {
+        return Err(bad(format!(
+            "{} bytes cannot hold the sizes of its {var} variable columns",
+            raw.len()
+        )));
+    }
+    let mut sizes = raw[..4 * var]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")) as u64);
+    let mut pos = 4 * var;
+    let mut out = Vec::with_capacity(cols.len());
+    for c in cols {
+        let len = match c.size {
+            Some(s) => s,
+            None => sizes.next().expect("one size a variable column"),
+        };
+        let end = (pos as u64)
+            .checked_add(len)
+            .filter(|&e| e <= raw.len() as u64)
+            .ok_or_else(|| {
+                bad(format!(
+                    "column {:?} ({} bytes) runs past the sample's {} bytes",
+                    c.name,
+                    len,
+                    raw.len()
+                ))
+            })? as usize;
+        let b = &raw[pos..end];
+        pos = end;
+        out.push(value(&c.encoding, b).map_err(|r| bad(format!("column {:?} ({}): {r}", c.name, c.encoding)))?);
+    }
+    if pos != raw.len() {
+        return Err(bad(format!("{} bytes left after its last column", raw.len() - pos)));
+    }
+    Ok(out)
+}
+
+fn text(b: &[u8]) -> std::result::Result<&str, Invalid> {
+    std::str::from_utf8(b).map_err(|e| Invalid::from(format!("not UTF-8: {e}")))
+}
+
+fn le<const N: usize>(b: &[u8]) -> std::result::Result<[u8; N], String> {
+    b.try_into().map_err(|_| format!("{} bytes, expected {N}", b.len()))
+}
+
+/// An IEEE half as a double.
+fn f16_to_f64(h: u16) -> f64 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exp = ((h >> 10) & 0x1f) as i32;
+    let frac = (h & 0x3ff) as f64;
+    match exp {
+        0 => sign * frac * 2f64.powi(-24),
+        31 if frac == 0.0 => sign * f64::INFINITY,
+        31 => f64::NAN,
+        e => sign * (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
+    }
+}
+
+/// One column's bytes as a ramjet value.
+fn value(encoding: &str, b: &[u8]) -> std::result::Result<Value, Invalid> {
+    let name = encoding.split(':').next().unwrap_or(encoding);
+    if let Some(want) = scalar_size(name) {
+        if b.len() as u64 != want {
+            return Err(Invalid::from(format!("{} bytes, expected {want}", b.len())));
+        }
+    }
+    Ok(match column_type(encoding)? {
+        ColumnType::Bytes => Value::Bytes(b.to_vec()),
+        ColumnType::Str => Value::Str(text(b)?.to_owned()),
+        ColumnType::Json => {
+            let s = text(b)?;
+            serde_json::from_str::<serde::de::IgnoredAny>(s).map_err(|e| format!("not JSON: {e}"))?;
+            Value::Json(s.to_owned())
+        }
+        ColumnType::Int64 => Value::Int64(match name {
+            "int" | "int64" => i64::from_le_bytes(le(b)?),
+            "int32" => i32::from_le_bytes(le(b)?) as i64,
+            "int16" => i16::from_le_bytes(le(b)?) as i64,
+            "int8" => i8::from_le_bytes(le(b)?) as i64,
+            "uint32" => u32::from_le_bytes(le(b)?) as i64,
+            "uint16" => u16::from_le_bytes(le(b)?) as i64,
+            "uint8" => b[0] as i64,
+            "uint64" => {
+                let v = u64::from_le_bytes(le(b)?);
+                i64::try_from(v).map_err(|_| format!("{v} does not fit a signed 64-bit integer"))?
+            }
+            _ => text(b)?
+                .trim()
+                .parse::<i64>()
+                .map_err(|e| format!("not an integer: {e}"))?,
+        }),
+        ColumnType::Float64 => Value::Float64(match name {
+            "float64" => f64::from_le_bytes(le(b)?),
+            "float32" => f32::from_le_bytes(le(b)?) as f64,
+            "float16" => f16_to_f64(u16::from_le_bytes(le(b)?)),
+            _ => text(b)?
+                .trim()
+                .parse::<f64>()
+                .map_err(|e| format!("not a number: {e}"))?,
+        }),
+    })
+}
+
+/// `index.json`, version 2.
+#[derive(Debug, Deserialize)]
+pub struct Index {
+    /// Always 2.
+    pub version: u32,
+    /// The shards, in sample order.
+    pub shards: Vec<IndexShard>,
+}
+
+/// One shard of `index.json`.
+#[derive(Debug, Deserialize)]
+pub struct IndexShard {
+    /// Always `mds` (other MosaicML formats, `json` and `xsv`, are not read).
+    pub format: String,
+    /// Always 2.
+    pub version: u32,
+    /// Column names, in record order.
+    pub column_names: Vec<String>,
+    /// Column encodings.
+    pub column_encodings: Vec<String>,
+    /// Column sizes (`null`: variable).
+    pub column_sizes: Vec<Option<u64>>,
+    /// Compression (`zstd`, `zstd:7`, `gz`, ...), `null` when none.
+    #[serde(default)]
+    pub compression: Option<String>,
+    /// The uncompressed shard.
+    pub raw_data: IndexFile,
+    /// The compressed shard, when compressed.
+    #[serde(default)]
+    pub zip_data: Option<IndexFile>,
+    /// Samples in the shard.
+    pub samples: u64,
+}
+
+/// A file of `index.json`.
+#[derive(Debug, Deserialize)]
+pub struct IndexFile {
+    /// Its name, relative to the dataset directory.
+    pub basename: String,
+    /// Its size.
+    pub bytes: u64,
+    /// Its hashes, by algorithm (`xxh64`, `xxh3_64`, `sha1`, ...).
+    #[serde(default)]
+    pub hashes: std::collections::BTreeMap<String, String>,
+}
+
+impl Index {
+    /// Parses and checks `index.json` (read from `object`).
+    pub fn parse(bytes: &[u8], object: &str) -> Result<Index> {
+        let bad = |r: String| Error::Manifest {
+            object: object.to_owned(),
+            reason: r,
+        };
+        let ix: Index = serde_json::from_slice(bytes).map_err(|e| bad(format!("not an MDS index: {e}")))?;
+        if ix.version != 2 {
+            return Err(bad(format!("MDS index version {} (ramjet reads 2)", ix.version)));
+        }
+        if ix.shards.is_empty() {
+            return Err(bad("it lists no shards".into()));
+        }
+        for (i, s) in ix.shards.iter().enumerate() {
+            if s.format != "mds" || s.version != 2 {
+                return Err(bad(format!(
+                    "shard {i} is {:?} version {} (ramjet reads mds version 2)",
+                    s.format, s.version
+                )));
+            }
+            if s.column_names.len() != s.column_encodings.len() || s.column_names.len() != s.column_sizes.len() {
+                return Err(bad(format!(
+                    "shard {i}: column names, encodings and sizes differ in number"
+                )));
+            }
+            if (s.column_names.as_slice(), s.column_encodings.as_slice())
+                != (
+                    ix.shards[0].column_names.as_slice(),
+                    ix.shards[0].column_encodings.as_slice(),
+                )
+            {
+                return Err(bad(format!("shard {i} has other columns than shard 0")));
+            }
+            if let Some(c) = &s.compression {
+                compression_name(c).map_err(|r| bad(format!("shard {i} ({}): {r}", s.raw_data.basename)))?;
+                if s.zip_data.is_none() {
+                    return Err(bad(format!("shard {i} is compressed but names no compressed file")));
+                }
+            }
+        }
+        Ok(ix)
+    }
+
+    /// The columns, and the ramjet schema they are read as. A refused encoding (`pkl`) is
+    /// an error naming its column.
+    pub fn columns(&self, object: &str) -> Result<(Vec<ForeignColumn>, Schema)> {
+        let s = &self.shards[0];
+        let mut cols = Vec::new();
+        let mut schema = Vec::new();
+        for ((name, enc), size) in s.column_names.iter().zip(&s.column_encodings).zip(&s.column_sizes) {
+            let ty = column_type(enc).map_err(|r| Error::invalid(object, format!("column {name:?}: {r}")))?;
+            let name_ = enc.split(':').next().unwrap_or(enc);
+            if let (Some(want), Some(got)) = (scalar_size(name_), size) {
+                if want != *got {
+                    return Err(Error::invalid(
+                        object,
+                        format!("column {name:?} ({enc}) has size {got}, expected {want}"),
+                    ));
+                }
+            }
+            cols.push(ForeignColumn {
+                name: name.clone(),
+                encoding: enc.clone(),
+                size: *size,
+            });
+            schema.push((name.clone(), ty));
+        }
+        Ok((cols, Schema::new(schema)?))
+    }
+}
+
+/// Checks the hashes `index.json` gives for a file against its bytes: the xxHash ones
+/// (`xxh64`, `xxh3_64`); others (`sha1`, `md5`, ...) are not computed. Returns how many
+/// were checked.
+pub fn check_hashes(file: &IndexFile, bytes: &[u8], object: &str) -> Result<usize> {
+    let mut n = 0;
+    for (algo, want) in &file.hashes {
+        let got = match algo.as_str() {
+            "xxh64" => format!("{:016x}", xxhash_rust::xxh64::xxh64(bytes, 0)),
+            "xxh3_64" => format!("{:016x}", xxh3_64(bytes)),
+            _ => continue,
+        };
+        if !got.eq_ignore_ascii_case(want) {
+            return Err(Error::corrupt(
+                Location::object(object),
+                format!("its {algo} is {got}, the MDS index says {want}"),
+            ));
+        }
+        n += 1;
+    }
+    Ok(n)
+}

@@ -1,0 +1,541 @@
+//! The binary shard table: a large dataset's shard list beside its manifest, 48 bytes a shard
+//! in blocks of 1,024, read a block at a time when first used (`docs/format.md`).
+
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::checksum::Checksum;
+use super::manifest::{ColumnsInfo, ShardInfo};
+use crate::error::{Error, Invalid, Result};
+
+/// Where a manifest's binary shard table is, and what it must be.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardTableRef {
+    /// Object key relative to the dataset prefix.
+    pub key: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// xxh3-64 of the table's head (header and directory).
+    pub checksum: Checksum,
+    /// Number of shards it lists.
+    pub shards: u64,
+}
+
+/// Magic of a binary shard table.
+pub const SHARD_TABLE_MAGIC: &[u8; 8] = b"RJSTAB02";
+/// Bytes of the shard table's header.
+pub const SHARD_TABLE_HEADER_LEN: usize = 48;
+/// Bytes of one shard's record in the table.
+pub const SHARD_TABLE_RECORD_LEN: usize = 48;
+/// Bytes of one block's entry in the table's directory.
+pub const SHARD_TABLE_DIR_ENTRY_LEN: usize = 32;
+/// Records per block of the table: a block is read and checked as a whole, on first use.
+pub const SHARD_TABLE_BLOCK_RECORDS: usize = 1024;
+/// Largest shard table a manifest may name (about 44 million shards).
+pub const SHARD_TABLE_BYTES_MAX: u64 = 2 << 30;
+/// Pack lists more shards than this in a binary table rather than in the JSON.
+pub const SHARD_TABLE_AUTO_MIN: usize = 4096;
+
+/// Blocks of a table of `count` shards.
+fn table_blocks(count: u64) -> u64 {
+    count.div_ceil(SHARD_TABLE_BLOCK_RECORDS as u64)
+}
+
+/// Bytes of the head (header and directory) of a table of `count` shards.
+pub fn shard_table_head_len(count: u64) -> u64 {
+    SHARD_TABLE_HEADER_LEN as u64 + table_blocks(count) * SHARD_TABLE_DIR_ENTRY_LEN as u64
+}
+
+/// Bytes of a whole table of `count` shards.
+pub fn shard_table_len(count: u64) -> u64 {
+    shard_table_head_len(count) + count * SHARD_TABLE_RECORD_LEN as u64
+}
+
+/// Reads byte ranges of a stored shard table. Called on first use of each block, from wherever
+/// the order or a reader needs it, so it blocks (a dataset's reader runs the store's request to
+/// completion on its own).
+pub trait TableReader: Send + Sync + std::fmt::Debug {
+    /// The bytes of `range` (exactly its length, or an error).
+    fn read(&self, range: Range<u64>) -> Result<Bytes>;
+}
+
+/// A table held whole in memory (built by pack, or read whole).
+#[derive(Debug)]
+pub(super) struct WholeTable(pub(super) Bytes);
+
+impl TableReader for WholeTable {
+    fn read(&self, r: Range<u64>) -> Result<Bytes> {
+        Ok(self.0.slice(r.start as usize..(r.end as usize).min(self.0.len())))
+    }
+}
+
+/// One block of records, checked, with its shards' sample counts summed.
+#[derive(Debug)]
+struct TableBlock {
+    records: Bytes,
+    /// `ends[j]`: samples in the block's records `0..=j`.
+    ends: Vec<u64>,
+}
+
+impl TableBlock {
+    fn field(&self, j: usize, f: usize) -> u64 {
+        let o = j * SHARD_TABLE_RECORD_LEN + f * 8;
+        u64::from_le_bytes(self.records[o..o + 8].try_into().expect("8 bytes"))
+    }
+}
+
+/// A binary shard table (`docs/format.md`): the shards of a large dataset, 48 bytes each, in
+/// blocks of [`SHARD_TABLE_BLOCK_RECORDS`] behind a directory. Opening it reads and checks the
+/// header and directory only; a block is read and checked the first time one of its shards is
+/// asked for, so opening a table costs the same for a thousand shards or a million. Keys are not
+/// stored: shard `i` is `shards/<k:06>-<checksum:016x>.rjs` for its stored key index `k`, and its
+/// sidecar `columns/<k:06>-<sidecar checksum>.rjs`.
+#[derive(Clone)]
+pub struct ShardTable {
+    /// Header and directory, checked against the manifest.
+    head: Bytes,
+    count: usize,
+    pub(super) samples: u64,
+    pub(super) bytes: u64,
+    pub(super) columns: bool,
+    /// The whole table, when it is held in memory.
+    whole: Option<Bytes>,
+    reader: Arc<dyn TableReader>,
+    /// The table's object, for errors.
+    object: String,
+    blocks: Box<[OnceLock<Arc<TableBlock>>]>,
+    /// Held while a block is read.
+    loading: Arc<std::sync::Mutex<()>>,
+}
+
+impl std::fmt::Debug for ShardTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardTable")
+            .field("object", &self.object)
+            .field("shards", &self.count)
+            .field("samples", &self.samples)
+            .field("bytes", &self.bytes)
+            .field("columns", &self.columns)
+            .field(
+                "loaded_blocks",
+                &self.blocks.iter().filter(|b| b.get().is_some()).count(),
+            )
+            .finish()
+    }
+}
+
+impl PartialEq for ShardTable {
+    /// The head's checksum covers the blocks' checksums, so equal heads mean equal tables.
+    fn eq(&self, o: &ShardTable) -> bool {
+        self.head == o.head
+    }
+}
+
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
+}
+
+impl ShardTable {
+    /// The table of `shards`, whose keys must be pack's (`shards/<k>-<checksum>.rjs`, key
+    /// indices rising), and which all have a sidecar or none does. Held in memory.
+    pub fn build(shards: &[ShardInfo]) -> std::result::Result<ShardTable, Invalid> {
+        let columns = shards.first().is_some_and(|s| s.columns.is_some());
+        let mut records = Vec::with_capacity(shards.len() * SHARD_TABLE_RECORD_LEN);
+        let mut prev: Option<u64> = None;
+        let (mut samples, mut bytes) = (0u64, 0u64);
+        for s in shards {
+            let checksum = s.checksum.get();
+            let k = key_index(&s.key, "shards/", checksum)
+                .ok_or_else(|| format!("shard key {:?} is not shards/<index>-<checksum>.rjs", s.key))?;
+            if prev.is_some_and(|p| k <= p) {
+                return Err(Invalid::from(format!("shard key {:?}: key indices must rise", s.key)));
+            }
+            prev = Some(k);
+            let (cb, cc) = match (&s.columns, columns) {
+                (Some(c), true) => {
+                    let cc = c.checksum.get();
+                    if key_index(&c.key, "columns/", cc) != Some(k) {
+                        return Err(Invalid::from(format!(
+                            "columns key {:?} is not columns/<index>-<checksum>.rjs",
+                            c.key
+                        )));
+                    }
+                    (c.bytes, cc)
+                }
+                (None, false) => (0, 0),
+                _ => return Err(Invalid::from("some shards have a columns sidecar and some do not")),
+            };
+            samples = samples.checked_add(s.samples).ok_or("sample counts overflow 64 bits")?;
+            bytes = bytes.checked_add(s.bytes).ok_or("byte counts overflow 64 bits")?;
+            for v in [s.samples, s.bytes, checksum, k, cb, cc] {
+                records.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let count = shards.len() as u64;
+        let mut b = Vec::with_capacity(shard_table_len(count) as usize);
+        b.extend_from_slice(SHARD_TABLE_MAGIC);
+        for v in [count, samples, bytes] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [
+            SHARD_TABLE_RECORD_LEN as u32,
+            columns as u32,
+            SHARD_TABLE_BLOCK_RECORDS as u32,
+            0,
+        ] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        let mut first = 0u64;
+        for (blk, chunk) in records
+            .chunks(SHARD_TABLE_BLOCK_RECORDS * SHARD_TABLE_RECORD_LEN)
+            .enumerate()
+        {
+            let s = &shards[blk * SHARD_TABLE_BLOCK_RECORDS..];
+            let n = chunk.len() / SHARD_TABLE_RECORD_LEN;
+            let key = u64_at(chunk, 24);
+            let block_bytes: u64 = s[..n].iter().map(|x| x.bytes).sum();
+            for v in [first, key, block_bytes, xxh3_64(chunk)] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            first += s[..n].iter().map(|x| x.samples).sum::<u64>();
+        }
+        b.extend_from_slice(&records);
+        let whole = Bytes::from(b);
+        ShardTable::open(
+            whole.slice(..shard_table_head_len(count) as usize),
+            Arc::new(WholeTable(whole.clone())),
+            "shard table",
+        )
+        .map(|mut t| {
+            t.whole = Some(whole);
+            t
+        })
+    }
+
+    /// Reads a whole table held in memory, checking its header, directory and length (the
+    /// blocks are checked on first use).
+    pub fn parse(bytes: Bytes) -> std::result::Result<ShardTable, Invalid> {
+        if bytes.len() < SHARD_TABLE_HEADER_LEN {
+            return Err(Invalid::from("shorter than its header"));
+        }
+        let count = u64_at(&bytes, 8);
+        if shard_table_len(count) != bytes.len() as u64 {
+            return Err(Invalid::from(format!(
+                "{} bytes, but its header says {count} shards ({} bytes)",
+                bytes.len(),
+                shard_table_len(count)
+            )));
+        }
+        let head = bytes.slice(..shard_table_head_len(count) as usize);
+        let mut t = ShardTable::open(head, Arc::new(WholeTable(bytes.clone())), "shard table")?;
+        t.whole = Some(bytes);
+        Ok(t)
+    }
+
+    /// A table from its `head` (header and directory), whose blocks `reader` reads on demand.
+    /// Checks the header and the directory: block sample starts rising from 0 within the total,
+    /// first key indices rising, block byte sums adding up to the total.
+    pub fn open(head: Bytes, reader: Arc<dyn TableReader>, object: &str) -> std::result::Result<ShardTable, Invalid> {
+        if head.starts_with(b"RJSTAB01") {
+            return Err(Invalid::from(
+                "a shard table of the first layout (RJSTAB01, before blocks): pack the dataset again",
+            ));
+        }
+        if head.len() < SHARD_TABLE_HEADER_LEN || &head[..8] != SHARD_TABLE_MAGIC {
+            return Err(Invalid::from(
+                "not a shard table (bad magic or shorter than its header)",
+            ));
+        }
+        let (count, samples, bytes) = (u64_at(&head, 8), u64_at(&head, 16), u64_at(&head, 24));
+        let (record, flags, per_block, reserved) = (
+            u32_at(&head, 32) as usize,
+            u32_at(&head, 36),
+            u32_at(&head, 40) as usize,
+            u32_at(&head, 44),
+        );
+        if record != SHARD_TABLE_RECORD_LEN || flags > 1 || per_block != SHARD_TABLE_BLOCK_RECORDS || reserved != 0 {
+            return Err(Invalid::from(format!(
+                "unsupported header (record length {record}, flags {flags}, block records {per_block})"
+            )));
+        }
+        if count > u32::MAX as u64 || shard_table_len(count) > SHARD_TABLE_BYTES_MAX {
+            return Err(Invalid::from(format!("{count} shards is over the table limit")));
+        }
+        if head.len() as u64 != shard_table_head_len(count) {
+            return Err(Invalid::from(format!(
+                "its head is {} bytes, but {count} shards need {}",
+                head.len(),
+                shard_table_head_len(count)
+            )));
+        }
+        let blocks = table_blocks(count) as usize;
+        let dir = |b: usize, f: usize| u64_at(&head, SHARD_TABLE_HEADER_LEN + b * SHARD_TABLE_DIR_ENTRY_LEN + f * 8);
+        let mut byte_sum = 0u64;
+        for b in 0..blocks {
+            let first = dir(b, 0);
+            let end = if b + 1 < blocks { dir(b + 1, 0) } else { samples };
+            let n = (SHARD_TABLE_BLOCK_RECORDS as u64).min(count - (b * SHARD_TABLE_BLOCK_RECORDS) as u64);
+            if (b == 0 && first != 0) || end < first || end - first > n * crate::format::SHARD_SAMPLES_MAX {
+                return Err(Invalid::from(format!(
+                    "directory entry {b}: sample start {first} out of order"
+                )));
+            }
+            if b > 0 && dir(b, 1) <= dir(b - 1, 1) {
+                return Err(Invalid::from(format!(
+                    "directory entry {b}: key index {} does not rise",
+                    dir(b, 1)
+                )));
+            }
+            byte_sum = byte_sum.checked_add(dir(b, 2)).ok_or("byte counts overflow 64 bits")?;
+        }
+        if byte_sum != bytes || (count == 0 && samples != 0) {
+            return Err(Invalid::from(format!(
+                "its blocks hold {byte_sum} bytes, its header says {bytes} (or samples without shards)"
+            )));
+        }
+        Ok(ShardTable {
+            head,
+            count: count as usize,
+            samples,
+            bytes,
+            columns: flags == 1,
+            whole: None,
+            reader,
+            object: object.to_owned(),
+            blocks: (0..blocks).map(|_| OnceLock::new()).collect(),
+            loading: Default::default(),
+        })
+    }
+
+    /// The table's bytes, when held in memory (built or parsed whole).
+    pub fn as_bytes(&self) -> Option<&Bytes> {
+        self.whole.as_ref()
+    }
+
+    /// xxh3-64 of the table's head (header and directory): what the manifest records. The
+    /// directory holds each block's checksum, so it covers every record.
+    pub fn checksum(&self) -> u64 {
+        xxh3_64(&self.head)
+    }
+
+    /// Number of shards.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether it lists no shard.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Total samples (from the header, checked against the manifest and every block).
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// Blocks read so far.
+    pub fn loaded_blocks(&self) -> usize {
+        self.blocks.iter().filter(|b| b.get().is_some()).count()
+    }
+
+    fn dir(&self, b: usize, f: usize) -> u64 {
+        u64_at(
+            &self.head,
+            SHARD_TABLE_HEADER_LEN + b * SHARD_TABLE_DIR_ENTRY_LEN + f * 8,
+        )
+    }
+
+    fn bad(&self, reason: String) -> Error {
+        Error::Manifest {
+            object: self.object.clone(),
+            reason,
+        }
+    }
+
+    /// Block `b`, read and checked on first use: its checksum, each shard's sample count
+    /// against the shard limit and their sum against the directory, key indices rising from the
+    /// directory's first one and below the next block's, and the byte sum. A failed read is not
+    /// kept: the next use reads again.
+    fn block(&self, b: usize) -> Result<&TableBlock> {
+        if let Some(t) = self.blocks[b].get() {
+            return Ok(t);
+        }
+        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
+        let n = SHARD_TABLE_BLOCK_RECORDS.min(self.count - lo);
+        let at = self.head.len() as u64 + (lo * SHARD_TABLE_RECORD_LEN) as u64;
+        // One read per block: a second user waits for the first's (loads are rare, so one lock
+        // per table serves; nothing else takes it).
+        let _loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = self.blocks[b].get() {
+            return Ok(t);
+        }
+        let records = self.reader.read(at..at + (n * SHARD_TABLE_RECORD_LEN) as u64)?;
+        let what = format!("block {b} (shards {lo}..{})", lo + n);
+        if records.len() != n * SHARD_TABLE_RECORD_LEN {
+            return Err(self.bad(format!(
+                "{what}: {} bytes, expected {}",
+                records.len(),
+                n * SHARD_TABLE_RECORD_LEN
+            )));
+        }
+        let sum = xxh3_64(&records);
+        if sum != self.dir(b, 3) {
+            return Err(self.bad(format!(
+                "{what}: checksum {sum:016x}, the directory says {:016x}: the table was edited or damaged",
+                self.dir(b, 3)
+            )));
+        }
+        let mut t = TableBlock {
+            records,
+            ends: Vec::with_capacity(n),
+        };
+        let (mut acc, mut bytes, mut prev) = (0u64, 0u64, None::<u64>);
+        for j in 0..n {
+            let (samples, k) = (t.field(j, 0), t.field(j, 3));
+            if samples == 0 {
+                return Err(self.bad(format!(
+                    "shard {} lists 0 samples; a shard holds at least one (no writer lists an empty one)",
+                    lo + j
+                )));
+            }
+            if samples > crate::format::SHARD_SAMPLES_MAX {
+                return Err(self.bad(format!(
+                    "shard {} claims {samples} samples, over the shard limit of {}",
+                    lo + j,
+                    crate::format::SHARD_SAMPLES_MAX
+                )));
+            }
+            let rises = match prev {
+                None => k == self.dir(b, 1),
+                Some(p) => k > p,
+            };
+            if !rises {
+                return Err(self.bad(format!("shard {}: key index {k} does not rise", lo + j)));
+            }
+            prev = Some(k);
+            acc += samples;
+            bytes = bytes.saturating_add(t.field(j, 1));
+            t.ends.push(acc);
+        }
+        let last = b + 1 == self.blocks.len();
+        let span = if last { self.samples } else { self.dir(b + 1, 0) } - self.dir(b, 0);
+        if acc != span || bytes != self.dir(b, 2) || (!last && prev.is_some_and(|p| p >= self.dir(b + 1, 1))) {
+            return Err(self.bad(format!(
+                "{what}: its shards hold {acc} samples in {bytes} bytes; the directory says {span} in {}",
+                self.dir(b, 2)
+            )));
+        }
+        let _ = self.blocks[b].set(Arc::new(t));
+        Ok(self.blocks[b].get().expect("set above"))
+    }
+
+    fn record(&self, i: usize) -> Result<(&TableBlock, usize)> {
+        if i >= self.count {
+            return Err(self.bad(format!("no shard {i}: the table lists {}", self.count)));
+        }
+        Ok((
+            self.block(i / SHARD_TABLE_BLOCK_RECORDS)?,
+            i % SHARD_TABLE_BLOCK_RECORDS,
+        ))
+    }
+
+    /// Samples of shard `i`.
+    pub fn shard_samples(&self, i: usize) -> Result<u64> {
+        let (t, j) = self.record(i)?;
+        Ok(t.field(j, 0))
+    }
+
+    /// Bytes and checksum of shard `i`.
+    pub fn shard_bytes_checksum(&self, i: usize) -> Result<(u64, u64)> {
+        let (t, j) = self.record(i)?;
+        Ok((t.field(j, 1), t.field(j, 2)))
+    }
+
+    /// Global index of shard `i`'s first sample.
+    pub fn shard_start(&self, i: usize) -> Result<u64> {
+        let (t, j) = self.record(i)?;
+        let before = if j == 0 { 0 } else { t.ends[j - 1] };
+        Ok(self.dir(i / SHARD_TABLE_BLOCK_RECORDS, 0) + before)
+    }
+
+    /// Shard `i` as the JSON would list it.
+    pub fn info(&self, i: usize) -> Result<ShardInfo> {
+        let (t, j) = self.record(i)?;
+        let (samples, bytes, checksum, k) = (t.field(j, 0), t.field(j, 1), t.field(j, 2), t.field(j, 3));
+        Ok(ShardInfo {
+            key: super::shard_key(k as usize, checksum),
+            bytes,
+            samples,
+            checksum: Checksum(checksum),
+            columns: self.columns.then(|| {
+                let cc = t.field(j, 5);
+                ColumnsInfo {
+                    key: super::columns_key(k as usize, cc),
+                    bytes: t.field(j, 4),
+                    checksum: Checksum(cc),
+                }
+            }),
+            foreign: None,
+        })
+    }
+
+    /// The shard holding global sample `g`, and the sample's index in it (`None` past the
+    /// end): a binary search of the directory, then of one block.
+    pub fn locate(&self, g: u64) -> Result<Option<(usize, u64)>> {
+        if g >= self.samples {
+            return Ok(None);
+        }
+        let (mut lo, mut hi) = (0usize, self.blocks.len());
+        // The last block whose first sample is at or before g (empty blocks come before it).
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if self.dir(mid, 0) <= g {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let t = self.block(lo)?;
+        let local = g - self.dir(lo, 0);
+        let j = t.ends.partition_point(|&e| e <= local);
+        let before = if j == 0 { 0 } else { t.ends[j - 1] };
+        Ok(Some((lo * SHARD_TABLE_BLOCK_RECORDS + j, local - before)))
+    }
+}
+
+impl crate::order::ShardCounts for ShardTable {
+    fn shards(&self) -> u64 {
+        self.count as u64
+    }
+    fn total(&self) -> u64 {
+        self.samples
+    }
+    fn samples(&self, shard: u64) -> Result<u64> {
+        self.shard_samples(shard as usize)
+    }
+    fn locate(&self, o: u64) -> Result<(u64, u64)> {
+        let (s, i) = ShardTable::locate(self, o)?
+            .ok_or_else(|| self.bad(format!("no sample {o}: it holds {}", self.samples)))?;
+        Ok((s as u64, i))
+    }
+}
+
+/// `k` for a key `<prefix><k:06>-<checksum:016x>.rjs` (exactly as pack names it).
+fn key_index(key: &str, prefix: &str, checksum: u64) -> Option<u64> {
+    let rest = key.strip_prefix(prefix)?;
+    let k: u64 = rest.split('-').next()?.parse().ok()?;
+    let named = if prefix == "shards/" {
+        super::shard_key(k as usize, checksum)
+    } else {
+        super::columns_key(k as usize, checksum)
+    };
+    (named == key).then_some(k)
+}
