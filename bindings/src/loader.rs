@@ -398,7 +398,7 @@ impl Reader {
             let mut g = state.lock().expect("not poisoned");
             let (st, scratch) = &mut *g;
             let s = st.get(stream, index)?;
-            let url = st.shard_url(s.id.stream, s.id.shard);
+            let url = st.shard_url(s.id.source, s.id.shard);
             match assemblers.get(stream) {
                 Some(a) => a.one(0, s, url, scratch),
                 None => Err(Error::invalid("stream", format!("no source {stream}"))),

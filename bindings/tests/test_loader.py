@@ -198,7 +198,7 @@ def test_getitem_is_random_access(classes):
 def test_mixing_streams_by_proportion(classes, synth):
     url, _ = classes
     ds = ramjet.StreamingDataset(
-        [ramjet.Stream(url, repeat=2.0), ramjet.Stream(url, count=10)],
+        [ramjet.Source(url, repeat=2.0), ramjet.Source(url, count=10)],
         batch_size=16,
         image_size=32,
         boxes_column=None,
@@ -207,6 +207,17 @@ def test_mixing_streams_by_proportion(classes, synth):
     streams = torch.cat([b["_stream"] for b in batches])
     assert int((streams == 0).sum()) == 2 * N and int((streams == 1).sum()) == 10
     assert ds.num_samples == 2 * N + 10
+
+
+def test_the_old_name_of_a_source_still_works_and_says_it_is_deprecated(classes):
+    """ramjet.Stream was renamed ramjet.Source (a stream is a consumer's walk over an epoch):
+    the old name is the same thing, with a DeprecationWarning, for one release."""
+    url, _ = classes
+    with pytest.warns(DeprecationWarning, match="ramjet.Source"):
+        old = ramjet.Stream(url, repeat=2.0)
+    assert isinstance(old, ramjet.Source) and old._weight() == ramjet.Source(url, repeat=2.0)._weight()
+    ds = ramjet.StreamingDataset([old], batch_size=16, image_size=32, boxes_column=None)
+    assert ds.num_samples == 2 * N
 
 
 def test_missing_dataset_is_a_not_found_error():
@@ -791,7 +802,10 @@ def test_pinned_batch_buffers_without_a_gpu_are_a_clear_error(classes):
 
 
 def _device_error_in_worker(ds, context):
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=context)
+    # Bounded: a worker that never answers fails the test in a minute, naming the wait.
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=1, multiprocessing_context=context, timeout=60
+    )
     try:
         next(iter(loader))
     except Exception as e:  # the worker's exception, re-raised by the DataLoader

@@ -595,7 +595,7 @@ async fn read_loop(
             }
         };
         let epoch = s.epoch;
-        urls.push(stream.shard_url(s.id.stream, s.id.shard));
+        urls.push(stream.shard_url(s.id.source, s.id.shard));
         cur.push(s);
         let state = stream.state().expect("a sample was delivered");
         let left = stream
@@ -731,7 +731,7 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
             let ValueRef::Bytes(bytes) = vals[ci] else {
                 unreachable!("checked to be a bytes column at start")
             };
-            let mut rng = SampleRng::new(ctx.seed, job.epoch, s.id.stream, s.global_index);
+            let mut rng = SampleRng::new(ctx.seed, job.epoch, s.id.source, s.global_index);
             let r = match spec.out {
                 OutType::U8 => {
                     let slot = &mut buf.as_mut_slice()[n * per..(n + 1) * per];
@@ -819,7 +819,7 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
         columns.push((col.name.clone(), data));
     }
     let indices = rows.iter().map(|(i, _)| job.samples[*i].global_index as i64).collect();
-    let streams = rows.iter().map(|(i, _)| job.samples[*i].id.stream as i64).collect();
+    let streams = rows.iter().map(|(i, _)| job.samples[*i].id.source as i64).collect();
     Ok(Batch {
         epoch: job.epoch,
         columns,

@@ -289,11 +289,11 @@ pub struct Unit {
     pub len: u64,
 }
 
-/// A sample's identity: stream, shard and index inside the shard.
+/// A sample's identity: its source (the input dataset of the mix), shard and index inside the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SampleRef {
-    /// Stream index.
-    pub stream: u32,
+    /// Source index (the input dataset of the mix).
+    pub source: u32,
     /// Shard index.
     pub shard: u32,
     /// Sample index inside the shard.
@@ -589,7 +589,7 @@ impl EpochOrder {
             (u.shard, u.first + (o - p.rest_starts[r]))
         };
         Ok(SampleRef {
-            stream: s as u32,
+            source: s as u32,
             shard: shard as u32,
             index: index as u32,
         })
@@ -760,7 +760,7 @@ impl OrderCursor {
         match o.spec.shuffle {
             Shuffle::None => {
                 let r = o.natural_at(g)?;
-                let s = r.stream as usize;
+                let s = r.source as usize;
                 let p = &o.parts[s];
                 let i = g - p.first_position;
                 let local = if i < p.passes * p.size() {
@@ -797,7 +797,7 @@ impl OrderCursor {
                 let r = self.round.as_ref().expect("set above");
                 let u = r.at(g - r.start);
                 let id = SampleRef {
-                    stream: u.stream as u32,
+                    source: u.stream as u32,
                     shard: u.shard as u32,
                     index: u.first as u32,
                 };
@@ -1040,7 +1040,7 @@ mod tests {
         st.push(StreamShape::listed("w", vec![5, 5, 5], Weight::Repeat(2.0)));
         st.push(StreamShape::listed("x", vec![100], Weight::Count(7)));
         let o = global_order(&st, &OrderSpec::default(), 3);
-        let count = |s| o.iter().filter(|r| r.stream == s).count();
+        let count = |s| o.iter().filter(|r| r.source == s).count();
         assert_eq!((count(0), count(1), count(2)), (20, 30, 7));
         let st2 = vec![
             StreamShape::listed("a", vec![100], Weight::Proportion(3.0)),

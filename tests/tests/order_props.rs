@@ -48,7 +48,7 @@ fn units_multiset(order: &EpochOrder) -> HashMap<SampleRef, u64> {
         let unit = order.unit(u).unwrap();
         for i in unit.first..unit.first + unit.len {
             let r = SampleRef {
-                stream: unit.stream as u32,
+                source: unit.stream as u32,
                 shard: unit.shard as u32,
                 index: i as u32,
             };
@@ -92,7 +92,7 @@ proptest! {
         prop_assert_eq!(got, units_multiset(&order));
         prop_assert_eq!(&g, &global_order(&st, &spec, epoch).unwrap());
         for s in 0..st.len() {
-            let n = g.iter().filter(|r| r.stream as usize == s).count() as u64;
+            let n = g.iter().filter(|r| r.source as usize == s).count() as u64;
             prop_assert_eq!(n, ramjet_engine::order::stream_take(&st, s), "stream {}", s);
         }
     }

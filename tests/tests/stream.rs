@@ -833,8 +833,8 @@ fn mixed_streams_follow_their_weights() {
     ];
     let ids = |c: StreamConfig| Stream::open(c).unwrap().map(|x| x.unwrap().id).collect::<Vec<_>>();
     let a = ids(c.clone());
-    assert_eq!(a.iter().filter(|r| r.stream == 0).count(), 60);
-    assert_eq!(a.iter().filter(|r| r.stream == 1).count(), 5);
+    assert_eq!(a.iter().filter(|r| r.source == 0).count(), 60);
+    assert_eq!(a.iter().filter(|r| r.source == 1).count(), 5);
     assert_eq!(a, ids(c), "mixing is not deterministic");
 }
 

@@ -62,6 +62,7 @@ __all__ = [
     "NotFoundError",
     "OriginError",
     "Reader",
+    "Source",
     "Stream",
     "StreamingDataset",
     "Tensor",
@@ -163,10 +164,11 @@ _inherited: List[Any] = []
 
 
 @dataclass(frozen=True)
-class Stream:
-    """One input dataset of a mix, with at most one of ``proportion``, ``repeat``, ``count``.
+class Source:
+    """One input dataset of a mix (a *source*), with at most one of ``proportion``, ``repeat``,
+    ``count``.
 
-    - ``proportion``: this stream's share of all proportional streams' samples per epoch;
+    - ``proportion``: this source's share of all proportional sources' samples per epoch;
     - ``repeat``: a factor on its own size (2.0 takes every sample twice, 0.5 half of them);
     - ``count``: exactly this many samples per epoch.
     """
@@ -179,7 +181,7 @@ class Stream:
     def _weight(self) -> Dict[str, Any]:
         given = [k for k in ("proportion", "repeat", "count") if getattr(self, k) is not None]
         if len(given) > 1:
-            raise InvalidInputError(f"stream {self.remote}: give at most one of {given}")
+            raise InvalidInputError(f"source {self.remote}: give at most one of {given}")
         if self.proportion is not None:
             return {"kind": "proportion", "value": float(self.proportion)}
         if self.repeat is not None:
@@ -187,6 +189,15 @@ class Stream:
         if self.count is not None:
             return {"kind": "count", "value": int(self.count)}
         return {"kind": "natural"}
+
+
+@dataclass(frozen=True)
+class Stream(Source):
+    """Deprecated name of :class:`Source` (a "stream" is one consumer's walk over an epoch);
+    kept for one release, with a ``DeprecationWarning``."""
+
+    def __post_init__(self) -> None:
+        warnings.warn("ramjet.Stream is renamed ramjet.Source", DeprecationWarning, stacklevel=3)
 
 
 def _to_array(t: Tensor) -> Any:
@@ -295,7 +306,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     Args:
         remote: dataset URL (``s3://bucket/prefix``, a local path, ...), or a list of URLs or
-            :class:`Stream` objects to mix.
+            :class:`Source` objects to mix.
         local: node-local cache directory (shared by every process on the host); ``None``
             streams from the origin without a cache.
         cache_limit: byte budget of the cache (int or ``"64GiB"``); default 64 GiB.
@@ -338,7 +349,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     def __init__(
         self,
-        remote: Union[str, Stream, Sequence[Union[str, Stream]]],
+        remote: Union[str, Source, Sequence[Union[str, Source]]],
         local: Optional[str] = None,
         *,
         batch_size: int = 32,
@@ -371,9 +382,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         daemon: Optional[str] = None,
         device: str = "cpu",
     ) -> None:
-        if isinstance(remote, (str, Stream)):
+        if isinstance(remote, (str, Source)):
             remote = [remote]
-        streams = [s if isinstance(s, Stream) else Stream(str(s)) for s in remote]
+        streams = [s if isinstance(s, Source) else Source(str(s)) for s in remote]
         if not streams:
             raise InvalidInputError("remote: no dataset given")
         batch_size = _int("batch_size", batch_size, 1, _BATCH_SIZE_MAX)

@@ -85,7 +85,7 @@ class Tensor:
     def __dlpack_device__(self) -> Tuple[int, int]: ...
 
 @dataclass(frozen=True)
-class Stream:
+class Source:
     """One dataset of a mix, with at most one of ``proportion``, ``repeat``, ``count``."""
 
     remote: str
@@ -93,13 +93,17 @@ class Stream:
     repeat: Optional[float] = None
     count: Optional[int] = None
 
+@dataclass(frozen=True)
+class Stream(Source):
+    """Deprecated name of ``Source``."""
+
 class StreamingDataset:
     """Batches from packed datasets as dicts of tensors; see docs/python.md."""
 
     batch_size: int
     def __init__(
         self,
-        remote: Union[str, Stream, Sequence[Union[str, Stream]]],
+        remote: Union[str, Source, Sequence[Union[str, Source]]],
         local: Optional[str] = None,
         *,
         batch_size: int = 32,

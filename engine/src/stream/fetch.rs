@@ -41,11 +41,11 @@ pub(super) async fn read_samples(shared: &Arc<Shared>, ids: &[SampleRef]) -> (Ve
                 let mut damaged = Vec::new();
                 for k in order {
                     let id = want[k];
-                    let r = open.entry((id.stream, id.shard)).or_insert_with(|| {
-                        let sid = sh.sources[id.stream as usize].id(id.shard as usize).ok()?;
+                    let r = open.entry((id.source, id.shard)).or_insert_with(|| {
+                        let sid = sh.sources[id.source as usize].id(id.shard as usize).ok()?;
                         let shard = cache.shard(sid).ok()??;
                         let reader = shard.records().ok()?;
-                        let index = shard_index(&sh, (id.stream, id.shard), &reader);
+                        let index = shard_index(&sh, (id.source, id.shard), &reader);
                         Some((Arc::new((shard, reader)), index))
                     });
                     let Some((reader, index)) = r.as_ref() else {
@@ -62,7 +62,7 @@ pub(super) async fn read_samples(shared: &Arc<Shared>, ids: &[SampleRef]) -> (Ve
                         }
                         // A damaged record is read from the origin instead, and the damaged
                         // copy is removed (the next epoch's warming fetches it again).
-                        Err(Error::Corrupt { .. }) => damaged.push(((id.stream, id.shard), reader.clone())),
+                        Err(Error::Corrupt { .. }) => damaged.push(((id.source, id.shard), reader.clone())),
                         Err(_) => {}
                     }
                 }
@@ -133,7 +133,7 @@ type RecordRun = (std::ops::Range<u64>, Vec<(u64, IndexEntry)>);
 async fn fetch_samples_ranged(shared: &Arc<Shared>, ids: &[SampleRef]) -> Vec<Result<Bytes>> {
     let mut by_shard: HashMap<(u32, u32), Vec<usize>> = HashMap::new();
     for (slot, id) in ids.iter().enumerate() {
-        by_shard.entry((id.stream, id.shard)).or_default().push(slot);
+        by_shard.entry((id.source, id.shard)).or_default().push(slot);
     }
     let groups = by_shard.into_values().map(|slots| fetch_from_shard(shared, ids, slots));
     let mut out: Vec<Option<Result<Bytes>>> = (0..ids.len()).map(|_| None).collect();
@@ -148,7 +148,7 @@ async fn fetch_samples_ranged(shared: &Arc<Shared>, ids: &[SampleRef]) -> Vec<Re
 /// The samples `slots` of `ids`, all of one shard (see [`fetch_samples_ranged`]).
 async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<usize>) -> Vec<(usize, Result<Bytes>)> {
     let first = ids[slots[0]];
-    let src = &shared.sources[first.stream as usize];
+    let src = &shared.sources[first.source as usize];
     let info = match src.ds.manifest().shard(first.shard as usize) {
         Ok(info) => info,
         Err(e) => return slots.into_iter().map(|s| (s, Err(e.clone()))).collect(),
@@ -157,7 +157,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         // A compressed foreign shard has no sample index to read ranges by: it comes whole
         // (once, through the fetch chain, then from the cache), and its records are sliced out.
         let indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
-        let got = records_of_whole_shard(shared, first.stream, first.shard, &indices).await;
+        let got = records_of_whole_shard(shared, first.source, first.shard, &indices).await;
         return slots.into_iter().zip(got).collect();
     };
     let layout = &layout;
@@ -195,7 +195,7 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     }
     // Nothing of the shard is trusted before it is tied to the manifest: a ramjet shard's
     // footer checked while its entries are read, a foreign shard's whole sample index first.
-    let key = (first.stream, first.shard);
+    let key = (first.source, first.shard);
     let held = match layout.foreign_bytes {
         None => None,
         Some(_) => match vouch(shared, key, info, layout).await {
@@ -392,17 +392,17 @@ fn check_entry(src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result
 /// One sample with two ranged GETs: its index entry, then its record (counted as an origin
 /// read; the caller counts it as a ranged sample when it delivers it).
 pub(super) async fn fetch_sample_ranged(shared: &Arc<Shared>, id: SampleRef) -> Result<Bytes> {
-    let src = &shared.sources[id.stream as usize];
+    let src = &shared.sources[id.source as usize];
     let info = &src.ds.manifest().shard(id.shard as usize)?;
     let Some(layout) = Ranged::of(info, &src.ds) else {
-        let mut got = records_of_whole_shard(shared, id.stream, id.shard, &[id.index as u64]).await;
+        let mut got = records_of_whole_shard(shared, id.source, id.shard, &[id.index as u64]).await;
         return got.pop().expect("one record asked, one given");
     };
     let store = src.ds.store();
     let url = store.url(&info.key);
     let at = Location::sample(&url, id.index as u64);
     let eo = layout.entry_at(id.index as u64);
-    let key = (id.stream, id.shard);
+    let key = (id.source, id.shard);
     let (held, eb) = match layout.foreign_bytes {
         // A foreign shard's entries come from its sample index, read whole and checked.
         Some(_) => {

@@ -255,7 +255,7 @@ impl Sample {
         decode_record(
             &self.schema,
             &self.record,
-            &Location::sample(format!("stream {}", self.id.stream), self.global_index),
+            &Location::sample(format!("source {}", self.id.source), self.global_index),
         )
     }
 }
@@ -831,7 +831,7 @@ impl Stream {
         let plan = self.plan.clone().expect("plan set above");
         let position = plan.deal.position(self.cursor as u64);
         let (id, _) = self.order_cursor.as_mut().expect("set with the plan").at(position)?;
-        let key = (plan.epoch, id.stream, id.shard);
+        let key = (plan.epoch, id.source, id.shard);
         // Take messages up to the one that holds this sample (they come in the order the
         // consumer needs them), and no further: shards held here are outside the channel's
         // bound, so taking more would let a slow consumer hold any number in memory.
@@ -859,7 +859,7 @@ impl Stream {
         m.mark_first_sample();
         Metrics::add(&m.samples, 1);
         Metrics::add(&m.sample_bytes, record.len() as u64);
-        let src = &self.shared.sources[id.stream as usize];
+        let src = &self.shared.sources[id.source as usize];
         Ok(Some(Sample {
             epoch: plan.epoch,
             position,
@@ -885,7 +885,7 @@ fn slice_record(live: &Live, id: SampleRef, shared: &Shared) -> Result<Bytes> {
     let o = crate::format::Header::entry_offset(id.index as u64) as usize;
     let e = IndexEntry::parse(&live.bytes[o..o + INDEX_ENTRY_LEN as usize]);
     if let Err(err) = e.check_bounds(&live.header, live.bytes.len() as u64, &Location::sample("", 0)) {
-        let url = shared.sources[id.stream as usize].shard_url(id.shard as usize);
+        let url = shared.sources[id.source as usize].shard_url(id.shard as usize);
         return Err(Error::corrupt(Location::sample(url, id.index as u64), err.to_string()));
     }
     Ok(live.bytes.slice(e.offset as usize..(e.offset + e.len) as usize))

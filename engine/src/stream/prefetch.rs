@@ -114,9 +114,9 @@ impl Iterator for ShardUses {
                     break;
                 }
                 group = Some(g);
-                let u = uses.entry((id.stream, id.shard)).or_insert(0);
+                let u = uses.entry((id.source, id.shard)).or_insert(0);
                 if *u == 0 {
-                    first_use.push((id.stream, id.shard));
+                    first_use.push((id.source, id.shard));
                 }
                 *u += 1;
                 self.k += 1;
@@ -165,12 +165,12 @@ impl Iterator for FirstTouch {
                 }
             };
             let (word, bit) = (
-                &mut self.seen[id.stream as usize][id.shard as usize / 64],
+                &mut self.seen[id.source as usize][id.shard as usize / 64],
                 id.shard % 64,
             );
             if *word & (1 << bit) == 0 {
                 *word |= 1 << bit;
-                return Some(Ok((id.stream, id.shard)));
+                return Some(Ok((id.source, id.shard)));
             }
         }
         None
@@ -292,7 +292,7 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
             {
                 let held = held.lock().expect("not poisoned");
                 sliced.extend(ids.iter().map(|id| {
-                    held.get(&(id.stream, id.shard))
+                    held.get(&(id.source, id.shard))
                         .map(|live| slice_record(live, *id, &shared))
                 }));
             }
@@ -515,7 +515,7 @@ impl FirstSamples<'_> {
             let Some((records, from_origin)) = got else { break };
             let got_bytes: u64 = records.iter().map(|r| r.as_ref().map_or(0, |b| b.len() as u64)).sum();
             for id in &ids {
-                *ranged_uses.entry((id.stream, id.shard)).or_default() += 1;
+                *ranged_uses.entry((id.source, id.shard)).or_default() += 1;
             }
             let msg = Msg::Samples {
                 epoch: plan.epoch,

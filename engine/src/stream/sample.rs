@@ -50,12 +50,12 @@ impl Stream {
         }))
     }
 
-    pub(super) fn locate(&self, stream: usize, global_index: u64) -> Result<(SampleRef, &Source)> {
+    pub(super) fn locate(&self, source: usize, global_index: u64) -> Result<(SampleRef, &Source)> {
         let src = self
             .shared
             .sources
-            .get(stream)
-            .ok_or_else(|| Error::invalid(format!("stream {stream}"), "no such stream"))?;
+            .get(source)
+            .ok_or_else(|| Error::invalid(format!("source {source}"), "no such source"))?;
         let (shard, index) = src.ds.manifest().locate(global_index)?.ok_or_else(|| {
             Error::invalid(
                 format!("{} sample {global_index}", src.ds.manifest_url()),
@@ -63,7 +63,7 @@ impl Stream {
             )
         })?;
         let id = SampleRef {
-            stream: stream as u32,
+            source: source as u32,
             shard: shard as u32,
             index: index as u32,
         };
@@ -75,7 +75,7 @@ impl Stream {
         if let Some(rec) = self.read_local(id)? {
             return Ok(rec);
         }
-        self.load_in_background((id.stream, id.shard));
+        self.load_in_background((id.source, id.shard));
         let rec = self.rt.block_on(fetch_sample_ranged(&self.shared, id))?;
         Metrics::add(&self.shared.metrics.ranged_samples, 1);
         Ok(rec)
@@ -89,7 +89,7 @@ impl Stream {
             .lock()
             .expect("not poisoned")
             .shards
-            .get(&(id.stream, id.shard))
+            .get(&(id.source, id.shard))
             .cloned();
         if let Some(live) = held {
             Metrics::add(&self.shared.metrics.resident_samples, 1);
@@ -151,7 +151,7 @@ impl Stream {
                 Some(Bytes::from(rec))
             }
             Err(_) => {
-                self.readers.borrow_mut().remove(&(id.stream, id.shard));
+                self.readers.borrow_mut().remove(&(id.source, id.shard));
                 None
             }
         }
@@ -159,12 +159,12 @@ impl Stream {
 
     /// An open reader of the cached copy of `id`'s shard, if the cache has one.
     pub(super) fn cached_reader(&self, id: SampleRef) -> Option<CachedReader> {
-        let key = (id.stream, id.shard);
+        let key = (id.source, id.shard);
         if let Some(r) = self.readers.borrow().get(&key) {
             return Some(r.clone());
         }
         let cache = self.shared.cache.as_ref()?;
-        let sid = self.shared.sources[id.stream as usize].id(id.shard as usize).ok()?;
+        let sid = self.shared.sources[id.source as usize].id(id.shard as usize).ok()?;
         // Pinned against eviction while this stream holds it (at most `OPEN_READERS_MAX`).
         let shard = cache.shard(sid).ok()??;
         let reader = shard.records().ok()?;

@@ -114,7 +114,7 @@ pub struct Audit {
 impl Audit {
     /// The hash of one sample's identity.
     pub fn sample_hash(id: SampleRef) -> u64 {
-        crate::order::derive(AUDIT_KEY, id.stream as u64, ((id.shard as u64) << 32) | id.index as u64)
+        crate::order::derive(AUDIT_KEY, id.source as u64, ((id.shard as u64) << 32) | id.index as u64)
     }
 
     /// Records one delivered sample.

@@ -225,7 +225,7 @@ pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
                 "{} {} {} {} {} {} {}\n",
                 s.epoch,
                 s.position,
-                s.id.stream,
+                s.id.source,
                 s.id.shard,
                 s.id.index,
                 s.global_index,
