@@ -107,7 +107,7 @@ target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
 
 step "examples: Ultralytics YOLO streamed from S3 (train + val, offline), and the YOLO P2/P3 bench in quick mode"
 RAMJET_BIN=target/debug/ramjet "$py" examples/yolo_streaming.py --epochs 1 --imgsz 96 --workers 1
-RAMJET_BIN=target/debug/ramjet "$py" tools/bench/yolo_bench.py --quick --out "$ci/bench-yolo" | tail -12
+RAMJET_BIN=target/debug/ramjet "$py" benches/python/yolo_bench.py --quick --out "$ci/bench-yolo" | tail -12
 
 step "loader benchmark (quick mode: checks it runs; figures come from the full run)"
 mkdir -p "$ci/bench/a"

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use ramjet_benches::{bench_setup, save_results};
 use ramjet_engine::cache::CacheConfig;
-use ramjet_engine::{Dataset, Stream, StreamConfig};
+use ramjet_engine::{Dataset, Opened, Stream, StreamConfig};
 use ramjet_tests::free_port;
 use ramjet_transport::peer::LinkConfig;
 use ramjet_transport::{Daemon, DaemonClient, DaemonConfig, PeerTransport, ShardGet, TcpTransport};

@@ -23,7 +23,7 @@ use futures::stream::{self, StreamExt};
 use ramjet_benches::{bench_setup, cpu_seconds, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{OrderSpec, Shuffle};
-use ramjet_engine::{Stream, StreamConfig};
+use ramjet_engine::{Opened, Stream, StreamConfig};
 
 const PARALLEL_GETS: usize = 4;
 

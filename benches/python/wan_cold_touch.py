@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benches/python"))
-sys.path.insert(0, str(ROOT / "tools/bench"))
+sys.path.insert(0, str(ROOT / "benches/python"))
 import measure  # noqa: E402 - the shared measuring rules
 import ramjet_bench as rb  # noqa: E402 - the WAN-like link
 

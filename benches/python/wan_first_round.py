@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benches/python"))
-sys.path.insert(0, str(ROOT / "tools/bench"))
+sys.path.insert(0, str(ROOT / "benches/python"))
 import ramjet_bench as rb  # noqa: E402 - the WAN-like link and the dataset
 
 URL = "s3://ramjet/bench/ramjet-bench/5315-64m/ramjet-rst32"

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools/bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402 - the shared measuring rules
 import ramjet_bench as rb  # noqa: E402 - the WAN-like link
 

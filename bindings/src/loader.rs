@@ -14,7 +14,7 @@ use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::image::{OutType, Scratch};
 use ramjet_engine::loader::{Assembler, Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
 use ramjet_engine::stream::{StreamConfig, StreamState};
-use ramjet_engine::{Error, Stream};
+use ramjet_engine::{Error, Opened, SampleReader};
 
 use crate::dlpack::{DType, Storage, Tensor};
 use crate::{interruptible, to_py, wait_polling, InvalidInputError};
@@ -249,7 +249,7 @@ fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'
         }
     }
     d.set_item("_index", tensor(py, Storage::I64(b.indices), vec![n], DType::I64)?)?;
-    d.set_item("_stream", tensor(py, Storage::I64(b.streams), vec![n], DType::I64)?)?;
+    d.set_item("_source", tensor(py, Storage::I64(b.sources), vec![n], DType::I64)?)?;
     let meta = PyDict::new(py);
     meta.set_item("epoch", b.epoch)?;
     meta.set_item("end_of_epoch", b.end_of_epoch)?;
@@ -314,7 +314,7 @@ pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64)> {
 /// Random access to samples by index, decoded with the evaluation transform.
 #[pyclass(module = "ramjet._ramjet")]
 pub struct Reader {
-    state: Arc<Mutex<(Stream, Scratch)>>,
+    state: Arc<Mutex<(SampleReader, Scratch)>>,
     /// The loader's batch assembly, for one sample at a time (one per source: each has its
     /// own schema).
     assemblers: Arc<Vec<Assembler>>,
@@ -326,50 +326,46 @@ impl Reader {
     #[new]
     fn new(py: Python<'_>, config: &str) -> PyResult<Self> {
         let cfg = parse(config)?;
-        let mut sc = cfg.stream();
-        sc.epochs = Some(0);
-        sc.resume = None;
-        sc.resume_consumer = None;
-        sc.first_epoch = 0;
-        let stream = interruptible(py, move || Stream::open(sc))?.map_err(to_py)?;
+        let sc = cfg.stream();
+        let reader = interruptible(py, move || SampleReader::open(sc))?.map_err(to_py)?;
         // The loader's assembly with the evaluation settings given, the boxes column left as
         // its JSON text (one sample has no batch offsets), and a corrupt image an error.
         let mut lc = cfg.loader.clone();
         lc.boxes_column = None;
         lc.on_corrupt = ramjet_engine::loader::OnCorrupt::Error;
-        let assemblers = (0..stream.sources())
-            .map(|i| Assembler::new(lc.clone(), stream.schema(i), stream.metrics_handle(), 4))
+        let assemblers = (0..reader.sources())
+            .map(|i| Assembler::new(lc.clone(), reader.schema(i), reader.metrics_handle(), 4))
             .collect();
         Ok(Self {
-            state: Arc::new(Mutex::new((stream, Scratch::default()))),
+            state: Arc::new(Mutex::new((reader, Scratch::default()))),
             assemblers: Arc::new(assemblers),
         })
     }
 
-    /// Column `column` of sample `index` of source `stream`, as bytes (a `bytes` column, e.g.
+    /// Column `column` of sample `index` of source `source`, as bytes (a `bytes` column, e.g.
     /// the encoded image, undecoded): the read a map-style dataset makes per sample. A sample
     /// held in memory or in the disk cache is read in place with the GIL released; one that
     /// needs the network is read interruptibly.
     fn get_bytes<'py>(
         &self,
         py: Python<'py>,
-        stream: usize,
+        source: usize,
         index: u64,
         column: &str,
     ) -> PyResult<Bound<'py, PyBytes>> {
         // Local first, inline (no thread): a resident or cached sample is a memory read.
         let local = {
             let state = self.state.clone();
-            py.detach(move || state.lock().expect("not poisoned").0.get_local(stream, index))
+            py.detach(move || state.lock().expect("not poisoned").0.get_local(source, index))
         };
         let sample = match local.map_err(to_py)? {
             Some(s) => s,
             None => {
                 let state = self.state.clone();
-                interruptible(py, move || state.lock().expect("not poisoned").0.get(stream, index))?.map_err(to_py)?
+                interruptible(py, move || state.lock().expect("not poisoned").0.get(source, index))?.map_err(to_py)?
             }
         };
-        let schema = self.state.lock().expect("not poisoned").0.schema(stream);
+        let schema = self.state.lock().expect("not poisoned").0.schema(source);
         let k = schema.index_of(column).ok_or_else(|| {
             to_py(Error::invalid(
                 format!("column {column:?}"),
@@ -391,17 +387,17 @@ impl Reader {
         snapshot_dict(py, &snap)
     }
 
-    /// Sample `index` of source `stream` as a dict (image as a `(3, H, W)` tensor).
-    fn get<'py>(&self, py: Python<'py>, stream: usize, index: u64) -> PyResult<Bound<'py, PyDict>> {
+    /// Sample `index` of source `source` as a dict (image as a `(3, H, W)` tensor).
+    fn get<'py>(&self, py: Python<'py>, source: usize, index: u64) -> PyResult<Bound<'py, PyDict>> {
         let (state, assemblers) = (self.state.clone(), self.assemblers.clone());
         let batch = interruptible(py, move || {
             let mut g = state.lock().expect("not poisoned");
             let (st, scratch) = &mut *g;
-            let s = st.get(stream, index)?;
+            let s = st.get(source, index)?;
             let url = st.shard_url(s.id.source, s.id.shard);
-            match assemblers.get(stream) {
+            match assemblers.get(source) {
                 Some(a) => a.one(0, s, url, scratch),
-                None => Err(Error::invalid("stream", format!("no source {stream}"))),
+                None => Err(Error::invalid(format!("source {source}"), "no such source")),
             }
         })?
         .map_err(to_py)?;
@@ -425,7 +421,7 @@ impl Reader {
             }
         }
         d.set_item("_index", index)?;
-        d.set_item("_stream", stream)?;
+        d.set_item("_source", source)?;
         Ok(d)
     }
 }

@@ -22,16 +22,10 @@ from PIL import Image
 
 import ramjet
 
-RAMJET = os.environ.get("RAMJET_BIN") or str(Path(__file__).resolve().parents[2] / "target/debug/ramjet")
+from ramjet_cli import RAMJET, run  # noqa: E402 - bindings/tests/ramjet_cli.py
 BUCKET = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
 CLASSES = 3
 N = 96
-
-
-def run(*args):
-    out = subprocess.run([RAMJET, *args], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 def s3_url(name):
@@ -206,6 +200,8 @@ def test_mixing_streams_by_proportion(classes, synth):
     batches = epoch(ds)
     streams = torch.cat([b["_stream"] for b in batches])
     assert int((streams == 0).sum()) == 2 * N and int((streams == 1).sum()) == 10
+    # `_source` is the column's name; `_stream`, its deprecated alias, is the same tensor.
+    assert all(b["_stream"] is b["_source"] for b in batches)
     assert ds.num_samples == 2 * N + 10
 
 

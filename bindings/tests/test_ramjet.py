@@ -10,13 +10,7 @@ import pytest
 
 import ramjet
 
-RAMJET = os.environ.get("RAMJET_BIN") or str(Path(__file__).resolve().parents[2] / "target/debug/ramjet")
-
-
-def run(*args):
-    out = subprocess.run([RAMJET, *args], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+from ramjet_cli import RAMJET, run  # noqa: E402 - bindings/tests/ramjet_cli.py
 
 
 @pytest.fixture(scope="session")

@@ -29,4 +29,4 @@ pub use error::{Error, Invalid, Location, Result};
 pub use loader::{Batch, ColumnData, Loader, LoaderConfig, Next, OnCorrupt};
 pub use provider::{Fetched, FetchedFrom, ShardProvider, ShardRequest};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
-pub use stream::{Sample, SourceConfig, Stream, StreamConfig, StreamState};
+pub use stream::{Opened, Sample, SampleReader, SourceConfig, Stream, StreamConfig, StreamState};

@@ -32,7 +32,7 @@ use crate::error::{Error, Location, Result};
 use crate::format::{ColumnType, Schema, ValueRef};
 use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
 use crate::metrics::Metrics;
-use crate::stream::{FirstGate, Sample, Stream, StreamConfig, StreamState};
+use crate::stream::{FirstGate, Opened, Sample, Stream, StreamConfig, StreamState};
 
 pub use crate::buf::HostBuf;
 
@@ -165,8 +165,8 @@ pub struct Batch {
     pub columns: Vec<(String, ColumnData)>,
     /// Index of each sample in its dataset.
     pub indices: Vec<i64>,
-    /// Stream (source) of each sample.
-    pub streams: Vec<i64>,
+    /// Source (input dataset of the mix) of each sample.
+    pub sources: Vec<i64>,
     /// The stream's state after this batch's last sample (`None` for samples read by random
     /// access, which belong to no stream position).
     pub state: Option<StreamState>,
@@ -819,12 +819,12 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
         columns.push((col.name.clone(), data));
     }
     let indices = rows.iter().map(|(i, _)| job.samples[*i].global_index as i64).collect();
-    let streams = rows.iter().map(|(i, _)| job.samples[*i].id.source as i64).collect();
+    let sources = rows.iter().map(|(i, _)| job.samples[*i].id.source as i64).collect();
     Ok(Batch {
         epoch: job.epoch,
         columns,
         indices,
-        streams,
+        sources,
         state: job.state,
         end_of_epoch: job.end_of_epoch,
         skipped,

@@ -1,4 +1,4 @@
-//! Sample order: one global order per epoch, its split across ranks and workers, stream
+//! Sample order: one global order per epoch, its split across ranks and workers, source
 //! mixing, and the resume state. Everything here is a pure function; `docs/order.md` states
 //! the algorithms.
 //!
@@ -51,13 +51,13 @@ pub enum Tail {
     PadRepeat,
 }
 
-/// How many samples of one stream an epoch takes.
+/// How many samples of one source an epoch takes.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind", content = "value")]
 pub enum Weight {
     /// Every sample once.
     Natural,
-    /// This stream's share of the proportional streams' total (their natural sizes summed).
+    /// This source's share of the proportional sources' total (their natural sizes summed).
     Proportion(f64),
     /// `round(factor x size)` samples: 2.0 takes each sample twice, 0.5 half of them.
     Repeat(f64),
@@ -65,9 +65,9 @@ pub enum Weight {
     Count(u64),
 }
 
-/// One input stream as the order sees it: its version and its shards' sample counts.
+/// One input source as the order sees it: its version and its shards' sample counts.
 #[derive(Debug, Clone)]
-pub struct StreamShape {
+pub struct SourceShape {
     /// Manifest version.
     pub version: String,
     /// Samples per shard, in manifest order, read on demand.
@@ -76,10 +76,10 @@ pub struct StreamShape {
     pub weight: Weight,
 }
 
-impl StreamShape {
-    /// A stream whose shards' sample counts are listed.
-    pub fn listed(version: impl Into<String>, shard_samples: Vec<u64>, weight: Weight) -> StreamShape {
-        StreamShape {
+impl SourceShape {
+    /// A source whose shards' sample counts are listed.
+    pub fn listed(version: impl Into<String>, shard_samples: Vec<u64>, weight: Weight) -> SourceShape {
+        SourceShape {
             version: version.into(),
             counts: Arc::new(CountList::new(shard_samples)),
             weight,
@@ -87,7 +87,7 @@ impl StreamShape {
     }
 }
 
-/// A stream's shards' sample counts as the order reads them: on demand, so that an epoch over a
+/// A source's shards' sample counts as the order reads them: on demand, so that an epoch over a
 /// million shards reads only the counts it reaches (a manifest's shard table reads a block of
 /// counts on first use, which can fail).
 pub trait ShardCounts: Send + Sync + std::fmt::Debug {
@@ -97,7 +97,7 @@ pub trait ShardCounts: Send + Sync + std::fmt::Debug {
     fn total(&self) -> u64;
     /// Samples of shard `shard` (`shard < shards`).
     fn samples(&self, shard: u64) -> Result<u64>;
-    /// The shard holding sample `o` of the stream (`o < total`), and `o`'s index in it.
+    /// The shard holding sample `o` of the source (`o < total`), and `o`'s index in it.
     fn locate(&self, o: u64) -> Result<(u64, u64)>;
 }
 
@@ -139,7 +139,7 @@ impl ShardCounts for CountList {
     }
 }
 
-/// The parameters the global order is a function of (with the streams and the epoch).
+/// The parameters the global order is a function of (with the sources and the epoch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OrderSpec {
     /// Seed.
@@ -276,12 +276,12 @@ impl Topology {
     }
 }
 
-/// A contiguous run of samples of one shard of one stream: the unit the order shuffles.
+/// A contiguous run of samples of one shard of one source: the unit the order shuffles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Unit {
     /// Stream index.
-    pub stream: usize,
-    /// Shard index in the stream's manifest.
+    pub source: usize,
+    /// Shard index in the source's manifest.
     pub shard: usize,
     /// First sample (index inside the shard).
     pub first: u64,
@@ -389,9 +389,9 @@ impl Perm {
 }
 
 /// The key every random choice of an epoch derives from.
-pub fn epoch_key(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> u64 {
+pub fn epoch_key(sources: &[SourceShape], spec: &OrderSpec, epoch: u64) -> u64 {
     let mut s = format!("order=v{ORDER_VERSION};");
-    for st in streams {
+    for st in sources {
         s.push_str(&format!("{}:{:?};", st.version, st.weight));
     }
     s.push_str(&format!(
@@ -401,25 +401,25 @@ pub fn epoch_key(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> u64 {
     xxh3_64(s.as_bytes())
 }
 
-/// Positions of one epoch over `streams` before tail handling, or `None` when the sum overflows.
-pub fn epoch_positions(streams: &[StreamShape]) -> Option<u64> {
-    (0..streams.len()).try_fold(0u64, |acc, s| acc.checked_add(stream_take(streams, s)))
+/// Positions of one epoch over `sources` before tail handling, or `None` when the sum overflows.
+pub fn epoch_positions(sources: &[SourceShape]) -> Option<u64> {
+    (0..sources.len()).try_fold(0u64, |acc, s| acc.checked_add(source_take(sources, s)))
 }
 
-/// Samples stream `s` contributes to an epoch under its weight.
-pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
-    let size = |st: &StreamShape| st.counts.total();
-    if size(&streams[s]) == 0 {
-        // Nothing to take from, whatever the weight asks (a count of an empty stream).
+/// Samples source `s` contributes to an epoch under its weight.
+pub fn source_take(sources: &[SourceShape], s: usize) -> u64 {
+    let size = |st: &SourceShape| st.counts.total();
+    if size(&sources[s]) == 0 {
+        // Nothing to take from, whatever the weight asks (a count of an empty source).
         return 0;
     }
-    match streams[s].weight {
-        Weight::Natural => size(&streams[s]),
+    match sources[s].weight {
+        Weight::Natural => size(&sources[s]),
         Weight::Count(n) => n,
-        Weight::Repeat(f) => (f.max(0.0) * size(&streams[s]) as f64).round() as u64,
+        Weight::Repeat(f) => (f.max(0.0) * size(&sources[s]) as f64).round() as u64,
         Weight::Proportion(p) => {
             let (mut psum, mut total) = (0.0, 0u64);
-            for st in streams {
+            for st in sources {
                 if let Weight::Proportion(q) = st.weight {
                     psum += q.max(0.0);
                     total = total.saturating_add(size(st));
@@ -434,18 +434,18 @@ pub fn stream_take(streams: &[StreamShape], s: usize) -> u64 {
     }
 }
 
-/// One stream's part of an epoch: `passes` full passes over its shards (one unit per shard,
+/// One source's part of an epoch: `passes` full passes over its shards (one unit per shard,
 /// empty shards included as empty units), then the remainder's units.
 #[derive(Debug, Clone)]
 struct StreamPart {
-    /// The stream's shards' sample counts.
+    /// The source's shards' sample counts.
     counts: Arc<dyn ShardCounts>,
     passes: u64,
     /// The remainder: whole shards in keyed order, the last cut short.
     rest: Vec<Unit>,
     /// Where each remainder unit starts inside the remainder (`rest.len() + 1` entries).
     rest_starts: Vec<u64>,
-    /// First unit and first position of this stream in the epoch.
+    /// First unit and first position of this source in the epoch.
     first_unit: u64,
     first_position: u64,
 }
@@ -466,7 +466,7 @@ impl StreamPart {
 }
 
 /// One epoch's order, computed position by position: memory for the remainders, none per
-/// shard or per sample (the shards' counts are read through [`ShardCounts`]). Every method is a pure function of the streams, the
+/// shard or per sample (the shards' counts are read through [`ShardCounts`]). Every method is a pure function of the sources, the
 /// order settings and the epoch (`docs/order.md`).
 #[derive(Debug, Clone)]
 pub struct EpochOrder {
@@ -480,13 +480,13 @@ pub struct EpochOrder {
 }
 
 impl EpochOrder {
-    /// The order of `epoch` over `streams` under `spec`.
-    pub fn new(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Result<EpochOrder> {
-        let key = epoch_key(streams, spec, epoch);
+    /// The order of `epoch` over `sources` under `spec`.
+    pub fn new(sources: &[SourceShape], spec: &OrderSpec, epoch: u64) -> Result<EpochOrder> {
+        let key = epoch_key(sources, spec, epoch);
         let (mut units, mut len) = (0u64, 0u64);
-        let mut parts = Vec::with_capacity(streams.len());
-        for (s, st) in streams.iter().enumerate() {
-            let (size, want) = (st.counts.total(), stream_take(streams, s));
+        let mut parts = Vec::with_capacity(sources.len());
+        for (s, st) in sources.iter().enumerate() {
+            let (size, want) = (st.counts.total(), source_take(sources, s));
             let (passes, mut rest_n) = want.checked_div(size).map_or((0, 0), |q| (q, want % size));
             let mut rest = Vec::new();
             let mut rest_starts = vec![0u64];
@@ -504,7 +504,7 @@ impl EpochOrder {
                     let take = n.min(rest_n);
                     let first = scale(derive(key, 0x52, s as u64), n - take + 1);
                     rest.push(Unit {
-                        stream: s,
+                        source: s,
                         shard,
                         first,
                         len: take,
@@ -563,7 +563,7 @@ impl EpochOrder {
         Ok(if i < full {
             let shard = i % p.shards();
             Unit {
-                stream: s,
+                source: s,
                 shard: shard as usize,
                 first: 0,
                 len: p.counts.samples(shard)?,
@@ -573,7 +573,7 @@ impl EpochOrder {
         })
     }
 
-    /// The sample at position `g` of the unshuffled order (`g < len`): streams in turn, each its
+    /// The sample at position `g` of the unshuffled order (`g < len`): sources in turn, each its
     /// full passes then its remainder.
     fn natural_at(&self, g: u64) -> Result<SampleRef> {
         let s = self.parts.partition_point(|p| p.first_position <= g) - 1;
@@ -797,7 +797,7 @@ impl OrderCursor {
                 let r = self.round.as_ref().expect("set above");
                 let u = r.at(g - r.start);
                 let id = SampleRef {
-                    source: u.stream as u32,
+                    source: u.source as u32,
                     shard: u.shard as u32,
                     index: u.first as u32,
                 };
@@ -809,8 +809,8 @@ impl OrderCursor {
 
 /// The global order of one epoch as an array, before tail handling. It holds every position:
 /// for tests and small datasets. Streams use [`EpochOrder`] and an [`OrderCursor`].
-pub fn global_order(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Result<Vec<SampleRef>> {
-    let order = Arc::new(EpochOrder::new(streams, spec, epoch)?);
+pub fn global_order(sources: &[SourceShape], spec: &OrderSpec, epoch: u64) -> Result<Vec<SampleRef>> {
+    let order = Arc::new(EpochOrder::new(sources, spec, epoch)?);
     let mut c = order.cursor();
     (0..order.len()).map(|g| Ok(c.at(g)?.0)).collect()
 }
@@ -978,12 +978,12 @@ impl Deal {
 mod tests {
     use super::*;
 
-    fn shape(shards: &[u64]) -> Vec<StreamShape> {
-        vec![StreamShape::listed("v", shards.to_vec(), Weight::Natural)]
+    fn shape(shards: &[u64]) -> Vec<SourceShape> {
+        vec![SourceShape::listed("v", shards.to_vec(), Weight::Natural)]
     }
 
-    fn global_order(streams: &[StreamShape], spec: &OrderSpec, epoch: u64) -> Vec<SampleRef> {
-        super::global_order(streams, spec, epoch).unwrap()
+    fn global_order(sources: &[SourceShape], spec: &OrderSpec, epoch: u64) -> Vec<SampleRef> {
+        super::global_order(sources, spec, epoch).unwrap()
     }
 
     #[test]
@@ -1037,16 +1037,16 @@ mod tests {
     #[test]
     fn mixing_weights() {
         let mut st = shape(&[10, 10]);
-        st.push(StreamShape::listed("w", vec![5, 5, 5], Weight::Repeat(2.0)));
-        st.push(StreamShape::listed("x", vec![100], Weight::Count(7)));
+        st.push(SourceShape::listed("w", vec![5, 5, 5], Weight::Repeat(2.0)));
+        st.push(SourceShape::listed("x", vec![100], Weight::Count(7)));
         let o = global_order(&st, &OrderSpec::default(), 3);
         let count = |s| o.iter().filter(|r| r.source == s).count();
         assert_eq!((count(0), count(1), count(2)), (20, 30, 7));
         let st2 = vec![
-            StreamShape::listed("a", vec![100], Weight::Proportion(3.0)),
-            StreamShape::listed("b", vec![100], Weight::Proportion(1.0)),
+            SourceShape::listed("a", vec![100], Weight::Proportion(3.0)),
+            SourceShape::listed("b", vec![100], Weight::Proportion(1.0)),
         ];
-        assert_eq!((stream_take(&st2, 0), stream_take(&st2, 1)), (150, 50));
+        assert_eq!((source_take(&st2, 0), source_take(&st2, 1)), (150, 50));
     }
 
     #[test]

@@ -13,6 +13,12 @@ use std::time::Duration;
 
 pub mod fuzzing;
 
+/// Asserts that what started at `t0` took less than `limit`, naming `what` and the time taken.
+pub fn assert_under(t0: std::time::Instant, limit: Duration, what: &str) {
+    let took = t0.elapsed();
+    assert!(took < limit, "{what}: took {took:?}, the limit is {limit:?}");
+}
+
 /// Repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

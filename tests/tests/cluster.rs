@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use ramjet_engine::cache::{CacheConfig, ShardId};
-use ramjet_engine::{Dataset, FetchedFrom, ShardProvider, ShardRequest, Stream, StreamConfig};
+use ramjet_engine::{Dataset, FetchedFrom, Opened, ShardProvider, ShardRequest, Stream, StreamConfig};
 use ramjet_tests::{
     block_on, free_port, once_per_run, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, test_index_dir, text,
     CountingProxy,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use ramjet_engine::order::{
-    effective_len, global_order, EpochOrder, EpochProgress, OrderSpec, Perm, SampleRef, Shuffle, StreamShape, Tail,
+    effective_len, global_order, EpochOrder, EpochProgress, OrderSpec, Perm, SampleRef, Shuffle, SourceShape, Tail,
     Weight,
 };
 
@@ -32,11 +32,11 @@ fn weights() -> impl Strategy<Value = Weight> {
     ]
 }
 
-fn streams() -> impl Strategy<Value = Vec<StreamShape>> {
+fn streams() -> impl Strategy<Value = Vec<SourceShape>> {
     prop::collection::vec((prop::collection::vec(0u64..40, 1..12), weights()), 1..4).prop_map(|v| {
         v.into_iter()
             .enumerate()
-            .map(|(i, (shard_samples, weight))| StreamShape::listed(format!("v{i}"), shard_samples, weight))
+            .map(|(i, (shard_samples, weight))| SourceShape::listed(format!("v{i}"), shard_samples, weight))
             .collect()
     })
 }
@@ -48,7 +48,7 @@ fn units_multiset(order: &EpochOrder) -> HashMap<SampleRef, u64> {
         let unit = order.unit(u).unwrap();
         for i in unit.first..unit.first + unit.len {
             let r = SampleRef {
-                source: unit.stream as u32,
+                source: unit.source as u32,
                 shard: unit.shard as u32,
                 index: i as u32,
             };
@@ -93,7 +93,7 @@ proptest! {
         prop_assert_eq!(&g, &global_order(&st, &spec, epoch).unwrap());
         for s in 0..st.len() {
             let n = g.iter().filter(|r| r.source as usize == s).count() as u64;
-            prop_assert_eq!(n, ramjet_engine::order::stream_take(&st, s), "stream {}", s);
+            prop_assert_eq!(n, ramjet_engine::order::source_take(&st, s), "stream {}", s);
         }
     }
 
@@ -159,7 +159,7 @@ proptest! {
 /// start) gives the same samples as one walked in order.
 #[test]
 fn a_cursor_answers_any_position() {
-    let st = vec![StreamShape::listed(
+    let st = vec![SourceShape::listed(
         "v",
         vec![13, 0, 7, 29, 1, 16, 16, 5],
         Weight::Repeat(1.5),
@@ -195,9 +195,9 @@ fn a_cursor_answers_any_position() {
 /// one position in the epoch's length but none in its order, so the length told to a loader
 /// disagreed with what it was given. An empty stream now takes nothing, whatever its weight.
 #[test]
-fn an_empty_stream_takes_nothing_whatever_its_weight() {
+fn an_empty_source_takes_nothing_whatever_its_weight() {
     for weight in [Weight::Count(1), Weight::Repeat(2.0), Weight::Proportion(1.0)] {
-        let st = vec![StreamShape::listed("e", vec![0, 0], weight)];
+        let st = vec![SourceShape::listed("e", vec![0, 0], weight)];
         assert_eq!(ramjet_engine::order::epoch_positions(&st), Some(0), "{weight:?}");
         assert!(EpochOrder::new(&st, &OrderSpec::default(), 0).unwrap().is_empty());
     }

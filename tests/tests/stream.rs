@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{EpochProgress, OrderSpec, SampleRef, Shuffle, Tail, Topology, Weight};
-use ramjet_engine::{SourceConfig, Stream, StreamConfig, StreamState};
+use ramjet_engine::{Opened, SampleReader, SourceConfig, Stream, StreamConfig, StreamState};
 use ramjet_tests::{once_per_run, ramjet, ramjet_bin, ramjet_ok, s3, s3_prefix, synth_dataset, text};
 
 const N: usize = 40;
@@ -330,6 +330,35 @@ fn lines(p: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Starts `ramjet` with `args` and `env`: its output discarded, its stderr kept for
+/// [`wait_for_lines`] to show should it exit early.
+fn spawn_ramjet(args: &[&str], env: &[(&str, &str)]) -> std::process::Child {
+    Command::new(ramjet_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits, at most 60 s, until `child` has written `n` lines to `out`. A child that exits
+/// first fails the test with its stderr: one that died early would otherwise hold the loop.
+fn wait_for_lines(child: &mut std::process::Child, out: &Path, n: usize) {
+    let t0 = Instant::now();
+    while lines(out).len() < n {
+        if let Some(st) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(e) = child.stderr.as_mut() {
+                let _ = std::io::Read::read_to_string(e, &mut err);
+            }
+            panic!("the reader exited ({st}) after {} lines:\n{err}", lines(out).len());
+        }
+        ramjet_tests::assert_under(t0, Duration::from_secs(60), "the reader's progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run() {
     let url = dataset();
@@ -350,45 +379,20 @@ fn sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run() {
         "--cache-dir",
         cache.to_str().unwrap(),
     ];
-    let mut args: Vec<&str> = common.to_vec();
-    args.extend(["--out", a.to_str().unwrap()]);
-    ramjet_ok(&args);
+    let (a_out, b_out, state) = (a.to_str().unwrap(), b.to_str().unwrap(), st.to_str().unwrap());
+    ramjet_ok(&[&common[..], &["--out", a_out]].concat());
     assert_eq!(lines(&a).len(), 2 * N);
 
-    let mut args: Vec<&str> = common.to_vec();
-    args.extend([
-        "--out",
-        b.to_str().unwrap(),
-        "--state",
-        st.to_str().unwrap(),
-        "--step-ms",
-        "20",
-    ]);
-    let mut child = Command::new(ramjet_bin())
-        .args(&args)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while lines(&b).len() < N / 2 + 3 {
-        assert!(child.try_wait().unwrap().is_none(), "the reader exited early");
-        assert!(t0.elapsed() < Duration::from_secs(60), "the reader made no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: sending SIGKILL to our own child process.
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let mut child = spawn_ramjet(
+        &[&common[..], &["--out", b_out, "--state", state, "--step-ms", "20"]].concat(),
+        &[],
+    );
+    wait_for_lines(&mut child, &b, N / 2 + 3);
+    child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     assert!(lines(&b).len() < 2 * N, "killed too late to test anything");
 
-    let mut args: Vec<&str> = common.to_vec();
-    args.extend([
-        "--out",
-        b.to_str().unwrap(),
-        "--state",
-        st.to_str().unwrap(),
-        "--resume",
-    ]);
-    ramjet_ok(&args);
+    ramjet_ok(&[&common[..], &["--out", b_out, "--state", state, "--resume"]].concat());
     assert_eq!(
         lines(&b),
         lines(&a),
@@ -419,20 +423,11 @@ fn ramjet_audit_after_sigkill_and_resume_and_after_a_replay() {
             "--state",
             st.to_str().unwrap(),
         ];
-        let mut child = Command::new(ramjet_bin())
-            .args(common)
-            .args(["--out", out.to_str().unwrap(), "--step-ms", "20"])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t0 = Instant::now();
-        while lines(&out).len() < N / 2 {
-            assert!(child.try_wait().unwrap().is_none(), "the reader exited early");
-            assert!(t0.elapsed() < Duration::from_secs(60), "the reader made no progress");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        // SAFETY: sending SIGKILL to our own child process.
-        unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        let mut args = common.to_vec();
+        args.extend(["--out", out.to_str().unwrap(), "--step-ms", "20"]);
+        let mut child = spawn_ramjet(&args, &[]);
+        wait_for_lines(&mut child, &out, N / 2);
+        child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         if rewind > 0 {
             let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&st).unwrap()).unwrap();
@@ -573,7 +568,11 @@ fn a_flipped_byte_in_a_cached_shard_is_refetched_never_yielded() {
 fn random_access_by_global_index() {
     let url = dataset();
     let cache = tempfile::tempdir().unwrap();
-    let s = Stream::open(config(url, Topology::default(), Some(cache.path()))).unwrap();
+    let s = SampleReader::open(config(url, Topology::default(), Some(cache.path()))).unwrap();
+    // A reader has no order and no prefetcher: nothing is fetched until a sample is asked for.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let m = s.metrics();
+    assert_eq!((m.origin_requests, m.samples, m.cache_inserts), (0, 0, 0), "{m:?}");
     let src = synth_dataset(N);
     for i in [0u64, 13, N as u64 - 1] {
         let x = s.get(0, i).unwrap();
@@ -710,11 +709,7 @@ fn a_gated_stream_holds_its_reads_after_the_first_batch_until_the_gate_opens() {
     for _ in 0..24 {
         s.next_sample().unwrap().expect("a sample");
     }
-    assert!(
-        t.elapsed() < Duration::from_secs(30),
-        "the first batch waited {:?} for its own gate",
-        t.elapsed()
-    );
+    ramjet_tests::assert_under(t, Duration::from_secs(30), "the first batch waiting for its own gate");
 }
 
 /// The samples read one by one at the start share their requests: per shard, one GET for
@@ -891,28 +886,8 @@ fn read_into_outage(srv: &PrivateS3, url: &str, env: &[(&str, &str)], out: &Path
         "--out",
         out.to_str().unwrap(),
     ];
-    let mut child = Command::new(ramjet_bin())
-        .args(args)
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Bounded, and the reader must still be alive: one that died early would otherwise hold
-    // this loop (and CI) for good.
-    let t0 = Instant::now();
-    while lines(out).len() < 5 {
-        if let Some(st) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            let _ = std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err);
-            panic!("the reader exited ({st}) before the outage:\n{err}");
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the reader made no progress in 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let mut child = spawn_ramjet(&args, env);
+    wait_for_lines(&mut child, out, 5);
     srv.script("stop");
     assert!(lines(out).len() < N, "the outage must begin mid-epoch");
     child
@@ -982,11 +957,7 @@ fn the_origin_stopping_mid_epoch_fails_clearly_or_resumes_when_it_returns() {
         err.contains("origin error on s3://") && err.contains("attempt(s)"),
         "{err}"
     );
-    assert!(
-        t0.elapsed() < Duration::from_secs(20),
-        "gave up only after {:?}",
-        t0.elapsed()
-    );
+    ramjet_tests::assert_under(t0, Duration::from_secs(20), "giving up");
 }
 
 /// A consumer (one DataLoader worker of a `StatefulDataLoader`) resumes from its own saved
@@ -1072,11 +1043,7 @@ fn a_download_lock_held_past_its_limit_is_gone_around_not_waited_on_forever() {
         &[("RAMJET_FETCH_LOCK_WAIT_MS", "300")],
     );
     assert!(o.status.success(), "{}", text(&o));
-    assert!(
-        start.elapsed() < Duration::from_secs(120),
-        "took {:?} with the locks held",
-        start.elapsed()
-    );
+    ramjet_tests::assert_under(start, Duration::from_secs(120), "the stream with the locks held");
     assert_eq!(lines(&cached), lines(&plain), "same samples, same order");
     assert_eq!(lines(&plain).len(), N);
     let err = String::from_utf8_lossy(&o.stderr);

@@ -1,6 +1,6 @@
 //! A shard object replaced at the origin, on real packed files read through every path that
 //! reads samples one at a time: the stream's first samples (ranged reads), random access
-//! (`Stream::get`), the global shuffle beyond the resident budget, and `ramjet stream`.
+//! (`SampleReader::get`), the global shuffle beyond the resident budget, and `ramjet stream`.
 //!
 //! Regression (issue 42, defect 1): a sample read alone was checked against the per-sample
 //! checksum in its shard's own index, which travels with the shard, so a shard swapped for
@@ -24,7 +24,7 @@ use bytes::Bytes;
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::format::Manifest;
 use ramjet_engine::order::Shuffle;
-use ramjet_engine::{Error, Stream, StreamConfig};
+use ramjet_engine::{Error, SampleReader, Stream, StreamConfig};
 use ramjet_tests::{flip_byte, ramjet, ramjet_ok, synth_dataset, text};
 
 /// Packs `rows` JSONL rows of equal size (`tag` makes two datasets' records differ) into
@@ -158,7 +158,7 @@ fn get_checked(dir: &Path, m: &Manifest, bad: usize, clean: &HashMap<u64, Bytes>
 /// [`get_checked`]; with `whole` false, unchanged samples of shard `bad` may be returned, and
 /// at least one of its samples must fail.
 fn get_checked_as(dir: &Path, m: &Manifest, bad: usize, clean: &HashMap<u64, Bytes>, key: &str, whole: bool) {
-    let s = Stream::open(StreamConfig::new(dir.to_str().unwrap())).unwrap();
+    let s = SampleReader::open(StreamConfig::new(dir.to_str().unwrap())).unwrap();
     let bad_span = span(m, bad);
     let mut failed = 0;
     for g in 0..m.samples {

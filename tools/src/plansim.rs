@@ -17,7 +17,7 @@ use bytes::Bytes;
 use ramjet_engine::format::{shard_key, ColumnType, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value};
 use ramjet_engine::order::{OrderSpec, Shuffle};
 use ramjet_engine::provider::{Fetched, FetchedFrom, ShardProvider, ShardRequest};
-use ramjet_engine::{Error, Result, Stream, StreamConfig};
+use ramjet_engine::{Error, Opened, Result, Stream, StreamConfig};
 
 /// Serves one shard's bytes for every request.
 #[derive(Debug)]

@@ -215,6 +215,14 @@ def _convert(d: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
     return out
 
 
+def _with_aliases(d: Dict[str, Any]) -> Dict[str, Any]:
+    """Adds the deprecated names of a batch's columns (for one release): ``_stream`` is
+    ``_source`` (the same tensor, not a copy)."""
+    if "_source" in d:
+        d["_stream"] = d["_source"]
+    return d
+
+
 def _copy_order(batch: Dict[str, Any]) -> List[str]:
     """The keys of a batch's tensors in the order their host-to-device copies are queued:
     pageable ones (small columns: indexes, labels) before pinned ones (the image, in ramjet's
@@ -586,7 +594,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                 self._loader_key = (self._epoch, key[1])
             if meta["skipped"]:
                 cols["_skipped"] = meta["skipped"]
-            yield self._to_device(_convert(cols)) if self.device != "cpu" else _convert(cols)
+            yield _with_aliases(self._to_device(_convert(cols)) if self.device != "cpu" else _convert(cols))
             if meta["end_of_epoch"]:
                 return
 
@@ -789,7 +797,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             self._reader = _ramjet.Reader(json.dumps(cfg))
         if index < 0:
             raise IndexError(index)
-        return _convert(self._reader.get(0, int(index)), self.device)
+        return _with_aliases(_convert(self._reader.get(0, int(index)), self.device))
 
     def metrics(self) -> Dict[str, float]:
         """Counters of the running loader: origin and cache bytes, hit rate, batch wait."""
@@ -854,7 +862,7 @@ class Reader:
         else every column as stored)."""
         if index < 0:
             raise IndexError(index)
-        return _convert(self._reader().get(0, int(index)), self.device)
+        return _with_aliases(_convert(self._reader().get(0, int(index)), self.device))
 
     def get_bytes(self, index: int, column: str) -> bytes:
         """Column ``column`` of sample ``index``, a ``bytes`` column, undecoded."""

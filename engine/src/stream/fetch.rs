@@ -4,7 +4,7 @@
 //! each read verified; one flight per shard in the process (`crate::singleflight`). Single samples are
 //! read from a cached shard or with ranged GETs (merged per shard when read together).
 
-use super::{CachedReader, Shared, Source, INSERT_PERMIT_BYTES};
+use super::shared::{CachedReader, Shared, Source, INSERT_PERMIT_BYTES};
 use crate::cache::ShardId;
 use crate::chain::{blocking, Outcome, ShardAt, Step, Upstream, UpstreamFetch};
 use crate::error::Error;

@@ -27,21 +27,26 @@
 //!
 //! One module per concept: `plan` (pure: an epoch's order dealt to this consumer), `prefetch`
 //! (the task that sends the consumer everything it gets: the plan, the first samples, whole
-//! shards in first-use order, bounded by bytes), `source` (the stream's steps of the source
+//! shards in first-use order, bounded by bytes), `fetch` (the stream's steps of the fetch
 //! chain `crate::chain`: host daemon, disk cache, origin; one flight per shard in the
-//! process; single samples), `sample` (one sample read on its own: random access and global
-//! shuffle), `state` (what a consumer saves and resumes from); this file holds the consumer.
+//! process; single samples), `shared` (what the consumer and the reader share: the opened
+//! sources, the cache, the chain, the counters), `reader` (random access, [`SampleReader`]),
+//! `state` (what a consumer saves and resumes from); this file holds the consumer.
 
 mod fetch;
 mod plan;
 mod prefetch;
-mod sample;
+mod reader;
+mod shared;
 mod state;
 
 use plan::EpochPlan;
 use prefetch::prefetcher;
+pub use reader::SampleReader;
+pub use shared::Opened;
+use shared::{slice_record, Live, Shared};
+use state::starting_point;
 pub use state::{audit, epoch_lengths, Audit, AuditReport, ResumePoint, StreamState};
-use state::{check_consumer_state, check_saved_for, checked_epoch_positions};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -50,15 +55,11 @@ use std::time::Instant;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use crate::cache::{Cache, CacheConfig, ShardId};
-use crate::dataset::Dataset;
+use crate::cache::CacheConfig;
 use crate::error::{Error, Location, Result};
-use crate::format::{decode_record, IndexEntry, Schema, ShardReader, ValueRef, INDEX_ENTRY_LEN};
-use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::order::{
-    effective_len, EpochProgress, OrderCursor, OrderSpec, SampleRef, Shuffle, StreamShape, Topology, Weight,
-    ORDER_VERSION,
-};
+use crate::format::{decode_record, Schema, ValueRef};
+use crate::metrics::Metrics;
+use crate::order::{EpochProgress, OrderCursor, OrderSpec, SampleRef, Shuffle, Topology, Weight, ORDER_VERSION};
 use crate::provider::ShardProvider;
 
 /// One input dataset and its mixing weight.
@@ -119,7 +120,7 @@ pub struct StreamConfig {
     /// come from it; if it fails, the stream falls back to `cache` and the origin.
     #[serde(skip)]
     pub provider: Option<Arc<dyn ShardProvider>>,
-    /// Random access ([`Stream::get`]): bytes of whole shards kept in this process's memory.
+    /// Random access ([`SampleReader::get`]): bytes of whole shards kept in this process's memory.
     /// A sample of a shard not held here nor in the disk cache is read with two ranged GETs
     /// while its whole shard loads in the background (through `provider`, `cache` and the
     /// origin), so the next samples of that shard are local. The global shuffle (with a disk
@@ -260,59 +261,7 @@ impl Sample {
     }
 }
 
-struct Source {
-    ds: Dataset,
-    schema: Arc<Schema>,
-}
-
-impl Source {
-    /// Shard `shard`'s identity in the cache (its size and checksum).
-    fn id(&self, shard: usize) -> Result<ShardId> {
-        let (bytes, checksum) = self.ds.manifest().shard_bytes_checksum(shard)?;
-        Ok(ShardId { checksum, bytes })
-    }
-
-    /// URL of shard `shard` at the origin (the dataset's URL when the shard table cannot say).
-    fn shard_url(&self, shard: usize) -> String {
-        match self.ds.manifest().shard(shard) {
-            Ok(info) => self.ds.store().url(&info.key),
-            Err(_) => format!("{} shard {shard}", self.ds.manifest_url()),
-        }
-    }
-}
-
-/// Unit of the pending-insert budget (a semaphore permit per MiB).
-const INSERT_PERMIT_BYTES: u64 = 1 << 20;
-
-struct Shared {
-    /// Bytes of shards delivered whose cache copy is still pending, in MiB permits: the
-    /// copies queue behind a slow disk without holding delivery back, up to this budget.
-    inserts: Arc<tokio::sync::Semaphore>,
-    insert_permits: u32,
-    /// Writes the cache copies, at low priority.
-    filler: Option<&'static crate::cache::Filler>,
-    sources: Vec<Source>,
-    cache: Option<Cache>,
-    metrics: Arc<Metrics>,
-    cfg: StreamConfig,
-    shapes: Vec<StreamShape>,
-    /// Which fetch chain this stream fetches through (its host-daemon client and its cache
-    /// directory): whole-shard fetches coalesce in the process only between streams of the
-    /// same chain (streams that stand for different hosts, as in the cluster benchmark, never
-    /// share one).
-    chain: u64,
-    /// Indexes of cached shards read one sample at a time, when every source's fits in
-    /// `index_bytes_max` (`None` otherwise).
-    indexes: Option<std::sync::Mutex<HeldIndexes>>,
-    /// Shards whose samples read one at a time from the origin are tied to the manifest
-    /// (`fetch::vouch`).
-    vouched: std::sync::Mutex<fetch::Vouched>,
-}
-
 type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
-
-/// Indexes of cached shards held by a stream, by (stream, shard).
-type HeldIndexes = HashMap<(u32, u32), Arc<Vec<u8>>>;
 
 /// Hashes the consumer's `(epoch, position)` keys (a million an epoch under the global shuffle,
 /// where SipHash was 4% of the CPU): positions are the stream's own, not an attacker's, so a
@@ -366,39 +315,6 @@ enum Msg {
     Failed(Error),
 }
 
-#[derive(Clone)]
-struct Live {
-    bytes: Bytes,
-    header: crate::format::Header,
-    uses_left: u64,
-}
-
-/// Whole shards held in memory for random access ([`Stream::get`]).
-#[derive(Default)]
-struct Resident {
-    shards: HashMap<(u32, u32), Live>,
-    /// In the order they arrived: the oldest is dropped first.
-    arrived: std::collections::VecDeque<(u32, u32)>,
-    bytes: u64,
-    loading: std::collections::HashSet<(u32, u32)>,
-}
-
-impl Resident {
-    fn insert(&mut self, key: (u32, u32), live: Live, max: u64) {
-        let n = live.bytes.len() as u64;
-        while self.bytes + n > max {
-            let Some(old) = self.arrived.pop_front() else { break };
-            if let Some(l) = self.shards.remove(&old) {
-                self.bytes -= l.bytes.len() as u64;
-            }
-        }
-        if self.shards.insert(key, live).is_none() {
-            self.arrived.push_back(key);
-            self.bytes += n;
-        }
-    }
-}
-
 /// The sample stream of one consumer. Iterate with [`Stream::next_sample`] (or as an
 /// `Iterator`) from an ordinary thread; the I/O runs on the stream's own runtime.
 pub struct Stream {
@@ -426,13 +342,6 @@ pub struct Stream {
     /// shuffle), by (epoch, position).
     ranged_ready: HashMap<(u64, u64), Result<Bytes>, PositionHash>,
     prefetch: tokio::task::JoinHandle<()>,
-    /// Open readers of cached shard files, for samples read one by one (global shuffle,
-    /// random access): a sample then costs its two reads, not three more to open the shard.
-    /// Each is a `CachedShard`, pinned against eviction while held here.
-    readers: std::cell::RefCell<HashMap<(u32, u32), CachedReader>>,
-    /// Whole shards for random access, and the slots of their background loads.
-    resident: Arc<std::sync::Mutex<Resident>>,
-    loads: Arc<tokio::sync::Semaphore>,
 }
 
 /// Opens the prefetcher's first-batch gate (see [`Stream::open_gated`]); dropping it opens
@@ -454,12 +363,6 @@ pub(super) struct Gate {
     first_batch: usize,
 }
 
-/// An open reader of a cached shard file.
-type CachedReader = Arc<(crate::cache::CachedShard, ShardReader<std::fs::File>)>;
-
-/// Open shard readers kept by one stream.
-const OPEN_READERS_MAX: usize = 64;
-
 /// Ranged sample reads issued together while the first shards download.
 const RANGED_AHEAD_MAX: usize = 8;
 
@@ -472,6 +375,12 @@ const SAMPLE_BATCHES_IN_FLIGHT: usize = 8;
 /// The longest the prefetcher holds whole-shard fetches back for the first ranged reads.
 const FIRST_GATE_MAX: std::time::Duration = std::time::Duration::from_millis(500);
 
+impl Opened for Stream {
+    fn shared(&self) -> &Shared {
+        &self.shared
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         self.prefetch.abort();
@@ -479,15 +388,8 @@ impl Drop for Stream {
             return;
         }
         // Let cache copies already handed to the background finish, so a shard this stream
-        // fetched is in the cache for the next one (bounded: a stuck disk does not hang us).
-        let inserts = self.shared.inserts.clone();
-        let _ = self.rt.block_on(async {
-            tokio::time::timeout(
-                std::time::Duration::from_secs(60),
-                inserts.acquire_many(self.shared.insert_permits),
-            )
-            .await
-        });
+        // fetched is in the cache for the next one.
+        self.shared.wait_inserts(&self.rt);
     }
 }
 
@@ -510,128 +412,10 @@ impl Stream {
     }
 
     fn open_with(cfg: StreamConfig, gated: Option<usize>) -> Result<(Stream, Option<FirstGate>)> {
-        cfg.check()?;
-        let opened_at = Instant::now();
+        let shared = Shared::open(&cfg)?;
         let rt = crate::rt::handle()?;
-        let metrics = Arc::new(Metrics::default());
-        // Every source's manifest is read (and connections for the first batch opened) while
-        // the cache opens: on a 20 ms link each round trip before the first batch shows, and
-        // the cache's start (its folders, its I/O core) is local work that can overlap them.
-        let opening: Vec<_> = cfg
-            .sources
-            .iter()
-            .map(|sc| {
-                let url = sc.url.clone();
-                rt.spawn(async move { Dataset::open_to_stream(&url).await })
-            })
-            .collect();
-        let cache = match &cfg.cache {
-            Some(c) => Some(Cache::open(c.clone(), crate::io::detect()?, metrics.clone())?),
-            None => None,
-        };
-        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
-        tracing::debug!(ms = ms(opened_at), "stream: cache open");
-        let mut sources = Vec::new();
-        for (sc, opened) in cfg.sources.iter().zip(opening) {
-            let ds = match rt.block_on(opened) {
-                Ok(ds) => ds?,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(e) => return Err(Error::io(&sc.url, std::io::Error::other(e))),
-            };
-            sources.push(Source {
-                schema: Arc::new(ds.manifest().schema.clone()),
-                ds,
-            });
-        }
-        tracing::debug!(ms = ms(opened_at), "stream: manifests read");
-        // Nothing here is per shard: the order reads the shards' counts as it reaches them.
-        let shapes: Vec<StreamShape> = sources
-            .iter()
-            .zip(&cfg.sources)
-            .map(|(s, sc)| StreamShape {
-                version: s.ds.manifest().version.clone(),
-                counts: s.ds.manifest().shard_counts(),
-                weight: sc.weight,
-            })
-            .collect();
-        let (start, skip, audit_resume) = match (&cfg.resume_consumer, &cfg.resume) {
-            (Some(c), _) => {
-                let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
-                let n = checked_epoch_positions(&shapes)?;
-                let topo = cfg.topology;
-                let len = effective_len(n, topo.consumers() as u64, cfg.order.tail);
-                check_consumer_state(c, &versions, &cfg.order, topo, len)?;
-                (
-                    c.base.clone(),
-                    c.delivered as usize,
-                    Some((c.base.clone(), c.audit_base, c.audit)),
-                )
-            }
-            (None, Some(r)) => {
-                let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
-                check_saved_for(
-                    "resume state",
-                    r.order_version,
-                    &r.versions,
-                    &r.order,
-                    &versions,
-                    &cfg.order,
-                )?;
-                let n = checked_epoch_positions(&shapes)?;
-                let len = effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail);
-                r.progress
-                    .validate(len)
-                    .map_err(|why| Error::invalid("resume state", why))?;
-                (
-                    r.progress.clone(),
-                    0,
-                    Some((r.progress.clone(), r.audit, Audit::default())),
-                )
-            }
-            (None, None) => (
-                EpochProgress {
-                    epoch: cfg.first_epoch,
-                    ..EpochProgress::default()
-                },
-                0,
-                None,
-            ),
-        };
-        checked_epoch_positions(&shapes)?;
+        let (start, skip, audit_resume) = starting_point(&cfg, &shared.shapes)?;
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
-        // A shard larger than the whole budget takes all of it (permits are clamped).
-        let insert_permits = (cfg.prefetch_bytes_max / INSERT_PERMIT_BYTES + 1).min(u32::MAX as u64) as u32;
-        let chain = {
-            let provider = cfg
-                .provider
-                .as_ref()
-                .map_or(0, |p| Arc::as_ptr(p) as *const () as usize);
-            let dir = cfg.cache.as_ref().map(|c| c.dir.clone());
-            xxhash_rust::xxh3::xxh3_64(format!("{provider}\0{dir:?}").as_bytes())
-        };
-        // 24 bytes of index per sample: held for every shard read one sample at a time from the
-        // cache, when they all fit.
-        let index_bytes = sources
-            .iter()
-            .map(|s| s.ds.manifest().samples.saturating_mul(crate::format::INDEX_ENTRY_LEN))
-            .fold(0u64, u64::saturating_add);
-        let indexes = (index_bytes <= cfg.index_bytes_max).then(Default::default);
-        let shared = Arc::new(Shared {
-            indexes,
-            vouched: Default::default(),
-            chain,
-            inserts: Arc::new(tokio::sync::Semaphore::new(insert_permits as usize)),
-            insert_permits,
-            filler: match &cache {
-                Some(_) => Some(crate::cache::Filler::process()?),
-                None => None,
-            },
-            sources,
-            cache,
-            metrics,
-            shapes,
-            cfg: cfg.clone(),
-        });
         let avg_shard = shared
             .sources
             .iter()
@@ -686,9 +470,6 @@ impl Stream {
             live: HashMap::new(),
             ranged_ready: HashMap::default(),
             prefetch,
-            readers: Default::default(),
-            resident: Default::default(),
-            loads: Arc::new(tokio::sync::Semaphore::new(cfg.shards_in_flight_max.max(1))),
         };
         Ok((stream, first_gate))
     }
@@ -698,36 +479,6 @@ impl Stream {
     /// runtime thread turns this off: the copies then finish on their own.
     pub fn wait_inserts_on_drop(&mut self, wait: bool) {
         self.wait_inserts_on_drop = wait;
-    }
-
-    /// Number of sources.
-    pub fn sources(&self) -> usize {
-        self.shared.sources.len()
-    }
-
-    /// Source `s`'s dataset.
-    pub fn dataset(&self, s: usize) -> &Dataset {
-        &self.shared.sources[s].ds
-    }
-
-    /// Source `s`'s schema.
-    pub fn schema(&self, s: usize) -> Arc<Schema> {
-        self.shared.sources[s].schema.clone()
-    }
-
-    /// URL of a shard of a source.
-    pub fn shard_url(&self, stream: u32, shard: u32) -> String {
-        self.shared.sources[stream as usize].shard_url(shard as usize)
-    }
-
-    /// Counters so far.
-    pub fn metrics(&self) -> MetricsSnapshot {
-        self.shared.metrics.snapshot()
-    }
-
-    /// The live counters (shared with the prefetcher).
-    pub fn metrics_handle(&self) -> Arc<Metrics> {
-        self.shared.metrics.clone()
     }
 
     /// This consumer's position, to save.
@@ -876,19 +627,6 @@ impl Iterator for Stream {
     fn next(&mut self) -> Option<Self::Item> {
         self.next_sample().transpose()
     }
-}
-
-/// A record out of a live shard. The whole shard was verified when it was loaded (cache read
-/// or origin fetch), so only the index entry's bounds are checked here: hashing every record
-/// again would read every byte twice.
-fn slice_record(live: &Live, id: SampleRef, shared: &Shared) -> Result<Bytes> {
-    let o = crate::format::Header::entry_offset(id.index as u64) as usize;
-    let e = IndexEntry::parse(&live.bytes[o..o + INDEX_ENTRY_LEN as usize]);
-    if let Err(err) = e.check_bounds(&live.header, live.bytes.len() as u64, &Location::sample("", 0)) {
-        let url = shared.sources[id.source as usize].shard_url(id.shard as usize);
-        return Err(Error::corrupt(Location::sample(url, id.index as u64), err.to_string()));
-    }
-    Ok(live.bytes.slice(e.offset as usize..(e.offset + e.len) as usize))
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! point. Nothing per sample or per shard (a shard table's block of counts is read when the
 //! order first reaches it): positions and samples are computed as they are read.
 
-use super::Shared;
+use super::shared::Shared;
 use crate::error::Result;
 use crate::order::effective_len;
 use crate::order::EpochProgress;

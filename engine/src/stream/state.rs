@@ -8,7 +8,7 @@ use crate::order::effective_len;
 use crate::order::EpochProgress;
 use crate::order::OrderSpec;
 use crate::order::SampleRef;
-use crate::order::StreamShape;
+use crate::order::SourceShape;
 use crate::order::Topology;
 use std::sync::Arc;
 
@@ -26,11 +26,11 @@ pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
 
 /// The order's view of `cfg`'s sources (versions, shard counts, weights), from their
 /// manifests alone.
-async fn source_shapes(cfg: &StreamConfig) -> Result<Vec<StreamShape>> {
+async fn source_shapes(cfg: &StreamConfig) -> Result<Vec<SourceShape>> {
     let mut shapes = Vec::with_capacity(cfg.sources.len());
     for sc in &cfg.sources {
         let ds = Dataset::open(&sc.url).await?;
-        shapes.push(StreamShape {
+        shapes.push(SourceShape {
             version: ds.manifest().version.clone(),
             counts: ds.manifest().shard_counts(),
             weight: sc.weight,
@@ -41,7 +41,7 @@ async fn source_shapes(cfg: &StreamConfig) -> Result<Vec<StreamShape>> {
 
 /// An epoch's positions over `shapes`, refused when the counts overflow. The order is
 /// computed position by position, so no size is too large to plan.
-pub(super) fn checked_epoch_positions(shapes: &[StreamShape]) -> Result<u64> {
+pub(super) fn checked_epoch_positions(shapes: &[SourceShape]) -> Result<u64> {
     crate::order::epoch_positions(shapes)
         .ok_or_else(|| Error::invalid("sources", "the sources' sample counts overflow 64 bits"))
 }
@@ -391,3 +391,61 @@ pub(super) fn check_consumer_state(
     }
     Ok(())
 }
+
+/// Where a consumer starts, from its settings: its own saved state (`resume_consumer`, checked
+/// against the topology and the sources), the job's progress (`resume`), or the start of
+/// `first_epoch`. Returns the position, how many of its samples there this consumer already
+/// delivered, and the audits to continue from (the job's at the base, this consumer's own).
+pub(super) fn starting_point(
+    cfg: &StreamConfig,
+    shapes: &[SourceShape],
+) -> Result<(EpochProgress, usize, ResumedAudit)> {
+    let start = match (&cfg.resume_consumer, &cfg.resume) {
+        (Some(c), _) => {
+            let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
+            let n = checked_epoch_positions(shapes)?;
+            let topo = cfg.topology;
+            let len = effective_len(n, topo.consumers() as u64, cfg.order.tail);
+            check_consumer_state(c, &versions, &cfg.order, topo, len)?;
+            (
+                c.base.clone(),
+                c.delivered as usize,
+                Some((c.base.clone(), c.audit_base, c.audit)),
+            )
+        }
+        (None, Some(r)) => {
+            let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
+            check_saved_for(
+                "resume state",
+                r.order_version,
+                &r.versions,
+                &r.order,
+                &versions,
+                &cfg.order,
+            )?;
+            let n = checked_epoch_positions(shapes)?;
+            let len = effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail);
+            r.progress
+                .validate(len)
+                .map_err(|why| Error::invalid("resume state", why))?;
+            (
+                r.progress.clone(),
+                0,
+                Some((r.progress.clone(), r.audit, Audit::default())),
+            )
+        }
+        (None, None) => (
+            EpochProgress {
+                epoch: cfg.first_epoch,
+                ..EpochProgress::default()
+            },
+            0,
+            None,
+        ),
+    };
+    checked_epoch_positions(shapes)?;
+    Ok(start)
+}
+
+/// The audits a resumed consumer continues: its position, the job's audit there, its own since.
+pub(super) type ResumedAudit = Option<(EpochProgress, Audit, Audit)>;

@@ -8,7 +8,7 @@ use anyhow::Context;
 use crate::ui::{human_bytes, parse_size};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{OrderSpec, Shuffle, Tail, Topology, Weight};
-use ramjet_engine::{SourceConfig, Stream, StreamConfig, StreamState};
+use ramjet_engine::{Opened, SourceConfig, Stream, StreamConfig, StreamState};
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum ShuffleArg {

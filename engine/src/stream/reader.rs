@@ -1,27 +1,102 @@
-//! One sample read on its own (random access): from a whole shard held in memory, the disk
-//! cache (a pinned `CachedShard`, two reads), or two ranged GETs while the whole shard loads in
-//! the background. (The global shuffle reads its samples in batches: `prefetch`.)
+//! Random access: one sample read on its own, by its index in a source's dataset, as a
+//! map-style dataset needs. A [`SampleReader`] reads from a whole shard held in memory, the
+//! disk cache (a pinned `CachedShard`, two reads), or two ranged GETs while the whole shard
+//! loads in the background. It shares nothing with a [`Stream`](super::Stream) but the
+//! opened sources, cache and chain ([`Shared`]): it has no order, no epoch and no prefetcher.
+//! (The global shuffle reads its samples in batches: `prefetch`.)
 
-use super::fetch::fetch_sample_ranged;
-use super::fetch::fetch_shard;
-use super::{slice_record, CachedReader, Live, Sample, Source, Stream, OPEN_READERS_MAX};
-use crate::error::Error;
-use crate::error::Location;
-use crate::error::Result;
-use crate::metrics::Metrics;
-use crate::order::SampleRef;
-use bytes::Bytes;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::Arc;
 
-impl Stream {
-    /// One sample, by its index in stream `stream`'s dataset (random access, as a map-style
+use bytes::Bytes;
+
+use super::fetch::{fetch_sample_ranged, fetch_shard};
+use super::shared::{slice_record, CachedReader, Live, Opened, Shared, Source};
+use super::{Sample, StreamConfig};
+use crate::error::{Error, Location, Result};
+use crate::metrics::Metrics;
+use crate::order::SampleRef;
+
+/// Random access to the samples of one or more datasets (the sources of a [`StreamConfig`]),
+/// by index. Call it from an ordinary thread; network reads run on the process runtime.
+pub struct SampleReader {
+    /// The process's network runtime.
+    rt: tokio::runtime::Handle,
+    shared: Arc<Shared>,
+    /// Open readers of cached shard files: a sample then costs its two reads, not three more
+    /// to open the shard. Each is a `CachedShard`, pinned against eviction while held here.
+    readers: RefCell<HashMap<(u32, u32), CachedReader>>,
+    /// Whole shards held in memory, and the slots of their background loads.
+    resident: Arc<std::sync::Mutex<Resident>>,
+    loads: Arc<tokio::sync::Semaphore>,
+}
+
+impl Opened for SampleReader {
+    fn shared(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+impl Drop for SampleReader {
+    fn drop(&mut self) {
+        // Shards loaded for random access are copied into the cache in the background: let
+        // those copies finish, so the next reader finds them.
+        self.shared.wait_inserts(&self.rt);
+    }
+}
+
+/// Whole shards held in memory for random access ([`SampleReader::get`]).
+#[derive(Default)]
+struct Resident {
+    shards: HashMap<(u32, u32), Live>,
+    /// In the order they arrived: the oldest is dropped first.
+    arrived: std::collections::VecDeque<(u32, u32)>,
+    bytes: u64,
+    loading: std::collections::HashSet<(u32, u32)>,
+}
+
+impl Resident {
+    fn insert(&mut self, key: (u32, u32), live: Live, max: u64) {
+        let n = live.bytes.len() as u64;
+        while self.bytes + n > max {
+            let Some(old) = self.arrived.pop_front() else { break };
+            if let Some(l) = self.shards.remove(&old) {
+                self.bytes -= l.bytes.len() as u64;
+            }
+        }
+        if self.shards.insert(key, live).is_none() {
+            self.arrived.push_back(key);
+            self.bytes += n;
+        }
+    }
+}
+
+/// Open shard readers kept by one reader.
+const OPEN_READERS_MAX: usize = 64;
+
+impl SampleReader {
+    /// Opens every source's manifest and the cache; nothing is read until asked for. The
+    /// order, topology, epochs and resume settings of `cfg` play no part.
+    pub fn open(cfg: StreamConfig) -> Result<SampleReader> {
+        let loads = Arc::new(tokio::sync::Semaphore::new(cfg.shards_in_flight_max.max(1)));
+        Ok(SampleReader {
+            rt: crate::rt::handle()?,
+            shared: Shared::open(&cfg)?,
+            readers: Default::default(),
+            resident: Default::default(),
+            loads,
+        })
+    }
+
+    /// One sample, by its index in source `source`'s dataset (random access, as a map-style
     /// dataset needs): from a whole shard held in memory, else from the disk cache (two reads),
     /// else with two ranged GETs while the whole shard loads in the background (through the
     /// host daemon, the disk cache or the origin, verified), so each shard crosses the network
     /// once and the following samples of it are local. At most `resident_bytes_max` of shards
     /// are held; the oldest go first.
-    pub fn get(&self, stream: usize, global_index: u64) -> Result<Sample> {
-        let (id, src) = self.locate(stream, global_index)?;
+    pub fn get(&self, source: usize, global_index: u64) -> Result<Sample> {
+        let (id, src) = self.locate(source, global_index)?;
         Ok(Sample {
             epoch: 0,
             position: 0,
@@ -32,11 +107,11 @@ impl Stream {
         })
     }
 
-    /// [`Stream::get`] when the sample is local (a shard held in memory or in the disk cache):
+    /// [`SampleReader::get`] when the sample is local (a shard held in memory or in the disk cache):
     /// `Ok(None)` when reading it would need the network. It never waits on I/O beyond a
     /// local read, so a caller may run it inline.
-    pub fn get_local(&self, stream: usize, global_index: u64) -> Result<Option<Sample>> {
-        let (id, src) = self.locate(stream, global_index)?;
+    pub fn get_local(&self, source: usize, global_index: u64) -> Result<Option<Sample>> {
+        let (id, src) = self.locate(source, global_index)?;
         let Some(record) = self.read_local(id)? else {
             return Ok(None);
         };
@@ -50,7 +125,7 @@ impl Stream {
         }))
     }
 
-    pub(super) fn locate(&self, source: usize, global_index: u64) -> Result<(SampleRef, &Source)> {
+    fn locate(&self, source: usize, global_index: u64) -> Result<(SampleRef, &Source)> {
         let src = self
             .shared
             .sources
@@ -70,8 +145,8 @@ impl Stream {
         Ok((id, src))
     }
 
-    /// [`Stream::get`]'s read of one record.
-    pub(super) fn read_random(&self, id: SampleRef) -> Result<Bytes> {
+    /// [`SampleReader::get`]'s read of one record.
+    fn read_random(&self, id: SampleRef) -> Result<Bytes> {
         if let Some(rec) = self.read_local(id)? {
             return Ok(rec);
         }
@@ -83,7 +158,7 @@ impl Stream {
 
     /// `id`'s record from a whole shard held in memory, else from the disk cache; `None` when
     /// neither has it.
-    pub(super) fn read_local(&self, id: SampleRef) -> Result<Option<Bytes>> {
+    fn read_local(&self, id: SampleRef) -> Result<Option<Bytes>> {
         let held = self
             .resident
             .lock()
@@ -100,7 +175,7 @@ impl Stream {
 
     /// Starts loading a whole shard into [`Resident`], unless it is there, loading, or larger
     /// than the budget. At most `shards_in_flight_max` load at once.
-    pub(super) fn load_in_background(&self, key: (u32, u32)) {
+    fn load_in_background(&self, key: (u32, u32)) {
         let max = self.shared.cfg.resident_bytes_max;
         let Ok(id) = self.shared.sources[key.0 as usize].id(key.1 as usize) else {
             return;
@@ -143,7 +218,7 @@ impl Stream {
     /// `id`'s record from the cached copy of its shard (two reads), or `None` when the shard is
     /// not cached or the record there is damaged (its reader is then forgotten, and the caller
     /// reads the sample from the origin).
-    pub(super) fn read_cached(&self, id: SampleRef) -> Option<Bytes> {
+    fn read_cached(&self, id: SampleRef) -> Option<Bytes> {
         let r = self.cached_reader(id)?;
         match r.1.read_record(id.index as u64) {
             Ok(rec) => {
@@ -158,14 +233,14 @@ impl Stream {
     }
 
     /// An open reader of the cached copy of `id`'s shard, if the cache has one.
-    pub(super) fn cached_reader(&self, id: SampleRef) -> Option<CachedReader> {
+    fn cached_reader(&self, id: SampleRef) -> Option<CachedReader> {
         let key = (id.source, id.shard);
         if let Some(r) = self.readers.borrow().get(&key) {
             return Some(r.clone());
         }
         let cache = self.shared.cache.as_ref()?;
         let sid = self.shared.sources[id.source as usize].id(id.shard as usize).ok()?;
-        // Pinned against eviction while this stream holds it (at most `OPEN_READERS_MAX`).
+        // Pinned against eviction while this reader holds it (at most `OPEN_READERS_MAX`).
         let shard = cache.shard(sid).ok()??;
         let reader = shard.records().ok()?;
         let r = Arc::new((shard, reader));

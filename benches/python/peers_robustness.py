@@ -6,7 +6,7 @@ records what the peer did (the exception, or what it yielded) as observed, not a
 copied from elsewhere.
 
 Run with the peers' venv (tools/bench-venv.sh):
-    $(tools/bench-venv.sh) tools/bench/peers_robustness.py --out docs/robustness-peers.json
+    $(tools/bench-venv.sh) benches/python/peers_robustness.py --out docs/robustness-peers.json
 """
 
 import argparse
