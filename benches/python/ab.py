@@ -52,7 +52,11 @@ NUM = r"([\d.]+)"
 
 
 def stream_round(side: dict) -> dict:
-    t = sh([side["stream"], "--bench"], side["tree"] / "benches", stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout
+    run = subprocess.run([side["stream"], "--bench"], cwd=side["tree"] / "benches", text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    t = run.stdout
+    if run.returncode != 0:
+        raise SystemExit(f"the stream benchmark of {side['tree']} failed ({run.returncode}):\n{t[-3000:]}")
     cold = re.search(rf"\| cold epoch, local S3 \| {NUM} \| \d+ \| {NUM} \|[^|]*\| {NUM} \| {NUM} \| {NUM}x", t)
     warm = re.search(rf"\| warm epoch, local cache \| {NUM} \| \d+ \| {NUM} \|[^|]*\| {NUM} \| {NUM} \| {NUM}x", t)
     ttfs = re.search(rf"time to first sample, cold: {NUM}", t)

@@ -220,6 +220,11 @@ pub(super) struct Live {
 /// A record out of a live shard. The whole shard was verified when it was loaded (cache read
 /// or origin fetch), so only the index entry's bounds are checked here: hashing every record
 /// again would read every byte twice.
+///
+/// Called once per sample from the consumer's module. `#[inline]`, so that the release
+/// build's codegen units do not keep it out of line there (moved here without it, the warm
+/// epoch measured 1.07x and 1.13x of the build before; with it, 1.04x).
+#[inline]
 pub(super) fn slice_record(live: &Live, id: SampleRef, shared: &Shared) -> Result<Bytes> {
     let o = crate::format::Header::entry_offset(id.index as u64) as usize;
     let e = IndexEntry::parse(&live.bytes[o..o + INDEX_ENTRY_LEN as usize]);
