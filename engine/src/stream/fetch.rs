@@ -449,7 +449,7 @@ const VOUCHED_SHARDS_MAX: usize = 1 << 16;
 const VOUCHED_INDEX_BYTES_MAX: u64 = 64 << 20;
 
 /// Ties shard `key`'s samples read one at a time from the origin to the manifest, once per
-/// shard and stream, before any of its index entries is trusted. A sample's own checksum lives
+/// shard and source, before any of its index entries is trusted. A sample's own checksum lives
 /// in its shard's index, which travels with the shard: a shard swapped at the origin for
 /// another valid one (of this dataset or another) would pass its own per-sample checks.
 /// - A ramjet shard's footer (its last 16 bytes) must hold the manifest's checksum of the
@@ -554,8 +554,8 @@ pub(super) async fn vouch(
 /// Records `indices` of a shard with no index to read one sample by at the origin (a
 /// compressed foreign shard, `crate::foreign`): the shard whole, through the source
 /// chain, its view parsed once, each record sliced out of its verified bytes.
-async fn records_of_whole_shard(shared: &Arc<Shared>, stream: u32, shard: u32, indices: &[u64]) -> Vec<Result<Bytes>> {
-    let url = shared.sources[stream as usize].shard_url(shard as usize);
+async fn records_of_whole_shard(shared: &Arc<Shared>, source: u32, shard: u32, indices: &[u64]) -> Vec<Result<Bytes>> {
+    let url = shared.sources[source as usize].shard_url(shard as usize);
     let sliced = |bytes: Bytes| -> Result<Vec<Result<Bytes>>> {
         let view = crate::format::ShardView::parse(&bytes, &url)?;
         Ok(indices
@@ -563,7 +563,7 @@ async fn records_of_whole_shard(shared: &Arc<Shared>, stream: u32, shard: u32, i
             .map(|&i| view.record(i).map(|r| bytes.slice_ref(r)))
             .collect())
     };
-    match fetch_shard(shared.clone(), stream as usize, shard as usize)
+    match fetch_shard(shared.clone(), source as usize, shard as usize)
         .await
         .and_then(sliced)
     {
@@ -577,7 +577,7 @@ async fn records_of_whole_shard(shared: &Arc<Shared>, stream: u32, shard: u32, i
 struct HostDaemon<'a> {
     shared: &'a Arc<Shared>,
     provider: &'a Arc<dyn ShardProvider>,
-    stream: usize,
+    source: usize,
 }
 
 impl HostDaemon<'_> {
@@ -598,9 +598,9 @@ impl Upstream for HostDaemon<'_> {
                 .acquire()
                 .await
                 .map_err(|_| Error::invalid("host daemon", "call permits closed"))?;
-            let (sh, p, stream, shard) = (self.shared.clone(), self.provider.clone(), self.stream, at.shard);
+            let (sh, p, source, shard) = (self.shared.clone(), self.provider.clone(), self.source, at.shard);
             let got = blocking("host-daemon call", move || {
-                let src = &sh.sources[stream];
+                let src = &sh.sources[source];
                 p.fetch(&ShardRequest {
                     manifest_url: src.ds.manifest_url(),
                     shard: shard as u32,
@@ -641,15 +641,15 @@ pub(super) static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<ShardFlights>> = crat
 
 /// A whole shard, fetched once in this process however many streams want it at once: the
 /// first starts the flight ([`fetch_shard_once`]), the others join it.
-pub(super) async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
+pub(super) async fn fetch_shard(shared: Arc<Shared>, source: usize, shard: usize) -> Result<Bytes> {
     let flights = SHARD_FLIGHTS.get(|| Ok(Arc::default()))?;
-    let id = shared.sources[stream].id(shard)?;
+    let id = shared.sources[source].id(shard)?;
     let sh = shared.clone();
     let key = (id, shared.chain);
     let (flight, joined) = flights.join_or_start(
         &[key],
         key,
-        move || fetch_shard_once(sh, stream, shard),
+        move || fetch_shard_once(sh, source, shard),
         |why| {
             Err(Error::Internal {
                 thread: "shard fetch".into(),
@@ -666,8 +666,8 @@ pub(super) async fn fetch_shard(shared: Arc<Shared>, stream: usize, shard: usize
 /// A whole shard through the stream's fetch chain (`crate::chain`): the host daemon, else
 /// the disk cache, else (holding the host-wide download lock for it) the origin, then stored
 /// in the cache.
-pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: usize) -> Result<Bytes> {
-    let src = &shared.sources[stream];
+pub(super) async fn fetch_shard_once(shared: Arc<Shared>, source: usize, shard: usize) -> Result<Bytes> {
+    let src = &shared.sources[source];
     let at = ShardAt {
         ds: &src.ds,
         shard,
@@ -678,7 +678,7 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, stream: usize, shard: 
     let daemon = shared.cfg.provider.as_ref().map(|provider| HostDaemon {
         shared: &shared,
         provider,
-        stream,
+        source,
     });
     let mut steps = Vec::with_capacity(4);
     if let Some(d) = &daemon {

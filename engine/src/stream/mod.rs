@@ -243,7 +243,7 @@ pub struct Sample {
     pub position: u64,
     /// Stream, shard and index in the shard.
     pub id: SampleRef,
-    /// Index of the sample in its stream's dataset.
+    /// Index of the sample in its source's dataset.
     pub global_index: u64,
     /// The record bytes (verified against their checksum).
     pub record: Bytes,
@@ -261,7 +261,7 @@ impl Sample {
     }
 }
 
-type ShardKey = (u64, u32, u32); // (epoch, stream, shard)
+type ShardKey = (u64, u32, u32); // (epoch, source, shard)
 
 /// Hashes the consumer's `(epoch, position)` keys (a million an epoch under the global shuffle,
 /// where SipHash was 4% of the CPU): positions are the stream's own, not an attacker's, so a

@@ -166,7 +166,7 @@ impl Shared {
     }
 }
 
-/// Indexes of cached shards held by a stream, by (stream, shard).
+/// Indexes of cached shards held by a stream, by (source, shard).
 /// An open reader of a cached shard file, pinned against eviction while held.
 pub(super) type CachedReader = Arc<(crate::cache::CachedShard, ShardReader<std::fs::File>)>;
 
