@@ -13,6 +13,7 @@ use ramjet_engine::{Dataset, Error};
 mod augment;
 mod dlpack;
 mod loader;
+mod session;
 
 // mimalloc keeps freed memory mapped for reuse: with the system allocator each decoded image's
 // buffers were fresh pages, faulted in again image after image (docs/dependencies.md).
@@ -332,5 +333,9 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loader::epoch_lengths, m)?)?;
     m.add_function(wrap_pyfunction!(loader::init, m)?)?;
     m.add_function(wrap_pyfunction!(loader::loader_defaults, m)?)?;
+    m.add_class::<session::Session>()?;
+    m.add_function(wrap_pyfunction!(session::loader_options, m)?)?;
+    m.add_function(wrap_pyfunction!(session::loader_option_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(session::job_state, m)?)?;
     Ok(())
 }

@@ -22,9 +22,9 @@ use crate::{interruptible, to_py, wait_polling, InvalidInputError};
 /// What `StreamingDataset` passes down: the engine's [`LoaderConfig`] (its options and their
 /// defaults are defined there, once), plus the host daemon's socket.
 #[derive(Deserialize)]
-struct ConfigJson {
+pub(crate) struct ConfigJson {
     #[serde(flatten)]
-    loader: LoaderConfig,
+    pub(crate) loader: LoaderConfig,
     /// The host daemon's socket: whole shards come through it.
     #[serde(default)]
     daemon: Option<String>,
@@ -67,7 +67,7 @@ unsafe impl HostAlloc for PinnedAlloc {
 }
 
 /// The configuration, every option checked ([`LoaderConfig::check`]) before anything uses it.
-fn parse(config: &str) -> PyResult<ConfigJson> {
+pub(crate) fn parse(config: &str) -> PyResult<ConfigJson> {
     let cfg: ConfigJson =
         serde_json::from_str(config).map_err(|e| InvalidInputError::new_err(format!("loader configuration: {e}")))?;
     cfg.loader.check().map_err(to_py)?;
@@ -84,7 +84,7 @@ impl ConfigJson {
         sc
     }
 
-    fn loader(&self) -> Result<LoaderConfig, Error> {
+    pub(crate) fn loader(&self) -> Result<LoaderConfig, Error> {
         let mut cfg = LoaderConfig {
             stream: self.stream(),
             ..self.loader.clone()
@@ -126,7 +126,16 @@ static HOST_DAEMON: std::sync::Mutex<Option<ramjet_transport::HostDaemon>> = std
 /// path and whether this process started the daemon.
 #[pyfunction]
 #[pyo3(signature = (cache_dir, cache_limit, socket=None))]
-pub fn init(py: Python<'_>, cache_dir: String, cache_limit: u64, socket: Option<String>) -> PyResult<(String, bool)> {
+pub fn init(
+    py: Python<'_>,
+    cache_dir: String,
+    cache_limit: &Bound<'_, PyAny>,
+    socket: Option<String>,
+) -> PyResult<(String, bool)> {
+    let cache_limit = match crate::session::to_arg(cache_limit)? {
+        ramjet_engine::loader::Arg::None => 64 << 30,
+        arg => ramjet_engine::loader::options::size("cache_limit", &arg).map_err(to_py)?,
+    };
     let mut held = HOST_DAEMON.lock().expect("not poisoned");
     let path = socket
         .map(std::path::PathBuf::from)
@@ -147,7 +156,14 @@ pub fn init(py: Python<'_>, cache_dir: String, cache_limit: u64, socket: Option<
 /// A running batch pipeline (one consumer of the job).
 #[pyclass(module = "ramjet._ramjet")]
 pub struct Loader {
-    inner: Mutex<EngineLoader>,
+    inner: Arc<Mutex<EngineLoader>>,
+}
+
+impl Loader {
+    /// A handle on a loader a [`crate::session::Session`] runs.
+    pub(crate) fn shared(inner: Arc<Mutex<EngineLoader>>) -> Self {
+        Self { inner }
+    }
 }
 
 #[pymethods]
@@ -158,7 +174,7 @@ impl Loader {
         let cfg = parse(config)?.loader().map_err(to_py)?;
         let inner = interruptible(py, move || EngineLoader::start(cfg))?.map_err(to_py)?;
         Ok(Self {
-            inner: Mutex::new(inner),
+            inner: Arc::new(Mutex::new(inner)),
         })
     }
 
@@ -184,7 +200,7 @@ impl Loader {
     }
 }
 
-fn snapshot_dict<'py>(py: Python<'py>, snap: &impl serde::Serialize) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn snapshot_dict<'py>(py: Python<'py>, snap: &impl serde::Serialize) -> PyResult<Bound<'py, PyDict>> {
     let v = serde_json::to_value(snap).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
     let d = PyDict::new(py);
     if let serde_json::Value::Object(m) = v {
@@ -212,7 +228,7 @@ fn image_tensor(
     tensor(py, Storage::Host(buf), shape, dt)
 }
 
-fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'_, PyDict>)> {
+pub(crate) fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'_, PyDict>)> {
     let d = PyDict::new(py);
     let n = b.len() as i64;
     for (name, col) in b.columns {
@@ -253,23 +269,30 @@ fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'
     let meta = PyDict::new(py);
     meta.set_item("epoch", b.epoch)?;
     meta.set_item("end_of_epoch", b.end_of_epoch)?;
-    let state = serde_json::to_string(&b.state).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
-    meta.set_item("state", state)?;
+    if let Some(state) = &b.state {
+        // A raw loader's batch (a session keeps the state itself: no text per batch).
+        let state = serde_json::to_string(state).map_err(|e| InvalidInputError::new_err(e.to_string()))?;
+        meta.set_item("state", state)?;
+    }
     let skipped: Vec<(String, u64, String)> = b.skipped.into_iter().map(|s| (s.shard, s.sample, s.reason)).collect();
     meta.set_item("skipped", skipped)?;
     Ok((d, meta))
+}
+
+/// Consumers' states from their JSON text.
+pub(crate) fn parse_states(states: &[String]) -> PyResult<Vec<StreamState>> {
+    states
+        .iter()
+        .map(|s| serde_json::from_str(s))
+        .collect::<Result<_, _>>()
+        .map_err(|e| InvalidInputError::new_err(format!("stream state: {e}")))
 }
 
 /// The job's resume point (JSON) from every consumer's state (JSON), all taken after the
 /// same step.
 #[pyfunction]
 pub fn job_progress(states: Vec<String>) -> PyResult<String> {
-    let parsed: Vec<StreamState> = states
-        .iter()
-        .map(|s| serde_json::from_str(s))
-        .collect::<Result<_, _>>()
-        .map_err(|e| InvalidInputError::new_err(format!("stream state: {e}")))?;
-    let r = StreamState::job_progress(&parsed).map_err(to_py)?;
+    let r = StreamState::job_progress(&parse_states(&states)?).map_err(to_py)?;
     serde_json::to_string(&r).map_err(|e| InvalidInputError::new_err(e.to_string()))
 }
 
@@ -323,9 +346,23 @@ pub struct Reader {
 #[pymethods]
 impl Reader {
     /// Opens the datasets (nothing is prefetched).
+    ///
+    /// A reader has no epoch to draw random crops from, so the training transform is read as
+    /// the evaluation one. `resident_bytes` bounds the whole shards held in memory.
     #[new]
-    fn new(py: Python<'_>, config: &str) -> PyResult<Self> {
-        let cfg = parse(config)?;
+    #[pyo3(signature = (config, resident_bytes=None))]
+    fn new(py: Python<'_>, config: &str, resident_bytes: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let mut v: serde_json::Value = serde_json::from_str(config)
+            .map_err(|e| InvalidInputError::new_err(format!("reader configuration: {e}")))?;
+        if let Some(img) = v.get_mut("image").filter(|i| i.is_object()) {
+            if img.get("augment").and_then(|a| a.as_str()).unwrap_or("train") == "train" {
+                img["augment"] = "eval".into();
+            }
+        }
+        if let Some(n) = Self::check_resident_bytes(resident_bytes)? {
+            v["resident_bytes_max"] = n.into();
+        }
+        let cfg = parse(&v.to_string())?;
         let sc = cfg.stream();
         let reader = interruptible(py, move || SampleReader::open(sc))?.map_err(to_py)?;
         // The loader's assembly with the evaluation settings given, the boxes column left as
@@ -340,6 +377,19 @@ impl Reader {
             state: Arc::new(Mutex::new((reader, Scratch::default()))),
             assemblers: Arc::new(assemblers),
         })
+    }
+
+    /// `resident_bytes` checked by the engine: `None`, or a byte count of at least 0.
+    #[staticmethod]
+    #[pyo3(signature = (resident_bytes=None))]
+    fn check_resident_bytes(resident_bytes: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+        let Some(r) = resident_bytes else { return Ok(None) };
+        let arg = crate::session::to_arg(r)?;
+        if arg == ramjet_engine::loader::Arg::None {
+            return Ok(None);
+        }
+        let n = ramjet_engine::loader::options::int("resident_bytes", &arg, 0, u64::MAX as i128).map_err(to_py)?;
+        Ok(Some(n as u64))
     }
 
     /// Column `column` of sample `index` of source `source`, as bytes (a `bytes` column, e.g.

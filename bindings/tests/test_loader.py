@@ -211,7 +211,7 @@ def test_the_old_name_of_a_source_still_works_and_says_it_is_deprecated(classes)
     url, _ = classes
     with pytest.warns(DeprecationWarning, match="ramjet.Source"):
         old = ramjet.Stream(url, repeat=2.0)
-    assert isinstance(old, ramjet.Source) and old._weight() == ramjet.Source(url, repeat=2.0)._weight()
+    assert isinstance(old, ramjet.Source) and old._arg() == ramjet.Source(url, repeat=2.0)._arg()
     ds = ramjet.StreamingDataset([old], batch_size=16, image_size=32, boxes_column=None)
     assert ds.num_samples == 2 * N
 
@@ -848,3 +848,25 @@ def test_device_cuda_yields_the_cpu_path_s_batches_on_the_gpu(classes):
     for a, b in zip(cpu, gpu):
         assert b["image"].device.type == "cuda" and b["label"].device.type == "cuda"
         assert torch.equal(a["image"], b["image"].cpu()) and torch.equal(a["label"], b["label"].cpu())
+
+
+def test_the_python_signature_names_exactly_the_engines_options():
+    """Options are checked once, by the engine (ramjet_engine::loader::options): every keyword
+    of StreamingDataset but the process-side ones (daemon, device) is one of its options, with
+    the same default, and it takes no other."""
+    import inspect
+
+    engine = json.loads(ramjet._ramjet.loader_option_defaults())
+    params = inspect.signature(ramjet.StreamingDataset.__init__).parameters
+    names = [k for k in params if k not in ("self", "daemon", "device")]
+    assert sorted(names) == sorted(engine)
+    for k in names:
+        ours, theirs = params[k].default, engine[k]
+        if ours is inspect.Parameter.empty:
+            assert theirs is None, k
+        elif isinstance(ours, (tuple, list)):
+            assert list(ours) == pytest.approx(theirs), k
+        else:
+            assert ours == theirs, (k, ours, theirs)
+    with pytest.raises(ramjet.InvalidInputError, match="batch_sise"):
+        ramjet._ramjet.loader_options({"remote": "s3://b/d", "batch_sise": 8})

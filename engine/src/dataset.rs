@@ -693,70 +693,7 @@ impl Dataset {
                             return (i, vec![p], 0);
                         }
                     };
-                    let url = self.store.url(&info.key);
-                    let problem = |sample: Option<u64>, message: String| ShardProblem {
-                        shard: i,
-                        url: url.clone(),
-                        sample,
-                        global_sample: sample.map(|s| start + s),
-                        message,
-                    };
-                    let stored = match self.store.get(&info.key).await {
-                        Ok(b) => b,
-                        Err(e) => return (i, vec![problem(None, e.to_string())], 0),
-                    };
-                    progress(stored.len() as u64);
-                    // A foreign shard is checked as stored, then as the ramjet shard it
-                    // transcodes to.
-                    let stored_copy = stored.clone();
-                    let bytes = match self.as_ramjet_shard(&info, stored) {
-                        Ok((b, _)) => b,
-                        Err(e) => {
-                            let sample = match &e {
-                                Error::Corrupt { at, .. } => at.sample,
-                                _ => None,
-                            };
-                            return (i, vec![problem(sample, e.to_string())], 0);
-                        }
-                    };
-                    let expect = ShardExpect {
-                        bytes: info.bytes,
-                        samples: info.samples,
-                        checksum: info.checksum_u64(),
-                        schema: &self.manifest.schema,
-                    };
-                    let n = bytes.len() as u64;
-                    // Hashing a 64 MiB shard is CPU work: keep it off the I/O threads.
-                    let (bytes2, url2, expect_schema) = (bytes.clone(), url.clone(), self.manifest.schema.clone());
-                    let found = tokio::task::spawn_blocking(move || {
-                        let e = ShardExpect {
-                            schema: &expect_schema,
-                            ..expect
-                        };
-                        verify_shard_bytes(&bytes2, &url2, &e)
-                    })
-                    .await
-                    .expect("verify task panicked");
-                    let mut probs: Vec<ShardProblem> =
-                        found.into_iter().map(|p| problem(p.sample, p.message)).collect();
-                    if let Some(ix) = info.foreign.as_ref().and_then(|f| f.index.as_ref()) {
-                        let ix_url = self.index_store().url(&ix.key);
-                        for (sample, p) in self.verify_sample_index(&info, &stored_copy, &bytes).await {
-                            probs.push(ShardProblem {
-                                url: ix_url.clone(),
-                                ..problem(sample, p)
-                            });
-                        }
-                    }
-                    if let Some(c) = &info.columns {
-                        let side_url = self.store.url(&c.key);
-                        if let Some(p) = self.verify_sidecar(i, &bytes, &url).await {
-                            probs.push(ShardProblem {
-                                url: side_url,
-                                ..problem(None, p)
-                            });
-                        }
-                    }
+                    let (probs, n) = self.verify_one(i, start, &info, progress).await;
                     (i, probs, n)
                 }
             })
@@ -777,6 +714,82 @@ impl Dataset {
             report.problems.extend(probs);
         }
         report
+    }
+
+    /// Verifies shard `i` (its first sample is `start` in the dataset): the stored object, the
+    /// ramjet shard it is or transcodes to, a foreign shard's sample index, the sidecar. Returns
+    /// its problems and the bytes read.
+    async fn verify_one(
+        &self,
+        i: usize,
+        start: u64,
+        info: &ShardInfo,
+        progress: &(impl Fn(u64) + Sync),
+    ) -> (Vec<ShardProblem>, u64) {
+        let url = self.store.url(&info.key);
+        let problem = |sample: Option<u64>, message: String| ShardProblem {
+            shard: i,
+            url: url.clone(),
+            sample,
+            global_sample: sample.map(|s| start + s),
+            message,
+        };
+        let stored = match self.store.get(&info.key).await {
+            Ok(b) => b,
+            Err(e) => return (vec![problem(None, e.to_string())], 0),
+        };
+        progress(stored.len() as u64);
+        // A foreign shard is checked as stored, then as the ramjet shard it
+        // transcodes to.
+        let stored_copy = stored.clone();
+        let bytes = match self.as_ramjet_shard(info, stored) {
+            Ok((b, _)) => b,
+            Err(e) => {
+                let sample = match &e {
+                    Error::Corrupt { at, .. } => at.sample,
+                    _ => None,
+                };
+                return (vec![problem(sample, e.to_string())], 0);
+            }
+        };
+        let expect = ShardExpect {
+            bytes: info.bytes,
+            samples: info.samples,
+            checksum: info.checksum_u64(),
+            schema: &self.manifest.schema,
+        };
+        let n = bytes.len() as u64;
+        // Hashing a 64 MiB shard is CPU work: keep it off the I/O threads.
+        let (bytes2, url2, expect_schema) = (bytes.clone(), url.clone(), self.manifest.schema.clone());
+        let found = tokio::task::spawn_blocking(move || {
+            let e = ShardExpect {
+                schema: &expect_schema,
+                ..expect
+            };
+            verify_shard_bytes(&bytes2, &url2, &e)
+        })
+        .await
+        .expect("verify task panicked");
+        let mut probs: Vec<ShardProblem> = found.into_iter().map(|p| problem(p.sample, p.message)).collect();
+        if let Some(ix) = info.foreign.as_ref().and_then(|f| f.index.as_ref()) {
+            let ix_url = self.index_store().url(&ix.key);
+            for (sample, p) in self.verify_sample_index(info, &stored_copy, &bytes).await {
+                probs.push(ShardProblem {
+                    url: ix_url.clone(),
+                    ..problem(sample, p)
+                });
+            }
+        }
+        if let Some(c) = &info.columns {
+            let side_url = self.store.url(&c.key);
+            if let Some(p) = self.verify_sidecar(i, &bytes, &url).await {
+                probs.push(ShardProblem {
+                    url: side_url,
+                    ..problem(None, p)
+                });
+            }
+        }
+        (probs, n)
     }
 }
 

@@ -21,6 +21,7 @@ pub mod order;
 pub mod provider;
 pub mod rt;
 pub mod singleflight;
+pub mod size;
 pub mod store;
 pub mod stream;
 

@@ -750,8 +750,6 @@ fn pack_jsonl(
     progress: &indicatif::ProgressBar,
     skipped: &mut Skipped,
 ) -> Result<Packed> {
-    use std::io::BufRead;
-
     let io = |e: std::io::Error| Error::io(src.display(), e);
     let file = fs::File::open(src).map_err(io)?;
     progress.set_length(file.metadata().map(|m| m.len()).unwrap_or(0));
@@ -777,49 +775,16 @@ fn pack_jsonl(
             let mut line_no = 0usize;
             let (mut builder, mut acc, mut idx): (Option<ShardBuilder>, u64, usize) = (None, 0, 0);
             loop {
-                let mut lines: Vec<(usize, String)> = Vec::new();
-                let mut chunk = 0usize;
-                while chunk < JSONL_CHUNK_BYTES {
-                    let mut l = String::new();
-                    let n = reader.read_line(&mut l).map_err(io)?;
-                    if n == 0 {
-                        break;
-                    }
-                    line_no += 1;
-                    chunk += n;
-                    if !l.trim().is_empty() {
-                        lines.push((line_no, l));
-                    }
-                }
+                let (lines, chunk) = read_chunk(&mut reader, &mut line_no).map_err(io)?;
                 progress.inc(chunk as u64);
                 if lines.is_empty() && chunk == 0 {
                     break;
                 }
                 let what = |n: usize| format!("{}:{}", src.display(), n);
                 if schema.is_none() {
-                    // The first JSON object defines the schema.
-                    schema = lines
-                        .iter()
-                        .find_map(|(_, l)| match serde_json::from_str::<Json>(l) {
-                            Ok(Json::Object(m)) if !m.is_empty() => {
-                                Some(Schema::new(m.iter().map(|(k, v)| (k.clone(), json_type(v)))))
-                            }
-                            _ => None,
-                        })
-                        .transpose()?;
+                    schema = first_schema(&lines)?;
                 }
-                let rows: Vec<Result<(Vec<Value>, u64)>> = lines
-                    .par_iter()
-                    .map(|(n, l)| {
-                        let w = what(*n);
-                        let m = match serde_json::from_str::<Json>(l) {
-                            Ok(Json::Object(m)) if !m.is_empty() => m,
-                            Ok(_) => return Err(Error::invalid(w, "line is not a non-empty JSON object")),
-                            Err(e) => return Err(Error::invalid(w, format!("invalid JSON: {e}"))),
-                        };
-                        jsonl_row(schema.as_ref().expect("an object was found above"), &m, &w)
-                    })
-                    .collect();
+                let rows = parse_rows(&lines, schema.as_ref(), &what);
                 for ((n, _), r) in lines.iter().zip(rows) {
                     let (vals, size) = match r {
                         Ok(v) => v,
@@ -866,6 +831,61 @@ fn pack_jsonl(
         ),
     );
     Ok((schema, meta, done.into_iter().map(|(_, i)| i).collect(), input_bytes))
+}
+
+/// The next lines of a JSONL file, about [`JSONL_CHUNK_BYTES`] of them, each with its line
+/// number (blank lines are left out but counted), and the bytes read.
+fn read_chunk(
+    reader: &mut impl std::io::BufRead,
+    line_no: &mut usize,
+) -> std::io::Result<(Vec<(usize, String)>, usize)> {
+    let mut lines: Vec<(usize, String)> = Vec::new();
+    let mut chunk = 0usize;
+    while chunk < JSONL_CHUNK_BYTES {
+        let mut l = String::new();
+        let n = reader.read_line(&mut l)?;
+        if n == 0 {
+            break;
+        }
+        *line_no += 1;
+        chunk += n;
+        if !l.trim().is_empty() {
+            lines.push((*line_no, l));
+        }
+    }
+    Ok((lines, chunk))
+}
+
+/// The schema the first non-empty JSON object among `lines` defines, if there is one.
+fn first_schema(lines: &[(usize, String)]) -> Result<Option<Schema>> {
+    lines
+        .iter()
+        .find_map(|(_, l)| match serde_json::from_str::<Json>(l) {
+            Ok(Json::Object(m)) if !m.is_empty() => Some(Schema::new(m.iter().map(|(k, v)| (k.clone(), json_type(v))))),
+            _ => None,
+        })
+        .transpose()
+}
+
+/// Each line as the schema's values and their size, in parallel; a line that is not a
+/// non-empty JSON object, or does not fit the schema, is an error naming it (`what`).
+fn parse_rows(
+    lines: &[(usize, String)],
+    schema: Option<&Schema>,
+    what: &(dyn Fn(usize) -> String + Sync),
+) -> Vec<Result<(Vec<Value>, u64)>> {
+    lines
+        .par_iter()
+        .map(|(n, l)| {
+            let w = what(*n);
+            let m = match serde_json::from_str::<Json>(l) {
+                Ok(Json::Object(m)) if !m.is_empty() => m,
+                Ok(_) => return Err(Error::invalid(w, "line is not a non-empty JSON object")),
+                Err(e) => return Err(Error::invalid(w, format!("invalid JSON: {e}"))),
+            };
+            jsonl_row(schema.expect("an object was found above"), &m, &w)
+        })
+        .collect()
 }
 
 /// One JSONL object as the schema's values, and their encoded size.

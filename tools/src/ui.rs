@@ -8,7 +8,6 @@ use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use ramjet_engine::Invalid;
 
 /// One progress line for a log: `pack: 12.0 MiB/48.0 MiB (25%), 6.0 MiB/s, 2 s`.
 pub fn progress_line(msg: &str, pos: u64, len: Option<u64>, elapsed: Duration, bytes: bool) -> String {
@@ -106,28 +105,8 @@ pub fn human_bytes(n: u64) -> String {
     }
 }
 
-/// Parses `64MiB`, `64M`, `1.5GB`, `4096`.
-pub fn parse_size(s: &str) -> Result<u64, Invalid> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().map_err(|_| Invalid::from(format!("{s:?} is not a size")))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "kb" => 1000,
-        "m" | "mib" => 1 << 20,
-        "mb" => 1_000_000,
-        "g" | "gib" => 1 << 30,
-        "gb" => 1_000_000_000,
-        other => return Err(Invalid::from(format!("unknown size unit {other:?} in {s:?}"))),
-    };
-    let bytes = v * mult as f64;
-    if bytes >= u64::MAX as f64 {
-        return Err(Invalid::from(format!("{s:?} is more bytes than a 64-bit count holds")));
-    }
-    Ok(bytes as u64)
-}
+/// Parses `64MiB`, `64M`, `1.5GB`, `4096` (the engine's one parser of byte counts).
+pub use ramjet_engine::size::parse as parse_size;
 
 #[cfg(test)]
 mod tests {

@@ -235,6 +235,14 @@ impl StatsDoc {
                 o.push_str(&format!("ramjet_{name}{labels} {v}\n"));
             }
         };
+        self.expose_reads(&mut counter);
+        self.expose_counters(&mut counter);
+        self.expose_ring(&mut counter);
+        o
+    }
+
+    /// Shards and bytes served and the read latency, by source.
+    fn expose_reads(&self, counter: &mut impl FnMut(&str, &str, &str, Vec<(String, f64)>)) {
         let by_src = |m: &BTreeMap<String, u64>| {
             m.iter()
                 .map(|(k, v)| (format!("{{source=\"{k}\"}}"), *v as f64))
@@ -259,37 +267,43 @@ impl StatsDoc {
             }
         }
         counter("read_latency_seconds", "Shard read latency, by source.", "summary", q);
+    }
+
+    /// The daemon's counters and gauges: flights, failures, refusals, peers served, origin
+    /// traffic, the node cache.
+    fn expose_counters(&self, counter: &mut impl FnMut(&str, &str, &str, Vec<(String, f64)>)) {
         let one = |v: u64| vec![(String::new(), v as f64)];
-        counter(
-            "singleflight_coalesced_total",
-            "Requests that joined a fetch in flight.",
-            "counter",
-            one(self.singleflight_coalesced),
-        );
-        counter(
-            "singleflight_timeouts_total",
-            "Waiters that gave up on a flight.",
-            "counter",
-            one(self.singleflight_timeouts),
-        );
-        counter(
-            "failures_total",
-            "Failed shard requests.",
-            "counter",
-            one(self.failures),
-        );
-        counter(
-            "auth_refused_total",
-            "Peer connections refused by the handshake.",
-            "counter",
-            one(self.auth_refused),
-        );
-        counter(
-            "requests_refused_total",
-            "Requests refused by validation.",
-            "counter",
-            one(self.requests_refused),
-        );
+        // Unlabelled counters and gauges, in exposition order: (name, help, kind, value).
+        let plain = [
+            (
+                "singleflight_coalesced_total",
+                "Requests that joined a fetch in flight.",
+                "counter",
+                self.singleflight_coalesced,
+            ),
+            (
+                "singleflight_timeouts_total",
+                "Waiters that gave up on a flight.",
+                "counter",
+                self.singleflight_timeouts,
+            ),
+            ("failures_total", "Failed shard requests.", "counter", self.failures),
+            (
+                "auth_refused_total",
+                "Peer connections refused by the handshake.",
+                "counter",
+                self.auth_refused,
+            ),
+            (
+                "requests_refused_total",
+                "Requests refused by validation.",
+                "counter",
+                self.requests_refused,
+            ),
+        ];
+        for (name, help, kind, v) in plain {
+            counter(name, help, kind, one(v));
+        }
         counter(
             "connections_refused_total",
             "Connections closed on accept: their class (or their address's share) was full.",
@@ -299,48 +313,48 @@ impl StatsDoc {
                 .map(|(k, v)| (format!("{{class=\"{k}\"}}"), *v as f64))
                 .collect(),
         );
-        counter(
-            "peer_served_total",
-            "Shards served to peers.",
-            "counter",
-            one(self.peer_served),
-        );
-        counter(
-            "peer_served_bytes_total",
-            "Bytes served to peers.",
-            "counter",
-            one(self.peer_served_bytes),
-        );
-        counter(
-            "peer_corrupt_total",
-            "Peer deliveries that failed verification.",
-            "counter",
-            one(self.peer_corrupt),
-        );
-        counter(
-            "origin_requests_total",
-            "GET requests sent to the origin.",
-            "counter",
-            one(self.origin_requests),
-        );
-        counter(
-            "origin_bytes_total",
-            "Bytes fetched from the origin.",
-            "counter",
-            one(self.origin_bytes),
-        );
-        counter(
-            "cache_bytes",
-            "Bytes in the node cache.",
-            "gauge",
-            one(self.cache_bytes),
-        );
-        counter(
-            "cache_shards",
-            "Shards in the node cache.",
-            "gauge",
-            one(self.cache_shards),
-        );
+        let plain = [
+            (
+                "peer_served_total",
+                "Shards served to peers.",
+                "counter",
+                self.peer_served,
+            ),
+            (
+                "peer_served_bytes_total",
+                "Bytes served to peers.",
+                "counter",
+                self.peer_served_bytes,
+            ),
+            (
+                "peer_corrupt_total",
+                "Peer deliveries that failed verification.",
+                "counter",
+                self.peer_corrupt,
+            ),
+            (
+                "origin_requests_total",
+                "GET requests sent to the origin.",
+                "counter",
+                self.origin_requests,
+            ),
+            (
+                "origin_bytes_total",
+                "Bytes fetched from the origin.",
+                "counter",
+                self.origin_bytes,
+            ),
+            ("cache_bytes", "Bytes in the node cache.", "gauge", self.cache_bytes),
+            ("cache_shards", "Shards in the node cache.", "gauge", self.cache_shards),
+        ];
+        for (name, help, kind, v) in plain {
+            counter(name, help, kind, one(v));
+        }
+    }
+
+    /// The ring and its peers' health.
+    fn expose_ring(&self, counter: &mut impl FnMut(&str, &str, &str, Vec<(String, f64)>)) {
+        let one = |v: u64| vec![(String::new(), v as f64)];
         counter("ring_version", "Ring version.", "gauge", one(self.ring_version));
         counter("ring_members", "Ring members.", "gauge", one(self.members.len() as u64));
         let health = self
@@ -349,7 +363,6 @@ impl StatsDoc {
             .map(|(p, h)| (format!("{{peer=\"{p}\"}}"), if h.healthy { 1.0 } else { 0.0 }))
             .collect();
         counter("peer_up", "Peer reachable at the last attempt.", "gauge", health);
-        o
     }
 }
 

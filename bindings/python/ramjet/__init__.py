@@ -153,7 +153,7 @@ def init(
     """
     global _daemon_socket
     cache = cache_dir or os.environ.get("RAMJET_CACHE_DIR") or os.path.expanduser("~/.cache/ramjet")
-    path, _embedded = _ramjet.init(os.fspath(cache), _parse_size(cache_limit, "cache_limit") or (64 << 30), socket)
+    path, _embedded = _ramjet.init(os.fspath(cache), cache_limit, socket)
     _daemon_socket = path
     return path
 
@@ -178,17 +178,9 @@ class Source:
     repeat: Optional[float] = None
     count: Optional[int] = None
 
-    def _weight(self) -> Dict[str, Any]:
-        given = [k for k in ("proportion", "repeat", "count") if getattr(self, k) is not None]
-        if len(given) > 1:
-            raise InvalidInputError(f"source {self.remote}: give at most one of {given}")
-        if self.proportion is not None:
-            return {"kind": "proportion", "value": float(self.proportion)}
-        if self.repeat is not None:
-            return {"kind": "repeat", "value": float(self.repeat)}
-        if self.count is not None:
-            return {"kind": "count", "value": int(self.count)}
-        return {"kind": "natural"}
+    def _arg(self) -> Dict[str, Any]:
+        """This source as the engine's option ``remote`` takes it (the engine checks it)."""
+        return {"remote": self.remote, "proportion": self.proportion, "repeat": self.repeat, "count": self.count}
 
 
 @dataclass(frozen=True)
@@ -231,74 +223,12 @@ def _copy_order(batch: Dict[str, Any]) -> List[str]:
     return [k for k in tensors if not batch[k].is_pinned()] + [k for k in tensors if batch[k].is_pinned()]
 
 
-def _parse_size(s: Union[int, str, None], name: str = "cache_limit") -> Optional[int]:
-    """A byte count given as an int or a string such as ``"64GiB"``; ``InvalidInputError``
-    naming ``name`` for anything else, and for a count that is not positive."""
-    if s is None:
-        return None
-    if isinstance(s, bool) or not isinstance(s, (int, str)):
-        raise InvalidInputError(f"{name} must be a byte count (an int, or a string like '64GiB'), not {s!r}")
-    if isinstance(s, int):
-        n = s
-    else:
-        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-        t = s.strip().lower().rstrip("ib").rstrip("b")
-        try:
-            n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-        except (ValueError, OverflowError):
-            raise InvalidInputError(f"{name} must be a byte count like 64GiB, 512MiB or 1000000, not {s!r}") from None
-    if n < 1 or n >= 1 << 63:
-        raise InvalidInputError(f"{name} must be a positive byte count, not {s!r}")
-    return n
-
-
-def _int(name: str, v: Any, lo: int, hi: int = (1 << 63) - 1) -> int:
-    """``v`` as an int in ``[lo, hi]``, or ``InvalidInputError`` naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, int):
-        try:
-            import numpy
-
-            ok = isinstance(v, numpy.integer)
-        except ImportError:  # pragma: no cover
-            ok = False
-        if not ok:
-            raise InvalidInputError(f"{name} must be an int, not {v!r}")
-    v = int(v)
-    if not lo <= v <= hi:
-        raise InvalidInputError(f"{name} must be in {lo}..={hi}, not {v}")
-    return v
-
-
-def _real(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> float:
-    """``v`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), or
-    ``InvalidInputError`` naming ``name``."""
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise InvalidInputError(f"{name} must be a number, not {v!r}") from None
-    finite = f == f and f not in (float("inf"), float("-inf"))
-    if isinstance(v, bool) or not finite or not (lo < f if lo_open else lo <= f) or not f <= hi:
-        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise InvalidInputError(f"{name} must be a number in {interval}, not {v!r}")
-    return f
-
-
-def _pair(name: str, v: Any, lo: float, hi: float) -> Tuple[float, float]:
-    """``(a, b)`` with ``lo < a <= b <= hi``, or ``InvalidInputError`` naming ``name``."""
-    try:
-        a, b = v
-    except (TypeError, ValueError):
-        raise InvalidInputError(f"{name} must be a pair (lo, hi), not {v!r}") from None
-    a, b = _real(f"{name}[0]", a, lo, hi, lo_open=True), _real(f"{name}[1]", b, lo, hi, lo_open=True)
-    if a > b:
-        raise InvalidInputError(f"{name} must be (lo, hi) with lo <= hi, not {v!r}")
-    return a, b
-
-
-# Bounds of the options (the engine checks them again: LoaderConfig::check).
-_BATCH_SIZE_MAX = 1 << 16
-_IMAGE_SIDE_MAX = 16384
-_BATCH_BYTES_MAX = 8 << 30
+def _jsonable(v: Any) -> Any:
+    """A value ``json`` cannot write as itself: an integer type (numpy's) as the int, anything
+    else as its repr (the engine then refuses it, naming the field)."""
+    if hasattr(v, "__index__"):
+        return v.__index__()
+    return repr(v)
 
 
 def _distributed() -> Tuple[int, int]:
@@ -390,109 +320,25 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         daemon: Optional[str] = None,
         device: str = "cpu",
     ) -> None:
+        options = {k: v for k, v in locals().items() if k not in ("self", "daemon", "device", "__class__")}
         if isinstance(remote, (str, Source)):
             remote = [remote]
         streams = [s if isinstance(s, Source) else Source(str(s)) for s in remote]
-        if not streams:
-            raise InvalidInputError("remote: no dataset given")
-        batch_size = _int("batch_size", batch_size, 1, _BATCH_SIZE_MAX)
-        seed = _int("seed", seed, 0, (1 << 64) - 1)
-        shuffle_window = _int("shuffle_window", shuffle_window, 1)
-        shuffle_block = _int("shuffle_block", shuffle_block, 1)
-        partitions = _int("partitions", partitions, 1, 1 << 32)
-        prefetch_batches = _int("prefetch_batches", prefetch_batches, 0, 1024)
-        if num_threads is not None:
-            num_threads = _int("num_threads", num_threads, 1, 4096)
-        if world_size is not None:
-            world_size = _int("world_size", world_size, 1, 1 << 31)
-        if rank is not None:
-            rank = _int("rank", rank, 0, (world_size or (1 << 31)) - 1)
-        cache_limit = _parse_size(cache_limit, "cache_limit")
-        scale = _pair("scale", scale, 0.0, 1.0)
-        ratio = _pair("ratio", ratio, 0.0, float("inf"))
-        flip = _real("flip", flip, 0.0, 1.0)
-        crop_fraction = _real("crop_fraction", crop_fraction, 0.0, 1.0, lo_open=True)
-        try:
-            mean, std = [float(x) for x in mean], [float(x) for x in std]
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"mean and std must be 3 numbers each, not {mean!r} and {std!r}") from None
-        if len(mean) != 3 or len(std) != 3:
-            raise InvalidInputError(f"mean and std must be 3 numbers each, not {mean!r} and {std!r}")
-        for i, (m_, s_) in enumerate(zip(mean, std)):
-            _real(f"mean[{i}]", m_, float("-inf"), float("inf"))
-            _real(f"std[{i}]", s_, 0.0, float("inf"), lo_open=True)
-        if image_size is not None:
-            if isinstance(image_size, (tuple, list)) and len(image_size) == 2:
-                image_size = (
-                    _int("image_size[0]", image_size[0], 1, _IMAGE_SIDE_MAX),
-                    _int("image_size[1]", image_size[1], 1, _IMAGE_SIDE_MAX),
-                )
-            else:
-                image_size = _int("image_size", image_size, 1, _IMAGE_SIDE_MAX)
-            hh, ww = (image_size, image_size) if isinstance(image_size, int) else image_size
-            batch_bytes = batch_size * hh * ww * 3 * (4 if normalize else 1)
-            if batch_bytes > _BATCH_BYTES_MAX:
-                raise InvalidInputError(
-                    f"batch_size {batch_size} of {hh}x{ww} images makes batches of {batch_bytes} bytes, "
-                    f"over {_BATCH_BYTES_MAX}"
-                )
-        if on_corrupt not in ("error", "skip"):
-            raise InvalidInputError(f'on_corrupt must be "error" or "skip", not {on_corrupt!r}')
-        if augment not in ("train", "eval", "resize"):
-            raise InvalidInputError(f'augment must be "train", "eval" or "resize", not {augment!r}')
-        tails = {"uneven": "uneven", "drop": "drop_last", "pad": "pad_repeat"}
-        if tail not in tails:
-            raise InvalidInputError(f'tail must be one of {list(tails)}, not {tail!r}')
-        if not shuffle:
-            order_shuffle: Dict[str, Any] = {"kind": "none"}
-        elif shuffle_algo == "shard_block":
-            order_shuffle = {"kind": "shard_block", "window_shards": shuffle_window, "block_samples": shuffle_block}
-        elif shuffle_algo == "global":
-            order_shuffle = {"kind": "global"}
-        else:
-            raise InvalidInputError(f'shuffle_algo must be "shard_block" or "global", not {shuffle_algo!r}')
-        image = None
-        if image_size is not None:
-            h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
-            image = {
-                "width": int(w),
-                "height": int(h),
-                "augment": augment,
-                "scale": list(scale),
-                "ratio": list(ratio),
-                "flip": float(flip),
-                "crop_fraction": float(crop_fraction),
-                "float": bool(normalize),
-                "mean": [float(x) for x in mean],
-                "std": [float(x) for x in std],
-                "dct_scaling": bool(dct_scaling),
-            }
+        options["remote"] = [s._arg() for s in streams]
+        if local is not None:
+            options["local"] = os.fspath(local)
+        # Every option is checked once, by the engine, which names a bad one.
+        config, rank, world_size, num_threads, batch_size, drop_last = _ramjet.loader_options(options)
         self.batch_size = batch_size
         self.streams = streams
         self._rank_override = (rank, world_size)
         self._num_threads = num_threads
         self._daemon = daemon
-        self._base: Dict[str, Any] = {
-            "sources": [{"url": s.remote, "weight": s._weight()} for s in streams],
-            "order": {"seed": int(seed), "shuffle": order_shuffle, "partitions": int(partitions), "tail": tails[tail]},
-            "cache": None
-            if local is None
-            else {"dir": os.fspath(local), "limit_bytes": cache_limit or (64 << 30)},
-            "batch_size": int(batch_size),
-            "drop_last": bool(drop_last),
-            "image": image,
-            "image_column": image_column,
-            "boxes_column": boxes_column,
-            "prefetch_batches": int(prefetch_batches),
-            "on_corrupt": on_corrupt,
-        }
-        self._epoch = 0
-        self._resume: Optional[str] = None  # a ResumePoint (JSON) to start from
-        self._resume_consumer: Optional[str] = None  # this consumer's own StreamState to continue
-        self._pending: Any = None  # a batch of the next epoch, read while finishing this one
-        self._state: Optional[str] = None  # this consumer's StreamState after its last batch
-        self._loader: Any = None
-        self._loader_key: Any = None
+        self._drop_last = drop_last
+        self._base: Dict[str, Any] = json.loads(config)
+        # Which epoch the next iteration reads, where it starts, the state to save, and the
+        # loader running for it: the engine's (ramjet_engine::loader::Epochs).
+        self._session = _ramjet.Session()
         self._reader: Any = None
         self._pid = os.getpid()
         # The process this object was made in, or unpickled in (a spawned worker): any other
@@ -550,53 +396,42 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     def _after_fork(self) -> None:
         self._check_device_process()
         if os.getpid() != self._pid:
-            _inherited.extend(x for x in (self._loader, self._reader) if x is not None)
-            self._loader = self._reader = None
+            # The parent's native objects stay, never dropped, in the child; the session's
+            # position goes on in a fresh one (the engine starts a loader for this process).
+            _inherited.extend(x for x in (self._session, self._reader) if x is not None)
+            self._session = self._session.forked()
+            self._reader = None
             self._pid = os.getpid()
+
+    @property
+    def _loader(self) -> Any:
+        """The running native loader, if any (tests read raw batches from it)."""
+        return self._session.loader()
+
+    @property
+    def _state(self) -> Optional[str]:
+        """This consumer's state after the last batch it yielded (JSON), if any."""
+        return self._session.consumer_state()
 
     # ----- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         self._after_fork()
-        topo = self._topology()
-        key = (self._epoch, json.dumps(topo, sort_keys=True))
-        if self._loader is None or self._loader_key != key:
-            self._loader = None
-            self._pending = None
-            extra: Dict[str, Any] = {"epochs": None, "first_epoch": self._epoch}
-            if self._resume is not None:
-                extra["resume"] = json.loads(self._resume)
-            if self._resume_consumer is not None:
-                extra["resume_consumer"] = json.loads(self._resume_consumer)
-            if self.device != "cpu":
-                extra["pinned_gpu"] = int(self.device.split(":")[1])
-            self._loader = _ramjet.Loader(self._config(**extra))
-            self._loader_key = key
-        loader = self._loader
-        epoch = self._epoch
+        extra: Dict[str, Any] = {}
+        if self.device != "cpu":
+            extra["pinned_gpu"] = int(self.device.split(":")[1])
+        # The engine decides whether the running loader goes on (same epoch and topology) or
+        # a new one starts, and where (the epoch's start, or a loaded state); it ends the
+        # iteration after the epoch's last batch.
+        self._session.begin(self._config(**extra))
         while True:
-            got, self._pending = (self._pending, None) if self._pending is not None else (loader.next_batch(), None)
+            got = self._session.next_batch()
             if got is None:
                 return
             cols, meta = got
-            if meta["epoch"] != epoch:
-                # A consumer resumed with nothing left of its epoch: its first batch belongs
-                # to the next one, which the next iteration yields.
-                self._pending = got
-                self._epoch = meta["epoch"]
-                self._loader_key = (self._epoch, key[1])
-                return
-            self._state = meta["state"]
-            self._resume = self._resume_consumer = None
-            if meta["end_of_epoch"]:
-                # The loader goes on into the next epoch; a later iteration continues there.
-                self._epoch = meta["epoch"] + 1
-                self._loader_key = (self._epoch, key[1])
             if meta["skipped"]:
                 cols["_skipped"] = meta["skipped"]
             yield _with_aliases(self._to_device(_convert(cols)) if self.device != "cpu" else _convert(cols))
-            if meta["end_of_epoch"]:
-                return
 
     def _to_device(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         """Copies a batch's tensors (in ramjet's page-locked buffers) to the GPU on a stream of
@@ -635,16 +470,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         After :meth:`load_state_dict`, setting the epoch the restored state belongs to keeps
         the resume (the usual loop, ``for epoch in range(start, n): ds.set_epoch(epoch)``,
         continues mid-epoch); setting another epoch drops it."""
-        epoch = _int("epoch", epoch, 0)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._resume = self._resume_consumer = None
-            self._state = None
+        self._session.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration reads."""
-        return self._epoch
+        return self._session.epoch
 
     # ----- state ----------------------------------------------------------------------
 
@@ -661,15 +492,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         continues exactly when the topology (ranks and workers) is the same.
         """
         if torch is not None and torch.utils.data.get_worker_info() is not None:
-            return {
-                "version": 1,
-                "epoch": self._epoch,
-                "consumer": self._state if self._state is not None else self._resume_consumer,
-                "resume": self._resume,
-            }
-        if self._state is None:
-            return {"version": 1, "epoch": self._epoch, "resume": self._resume}
-        states = [self._state]
+            return json.loads(self._session.worker_state())
+        state = self._state
+        if state is None:
+            return json.loads(self._session.unstarted_job_state())
+        states = [state]
         world = self._topology()["world"]
         if world > 1:
             if torch is None or not torch.distributed.is_initialized():
@@ -677,13 +504,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                     "state_dict with world_size > 1 needs torch.distributed to gather the ranks' states"
                 )
             gathered: List[Optional[str]] = [None] * world
-            torch.distributed.all_gather_object(gathered, self._state)
+            torch.distributed.all_gather_object(gathered, state)
             states = [s for s in gathered if s is not None]
             if len(states) != world:
                 raise InvalidInputError("state_dict: some ranks have not read any batch yet")
-        resume = _ramjet.job_progress(states)
-        epoch = json.loads(resume)["progress"]["epoch"]
-        return {"version": 1, "epoch": epoch, "resume": resume}
+        return json.loads(_ramjet.job_state(states))
 
     def audit(self) -> Dict[str, Any]:
         """The exactly-once audit of the epoch in progress (or just finished): whether each
@@ -704,17 +529,19 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             raise InvalidInputError(
                 "audit() needs the whole job: call it in the trainer, or run `ramjet audit` on the workers' states"
             )
-        if self._state is None:
-            if self._resume is None:
+        state = self._state
+        if state is None:
+            resume = self._session.resume()
+            if resume is None:
                 raise InvalidInputError("audit(): nothing was read yet, and no state was loaded")
-            return json.loads(_ramjet.audit(self._config(), resume=self._resume))
-        states = [self._state]
+            return json.loads(_ramjet.audit(self._config(), resume=resume))
+        states = [state]
         world = self._topology()["world"]
         if world > 1:
             if torch is None or not torch.distributed.is_initialized():
                 raise InvalidInputError("audit() with world_size > 1 needs torch.distributed to gather the ranks' states")
             gathered: List[Optional[str]] = [None] * world
-            torch.distributed.all_gather_object(gathered, self._state)
+            torch.distributed.all_gather_object(gathered, state)
             states = [s for s in gathered if s is not None]
             if len(states) != world:
                 raise InvalidInputError("audit(): some ranks have not read any batch yet")
@@ -726,43 +553,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         A state that is not one :meth:`state_dict` made (not a dict, a missing or wrong-typed
         field, JSON that does not parse, an ``epoch`` that disagrees with its ``resume``)
         raises :class:`InvalidInputError` naming the field, and changes nothing."""
-        if not isinstance(state, dict):
-            raise InvalidInputError(f"state_dict must be a dict made by state_dict(), not {type(state).__name__}")
-        if state.get("version") != 1:
-            raise InvalidInputError(f"unknown state_dict version {state.get('version')!r}")
-        if "epoch" not in state:
-            raise InvalidInputError("state_dict has no 'epoch'")
-        epoch = _int("state_dict['epoch']", state["epoch"], 0)
-
-        def inner(field: str, *path: str) -> Tuple[Optional[str], Optional[int]]:
-            text = state.get(field)
-            if text is None:
-                return None, None
-            if not isinstance(text, str):
-                raise InvalidInputError(f"state_dict[{field!r}] must be a JSON string, not {type(text).__name__}")
-            try:
-                v: Any = json.loads(text)
-                for k in path:
-                    v = v[k]
-            except (ValueError, KeyError, TypeError, IndexError):
-                raise InvalidInputError(
-                    f"state_dict[{field!r}] is not a ramjet state (no {'.'.join(path)} in its JSON)"
-                ) from None
-            return text, _int(f"state_dict[{field!r}] {'.'.join(path)}", v, 0)
-
-        resume, resume_epoch = inner("resume", "progress", "epoch")
-        consumer, consumer_epoch = inner("consumer", "base", "epoch")
-        if resume_epoch is not None and resume_epoch != epoch:
-            raise InvalidInputError(
-                f"state_dict['epoch'] is {epoch} but its 'resume' is a position in epoch {resume_epoch}"
-            )
-        self._epoch = consumer_epoch if consumer_epoch is not None else epoch
-        self._resume = resume
-        self._resume_consumer = consumer
-        self._state = None
-        self._pending = None
-        self._loader = None
-        self._loader_key = None
+        self._session.load_state(json.dumps(state, default=_jsonable))
 
     # ----- sizes and random access ----------------------------------------------------
 
@@ -785,32 +576,31 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     def __len__(self) -> int:
         """Batches this consumer yields per epoch."""
         n = self.samples_per_rank
-        return n // self.batch_size if self._base["drop_last"] else -(-n // self.batch_size)
+        return n // self.batch_size if self._drop_last else -(-n // self.batch_size)
 
     def __getitem__(self, index: int) -> Dict[str, Any]:
         """Sample ``index`` of the first dataset, decoded with the evaluation transform."""
         self._after_fork()
         if self._reader is None:
-            cfg = json.loads(self._config())
-            if cfg["image"] is not None:
-                cfg["image"]["augment"] = "eval" if cfg["image"]["augment"] == "train" else cfg["image"]["augment"]
-            self._reader = _ramjet.Reader(json.dumps(cfg))
+            self._reader = _ramjet.Reader(self._config())
         if index < 0:
             raise IndexError(index)
         return _with_aliases(_convert(self._reader.get(0, int(index)), self.device))
 
     def metrics(self) -> Dict[str, float]:
         """Counters of the running loader: origin and cache bytes, hit rate, batch wait."""
-        return {} if self._loader is None else dict(self._loader.metrics())
+        return dict(self._session.metrics())
 
     def __getstate__(self) -> Dict[str, Any]:
         s = self.__dict__.copy()
-        s["_loader"] = s["_reader"] = s["_pending"] = s["_copy_stream"] = None
+        s["_session"] = self._session.position()
+        s["_reader"] = s["_copy_stream"] = None
         s["_in_flight"] = []
         return s
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._session = _ramjet.Session.from_position(state["_session"])
         # Unpickled (a spawned worker, another host): a fresh process, where CUDA is usable.
         self._origin_pid = self._pid = os.getpid()
 
@@ -837,14 +627,10 @@ class Reader:
     def __init__(self, url: str, *, resident_bytes: Optional[int] = None, **options: Any) -> None:
         options.setdefault("image_size", None)
         ds = StreamingDataset(url, shuffle=False, rank=0, world_size=1, **options)
-        cfg = json.loads(ds._config())
-        if cfg.get("image") is not None and cfg["image"]["augment"] == "train":
-            cfg["image"]["augment"] = "eval"
-        if resident_bytes is not None:
-            cfg["resident_bytes_max"] = _int("resident_bytes", resident_bytes, 0)
         self.url = url
         self.device = ds.device
-        self._config_json = json.dumps(cfg)
+        self._config_json = ds._config()
+        self._resident_bytes = _ramjet.Reader.check_resident_bytes(resident_bytes)
         self._native: Any = None
         self._pid = -1
         self._len: Optional[int] = None
@@ -853,7 +639,7 @@ class Reader:
         if self._native is None or self._pid != os.getpid():
             if self._native is not None:
                 _inherited.append(self._native)
-            self._native = _ramjet.Reader(self._config_json)
+            self._native = _ramjet.Reader(self._config_json, self._resident_bytes)
             self._pid = os.getpid()
         return self._native
 

@@ -177,83 +177,8 @@ pub async fn index_into(
     let source = ForeignSource::parse(src)?;
     {
         let (spec, schema, jobs, meta) = match source.format {
-            ForeignFormat::Mds => {
-                let url = store.url("index.json");
-                let ix = mds::Index::parse(&store.get("index.json").await?, &url)?;
-                let (columns, schema) = ix.columns(&url)?;
-                let mut meta = meta;
-                meta.insert("foreign_index".into(), Json::from("index.json"));
-                let jobs = ix
-                    .shards
-                    .into_iter()
-                    .map(|s| {
-                        let raw_bytes = s.raw_data.bytes;
-                        let (key, file) = match (s.compression.as_ref(), s.zip_data) {
-                            (Some(_), Some(z)) => (z.basename.clone(), z),
-                            _ => (s.raw_data.basename.clone(), s.raw_data),
-                        };
-                        Job {
-                            key,
-                            compression: s.compression.map(|c| c.split(':').next().unwrap_or(&c).to_owned()),
-                            samples: Some(s.samples),
-                            mds_file: Some(file),
-                            mds_raw_bytes: Some(raw_bytes),
-                            stored: None,
-                        }
-                    })
-                    .collect::<Vec<_>>();
-                let spec = ForeignSpec {
-                    format: ForeignFormat::Mds,
-                    columns,
-                    jpeg_restart_px,
-                };
-                (spec, schema, jobs, meta)
-            }
-            ForeignFormat::Wds => {
-                let tars = if source.tars.is_empty() {
-                    let list = src.trim_end_matches('/').rsplit('/').next().unwrap_or(src).to_owned();
-                    tars_of_list(store, &list, &store.url(&list)).await?
-                } else {
-                    source.tars.clone()
-                };
-                let mut jobs: Vec<Job> = tars
-                    .iter()
-                    .map(|t| Job {
-                        key: t.clone(),
-                        compression: (t.ends_with(".gz") || t.ends_with(".tgz")).then(|| "gz".to_owned()),
-                        samples: None,
-                        mds_file: None,
-                        mds_raw_bytes: None,
-                        stored: None,
-                    })
-                    .collect();
-                // The columns are the first tar's extensions; every other sample must have the
-                // same (a sample that differs is an error naming it).
-                let first = &mut jobs[0];
-                let url = store.url(&first.key);
-                let stored = first.stored.insert(store.get(&first.key).await?);
-                let data = foreign::decompress(
-                    stored,
-                    first.compression.as_deref(),
-                    foreign::FOREIGN_SHARD_BYTES_MAX,
-                    &url,
-                )?;
-                let samples = wds::samples(&data, &url)?;
-                let exts: BTreeSet<String> = samples
-                    .iter()
-                    .flat_map(|s| s.members.iter().map(|(e, _)| e.clone()))
-                    .collect();
-                if exts.is_empty() {
-                    return Err(Error::invalid(url, "the first tar holds no samples"));
-                }
-                let (columns, schema) = wds::columns(&exts)?;
-                let spec = ForeignSpec {
-                    format: ForeignFormat::Wds,
-                    columns,
-                    jpeg_restart_px,
-                };
-                (spec, schema, jobs, meta)
-            }
+            ForeignFormat::Mds => plan_mds(store, meta, jpeg_restart_px).await?,
+            ForeignFormat::Wds => plan_wds(src, &source, store, meta, jpeg_restart_px).await?,
         };
         // Keys a manifest may name (relative, inside the folder), checked before any read.
         for j in &jobs {
@@ -318,6 +243,97 @@ pub async fn index_into(
             foreign_hashes_checked: hashes.into_inner(),
         })
     }
+}
+
+/// What indexing a foreign dataset reads: its spec, its schema, the shards, the manifest's meta.
+type Plan = (ForeignSpec, Schema, Vec<Job>, Map<String, Json>);
+
+/// An MDS dataset's plan, from its `index.json`.
+async fn plan_mds(store: &Store, meta: Map<String, Json>, jpeg_restart_px: Option<u32>) -> Result<Plan> {
+    let url = store.url("index.json");
+    let ix = mds::Index::parse(&store.get("index.json").await?, &url)?;
+    let (columns, schema) = ix.columns(&url)?;
+    let mut meta = meta;
+    meta.insert("foreign_index".into(), Json::from("index.json"));
+    let jobs = ix
+        .shards
+        .into_iter()
+        .map(|s| {
+            let raw_bytes = s.raw_data.bytes;
+            let (key, file) = match (s.compression.as_ref(), s.zip_data) {
+                (Some(_), Some(z)) => (z.basename.clone(), z),
+                _ => (s.raw_data.basename.clone(), s.raw_data),
+            };
+            Job {
+                key,
+                compression: s.compression.map(|c| c.split(':').next().unwrap_or(&c).to_owned()),
+                samples: Some(s.samples),
+                mds_file: Some(file),
+                mds_raw_bytes: Some(raw_bytes),
+                stored: None,
+            }
+        })
+        .collect::<Vec<_>>();
+    let spec = ForeignSpec {
+        format: ForeignFormat::Mds,
+        columns,
+        jpeg_restart_px,
+    };
+    Ok((spec, schema, jobs, meta))
+}
+
+/// A WebDataset's plan: its tars (listed in the URL, or in a list object), the columns from
+/// the first tar's extensions.
+async fn plan_wds(
+    src: &str,
+    source: &ForeignSource,
+    store: &Store,
+    meta: Map<String, Json>,
+    jpeg_restart_px: Option<u32>,
+) -> Result<Plan> {
+    let tars = if source.tars.is_empty() {
+        let list = src.trim_end_matches('/').rsplit('/').next().unwrap_or(src).to_owned();
+        tars_of_list(store, &list, &store.url(&list)).await?
+    } else {
+        source.tars.clone()
+    };
+    let mut jobs: Vec<Job> = tars
+        .iter()
+        .map(|t| Job {
+            key: t.clone(),
+            compression: (t.ends_with(".gz") || t.ends_with(".tgz")).then(|| "gz".to_owned()),
+            samples: None,
+            mds_file: None,
+            mds_raw_bytes: None,
+            stored: None,
+        })
+        .collect();
+    // The columns are the first tar's extensions; every other sample must have the
+    // same (a sample that differs is an error naming it).
+    let first = &mut jobs[0];
+    let url = store.url(&first.key);
+    let stored = first.stored.insert(store.get(&first.key).await?);
+    let data = foreign::decompress(
+        stored,
+        first.compression.as_deref(),
+        foreign::FOREIGN_SHARD_BYTES_MAX,
+        &url,
+    )?;
+    let samples = wds::samples(&data, &url)?;
+    let exts: BTreeSet<String> = samples
+        .iter()
+        .flat_map(|s| s.members.iter().map(|(e, _)| e.clone()))
+        .collect();
+    if exts.is_empty() {
+        return Err(Error::invalid(url, "the first tar holds no samples"));
+    }
+    let (columns, schema) = wds::columns(&exts)?;
+    let spec = ForeignSpec {
+        format: ForeignFormat::Wds,
+        columns,
+        jpeg_restart_px,
+    };
+    Ok((spec, schema, jobs, meta))
 }
 
 /// Indexes one shard: checks, decompresses and transcodes it. Returns its manifest entry, the

@@ -122,6 +122,9 @@ const RECORD_GAP_BYTES_MAX: u64 = 64 << 10;
 /// The longest ranged GET of several records.
 const RECORD_RUN_BYTES_MAX: u64 = 8 << 20;
 
+/// Each sample's record (or why it could not be read), by its index in the shard.
+type Records = HashMap<u64, Result<Bytes>>;
+
 /// Records read with one ranged GET: the byte range, and each record's sample and entry.
 type RecordRun = (std::ops::Range<u64>, Vec<(u64, IndexEntry)>);
 
@@ -164,35 +167,15 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     let info = &info;
     let store = src.ds.store();
     let m = &shared.metrics;
-    // One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
     let counted_get = |entries: bool, range: &std::ops::Range<u64>| {
-        let range = range.clone();
         let (store, key) = if entries {
             (layout.entry_store, layout.entry_key)
         } else {
             (store, info.key.as_str())
         };
-        async move {
-            let got = store.get_range(key, range).await;
-            Metrics::add(&m.origin_requests, 1);
-            let b = got
-                .inspect_err(|e| tracing::debug!(error = %e, "a merged ranged read failed; its samples are read alone"))
-                .ok()?;
-            Metrics::add(&m.origin_bytes, b.len() as u64);
-            Some(b)
-        }
+        merged_get(store, key, range.clone(), m)
     };
-    let mut indices: Vec<u64> = slots.iter().map(|&s| ids[s].index as u64).collect();
-    indices.sort_unstable();
-    indices.dedup();
-    // Index entries, by clusters.
-    let mut clusters: Vec<Vec<u64>> = Vec::new();
-    for &i in &indices {
-        match clusters.last_mut() {
-            Some(c) if i - c[c.len() - 1] <= ENTRY_GAP_MAX => c.push(i),
-            _ => clusters.push(vec![i]),
-        }
-    }
+    let clusters = entry_clusters(slots.iter().map(|&s| ids[s].index as u64).collect());
     // Nothing of the shard is trusted before it is tied to the manifest: a ramjet shard's
     // footer checked while its entries are read, a foreign shard's whole sample index first.
     let key = (first.source, first.shard);
@@ -239,32 +222,8 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
         entries.extend(got);
     }
     // Records, by runs of entries that checked out, in file order.
-    let mut results: HashMap<u64, Result<Bytes>> = HashMap::new();
-    let mut sound: Vec<(u64, IndexEntry)> = Vec::new();
-    for (&i, e) in &entries {
-        match layout.check_entry(src, first.shard as usize, i, e) {
-            Ok(()) => sound.push((i, *e)),
-            Err(err) => {
-                results.insert(i, Err(err));
-            }
-        }
-    }
-    sound.sort_by_key(|(_, e)| e.offset);
-    let mut runs: Vec<RecordRun> = Vec::new();
-    for (i, e) in sound {
-        let end = e.offset + e.len;
-        match runs.last_mut() {
-            Some((span, r))
-                if e.offset >= span.end
-                    && e.offset - span.end <= RECORD_GAP_BYTES_MAX
-                    && end - span.start <= RECORD_RUN_BYTES_MAX =>
-            {
-                span.end = end;
-                r.push((i, e));
-            }
-            _ => runs.push((e.offset..end, vec![(i, e)])),
-        }
-    }
+    let (sound, mut results) = check_entries(layout, src, first.shard as usize, &entries);
+    let runs = record_runs(sound);
     let url = store.url(&info.key);
     let record_gets = runs.iter().map(|(span, r)| {
         let url = &url;
@@ -284,8 +243,85 @@ async fn fetch_from_shard(shared: &Arc<Shared>, ids: &[SampleRef], slots: Vec<us
     for got in futures::future::join_all(record_gets).await.into_iter().flatten() {
         results.extend(got);
     }
-    // What a merged GET did not deliver is read on its own: its own error, its own retries.
-    // A sample wanted twice gets the same record twice.
+    deliver(shared, ids, slots, results).await
+}
+
+/// One merged ranged GET, counted; `None` when it failed (its samples are read again alone).
+async fn merged_get(store: &crate::Store, key: &str, range: std::ops::Range<u64>, m: &Metrics) -> Option<Bytes> {
+    let got = store.get_range(key, range).await;
+    Metrics::add(&m.origin_requests, 1);
+    let b = got
+        .inspect_err(|e| tracing::debug!(error = %e, "a merged ranged read failed; its samples are read alone"))
+        .ok()?;
+    Metrics::add(&m.origin_bytes, b.len() as u64);
+    Some(b)
+}
+
+/// The samples' index entries in clusters read with one ranged GET each: sorted, each sample
+/// once, a new cluster past [`ENTRY_GAP_MAX`] entries.
+fn entry_clusters(mut indices: Vec<u64>) -> Vec<Vec<u64>> {
+    indices.sort_unstable();
+    indices.dedup();
+    let mut clusters: Vec<Vec<u64>> = Vec::new();
+    for i in indices {
+        match clusters.last_mut() {
+            Some(c) if i - c[c.len() - 1] <= ENTRY_GAP_MAX => c.push(i),
+            _ => clusters.push(vec![i]),
+        }
+    }
+    clusters
+}
+
+/// The entries that check out against the shard's layout, and an error for each that does not.
+fn check_entries(
+    layout: &Ranged<'_>,
+    src: &Source,
+    shard: usize,
+    entries: &HashMap<u64, IndexEntry>,
+) -> (Vec<(u64, IndexEntry)>, Records) {
+    let mut refused: Records = HashMap::new();
+    let mut sound: Vec<(u64, IndexEntry)> = Vec::new();
+    for (&i, e) in entries {
+        match layout.check_entry(src, shard, i, e) {
+            Ok(()) => sound.push((i, *e)),
+            Err(err) => {
+                refused.insert(i, Err(err));
+            }
+        }
+    }
+    (sound, refused)
+}
+
+/// Records (by their checked entries) in runs read with one ranged GET each: in file order,
+/// a new run past a gap of [`RECORD_GAP_BYTES_MAX`] or a run of [`RECORD_RUN_BYTES_MAX`].
+fn record_runs(mut sound: Vec<(u64, IndexEntry)>) -> Vec<RecordRun> {
+    sound.sort_by_key(|(_, e)| e.offset);
+    let mut runs: Vec<RecordRun> = Vec::new();
+    for (i, e) in sound {
+        let end = e.offset + e.len;
+        match runs.last_mut() {
+            Some((span, r))
+                if e.offset >= span.end
+                    && e.offset - span.end <= RECORD_GAP_BYTES_MAX
+                    && end - span.start <= RECORD_RUN_BYTES_MAX =>
+            {
+                span.end = end;
+                r.push((i, e));
+            }
+            _ => runs.push((e.offset..end, vec![(i, e)])),
+        }
+    }
+    runs
+}
+
+/// Each slot's record from `results`; what a merged GET did not deliver is read on its own
+/// (its own error, its own retries). A sample wanted twice gets the same record twice.
+async fn deliver(
+    shared: &Arc<Shared>,
+    ids: &[SampleRef],
+    slots: Vec<usize>,
+    mut results: HashMap<u64, Result<Bytes>>,
+) -> Vec<(usize, Result<Bytes>)> {
     let mut out = Vec::with_capacity(slots.len());
     let mut again = Vec::new();
     for slot in slots {

@@ -263,61 +263,16 @@ async fn shard_epoch(
 async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Sender<Msg>, batch: usize) -> bool {
     let epoch = plan.epoch;
     let mut cursor = plan.order.cursor();
-    let (n, p) = (plan.deal.len(), plan.clone());
+    let p = plan.clone();
     let sh = shared.clone();
-    // Batches start at RANGED_AHEAD_MAX samples and double up to `batch`: the first sample
-    // waits for a few reads, not for a full batch's.
-    let (mut k, mut size) = (plan.skip as u64, RANGED_AHEAD_MAX.min(batch).max(1) as u64);
-    let ranges = std::iter::from_fn(move || {
-        (k < n).then(|| {
-            let r = k..(k + size).min(n);
-            k = r.end;
-            size = (size * 2).min(batch.max(1) as u64);
-            r
-        })
-    });
     // Whole shards the cache warming fetched, held (verified) while they fit in
     // `resident_bytes_max`: their samples are sliced from memory, not read one by one.
-    let held: Arc<std::sync::Mutex<HashMap<(u32, u32), Live>>> = Default::default();
+    let held: Held = Default::default();
     let h = held.clone();
-    let mut reads = stream::iter(ranges).map(move |range| {
+    let mut reads = stream::iter(growing_batches(plan.skip as u64, plan.deal.len(), batch)).map(move |range| {
         let positions: Vec<u64> = range.map(|k| p.deal.position(k)).collect();
         let ids: Result<Vec<SampleRef>> = positions.iter().map(|&g| Ok(cursor.at(g)?.0)).collect();
-        let (shared, held) = (sh.clone(), h.clone());
-        async move {
-            let ids = match ids {
-                Ok(ids) => ids,
-                Err(e) => return Msg::Failed(e),
-            };
-            let mut sliced: Vec<Option<Result<Bytes>>> = Vec::with_capacity(ids.len());
-            {
-                let held = held.lock().expect("not poisoned");
-                sliced.extend(ids.iter().map(|id| {
-                    held.get(&(id.source, id.shard))
-                        .map(|live| slice_record(live, *id, &shared))
-                }));
-            }
-            let rest: Vec<SampleRef> = ids
-                .iter()
-                .zip(&sliced)
-                .filter(|(_, r)| r.is_none())
-                .map(|(id, _)| *id)
-                .collect();
-            let (read, from_origin) = if rest.is_empty() {
-                (Vec::new(), 0)
-            } else {
-                read_samples(&shared, &rest).await
-            };
-            let mut read = read.into_iter();
-            let records = sliced
-                .into_iter()
-                .map(|r| r.unwrap_or_else(|| read.next().expect("one record per sample not held")));
-            Msg::Samples {
-                epoch,
-                samples: positions.into_iter().zip(records).collect(),
-                from_origin,
-            }
-        }
+        read_batch(sh.clone(), h.clone(), epoch, positions, ids)
     });
     // The first batch alone, so the larger ones behind it do not compete for its reads.
     if let Some(first) = reads.next().await {
@@ -328,30 +283,7 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
         }
     }
     let mut batches = reads.buffered(SAMPLE_BATCHES_IN_FLIGHT);
-    // Samples read one by one need whole shards only to warm the disk cache; without a cache,
-    // fetching them would double the origin traffic for nothing.
-    let warm_list = shared
-        .cache
-        .is_some()
-        .then(|| FirstTouch::new(plan.clone(), shared))
-        .into_iter()
-        .flatten();
-    // A shard that will not be held and is in the cache already needs no warming: reading it
-    // whole would only check it (its samples are checked as they are read, and a damaged one
-    // is removed then, to be fetched again by the next epoch's warming).
-    let mut planned = 0u64;
-    let sh = shared.clone();
-    let warm_list = warm_list.filter(move |t| {
-        let Ok((s, shard)) = t else { return true };
-        let Ok(id) = sh.sources[*s as usize].id(*shard as usize) else {
-            return true;
-        };
-        if planned.saturating_add(id.bytes) <= sh.cfg.resident_bytes_max {
-            planned += id.bytes;
-            return true;
-        }
-        !sh.cache.as_ref().is_some_and(|c| c.contains(id))
-    });
+    let warm_list = warm_list(shared, plan);
     let sh = shared.clone();
     let mut warm = stream::iter(warm_list)
         .map(move |t| {
@@ -415,6 +347,95 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
     }
 }
 
+/// Whole shards held in memory for an epoch of the global shuffle, by (source, shard).
+type Held = Arc<std::sync::Mutex<HashMap<(u32, u32), Live>>>;
+
+/// The global shuffle's batches of deal positions `start..n`: they start at
+/// [`RANGED_AHEAD_MAX`] samples and double up to `batch`, so the first sample waits for a few
+/// reads, not for a full batch's.
+fn growing_batches(start: u64, n: u64, batch: usize) -> impl Iterator<Item = std::ops::Range<u64>> {
+    let (mut k, mut size) = (start, RANGED_AHEAD_MAX.min(batch).max(1) as u64);
+    std::iter::from_fn(move || {
+        (k < n).then(|| {
+            let r = k..(k + size).min(n);
+            k = r.end;
+            size = (size * 2).min(batch.max(1) as u64);
+            r
+        })
+    })
+}
+
+/// One batch of the global shuffle (`ids` at `positions`): the samples of a held shard sliced
+/// from memory, the others read one by one.
+async fn read_batch(
+    shared: Arc<Shared>,
+    held: Held,
+    epoch: u64,
+    positions: Vec<u64>,
+    ids: Result<Vec<SampleRef>>,
+) -> Msg {
+    let ids = match ids {
+        Ok(ids) => ids,
+        Err(e) => return Msg::Failed(e),
+    };
+    let mut sliced: Vec<Option<Result<Bytes>>> = Vec::with_capacity(ids.len());
+    {
+        let held = held.lock().expect("not poisoned");
+        sliced.extend(ids.iter().map(|id| {
+            held.get(&(id.source, id.shard))
+                .map(|live| slice_record(live, *id, &shared))
+        }));
+    }
+    let rest: Vec<SampleRef> = ids
+        .iter()
+        .zip(&sliced)
+        .filter(|(_, r)| r.is_none())
+        .map(|(id, _)| *id)
+        .collect();
+    let (read, from_origin) = if rest.is_empty() {
+        (Vec::new(), 0)
+    } else {
+        read_samples(&shared, &rest).await
+    };
+    let mut read = read.into_iter();
+    let records = sliced
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| read.next().expect("one record per sample not held")));
+    Msg::Samples {
+        epoch,
+        samples: positions.into_iter().zip(records).collect(),
+        from_origin,
+    }
+}
+
+/// The shards the global shuffle's epoch warms the disk cache with, in first-touch order.
+/// Samples read one by one need whole shards only for that: without a cache, fetching them
+/// would double the origin traffic for nothing. A shard that will not be held and is in the
+/// cache already needs no warming: reading it whole would only check it (its samples are
+/// checked as they are read, and a damaged one is removed then, to be fetched again by the
+/// next epoch's warming).
+fn warm_list(shared: &Arc<Shared>, plan: &Arc<EpochPlan>) -> impl Iterator<Item = Result<(u32, u32)>> {
+    let first_touch = shared
+        .cache
+        .is_some()
+        .then(|| FirstTouch::new(plan.clone(), shared))
+        .into_iter()
+        .flatten();
+    let mut planned = 0u64;
+    let sh = shared.clone();
+    first_touch.filter(move |t| {
+        let Ok((s, shard)) = t else { return true };
+        let Ok(id) = sh.sources[*s as usize].id(*shard as usize) else {
+            return true;
+        };
+        if planned.saturating_add(id.bytes) <= sh.cfg.resident_bytes_max {
+            planned += id.bytes;
+            return true;
+        }
+        !sh.cache.as_ref().is_some_and(|c| c.contains(id))
+    })
+}
+
 /// The first samples of a stream, read one by one (from the disk cache, or with two ranged
 /// GETs each) in batches of [`RANGED_AHEAD_MAX`], so the first batch costs a few GET latencies
 /// rather than a whole shard's download.
@@ -466,13 +487,8 @@ impl FirstSamples<'_> {
                 // The consumer's first batch is read: nothing more until it is decoded. Over
                 // the WAN-like link on two cores, the next reads (theirs and a same-host
                 // origin's work) made its decode take 28-47 ms instead of 7, in 5 cold starts
-                // of 11 (docs/benchmarks-history.md). A dropped sender opens the gate too.
-                if let Some(g) = gate.as_mut() {
-                    if !*g.borrow() {
-                        Metrics::add(&shared.metrics.first_gate_waits, 1);
-                    }
-                    let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
-                }
+                // of 11 (docs/benchmarks-history.md).
+                wait_gate(&mut gate, deadline, &shared.metrics).await;
             }
             if fetched.is_none() && budget == 0 {
                 // Past the first samples only while the first shard downloads: it must start
@@ -536,17 +552,26 @@ impl FirstSamples<'_> {
         }
         if fetched.is_none() {
             if taken >= first_batch {
-                if let Some(g) = gate.as_mut() {
-                    if !*g.borrow() {
-                        Metrics::add(&shared.metrics.first_gate_waits, 1);
-                    }
-                    // A dropped sender (the consumer went away) opens the gate too.
-                    let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
-                }
+                wait_gate(&mut gate, deadline, &shared.metrics).await;
             }
             *fetched = start_fetches.take().map(|f| f());
         }
         Some((ranged_uses, head))
+    }
+}
+
+/// Waits until the first-batch gate opens (counted when it was still closed), its holder goes
+/// away (the consumer is gone: a dropped sender opens it too), or `deadline`.
+async fn wait_gate(
+    gate: &mut Option<tokio::sync::watch::Receiver<bool>>,
+    deadline: tokio::time::Instant,
+    metrics: &Metrics,
+) {
+    if let Some(g) = gate.as_mut() {
+        if !*g.borrow() {
+            Metrics::add(&metrics.first_gate_waits, 1);
+        }
+        let _ = tokio::time::timeout_at(deadline, g.wait_for(|go| *go)).await;
     }
 }
 

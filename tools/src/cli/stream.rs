@@ -139,8 +139,9 @@ fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
-    use std::io::Write;
+/// The stream's configuration from the command's arguments (the topology from the
+/// environment where the arguments leave it out).
+fn stream_config(a: &StreamArgs) -> anyhow::Result<StreamConfig> {
     let env_topo = Topology::from_env();
     let world = a.world.unwrap_or(env_topo.world);
     let topology = Topology {
@@ -197,6 +198,12 @@ pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     cfg.provider = a.daemon.as_ref().map(|p| {
         std::sync::Arc::new(ramjet_transport::DaemonClient::new(p)) as std::sync::Arc<dyn ramjet_engine::ShardProvider>
     });
+    Ok(cfg)
+}
+
+pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
+    use std::io::Write;
+    let mut cfg = stream_config(&a)?;
     let mut out_len = 0u64;
     if a.resume {
         let p = a.state.as_ref().context("--resume needs --state")?;
@@ -256,10 +263,20 @@ pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     if let (Some(p), Some(st)) = (&a.state, stream.state()) {
         write_atomic(p, &serde_json::to_vec(&SavedState { state: st, out_len })?)?;
     }
-    let m = stream.metrics();
-    let secs = t0.elapsed().as_secs_f64();
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&m)?);
+    report(&stream.metrics(), n, t0.elapsed().as_secs_f64(), first, a.json)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The run's summary: its counters as JSON, or two lines for people.
+fn report(
+    m: &ramjet_engine::metrics::MetricsSnapshot,
+    n: u64,
+    secs: f64,
+    first: Option<f64>,
+    json: bool,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(m)?);
     } else {
         println!(
             "stream: {n} samples in {secs:.2} s: {:.0} samples/s, {}/s; time to first sample {:.3} s",
@@ -278,5 +295,5 @@ pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
             m.wait_s
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

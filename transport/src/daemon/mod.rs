@@ -159,6 +159,23 @@ pub struct Daemon {
     http_addr: Option<SocketAddr>,
 }
 
+/// The ring's members at start: `--peers-file` when given (it is watched afterwards), else
+/// `--peers`, else this daemon alone.
+fn first_members(cfg: &DaemonConfig, me: &String) -> std::io::Result<Vec<String>> {
+    let mut members = cfg.peers.clone();
+    if let Some(f) = &cfg.peers_file {
+        let text = std::fs::read_to_string(f)?;
+        members = read_members(&text).map_err(std::io::Error::other)?;
+    }
+    if members.is_empty() {
+        members.push(me.clone());
+    }
+    if !members.contains(me) {
+        tracing::warn!(me = %me, ?members, "this daemon is not in the member list: it owns no shards");
+    }
+    Ok(members)
+}
+
 impl Daemon {
     /// Opens the cache, binds the socket(s) and starts serving on the process's runtime
     /// (`cfg.threads` sizes it when the daemon is the first to use it).
@@ -185,17 +202,7 @@ impl Daemon {
         )
         .map_err(std::io::Error::other)?;
         let me = cfg.me();
-        let mut members = cfg.peers.clone();
-        if let Some(f) = &cfg.peers_file {
-            let text = std::fs::read_to_string(f)?;
-            members = read_members(&text).map_err(std::io::Error::other)?;
-        }
-        if members.is_empty() {
-            members.push(me.clone());
-        }
-        if !members.contains(&me) {
-            tracing::warn!(me = %me, ?members, "this daemon is not in the member list: it owns no shards");
-        }
+        let members = first_members(&cfg, &me)?;
         let link = LinkConfig {
             api_key: cfg.api_key.clone(),
             peer_timeout: cfg.peer_timeout,

@@ -36,6 +36,12 @@ use crate::stream::{FirstGate, Opened, Sample, Stream, StreamConfig, StreamState
 
 pub use crate::buf::HostBuf;
 
+mod epochs;
+pub mod options;
+
+pub use epochs::{Epochs, Step, SAVED_STATE_VERSION};
+pub use options::{Arg, Options};
+
 /// What to do with a sample whose image does not decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -379,26 +385,7 @@ impl Loader {
         let started = std::time::Instant::now();
         cfg.check()?;
         let (mut stream, first_gate) = Stream::open_gated(cfg.stream.clone(), cfg.batch_size)?;
-        let schema = stream.schema(0);
-        for s in 1..stream.sources() {
-            if *stream.schema(s) != *schema {
-                return Err(Error::invalid(
-                    stream.dataset(s).manifest_url(),
-                    "its columns differ from the first dataset's; mixed datasets must share one schema",
-                ));
-            }
-        }
-        if cfg.image.is_some() {
-            match schema.columns.iter().find(|c| c.name == cfg.image_column) {
-                Some(c) if c.ty == ColumnType::Bytes => {}
-                _ => {
-                    return Err(Error::invalid(
-                        stream.dataset(0).manifest_url(),
-                        format!("no bytes column {:?} to decode images from", cfg.image_column),
-                    ))
-                }
-            }
-        }
+        let schema = check_schema(&stream, &cfg)?;
         let metrics = stream.metrics_handle();
         let stop = Arc::new(AtomicBool::new(false));
         let threads = cfg.threads.max(1);
@@ -628,40 +615,50 @@ async fn read_loop(
         let Ok(decoding) = permits.decoding.clone().acquire_owned().await else {
             return;
         };
-        // The first batch's stages (RAMJET_LOG=debug): its samples read, then decoded.
-        let ms = move || started.elapsed().as_secs_f64() * 1e3;
-        let first = job.seq == 0;
-        if first {
-            tracing::debug!(ms = ms(), "loader: first batch read");
+        let gate = if job.seq == 0 { first_gate.take() } else { None };
+        if job.seq == 0 {
+            // The first batch's stages (RAMJET_LOG=debug): its samples read, then decoded.
+            tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "loader: first batch read");
         }
-        let gate = if first { first_gate.take() } else { None };
         let (ctx, stop, done) = (ctx.clone(), stop.clone(), done.clone());
-        pool.spawn(move || {
-            let _decoding = decoding;
-            if stop.load(Ordering::Relaxed) {
-                return;
-            }
-            let t = first.then(|| (ms(), crate::rt::thread_usage()));
-            let (seq, r) = (job.seq, decode_job(&ctx, job));
-            if let Some((t, (cpu, minflt, majflt))) = t {
-                // The decode thread's own CPU time and page faults tell a decode that waited
-                // for a core from one that worked longer.
-                let (cpu2, minflt2, majflt2) = crate::rt::thread_usage();
-                tracing::debug!(
-                    ms = ms(),
-                    decode_ms = ms() - t,
-                    cpu_ms = cpu2.saturating_sub(cpu).as_secs_f64() * 1e3,
-                    minflt = minflt2.saturating_sub(minflt),
-                    majflt = majflt2.saturating_sub(majflt),
-                    "loader: first batch decoded"
-                );
-            }
-            if let Some(g) = gate {
-                g.open();
-            }
-            let _ = done.send((seq, r, Some(ahead)));
-        });
+        pool.spawn(move || decode_and_send(&ctx, job, &stop, &done, (ahead, decoding), gate, started));
     }
+}
+
+/// On a decode-pool thread: decodes `job` (unless the loader stopped) and hands its batch on
+/// with its `ahead` permit; the `decoding` permit is freed when this returns. The first batch
+/// opens the stream's gate and logs its decode (RAMJET_LOG=debug): the thread's own CPU time
+/// and page faults tell a decode that waited for a core from one that worked longer.
+fn decode_and_send(
+    ctx: &Ctx,
+    job: Job,
+    stop: &AtomicBool,
+    done: &Sender<Done>,
+    (ahead, _decoding): (tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit),
+    gate: Option<FirstGate>,
+    started: std::time::Instant,
+) {
+    if stop.load(Ordering::Relaxed) {
+        return;
+    }
+    let ms = move || started.elapsed().as_secs_f64() * 1e3;
+    let t = (job.seq == 0).then(|| (ms(), crate::rt::thread_usage()));
+    let (seq, r) = (job.seq, decode_job(ctx, job));
+    if let Some((t, (cpu, minflt, majflt))) = t {
+        let (cpu2, minflt2, majflt2) = crate::rt::thread_usage();
+        tracing::debug!(
+            ms = ms(),
+            decode_ms = ms() - t,
+            cpu_ms = cpu2.saturating_sub(cpu).as_secs_f64() * 1e3,
+            minflt = minflt2.saturating_sub(minflt),
+            majflt = majflt2.saturating_sub(majflt),
+            "loader: first batch decoded"
+        );
+    }
+    if let Some(g) = gate {
+        g.open();
+    }
+    let _ = done.send((seq, r, Some(ahead)));
 }
 
 thread_local! {
@@ -719,49 +716,7 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
     let mut skipped = Vec::new();
     let mut image = None;
     if let (Some(spec), Some(ci)) = (&cfg.image, image_col) {
-        let per = spec.bytes();
-        let mut buf = ctx
-            .pool
-            .take(per * rows.len().max(1))
-            .ok_or_else(|| Error::invalid("batch buffer", format!("cannot allocate {} bytes", per * rows.len())))?;
-        let mut kept = Vec::with_capacity(rows.len());
-        let mut n = 0usize;
-        for (i, vals) in rows {
-            let s = &job.samples[i];
-            let ValueRef::Bytes(bytes) = vals[ci] else {
-                unreachable!("checked to be a bytes column at start")
-            };
-            let mut rng = SampleRng::new(ctx.seed, job.epoch, s.id.source, s.global_index);
-            let r = match spec.out {
-                OutType::U8 => {
-                    let slot = &mut buf.as_mut_slice()[n * per..(n + 1) * per];
-                    process(bytes, spec, &mut rng, Slot::U8(slot), scratch)
-                }
-                OutType::F32 => {
-                    let e = spec.elems();
-                    let slot = &mut buf.as_mut_f32()[n * e..(n + 1) * e];
-                    process(bytes, spec, &mut rng, Slot::F32(slot), scratch)
-                }
-            };
-            match r {
-                Ok(_) => {
-                    Metrics::add(&ctx.metrics.images_decoded, 1);
-                    n += 1;
-                    kept.push((i, vals));
-                }
-                Err(reason) => {
-                    let reason = format!("image column {:?}: {reason}", cfg.image_column);
-                    if cfg.on_corrupt == OnCorrupt::Error {
-                        return Err(corrupt(&job.urls[i], s.global_index, reason));
-                    }
-                    skipped.push(Skipped {
-                        shard: job.urls[i].clone(),
-                        sample: s.global_index,
-                        reason,
-                    });
-                }
-            }
-        }
+        let (kept, buf, n) = decode_images(ctx, &job, rows, spec, ci, scratch, &mut skipped)?;
         rows = kept;
         image = Some((ci, buf, n));
     }
@@ -784,38 +739,7 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
                 continue;
             }
         }
-        let is_boxes = cfg.boxes_column.as_deref() == Some(col.name.as_str()) && col.ty == ColumnType::Json;
-        let data = if is_boxes {
-            let mut values = Vec::new();
-            let mut offsets = vec![0i64];
-            for (i, vals) in &rows {
-                let s = &job.samples[*i];
-                let ValueRef::Json(text) = vals[ci] else {
-                    unreachable!("json column")
-                };
-                parse_boxes(text, &mut values)
-                    .map_err(|r| corrupt(&job.urls[*i], s.global_index, format!("column {:?}: {r}", col.name)))?;
-                offsets.push((values.len() / 5) as i64);
-            }
-            ColumnData::Boxes { values, offsets }
-        } else {
-            let it = rows.iter().map(|(i, v)| (*i, v[ci]));
-            match col.ty {
-                ColumnType::Int64 => ColumnData::Int64(it.map(|(_, v)| as_i64(v)).collect()),
-                ColumnType::Float64 => ColumnData::Float64(it.map(|(_, v)| as_f64(v)).collect()),
-                ColumnType::Str => ColumnData::Str(it.map(|(_, v)| as_text(v)).collect()),
-                ColumnType::Json => ColumnData::Json(it.map(|(_, v)| as_text(v)).collect()),
-                ColumnType::Bytes => ColumnData::Bytes(
-                    it.map(|(i, v)| {
-                        let ValueRef::Bytes(b) = v else {
-                            unreachable!("bytes column")
-                        };
-                        job.samples[i].record.slice_ref(b)
-                    })
-                    .collect(),
-                ),
-            }
-        };
+        let data = column_data(cfg, &job, &rows, ci, col)?;
         columns.push((col.name.clone(), data));
     }
     let indices = rows.iter().map(|(i, _)| job.samples[*i].global_index as i64).collect();
@@ -828,6 +752,136 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
         state: job.state,
         end_of_epoch: job.end_of_epoch,
         skipped,
+    })
+}
+
+/// The schema of a loader's batches: every source of the mix must have the same, and with
+/// images decoded, a bytes column of `cfg.image_column`.
+fn check_schema(stream: &Stream, cfg: &LoaderConfig) -> Result<Arc<Schema>> {
+    let schema = stream.schema(0);
+    for s in 1..stream.sources() {
+        if *stream.schema(s) != *schema {
+            return Err(Error::invalid(
+                stream.dataset(s).manifest_url(),
+                "its columns differ from the first dataset's; mixed datasets must share one schema",
+            ));
+        }
+    }
+    if cfg.image.is_some() {
+        match schema.columns.iter().find(|c| c.name == cfg.image_column) {
+            Some(c) if c.ty == ColumnType::Bytes => {}
+            _ => {
+                return Err(Error::invalid(
+                    stream.dataset(0).manifest_url(),
+                    format!("no bytes column {:?} to decode images from", cfg.image_column),
+                ))
+            }
+        }
+    }
+    Ok(schema)
+}
+
+/// A batch's rows: each sample's position in its job and its values.
+type Rows<'a> = Vec<(usize, Vec<ValueRef<'a>>)>;
+
+/// Decodes and augments the image column `ci` of `rows` into one pooled buffer, sample after
+/// sample. Returns the rows whose image decoded (a corrupt one is an error, or with
+/// [`OnCorrupt::Skip`] left out and recorded in `skipped`), the buffer and their count.
+fn decode_images<'a>(
+    ctx: &Ctx,
+    job: &Job,
+    rows: Rows<'a>,
+    spec: &ImageSpec,
+    ci: usize,
+    scratch: &mut Scratch,
+    skipped: &mut Vec<Skipped>,
+) -> Result<(Rows<'a>, HostBuf, usize)> {
+    let cfg = &ctx.cfg;
+    let per = spec.bytes();
+    let mut buf = ctx
+        .pool
+        .take(per * rows.len().max(1))
+        .ok_or_else(|| Error::invalid("batch buffer", format!("cannot allocate {} bytes", per * rows.len())))?;
+    let mut kept = Vec::with_capacity(rows.len());
+    let mut n = 0usize;
+    for (i, vals) in rows {
+        let s = &job.samples[i];
+        let ValueRef::Bytes(bytes) = vals[ci] else {
+            unreachable!("checked to be a bytes column at start")
+        };
+        let mut rng = SampleRng::new(ctx.seed, job.epoch, s.id.source, s.global_index);
+        let r = match spec.out {
+            OutType::U8 => {
+                let slot = &mut buf.as_mut_slice()[n * per..(n + 1) * per];
+                process(bytes, spec, &mut rng, Slot::U8(slot), scratch)
+            }
+            OutType::F32 => {
+                let e = spec.elems();
+                let slot = &mut buf.as_mut_f32()[n * e..(n + 1) * e];
+                process(bytes, spec, &mut rng, Slot::F32(slot), scratch)
+            }
+        };
+        match r {
+            Ok(_) => {
+                Metrics::add(&ctx.metrics.images_decoded, 1);
+                n += 1;
+                kept.push((i, vals));
+            }
+            Err(reason) => {
+                let reason = format!("image column {:?}: {reason}", cfg.image_column);
+                if cfg.on_corrupt == OnCorrupt::Error {
+                    return Err(corrupt(&job.urls[i], s.global_index, reason));
+                }
+                skipped.push(Skipped {
+                    shard: job.urls[i].clone(),
+                    sample: s.global_index,
+                    reason,
+                });
+            }
+        }
+    }
+    Ok((kept, buf, n))
+}
+
+/// Column `ci` (not the decoded image) of `rows`: YOLO boxes flattened with their offsets, or
+/// the values as stored (bytes sliced from their records without a copy).
+fn column_data(
+    cfg: &LoaderConfig,
+    job: &Job,
+    rows: &Rows<'_>,
+    ci: usize,
+    col: &crate::format::Column,
+) -> Result<ColumnData> {
+    let is_boxes = cfg.boxes_column.as_deref() == Some(col.name.as_str()) && col.ty == ColumnType::Json;
+    if is_boxes {
+        let mut values = Vec::new();
+        let mut offsets = vec![0i64];
+        for (i, vals) in rows {
+            let s = &job.samples[*i];
+            let ValueRef::Json(text) = vals[ci] else {
+                unreachable!("json column")
+            };
+            parse_boxes(text, &mut values)
+                .map_err(|r| corrupt(&job.urls[*i], s.global_index, format!("column {:?}: {r}", col.name)))?;
+            offsets.push((values.len() / 5) as i64);
+        }
+        return Ok(ColumnData::Boxes { values, offsets });
+    }
+    let it = rows.iter().map(|(i, v)| (*i, v[ci]));
+    Ok(match col.ty {
+        ColumnType::Int64 => ColumnData::Int64(it.map(|(_, v)| as_i64(v)).collect()),
+        ColumnType::Float64 => ColumnData::Float64(it.map(|(_, v)| as_f64(v)).collect()),
+        ColumnType::Str => ColumnData::Str(it.map(|(_, v)| as_text(v)).collect()),
+        ColumnType::Json => ColumnData::Json(it.map(|(_, v)| as_text(v)).collect()),
+        ColumnType::Bytes => ColumnData::Bytes(
+            it.map(|(i, v)| {
+                let ValueRef::Bytes(b) = v else {
+                    unreachable!("bytes column")
+                };
+                job.samples[i].record.slice_ref(b)
+            })
+            .collect(),
+        ),
     })
 }
 

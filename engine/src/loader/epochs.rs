@@ -1,0 +1,407 @@
+//! A dataset object's walk over epochs, across iterations: which epoch the next iteration
+//! reads, where in it the iteration starts (its beginning, the job's saved progress, or this
+//! consumer's own saved state), when an iteration ends, and the state to save after any batch.
+//!
+//! One [`Loader`](super::Loader) runs across epochs (`epochs: None`) and is kept while the
+//! dataset is iterated again for the next epoch under the same topology; a new one starts when
+//! the epoch the caller asks for, or the topology, is not the one the running loader is in.
+//! The language bindings drive this and decide nothing themselves.
+
+use serde_json::{json, Value};
+
+use super::Batch;
+use crate::error::{Error, Result};
+use crate::order::Topology;
+use crate::stream::{ResumePoint, StreamConfig, StreamState};
+
+/// The version of the saved state ([`Epochs::worker_state`], [`Epochs::job_state`]).
+pub const SAVED_STATE_VERSION: u64 = 1;
+
+/// A saved position as it was given (its text, returned unchanged by the saved state) and parsed.
+#[derive(Debug, Clone)]
+struct Saved<T> {
+    text: String,
+    value: T,
+}
+
+/// Where a dataset object is in its epochs. See the module's documentation.
+#[derive(Debug, Clone, Default)]
+pub struct Epochs {
+    /// The epoch the next iteration reads.
+    epoch: u64,
+    /// The job's progress to start from (a loaded state), until a batch is yielded.
+    resume: Option<Saved<ResumePoint>>,
+    /// This consumer's own state to continue from (a worker's loaded state), likewise.
+    resume_consumer: Option<Saved<StreamState>>,
+    /// This consumer's state after the last batch it yielded.
+    state: Option<StreamState>,
+    /// The epoch the running loader is in and the topology it was started for.
+    running: Option<(u64, Topology)>,
+}
+
+/// What to do with a batch the loader handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Yield it; the iteration goes on.
+    Yield,
+    /// Yield it; it is the epoch's last for this consumer, so the iteration ends after it.
+    YieldLast,
+    /// It belongs to the next epoch (a consumer resumed with nothing left of its epoch): keep
+    /// it for the next iteration, and end this one now.
+    Defer,
+}
+
+impl Epochs {
+    /// At the start of epoch 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The epoch the next iteration reads.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Selects the epoch the next iteration reads, from its start. Setting the epoch a loaded
+    /// state belongs to keeps that state (the usual loop, `for epoch in range(start, n)`,
+    /// continues mid-epoch); setting another drops it.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        if epoch != self.epoch {
+            self.epoch = epoch;
+            self.resume = None;
+            self.resume_consumer = None;
+            self.state = None;
+        }
+    }
+
+    /// Whether a new loader must start for an iteration under `topology` (none runs, or the
+    /// running one is in another epoch or was started for another topology).
+    pub fn needs_start(&self, topology: &Topology) -> bool {
+        self.running != Some((self.epoch, *topology))
+    }
+
+    /// Sets where a new loader starts (the epoch, and a loaded state if any) in `cfg`, and
+    /// records it as the running one.
+    pub fn start(&mut self, cfg: &mut StreamConfig) {
+        cfg.epochs = None;
+        cfg.first_epoch = self.epoch;
+        cfg.resume = self.resume.as_ref().map(|s| s.value.clone());
+        cfg.resume_consumer = self.resume_consumer.as_ref().map(|s| s.value.clone());
+        self.running = Some((self.epoch, cfg.topology));
+    }
+
+    /// The running loader is gone (dropped, or left behind in a forked parent).
+    pub fn stopped(&mut self) {
+        self.running = None;
+    }
+
+    /// Decides what happens to `batch`, the next one the running loader handed out, and moves
+    /// on: a yielded batch's state becomes this consumer's saved state (taken out of `batch`).
+    pub fn on_batch(&mut self, batch: &mut Batch) -> Step {
+        let topology = self.running.map(|(_, t)| t);
+        if batch.epoch != self.epoch {
+            self.epoch = batch.epoch;
+            self.running = topology.map(|t| (self.epoch, t));
+            return Step::Defer;
+        }
+        self.state = batch.state.take();
+        self.resume = None;
+        self.resume_consumer = None;
+        if batch.end_of_epoch {
+            // The loader goes on into the next epoch; the next iteration continues there.
+            self.epoch = batch.epoch + 1;
+            self.running = topology.map(|t| (self.epoch, t));
+            return Step::YieldLast;
+        }
+        Step::Yield
+    }
+
+    /// This consumer's state after the last batch it yielded, if any.
+    pub fn consumer_state(&self) -> Option<&StreamState> {
+        self.state.as_ref()
+    }
+
+    /// The job's saved progress this object will start from, as it was loaded.
+    pub fn resume_text(&self) -> Option<&str> {
+        self.resume.as_ref().map(|s| s.text.as_str())
+    }
+
+    /// What a DataLoader worker saves: its own position, cheap to take after every batch
+    /// (`{"version", "epoch", "consumer", "resume"}`, the positions as JSON text).
+    pub fn worker_state(&self) -> Result<Value> {
+        let consumer = match (&self.state, &self.resume_consumer) {
+            (Some(s), _) => Some(to_text(s)?),
+            (None, Some(saved)) => Some(saved.text.clone()),
+            (None, None) => None,
+        };
+        Ok(json!({
+            "version": SAVED_STATE_VERSION,
+            "epoch": self.epoch,
+            "consumer": consumer,
+            "resume": self.resume_text(),
+        }))
+    }
+
+    /// The job's saved state before this consumer yielded anything: the epoch and the loaded
+    /// progress, if any.
+    pub fn unstarted_job_state(&self) -> Value {
+        json!({"version": SAVED_STATE_VERSION, "epoch": self.epoch, "resume": self.resume_text()})
+    }
+
+    /// The job's saved state from every consumer's state taken after the same step.
+    pub fn job_state(states: &[StreamState]) -> Result<Value> {
+        let point = StreamState::job_progress(states)?;
+        Ok(json!({
+            "version": SAVED_STATE_VERSION,
+            "epoch": point.progress.epoch,
+            "resume": to_text(&point)?,
+        }))
+    }
+
+    /// Continues from a saved state (a job's, or a worker's): the next iteration reads the rest
+    /// of its epoch. A state that is not one these functions made (not an object, a missing or
+    /// wrong-typed field, text that does not parse, an `epoch` that disagrees with its `resume`)
+    /// is an [`Error::InvalidInput`] naming the field, and changes nothing.
+    pub fn load(&mut self, saved: &Value) -> Result<()> {
+        let Value::Object(m) = saved else {
+            return Err(Error::invalid(
+                "state_dict",
+                format!("must be a dict made by state_dict(), not {}", kind(saved)),
+            ));
+        };
+        match m.get("version") {
+            Some(v) if v.as_u64() == Some(SAVED_STATE_VERSION) => {}
+            v => {
+                return Err(Error::invalid(
+                    "state_dict['version']",
+                    format!("unknown version {}", v.map_or("None".into(), |v| v.to_string())),
+                ))
+            }
+        }
+        let epoch = match m.get("epoch") {
+            None => return Err(Error::invalid("state_dict['epoch']", "missing")),
+            Some(v) => v.as_u64().ok_or_else(|| {
+                Error::invalid("state_dict['epoch']", format!("must be an int of at least 0, not {v}"))
+            })?,
+        };
+        let resume: Option<Saved<ResumePoint>> = parsed(m.get("resume"), "resume")?;
+        let consumer: Option<Saved<StreamState>> = parsed(m.get("consumer"), "consumer")?;
+        if let Some(r) = &resume {
+            if r.value.progress.epoch != epoch {
+                return Err(Error::invalid(
+                    "state_dict['epoch']",
+                    format!(
+                        "is {epoch} but its 'resume' is a position in epoch {}",
+                        r.value.progress.epoch
+                    ),
+                ));
+            }
+        }
+        self.epoch = consumer.as_ref().map_or(epoch, |c| c.value.base.epoch);
+        self.resume = resume;
+        self.resume_consumer = consumer;
+        self.state = None;
+        self.running = None;
+        Ok(())
+    }
+
+    /// Everything but the running loader, as JSON (to carry the object to another process).
+    pub fn to_json(&self) -> Result<Value> {
+        Ok(json!({
+            "epoch": self.epoch,
+            "resume": self.resume_text(),
+            "consumer": self.resume_consumer.as_ref().map(|s| s.text.as_str()),
+            "state": self.state.as_ref().map(to_text).transpose()?,
+        }))
+    }
+
+    /// The inverse of [`Epochs::to_json`]; no loader runs.
+    pub fn from_json(v: &Value) -> Result<Self> {
+        let epoch = v["epoch"]
+            .as_u64()
+            .ok_or_else(|| Error::invalid("position", "no epoch"))?;
+        let state: Option<Saved<StreamState>> = parsed(v.get("state"), "state")?;
+        Ok(Self {
+            epoch,
+            resume: parsed(v.get("resume"), "resume")?,
+            resume_consumer: parsed(v.get("consumer"), "consumer")?,
+            state: state.map(|s| s.value),
+            running: None,
+        })
+    }
+}
+
+fn to_text<T: serde::Serialize>(v: &T) -> Result<String> {
+    serde_json::to_string(v).map_err(|e| Error::invalid("state", e.to_string()))
+}
+
+/// A saved position's field: absent or null, or JSON text that parses as a `T`.
+fn parsed<T: serde::de::DeserializeOwned>(v: Option<&Value>, field: &str) -> Result<Option<Saved<T>>> {
+    let what = || format!("state_dict[{field:?}]").replace('"', "'");
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => match serde_json::from_str(text) {
+            Ok(value) => Ok(Some(Saved {
+                text: text.clone(),
+                value,
+            })),
+            Err(e) => Err(Error::invalid(what(), format!("is not a ramjet state: {e}"))),
+        },
+        Some(other) => Err(Error::invalid(
+            what(),
+            format!("must be a JSON string, not {}", kind(other)),
+        )),
+    }
+}
+
+/// A JSON value's kind, in the words of the Python types it came from.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "None",
+        Value::Bool(_) => "bool",
+        Value::Number(n) if n.is_f64() => "float",
+        Value::Number(_) => "int",
+        Value::String(_) => "str",
+        Value::Array(_) => "list",
+        Value::Object(_) => "dict",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::order::{EpochProgress, OrderSpec};
+    use crate::stream::Audit;
+
+    fn state(epoch: u64, delivered: u64) -> StreamState {
+        StreamState {
+            order_version: crate::order::ORDER_VERSION,
+            versions: vec!["v1".into()],
+            order: OrderSpec::default(),
+            consumer: 0,
+            consumers: 1,
+            base: EpochProgress {
+                epoch,
+                consumed: 0,
+                ahead: vec![],
+            },
+            len: 100,
+            delivered,
+            audit_base: Audit::default(),
+            audit: Audit::default(),
+        }
+    }
+
+    fn batch(epoch: u64, end: bool, delivered: u64) -> Batch {
+        Batch {
+            epoch,
+            columns: vec![],
+            indices: vec![0],
+            sources: vec![0],
+            state: Some(state(epoch, delivered)),
+            end_of_epoch: end,
+            skipped: vec![],
+        }
+    }
+
+    #[test]
+    fn a_loader_runs_on_across_epochs_and_restarts_only_for_another_epoch_or_topology() {
+        let mut e = Epochs::new();
+        let topo = Topology::default();
+        assert!(e.needs_start(&topo));
+        let mut cfg = StreamConfig::default();
+        e.start(&mut cfg);
+        assert_eq!((cfg.epochs, cfg.first_epoch), (None, 0));
+        assert!(!e.needs_start(&topo));
+        assert_eq!(e.on_batch(&mut batch(0, false, 1)), Step::Yield);
+        assert_eq!(e.consumer_state().unwrap().delivered, 1);
+        assert_eq!(e.on_batch(&mut batch(0, true, 2)), Step::YieldLast);
+        assert_eq!(e.epoch(), 1);
+        // The next iteration continues in the same loader, now in epoch 1.
+        assert!(!e.needs_start(&topo));
+        let other = Topology { world: 2, ..topo };
+        assert!(e.needs_start(&other), "another topology needs another deal");
+        e.set_epoch(5);
+        assert!(e.needs_start(&topo) && e.consumer_state().is_none());
+        e.start(&mut cfg);
+        assert_eq!(cfg.first_epoch, 5);
+    }
+
+    #[test]
+    fn a_resumed_consumer_with_nothing_left_defers_its_first_batch_to_the_next_iteration() {
+        let mut e = Epochs::new();
+        e.start(&mut StreamConfig::default());
+        let mut b = batch(1, false, 1);
+        assert_eq!(e.on_batch(&mut b), Step::Defer);
+        assert!(
+            b.state.is_some(),
+            "a deferred batch keeps its state for when it is yielded"
+        );
+        assert_eq!(e.epoch(), 1);
+        assert!(
+            !e.needs_start(&Topology::default()),
+            "the running loader is in epoch 1 now"
+        );
+        assert_eq!(e.on_batch(&mut b), Step::Yield);
+    }
+
+    #[test]
+    fn a_saved_state_round_trips_and_a_bad_one_changes_nothing() {
+        let mut e = Epochs::new();
+        e.start(&mut StreamConfig::default());
+        e.on_batch(&mut batch(0, false, 3));
+        let job = Epochs::job_state(&[e.consumer_state().unwrap().clone()]).unwrap();
+        let worker = e.worker_state().unwrap();
+        let mut r = Epochs::new();
+        r.load(&job).unwrap();
+        assert_eq!(r.epoch(), 0);
+        let mut cfg = StreamConfig::default();
+        r.start(&mut cfg);
+        assert_eq!(cfg.resume.unwrap().progress.epoch, 0);
+        assert_eq!(
+            r.unstarted_job_state()["resume"],
+            job["resume"],
+            "the loaded text is kept as given"
+        );
+        let mut w = Epochs::new();
+        w.load(&worker).unwrap();
+        let mut cfg = StreamConfig::default();
+        w.start(&mut cfg);
+        assert_eq!(cfg.resume_consumer.unwrap().delivered, 3);
+        let moved = Epochs::from_json(&e.to_json().unwrap()).unwrap();
+        assert_eq!(moved.consumer_state(), e.consumer_state());
+
+        let bad: Vec<(Value, &str)> = vec![
+            (json!([1, 2]), "state_dict"),
+            (json!({"version": 1}), "state_dict['epoch']"),
+            (json!({"version": 1, "epoch": "x"}), "state_dict['epoch']"),
+            (json!({"version": 1, "epoch": -1}), "state_dict['epoch']"),
+            (
+                json!({"version": 1, "epoch": 0, "resume": "{not json"}),
+                "state_dict['resume']",
+            ),
+            (json!({"version": 1, "epoch": 0, "resume": 5}), "state_dict['resume']"),
+            (
+                json!({"version": 1, "epoch": 0, "resume": "{}"}),
+                "state_dict['resume']",
+            ),
+            (
+                json!({"version": 1, "epoch": 0, "consumer": "[]"}),
+                "state_dict['consumer']",
+            ),
+            (json!({"version": 2, "epoch": 0}), "state_dict['version']"),
+            (
+                json!({"version": 1, "epoch": 1, "resume": job["resume"]}),
+                "state_dict['epoch']",
+            ),
+        ];
+        for (v, named) in bad {
+            let before = format!("{r:?}");
+            match r.load(&v).unwrap_err() {
+                Error::InvalidInput { what, .. } => assert_eq!(what, named, "{v}"),
+                other => panic!("{v}: {other}"),
+            }
+            assert_eq!(format!("{r:?}"), before, "a refused state changed the position: {v}");
+        }
+    }
+}
