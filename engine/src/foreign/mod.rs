@@ -12,12 +12,14 @@
 //! One concept per file: [`spec`] (what a foreign dataset and its objects are), [`mds`] and
 //! [`wds`] (the two layouts), [`compress`] (bounded decompression), [`transcode`] (the one
 //! entry point from a foreign object's bytes to ramjet records), [`scan`] (`ramjet index`:
-//! a manifest over the shards) and [`learned`] (the same, learned on first read and kept on
-//! the host).
+//! a manifest over the shards), [`learned`] (the same, learned on first read and kept on
+//! the host) and [`ranged`] (a plain shard's samples read one at a time through its sample
+//! index, for the stream's ranged reads).
 
 pub mod compress;
 pub mod learned;
 pub mod mds;
+pub mod ranged;
 pub mod scan;
 pub mod spec;
 pub mod transcode;

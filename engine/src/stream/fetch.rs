@@ -373,7 +373,7 @@ impl<'a> Ranged<'a> {
     fn entry_at(&self, i: u64) -> u64 {
         match self.foreign_bytes {
             None => crate::format::Header::entry_offset(i),
-            Some(_) => i * crate::foreign::SAMPLE_INDEX_ENTRY_LEN,
+            Some(_) => crate::foreign::ranged::entry_offset(i),
         }
     }
 
@@ -381,14 +381,7 @@ impl<'a> Ranged<'a> {
     fn check_entry(&self, src: &Source, shard: usize, index: u64, e: &IndexEntry) -> Result<()> {
         match self.foreign_bytes {
             None => check_entry(src, shard, index, e),
-            Some(bytes) if e.offset.checked_add(e.len).is_some_and(|end| end <= bytes) => Ok(()),
-            Some(bytes) => Err(Error::corrupt(
-                Location::sample(src.shard_url(shard), index),
-                format!(
-                    "its sample index points at [{}, +{}), outside the {bytes}-byte object",
-                    e.offset, e.len
-                ),
-            )),
+            Some(bytes) => crate::foreign::ranged::check_entry(e, bytes, &src.shard_url(shard), index),
         }
     }
 
@@ -399,14 +392,7 @@ impl<'a> Ranged<'a> {
         }
         let m = src.ds.manifest();
         let spec = m.foreign().expect("a foreign shard's manifest has its spec");
-        let rec = crate::foreign::transcode_sample(spec, &m.schema, &raw, at)?;
-        if crate::format::sample_checksum(i, &rec) != e.checksum {
-            return Err(Error::corrupt(
-                at.clone(),
-                "the sample does not match its checksum in the sample index (the object changed since it was indexed)",
-            ));
-        }
-        Ok(Bytes::from(rec))
+        crate::foreign::ranged::record(spec, &m.schema, i, e, &raw, at)
     }
 }
 
@@ -559,20 +545,7 @@ pub(super) async fn vouch(
             Metrics::add(&m.origin_requests, 1);
             Metrics::add(&m.origin_bytes, ix.bytes);
             let samples = src.ds.manifest().shard(key.1 as usize)?.samples;
-            let sum = xxhash_rust::xxh3::xxh3_64(&b);
-            if b.len() as u64 != samples * crate::foreign::SAMPLE_INDEX_ENTRY_LEN || sum != ix.checksum.get() {
-                return Err(Error::corrupt(
-                    Location::object(&url),
-                    format!(
-                        "the sample index of {} ({} bytes, XXH3-64 {sum:016x}) is not the one the manifest lists \
-                         ({} bytes for {samples} samples, {})",
-                        src.shard_url(key.1 as usize),
-                        b.len(),
-                        ix.bytes,
-                        ix.checksum
-                    ),
-                ));
-            }
+            crate::foreign::ranged::check_sample_index(&b, samples, ix, &src.shard_url(key.1 as usize), &url)?;
             Some(b)
         }
     };
