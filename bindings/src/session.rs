@@ -21,8 +21,9 @@ use crate::loader::{batch_to_py, parse, snapshot_dict, Loader};
 use crate::{interruptible, to_py, wait_polling, InvalidInputError};
 
 /// A Python value as an engine [`Arg`], without judging it (the engine checks it and names the
-/// option): `None`, `bool`, anything with `__index__` (int, numpy integers), anything with
-/// `__float__` (float, numpy floats), `str`, a list or tuple, a dict.
+/// option): `None`, `bool`, `str`, a dict, an int, a float, anything with a working
+/// `__index__` (numpy integers) or `__float__` (numpy floats, one-element tensors), and any
+/// other iterable (a list, a tuple, a numpy array, a tensor) as a list.
 pub(crate) fn to_arg(v: &Bound<'_, PyAny>) -> PyResult<Arg> {
     if v.is_none() {
         return Ok(Arg::None);
@@ -33,13 +34,6 @@ pub(crate) fn to_arg(v: &Bound<'_, PyAny>) -> PyResult<Arg> {
     if v.is_instance_of::<PyString>() {
         return Ok(Arg::Str(v.extract()?));
     }
-    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
-        return v
-            .try_iter()?
-            .map(|x| to_arg(&x?))
-            .collect::<PyResult<_>>()
-            .map(Arg::List);
-    }
     if let Ok(d) = v.cast::<PyDict>() {
         let mut m = BTreeMap::new();
         for (k, x) in d.iter() {
@@ -47,12 +41,26 @@ pub(crate) fn to_arg(v: &Bound<'_, PyAny>) -> PyResult<Arg> {
         }
         return Ok(Arg::Map(m));
     }
-    if v.is_instance_of::<PyInt>() || v.hasattr("__index__")? {
-        // Beyond i128 is beyond any option's range: the engine names it out of range.
-        return Ok(Arg::Int(v.call_method0("__index__")?.extract().unwrap_or(i128::MAX)));
+    // Beyond i128 is beyond any option's range: the engine names it out of range.
+    let int = |i: &Bound<'_, PyAny>| Arg::Int(i.extract().unwrap_or(i128::MAX));
+    if v.is_instance_of::<PyInt>() {
+        return Ok(int(v));
     }
-    if v.is_instance_of::<PyFloat>() || v.hasattr("__float__")? {
+    if v.is_instance_of::<PyFloat>() {
         return Ok(Arg::Float(v.extract()?));
+    }
+    if !v.is_instance_of::<PyList>() && !v.is_instance_of::<PyTuple>() {
+        if let Ok(i) = v.call_method0("__index__") {
+            return Ok(int(&i));
+        }
+        if v.hasattr("__float__")? {
+            if let Ok(f) = v.extract::<f64>() {
+                return Ok(Arg::Float(f));
+            }
+        }
+    }
+    if let Ok(items) = v.try_iter() {
+        return items.map(|x| to_arg(&x?)).collect::<PyResult<_>>().map(Arg::List);
     }
     Ok(Arg::Str(format!("<{}>", v.repr()?)))
 }

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -61,16 +62,30 @@ def unblock(fifo, original):
         os.close(fd)
 
 
-def assert_interrupts(call):
-    """`call` blocks; a Ctrl-C (SIGINT to the main thread) after 1 s must end it at once."""
+def assert_interrupts(call, release):
+    """`call` blocks; a Ctrl-C (SIGINT to the main thread) after 1 s must end it at once.
+
+    Python's own SIGINT handler is in place for the test (a library imported by an earlier test
+    may have installed another, and `interrupt_main` does nothing under SIG_DFL or SIG_IGN).
+    The wait is bounded: if the Ctrl-C has not ended the call after 20 s, `release()` lets the
+    data through, so the call returns and the test fails, naming the handler, instead of
+    hanging the suite."""
+    handler = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, _thread.interrupt_main)
+    backstop = threading.Timer(20.0, release)
     t0 = time.monotonic()
     timer.start()
+    backstop.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             call()
+    except pytest.fail.Exception:
+        raise AssertionError(f"Ctrl-C did not end the call within 20 s (SIGINT's handler before the test: {handler!r})")
     finally:
         timer.cancel()
+        backstop.cancel()
+        signal.signal(signal.SIGINT, handler)
     took = time.monotonic() - t0
     assert took < 8, f"Ctrl-C took {took:.1f} s to interrupt"
 
@@ -94,7 +109,7 @@ def test_ctrl_c_interrupts_a_call_blocked_on_its_data(packed, tmp_path, call, bl
         "index": lambda: ramjet.StreamingDataset(str(d), batch_size=4, image_size=32, shuffle=False)[0],
     }
     try:
-        assert_interrupts(calls[call])
+        assert_interrupts(calls[call], lambda: unblock(fifo, original))
     finally:
         unblock(fifo, original)
 
@@ -106,7 +121,10 @@ def test_ctrl_c_interrupts_init(tmp_path):
     holder = open(cache / "lock", "w")
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
-        assert_interrupts(lambda: ramjet.init(str(cache), socket=str(tmp_path / "d.sock")))
+        assert_interrupts(
+            lambda: ramjet.init(str(cache), socket=str(tmp_path / "d.sock")),
+            lambda: fcntl.flock(holder, fcntl.LOCK_UN),
+        )
     finally:
         fcntl.flock(holder, fcntl.LOCK_UN)
         holder.close()

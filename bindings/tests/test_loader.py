@@ -870,3 +870,25 @@ def test_the_python_signature_names_exactly_the_engines_options():
             assert ours == theirs, (k, ours, theirs)
     with pytest.raises(ramjet.InvalidInputError, match="batch_sise"):
         ramjet._ramjet.loader_options({"remote": "s3://b/d", "batch_sise": 8})
+
+
+def test_numpy_and_torch_values_pass_as_the_numbers_they_hold(classes):
+    """Options reach the engine unjudged: numpy scalars and arrays and torch tensors are the
+    ints, floats and sequences they hold (as Python's own arithmetic reads them)."""
+    url, _ = classes
+    kw = dict(shuffle=False, augment="resize", normalize=True)
+    plain = next(iter(dataset(url, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), **kw)))
+    ds = dataset(
+        url,
+        batch_size=np.int64(8),
+        image_size=(np.int32(64), np.int64(64)),
+        mean=np.array([0.5, 0.5, 0.5]),
+        std=torch.tensor([0.25, 0.25, 0.25]),
+        flip=np.float32(0.5),
+        **kw,
+    )
+    b = next(iter(ds))
+    assert b["image"].shape == plain["image"].shape == (8, 3, 64, 64)
+    torch.testing.assert_close(b["image"], plain["image"])
+    with pytest.raises(ramjet.InvalidInputError, match="std"):
+        dataset(url, std=np.array([0.2, 0.2]))

@@ -355,17 +355,7 @@ impl FusedKernel {
             reason,
         };
         let plan = crate::kernel::plan(jobs, p, Some(src.len))?;
-        if out.len < jobs.len() * p.image_bytes() {
-            return Err(bad(format!(
-                "the output holds {} B; {} images of {}x{} {:?} need {} B",
-                out.len,
-                jobs.len(),
-                p.ow,
-                p.oh,
-                p.out,
-                jobs.len() * p.image_bytes()
-            )));
-        }
+        check_output(out, jobs.len(), p)?;
         if jobs.is_empty() {
             return Ok(());
         }
@@ -450,6 +440,24 @@ impl FusedKernel {
             }
         }
     }
+}
+
+/// Checks that `out` holds `n` output images of `p`'s size and type.
+fn check_output(out: DevSpan, n: usize, p: &Params) -> Result<(), GpuError> {
+    if out.len >= n * p.image_bytes() {
+        return Ok(());
+    }
+    Err(GpuError::Driver {
+        doing: "checking the kernel's arguments",
+        reason: format!(
+            "the output holds {} B; {n} images of {}x{} {:?} need {} B",
+            out.len,
+            p.ow,
+            p.oh,
+            p.out,
+            n * p.image_bytes()
+        ),
+    })
 }
 
 impl Drop for FusedKernel {

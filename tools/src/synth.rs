@@ -151,26 +151,7 @@ pub fn render(seed: u64, index: u64) -> (Vec<u8>, Vec<(usize, [f32; 4])>) {
     let fine = ValueNoise::new(&mut rng, 160, 120);
     let grain = rng.range(5.0, 9.0);
 
-    let n_obj = 1 + rng.below(6) as usize;
-    let mut objects = Vec::with_capacity(n_obj);
-    for _ in 0..n_obj {
-        let class = rng.below(CLASSES.len() as u64) as usize;
-        let h = rng.range(0.08, 0.45) * HEIGHT as f32;
-        let w = h * rng.range(0.4, 1.8);
-        let base_y = rng.range(horizon + 10.0, HEIGHT as f32 + h * 0.3);
-        let cx = rng.range(-w * 0.2, WIDTH as f32 + w * 0.2);
-        objects.push(Object {
-            class,
-            x0: cx - w / 2.0,
-            x1: cx + w / 2.0,
-            y0: base_y - h,
-            y1: base_y,
-            ellipse: class == 1 || class == 4,
-            color: [rng.range(20.0, 240.0), rng.range(20.0, 240.0), rng.range(20.0, 240.0)],
-        });
-    }
-    // Far objects first, so nearer (lower) ones cover them, as in a photo.
-    objects.sort_by(|a, b| a.y1.total_cmp(&b.y1));
+    let objects = place_objects(&mut rng, horizon);
 
     let mut px = vec![0u8; WIDTH * HEIGHT * 3];
     let mut hash = Rng::new(seed.wrapping_add(index) ^ 0x6A09_E667_F3BC_C908);
@@ -218,7 +199,38 @@ pub fn render(seed: u64, index: u64) -> (Vec<u8>, Vec<(usize, [f32; 4])>) {
         }
     }
 
-    let labels = objects
+    (px, yolo_labels(&objects))
+}
+
+/// One to six objects standing on the ground below `horizon`, far ones first (nearer, lower
+/// ones cover them, as in a photo).
+fn place_objects(rng: &mut Rng, horizon: f32) -> Vec<Object> {
+    let n_obj = 1 + rng.below(6) as usize;
+    let mut objects = Vec::with_capacity(n_obj);
+    for _ in 0..n_obj {
+        let class = rng.below(CLASSES.len() as u64) as usize;
+        let h = rng.range(0.08, 0.45) * HEIGHT as f32;
+        let w = h * rng.range(0.4, 1.8);
+        let base_y = rng.range(horizon + 10.0, HEIGHT as f32 + h * 0.3);
+        let cx = rng.range(-w * 0.2, WIDTH as f32 + w * 0.2);
+        objects.push(Object {
+            class,
+            x0: cx - w / 2.0,
+            x1: cx + w / 2.0,
+            y0: base_y - h,
+            y1: base_y,
+            ellipse: class == 1 || class == 4,
+            color: [rng.range(20.0, 240.0), rng.range(20.0, 240.0), rng.range(20.0, 240.0)],
+        });
+    }
+    objects.sort_by(|a, b| a.y1.total_cmp(&b.y1));
+    objects
+}
+
+/// The YOLO label lines of the objects seen in the frame: class and normalised centre and
+/// size, clipped to the frame; objects under 2 pixels a side left out.
+fn yolo_labels(objects: &[Object]) -> Vec<(usize, [f32; 4])> {
+    objects
         .iter()
         .filter_map(|o| {
             let x0 = o.x0.max(0.0);
@@ -234,8 +246,7 @@ pub fn render(seed: u64, index: u64) -> (Vec<u8>, Vec<(usize, [f32; 4])>) {
                 [(x0 + x1) / 2.0 / w, (y0 + y1) / 2.0 / h, (x1 - x0) / w, (y1 - y0) / h],
             ))
         })
-        .collect();
-    (px, labels)
+        .collect()
 }
 
 #[inline]

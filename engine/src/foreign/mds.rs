@@ -168,8 +168,9 @@ fn text(b: &[u8]) -> std::result::Result<&str, Invalid> {
     std::str::from_utf8(b).map_err(|e| Invalid::from(format!("not UTF-8: {e}")))
 }
 
-fn le<const N: usize>(b: &[u8]) -> std::result::Result<[u8; N], String> {
-    b.try_into().map_err(|_| format!("{} bytes, expected {N}", b.len()))
+fn le<const N: usize>(b: &[u8]) -> std::result::Result<[u8; N], Invalid> {
+    b.try_into()
+        .map_err(|_| Invalid::from(format!("{} bytes, expected {N}", b.len())))
 }
 
 /// An IEEE half as a double.

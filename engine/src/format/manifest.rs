@@ -578,34 +578,35 @@ impl Manifest {
         let shards = match &m.list {
             ShardList::Listed(v) | ShardList::Foreign { shards: v, .. } => v,
             ShardList::Table { table_ref: r, .. } => {
-                m.check_table_ref(r).map_err(bad)?;
+                m.check_table_ref(r).map_err(|r| bad(r.into()))?;
                 // The records are checked when the table is attached.
                 return Ok(m);
             }
         };
-        m.check_listed(shards).map_err(bad)?;
+        m.check_listed(shards).map_err(|r| bad(r.into()))?;
         Ok(m)
     }
 
     /// The checks of a shard table's reference (its records are checked when attached).
-    fn check_table_ref(&self, r: &ShardTableRef) -> std::result::Result<(), String> {
+    fn check_table_ref(&self, r: &ShardTableRef) -> std::result::Result<(), Invalid> {
         validate_key(&r.key).map_err(|why| format!("shard table key {:?}: {why}", r.key))?;
         if r.shards > u32::MAX as u64 {
-            return Err(format!("{} shards exceeds the limit of {}", r.shards, u32::MAX));
+            return Err(format!("{} shards exceeds the limit of {}", r.shards, u32::MAX).into());
         }
         let want = shard_table_len(r.shards);
         if r.bytes != want || r.bytes > SHARD_TABLE_BYTES_MAX {
             return Err(format!(
                 "its shard table of {} shards must be {want} bytes (at most {SHARD_TABLE_BYTES_MAX}), not {}",
                 r.shards, r.bytes
-            ));
+            )
+            .into());
         }
         Ok(())
     }
 
     /// The checks of the shards listed in the JSON. Checked arithmetic: the counts are
     /// untrusted input, and a sum that wraps would pass the check.
-    fn check_listed(&self, shards: &[ShardInfo]) -> std::result::Result<(), String> {
+    fn check_listed(&self, shards: &[ShardInfo]) -> std::result::Result<(), Invalid> {
         let samples = shards.iter().try_fold(0u64, |a, s| a.checked_add(s.samples));
         let total = shards.iter().try_fold(0u64, |a, s| a.checked_add(s.bytes));
         let (Some(samples), Some(total)) = (samples, total) else {
@@ -615,10 +616,11 @@ impl Manifest {
             return Err(format!(
                 "totals ({} samples, {} bytes) do not match its shards ({samples}, {total})",
                 self.samples, self.bytes
-            ));
+            )
+            .into());
         }
         if shards.len() as u64 > u32::MAX as u64 {
-            return Err(format!("{} shards exceeds the limit of {}", shards.len(), u32::MAX));
+            return Err(format!("{} shards exceeds the limit of {}", shards.len(), u32::MAX).into());
         }
         let foreign = self.foreign().is_some();
         let mut keys = std::collections::HashSet::new();
@@ -629,7 +631,8 @@ impl Manifest {
                 return Err(format!(
                     "shard {:?} lists 0 samples; a shard holds at least one (no writer lists an empty one)",
                     s.key
-                ));
+                )
+                .into());
             }
             if s.samples > crate::format::SHARD_SAMPLES_MAX {
                 return Err(format!(
@@ -637,11 +640,12 @@ impl Manifest {
                     s.key,
                     s.samples,
                     crate::format::SHARD_SAMPLES_MAX
-                ));
+                )
+                .into());
             }
             validate_key(&s.key).map_err(|r| format!("shard key {:?}: {r}", s.key))?;
             if !keys.insert(s.key.as_str()) {
-                return Err(format!("shard key {:?} listed twice", s.key));
+                return Err(format!("shard key {:?} listed twice", s.key).into());
             }
             match (&s.foreign, foreign) {
                 (Some(f), true) => {
@@ -651,7 +655,7 @@ impl Manifest {
                     if let Some(ix) = &f.index {
                         validate_key(&ix.key).map_err(|r| format!("sample index key {:?}: {r}", ix.key))?;
                         if !keys.insert(ix.key.as_str()) {
-                            return Err(format!("key {:?} listed twice", ix.key));
+                            return Err(format!("key {:?} listed twice", ix.key).into());
                         }
                         if Some(ix.bytes) != s.samples.checked_mul(crate::foreign::SAMPLE_INDEX_ENTRY_LEN)
                             || f.compression.is_some()
@@ -659,25 +663,23 @@ impl Manifest {
                             return Err(format!(
                                 "shard {:?}: its sample index must be 24 bytes a sample, of a plain object",
                                 s.key
-                            ));
+                            )
+                            .into());
                         }
                     }
                 }
                 (None, false) => {}
                 (Some(_), false) => {
-                    return Err(format!("shard {:?} is foreign, but the manifest says no format", s.key))
+                    return Err(format!("shard {:?} is foreign, but the manifest says no format", s.key).into())
                 }
                 (None, true) => {
-                    return Err(format!(
-                        "shard {:?} is not foreign, in a manifest over foreign shards",
-                        s.key
-                    ))
+                    return Err(format!("shard {:?} is not foreign, in a manifest over foreign shards", s.key).into())
                 }
             }
             if let Some(c) = &s.columns {
                 validate_key(&c.key).map_err(|r| format!("columns key {:?}: {r}", c.key))?;
                 if !keys.insert(c.key.as_str()) {
-                    return Err(format!("key {:?} listed twice", c.key));
+                    return Err(format!("key {:?} listed twice", c.key).into());
                 }
             }
         }

@@ -44,6 +44,28 @@ pub(super) async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
     }
 }
 
+/// The peer handshake (authenticated with the API key), bounded by the handshake timeout;
+/// `None` when the peer was refused or too slow (counted, logged), an error when the
+/// connection failed.
+async fn handshake(inner: &Inner, s: &mut TcpStream, from: SocketAddr) -> std::io::Result<Option<wire::Session>> {
+    let hs = tokio::time::timeout(inner.cfg.handshake_timeout, wire::accept(s, inner.cfg.api_key.as_ref())).await;
+    if !matches!(hs, Ok(Ok(_))) {
+        inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+    }
+    match hs {
+        Ok(Ok(session)) => Ok(Some(session)),
+        Ok(Err(HandshakeError::Refused(why))) => {
+            tracing::warn!(%from, reason = %why, "peer refused");
+            Ok(None)
+        }
+        Ok(Err(HandshakeError::Io(e))) => Err(e),
+        Err(_) => {
+            tracing::debug!(%from, timeout = ?inner.cfg.handshake_timeout, "peer handshake timed out");
+            Ok(None)
+        }
+    }
+}
+
 pub(super) async fn peer_conn(
     inner: &Arc<Inner>,
     mut s: TcpStream,
@@ -51,27 +73,8 @@ pub(super) async fn peer_conn(
     handshaking: Permit,
 ) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
-    let hs = tokio::time::timeout(
-        inner.cfg.handshake_timeout,
-        wire::accept(&mut s, inner.cfg.api_key.as_ref()),
-    )
-    .await;
-    let session = match hs {
-        Ok(Ok(session)) => session,
-        Ok(Err(HandshakeError::Refused(why))) => {
-            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%from, reason = %why, "peer refused");
-            return Ok(());
-        }
-        Ok(Err(HandshakeError::Io(e))) => {
-            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
-            return Err(e);
-        }
-        Err(_) => {
-            inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%from, timeout = ?inner.cfg.handshake_timeout, "peer handshake timed out");
-            return Ok(());
-        }
+    let Some(session) = handshake(inner, &mut s, from).await? else {
+        return Ok(());
     };
     drop(handshaking);
     let Some(_permit) = inner.conn_permit(Class::Peer, Some(from.ip())) else {
