@@ -129,12 +129,13 @@ tools/device-check/build.sh --dev "$ci/devcheck"
 import json, sys
 doc = json.load(open(sys.argv[1]))
 assert {"device", "driver", "commit", "date", "steps"} <= set(doc), doc.keys()
-want = {"env", "rust_gpu", "py_gpu", "feed", "cpu_scale", "kernel"}
+want = {"env", "rust_gpu", "nvjpeg", "py_gpu", "feed", "cpu_scale", "kernel"}
 assert set(doc["steps"]) == want, doc["steps"].keys()
 for name, s in doc["steps"].items():
     assert {"rc", "seconds", "figures"} <= set(s), (name, s)
     assert s["rc"] in (0, None), f"step {name} failed: {s}"
 assert doc["steps"]["rust_gpu"]["figures"]["rust_tests_passed"] > 0
+assert doc["steps"]["nvjpeg"].get("skipped") == "no GPU", doc["steps"]["nvjpeg"]
 assert doc["steps"]["cpu_scale"]["figures"]["ramjet_t2_img_s"] > 0
 k = doc["steps"]["kernel"]["figures"]  # the kernel's CPU reference against torchvision
 assert k["u8_interior_max_abs_diff_vs_torchvision"] <= 1 and k["kernel_rrc_u8_img_s"] > 0, k

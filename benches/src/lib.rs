@@ -52,8 +52,15 @@ pub fn synth_dataset(n: usize) -> PathBuf {
     if !done.exists() {
         let _ = std::fs::remove_dir_all(&dir);
         let pb = ramjet_tools::ui::count_bar("synth");
-        ramjet_tools::synth::synth(&dir, &ramjet_tools::synth::SynthOptions { samples: n, seed: 0 }, &pb)
-            .expect("synth");
+        ramjet_tools::synth::synth(
+            &dir,
+            &ramjet_tools::synth::SynthOptions {
+                samples: n,
+                ..Default::default()
+            },
+            &pb,
+        )
+        .expect("synth");
         std::fs::write(&done, b"").unwrap();
     }
     dir

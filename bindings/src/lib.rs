@@ -194,6 +194,13 @@ fn gpu_info<'py>(py: Python<'py>, python_roots: Vec<std::path::PathBuf>) -> PyRe
                     Origin::System => "system",
                 };
                 one.set_item("origin", origin)?;
+                if lib == Lib::Nvjpeg {
+                    // Loading needs no GPU: the table's symbols and the library's version.
+                    match ramjet_cuda::nvjpeg::Table::open(&f.path).and_then(|t| ramjet_cuda::nvjpeg::version(&t)) {
+                        Ok((a, b, c)) => one.set_item("version", format!("{a}.{b}.{c}"))?,
+                        Err(e) => one.set_item("load_error", e.to_string())?,
+                    }
+                }
             }
             Err(e) => one.set_item("error", e.to_string())?,
         }

@@ -238,11 +238,11 @@ def corrupt(synth, tmp_path_factory):
     for i, src in enumerate(sorted((synth / "images").iterdir())[:20]):
         data = src.read_bytes()
         if i == 6:
-            sos = data.index(b"\xff\xda")
-            # A zero sampling factor in the frame header: the file's structure is still
-            # valid (pack accepts it), but no decoder can read it.
+            # The first component names quantisation table 3, which the file never defines:
+            # the headers' structure is valid (pack accepts it), but no decoder can read it.
+            # (A zero sampling factor, used here before, is now refused by pack itself.)
             sof = data.index(b"\xff\xc0")
-            data = data[: sof + 11] + b"\x00" + data[sof + 12 :]
+            data = data[: sof + 12] + b"\x03" + data[sof + 13 :]
             bad_name = src.name
         (root / "a" / src.name).write_bytes(data)
     url = s3_url("corrupt")

@@ -136,6 +136,25 @@ impl Gpu {
             .map_err(err("queueing a host-to-device copy"))
     }
 
+    /// Waits for ramjet's stream, then copies `out.len()` bytes from device buffer `src`,
+    /// starting `offset` bytes in, into `out` (tests and the device check read results back
+    /// with it; the data path never copies to the host).
+    pub fn copy_to_host(&self, src: &PoolBuf<CudaDevice>, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        if offset.checked_add(out.len()).is_none_or(|end| end > src.len()) {
+            return Err(GpuError::Invalid {
+                what: "copy to the host",
+                reason: format!("{} B at offset {offset} of a {} B buffer", out.len(), src.len()),
+            });
+        }
+        let _current = crate::current::enter(&self.ctx)?;
+        // SAFETY: a live stream of this context.
+        unsafe { sys::cuStreamSynchronize(self.stream.0).result() }.map_err(err("waiting for the stream"))?;
+        // SAFETY: `src` holds `offset + out.len()` bytes (checked above); `out` is writable for
+        // its length; the copy is synchronous.
+        unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src.addr() + offset as u64, out.len()).result() }
+            .map_err(err("copying to the host"))
+    }
+
     /// The stream operations of one exported buffer: consumers wait for `ready`.
     pub fn stream_ops(&self, ready: Event) -> CudaStreamOps {
         CudaStreamOps {

@@ -12,6 +12,7 @@ pub mod dlpack;
 pub mod gpu;
 pub mod kernel;
 pub mod libs;
+pub mod nvjpeg;
 pub mod nvrtc;
 pub mod pipeline;
 pub mod pool;
@@ -70,6 +71,24 @@ pub enum GpuError {
         path: std::path::PathBuf,
         /// The symbol.
         name: &'static str,
+    },
+    /// A symbol is missing from a CUDA user library (not that library, or too old a one).
+    LibrarySymbol {
+        /// Which library.
+        lib: libs::Lib,
+        /// The file.
+        path: std::path::PathBuf,
+        /// The symbol.
+        name: &'static str,
+    },
+    /// An nvJPEG call returned an error status.
+    Nvjpeg {
+        /// The C function.
+        call: &'static str,
+        /// Its `nvjpegStatus_t`.
+        status: i32,
+        /// The image, by its index in the batch, where the call was about one.
+        image: Option<usize>,
     },
     /// The kernel's source did not compile; NVRTC's log.
     NvrtcCompile {
@@ -139,6 +158,23 @@ impl std::fmt::Display for GpuError {
             GpuError::LibraryLoad { path, reason } => write!(f, "cannot load {}: {reason}", path.display()),
             GpuError::NvrtcSymbol { path, name } => {
                 write!(f, "{} is not a usable NVRTC: it has no {name}", path.display())
+            }
+            GpuError::LibrarySymbol { lib, path, name } => write!(
+                f,
+                "{} is not a usable {} library: it has no {name} (too old a release?)",
+                path.display(),
+                lib.name()
+            ),
+            GpuError::Nvjpeg { call, status, image } => {
+                write!(
+                    f,
+                    "nvJPEG: {call} returned {} ({status})",
+                    nvjpeg::status::name(*status)
+                )?;
+                match image {
+                    Some(i) => write!(f, " for image {i} of the batch"),
+                    None => Ok(()),
+                }
             }
             GpuError::NvrtcCompile { log } => write!(f, "NVRTC could not compile the kernel:\n{log}"),
             GpuError::NvrtcCall { name, code } => write!(f, "NVRTC: {name} failed with code {code}"),

@@ -231,6 +231,22 @@ pub fn load(path: &Path) -> Result<libloading::Library, GpuError> {
     })
 }
 
+/// The C library, by absolute path: a real shared library that is none of CUDA's (the
+/// loaders' tests refuse it by its missing symbols).
+#[cfg(test)]
+pub(crate) fn system_libc() -> &'static Path {
+    [
+        "/lib/x86_64-linux-gnu/libc.so.6",
+        "/usr/lib/x86_64-linux-gnu/libc.so.6",
+        "/lib/aarch64-linux-gnu/libc.so.6",
+        "/lib64/libc.so.6",
+    ]
+    .into_iter()
+    .map(Path::new)
+    .find(|p| p.is_file())
+    .expect("a libc.so.6 in a standard folder")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,15 +356,6 @@ mod tests {
         let e = load(&fake).unwrap_err();
         assert!(e.to_string().contains(&fake.display().to_string()), "{e}");
         // A real shared library by absolute path: the C library this test runs with.
-        let libc = [
-            "/lib/x86_64-linux-gnu/libc.so.6",
-            "/lib/aarch64-linux-gnu/libc.so.6",
-            "/lib64/libc.so.6",
-        ]
-        .into_iter()
-        .map(Path::new)
-        .find(|p| p.is_file())
-        .expect("a libc.so.6 in a standard folder");
-        load(libc).expect("libc loads by path");
+        load(system_libc()).expect("libc loads by path");
     }
 }

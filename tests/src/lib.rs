@@ -462,3 +462,34 @@ pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
         .unwrap()
         .block_on(f)
 }
+
+/// libjpeg-turbo's decode of a GPU route's region at the route's scale, as interleaved RGB
+/// rows of `3 * decoded width` bytes: what nvJPEG must give for it (`tests/nvjpeg_gpu.rs`),
+/// and the CPU stand-in for nvJPEG where there is no GPU (`tests/gpu_decode_plan.rs`).
+pub fn cpu_region(bytes: &[u8], g: &ramjet_engine::image::route::Geometry) -> Vec<u8> {
+    let full = ramjet_engine::image::decode_rgb(bytes, 8 / g.eighths, None).expect("the CPU decodes the region");
+    let (x0, y0) = ((g.roi.x * g.eighths / 8) as usize, (g.roi.y * g.eighths / 8) as usize);
+    let (w, h) = (g.decoded.0 as usize, g.decoded.1 as usize);
+    let mut out = Vec::with_capacity(w * h * 3);
+    for y in y0..y0 + h {
+        let row = (y * full.width as usize + x0) * 3;
+        out.extend_from_slice(&full.data[row..row + w * 3]);
+    }
+    out
+}
+
+/// The fused kernel's job for a GPU route's decoded region at byte offset `src` of the
+/// source buffer.
+pub fn kernel_job(src: u64, g: &ramjet_engine::image::route::Geometry) -> ramjet_cuda::kernel::Job {
+    ramjet_cuda::kernel::Job {
+        src,
+        w: g.decoded.0 as i32,
+        h: g.decoded.1 as i32,
+        stride: 3 * g.decoded.0 as i32,
+        flip: g.plan.flip as i32,
+        cx: g.crop.x as f32,
+        cy: g.crop.y as f32,
+        cw: g.crop.w as f32,
+        ch: g.crop.h as f32,
+    }
+}

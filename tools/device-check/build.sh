@@ -45,7 +45,7 @@ import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"] \
-            and m["target"]["name"] in ("ramjet_cuda", "fused_kernel"):
+            and m["target"]["name"] in ("ramjet_cuda", "fused_kernel", "nvjpeg_gpu"):
         print(m["executable"])' >"$out/tests.txt"
 while read -r exe; do
   cp "$exe" "$out/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"
@@ -77,7 +77,7 @@ for p in sorted(out.rglob("*")):
     if p.is_file():
         files[str(p.relative_to(out))] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
 problems = []
-need = ["bin/ramjet", "tests/ramjet_cuda", "tests/fused_kernel", "scripts/run.py", "scripts/run.sh", "scripts/test_gpu.py",
+need = ["bin/ramjet", "tests/ramjet_cuda", "tests/fused_kernel", "tests/nvjpeg_gpu", "scripts/run.py", "scripts/run.sh", "scripts/test_gpu.py",
         "scripts/gpu_feed.py", "scripts/cpu_scale.py", "scripts/kernel_bench.py"]
 problems += [f"missing {n}" for n in need if n not in files]
 if not dev:

@@ -20,6 +20,10 @@ Steps:
   env        nvidia-smi, driver, torch, torchvision, NVRTC, nvJPEG and cuFile as ramjet finds them
   rust_gpu   the Rust GPU tests (--include-ignored, RAMJET_GPU_TESTS=1), then the kernel test
              again under compute-sanitizer --tool memcheck
+  nvjpeg     tests/nvjpeg_gpu: nvJPEG's hardware engine and hybrid decoder over the ImageNet-like
+             synthetic profile against libjpeg-turbo, the fused kernel over their output against
+             the CPU path, the scratch bound, flat device memory, and decode + RandomResizedCrop
+             + normalise to bf16 in images/s (`nvjpeg_rrc_img_s`)
   py_gpu     the Python GPU tests (RAMJET_GPU_TESTS=1 pytest test_gpu.py)
   feed       benches/python/gpu_feed.py: H2D from ramjet's pool against torch's pinned copy, and
              ResNet-50 (AMP bf16, channels_last) fed by ramjet against resident batches
@@ -171,10 +175,17 @@ def main() -> int:
     r.step("env", [["nvidia-smi"] if shutil.which("nvidia-smi") else ["true"], [py, "-c", env_probe]], 60,
            figures=env_figures, head=head)
 
+    # The Rust tests find nvJPEG in the carried wheel, NVRTC in this Python's environment.
+    libs = sorted(site.glob("nvidia/*/lib/libnvjpeg.so*")) + sorted(site.glob("nvidia/nvjpeg/lib/libnvjpeg.so*"))
+    if libs and "RAMJET_NVJPEG" not in r.env:
+        r.env["RAMJET_NVJPEG"] = str(libs[0].parent)
+    r.env.setdefault("RAMJET_VENV", sh([py, "-c", "import sys; print(sys.prefix)"]) or sys.prefix)
+
     # 2. the Rust GPU tests, then the kernel test under compute-sanitizer
     tests = sorted(p for p in (bundle / "tests").glob("*") if os.access(p, os.X_OK))
     args = ["--include-ignored", "--test-threads", "1"] if gpu else []
-    cmds = [[t, *args] for t in tests]
+    # On a GPU the nvJPEG test runs in a step of its own (its figures); here it only lists.
+    cmds = [[t, *args] for t in tests if not (gpu and t.name == "nvjpeg_gpu")]
     if gpu and shutil.which("compute-sanitizer"):
         cuda = [t for t in tests if t.name.startswith("ramjet_cuda")]
         cmds += [["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", t, "--include-ignored",
@@ -187,7 +198,24 @@ def main() -> int:
 
     r.step("rust_gpu", cmds or [["false"]], 180, figures=rust_figures, head=head)
 
-    # 3. the Python GPU tests
+    # 3. nvJPEG: every decode path against the CPU's, the scratch bound, flat memory, and
+    # decode + RandomResizedCrop(224) + normalise to bf16 on the hardware engine
+    def nvjpeg_figures(text):
+        figs = {}
+        for line in text.splitlines():
+            if line.startswith("FIGURE "):
+                _, name, value = line.split(" ", 2)
+                try:
+                    figs[name] = float(value) if "." in value or value.isdigit() else value
+                except ValueError:
+                    figs[name] = value
+        return figs
+
+    nvjpeg_test = bundle / "tests" / "nvjpeg_gpu"
+    r.step("nvjpeg", [[nvjpeg_test, "--include-ignored", "--nocapture", "--test-threads", "1"]], 150,
+           needs_gpu=True, figures=nvjpeg_figures, head=head)
+
+    # 4. the Python GPU tests
     r.step("py_gpu", [[py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(scripts / "test_gpu.py")]], 180,
            figures=lambda t: {"py_tests_passed": int(t.rsplit(" passed", 1)[0].split()[-1]) if " passed" in t else 0},
            head=head)

@@ -6,4 +6,5 @@ pub mod index;
 pub mod pack;
 pub mod plansim;
 pub mod synth;
+pub mod synth_imagenet;
 pub mod ui;

@@ -22,6 +22,16 @@ pub const JPEG_BYTES_RANGE: (usize, usize) = (60_000, 150_000);
 /// Class names written to `data.yaml`.
 pub const CLASSES: [&str; 8] = ["crate", "ball", "sign", "pole", "barrel", "panel", "cone", "car"];
 
+/// Which images `ramjet synth` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Profile {
+    /// Photo-like 640x480 scenes with YOLO boxes (the demo's dataset).
+    #[default]
+    Yolo,
+    /// ImageNet-like sizes and JPEG layouts, no boxes ([`crate::synth_imagenet`]).
+    Imagenet,
+}
+
 /// Options of `ramjet synth`.
 #[derive(Debug, Clone)]
 pub struct SynthOptions {
@@ -29,11 +39,20 @@ pub struct SynthOptions {
     pub samples: usize,
     /// Seed of the whole dataset.
     pub seed: u64,
+    /// Which images.
+    pub profile: Profile,
+    /// With [`Profile::Imagenet`]: damaged files per thousand.
+    pub damaged_per_mille: u32,
 }
 
 impl Default for SynthOptions {
     fn default() -> Self {
-        Self { samples: 5315, seed: 0 }
+        Self {
+            samples: 5315,
+            seed: 0,
+            profile: Profile::Yolo,
+            damaged_per_mille: 0,
+        }
     }
 }
 
@@ -48,6 +67,9 @@ pub struct SynthReport {
     pub jpeg_bytes_min_max: (u64, u64),
     /// Boxes written.
     pub boxes: usize,
+    /// Images per kind ([`crate::synth_imagenet::Kind`]'s names; "baseline 640x480" for the
+    /// YOLO profile).
+    pub kinds: std::collections::BTreeMap<&'static str, usize>,
 }
 
 /// SplitMix64: tiny, fast, and good enough for procedural textures.
@@ -78,7 +100,7 @@ impl Rng {
 }
 
 /// Bilinear value noise over a coarse random grid, smoothstepped.
-struct ValueNoise {
+pub(crate) struct ValueNoise {
     gw: usize,
     grid: Vec<f32>,
     sx: f32,
@@ -87,18 +109,22 @@ struct ValueNoise {
 
 impl ValueNoise {
     fn new(rng: &mut Rng, cells_x: usize, cells_y: usize) -> Self {
+        Self::sized(rng, cells_x, cells_y, WIDTH, HEIGHT)
+    }
+    /// Noise of `cells_x` x `cells_y` cells over a `w` x `h` image.
+    pub(crate) fn sized(rng: &mut Rng, cells_x: usize, cells_y: usize, w: usize, h: usize) -> Self {
         let gw = cells_x + 2;
         let grid = (0..gw * (cells_y + 2)).map(|_| rng.f() * 2.0 - 1.0).collect();
         ValueNoise {
             gw,
             grid,
-            sx: cells_x as f32 / WIDTH as f32,
-            sy: cells_y as f32 / HEIGHT as f32,
+            sx: cells_x as f32 / w as f32,
+            sy: cells_y as f32 / h as f32,
         }
     }
     /// Noise in [-1, 1] at pixel (x, y).
     #[inline]
-    fn at(&self, x: usize, y: usize) -> f32 {
+    pub(crate) fn at(&self, x: usize, y: usize) -> f32 {
         let fx = x as f32 * self.sx;
         let fy = y as f32 * self.sy;
         let (ix, iy) = (fx as usize, fy as usize);
@@ -302,11 +328,19 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
     );
     write_file(&dir.join("data.yaml"), yaml.as_bytes())?;
     progress.set_length(opts.samples as u64);
-    let per: Vec<(u64, usize)> = (0..opts.samples)
+    let per: Vec<(u64, usize, &'static str)> = (0..opts.samples)
         .into_par_iter()
-        .map(|i| -> Result<(u64, usize)> {
-            let (px, boxes) = render(opts.seed, i as u64);
-            let jpg = encode_jpeg(&px);
+        .map(|i| -> Result<(u64, usize, &'static str)> {
+            let (jpg, boxes, kind) = match opts.profile {
+                Profile::Yolo => {
+                    let (px, boxes) = render(opts.seed, i as u64);
+                    (encode_jpeg(&px), boxes, "baseline 640x480")
+                }
+                Profile::Imagenet => {
+                    let (kind, jpg) = crate::synth_imagenet::image(opts.seed, i as u64, opts.damaged_per_mille);
+                    (jpg, Vec::new(), kind.name())
+                }
+            };
             let mut txt = String::new();
             for (c, b) in &boxes {
                 txt.push_str(&format!("{c} {:.6} {:.6} {:.6} {:.6}\n", b[0], b[1], b[2], b[3]));
@@ -314,7 +348,7 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
             write_file(&images.join(format!("{i:06}.jpg")), &jpg)?;
             write_file(&labels.join(format!("{i:06}.txt")), txt.as_bytes())?;
             progress.inc(1);
-            Ok((jpg.len() as u64, boxes.len()))
+            Ok((jpg.len() as u64, boxes.len(), kind))
         })
         .collect::<Result<_>>()?;
     progress.finish_and_clear();
@@ -326,6 +360,10 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
             per.iter().map(|p| p.0).max().unwrap_or(0),
         ),
         boxes: per.iter().map(|p| p.1).sum(),
+        kinds: per.iter().fold(Default::default(), |mut m, p| {
+            *m.entry(p.2).or_insert(0) += 1;
+            m
+        }),
     })
 }
 

@@ -15,7 +15,11 @@
 //! holds [`ImageError`], the one error type of all of them.
 
 pub mod error;
+pub mod frame;
+pub mod gpu_batch;
 pub mod probe;
+pub mod route;
+pub mod split;
 pub mod turbo;
 
 pub use error::ImageError;
@@ -589,7 +593,7 @@ pub fn process(
 /// without `dct_scaling`, for other formats, and for crops under twice the output. (libjpeg-turbo
 /// also scales by 3/8, 5/8, 6/8 and 7/8, but those IDCTs have no SIMD code: a region decode at
 /// them ran at 0.82x the rate of one at the next power of two up, `decode_rate`.)
-fn dct_eighths(spec: &ImageSpec, format: ImageFormat, crop: &Rect) -> u32 {
+pub(crate) fn dct_eighths(spec: &ImageSpec, format: ImageFormat, crop: &Rect) -> u32 {
     if !spec.dct_scaling || format != ImageFormat::Jpeg {
         return 8;
     }
@@ -1302,5 +1306,40 @@ pub(crate) mod tests {
         assert!(e.contains("pixel decode limit"), "{e}");
         // An ordinary image still decodes.
         assert_eq!(decode_rgb(&jpeg(64, 48), 1, None).unwrap().width, 64);
+    }
+
+    /// A CMYK JPEG (Adobe's inverted form, what Photoshop writes; ImageNet has a few dozen)
+    /// decodes on the CPU path, full and cropped, to (255 - ink)(255 - K) / 255 per channel.
+    #[test]
+    fn cmyk_jpegs_decode_to_rgb() {
+        let (w, h) = (64u16, 48u16);
+        let px: Vec<u8> = (0..w as usize * h as usize)
+            .flat_map(|i| [200, 100, (i % 200) as u8, 25])
+            .collect();
+        let mut j = Vec::new();
+        jpeg_encoder::Encoder::new(&mut j, 100)
+            .encode(&px, w, h, jpeg_encoder::ColorType::Cmyk)
+            .unwrap();
+        let rgb = decode_rgb(&j, 1, None).unwrap();
+        assert_eq!((rgb.width, rgb.height), (64, 48));
+        // Adobe's form stores 255 minus each ink; red is (255 - C)(255 - K) / 255.
+        let want = |c: u8| (((255 - c) as u32 * 230 + 127) / 255) as i32;
+        for (i, p) in rgb.data.chunks_exact(3).enumerate() {
+            for (got, ink) in p.iter().zip([200, 100, (i % 200) as u8]) {
+                assert!((*got as i32 - want(ink)).abs() <= 6, "pixel {i}: {p:?}");
+            }
+        }
+        let spec = ImageSpec::train(32);
+        let mut out = vec![0u8; spec.elems()];
+        process(
+            &j,
+            &spec,
+            &mut SampleRng::new(0, 0, 0, 0),
+            Slot::U8(&mut out),
+            &mut Scratch::default(),
+        )
+        .unwrap();
+        let r = out[..32 * 32].iter().map(|&v| v as u32).sum::<u32>() / (32 * 32);
+        assert!((r as i32 - want(200)).abs() <= 4, "red plane mean {r}");
     }
 }

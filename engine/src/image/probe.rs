@@ -42,71 +42,12 @@ pub fn probe(b: &[u8]) -> Result<ImageInfo, ImageError> {
 }
 
 fn probe_jpeg(b: &[u8]) -> Result<ImageInfo, ImageError> {
-    let tail = &b[b.len().saturating_sub(4096)..];
-    if !tail.windows(2).any(|w| w == [0xFF, 0xD9]) {
-        return Err(ImageError::Malformed(
-            "malformed JPEG: no end-of-image marker (truncated?)".into(),
-        ));
-    }
-    let mut i = 2usize;
-    loop {
-        // Skip to the next marker; fill bytes (0xFF runs) are allowed between segments.
-        while i < b.len() && b[i] != 0xFF {
-            i += 1;
-        }
-        while i < b.len() && b[i] == 0xFF {
-            i += 1;
-        }
-        let Some(&m) = b.get(i) else {
-            return Err(ImageError::Malformed(
-                "malformed JPEG: no start-of-frame segment".into(),
-            ));
-        };
-        i += 1;
-        match m {
-            0xD8 | 0x01 | 0xD0..=0xD7 => continue,
-            0xDA | 0xD9 => {
-                return Err(ImageError::Malformed(
-                    "malformed JPEG: scan data before any start-of-frame segment".into(),
-                ))
-            }
-            _ => {}
-        }
-        let len = match b.get(i..i + 2) {
-            Some(l) => u16::from_be_bytes([l[0], l[1]]) as usize,
-            None => {
-                return Err(ImageError::Malformed(
-                    "malformed JPEG: segment header runs past the end".into(),
-                ))
-            }
-        };
-        if len < 2 || i + len > b.len() {
-            return Err(ImageError::Malformed(format!(
-                "malformed JPEG: segment 0x{m:02X} length {len} runs past the end"
-            )));
-        }
-        let is_sof = matches!(m, 0xC0..=0xCF) && !matches!(m, 0xC4 | 0xC8 | 0xCC);
-        if is_sof {
-            if len < 8 {
-                return Err(ImageError::Malformed(
-                    "malformed JPEG: start-of-frame segment too short".into(),
-                ));
-            }
-            let height = u16::from_be_bytes([b[i + 3], b[i + 4]]) as u32;
-            let width = u16::from_be_bytes([b[i + 5], b[i + 6]]) as u32;
-            if width == 0 || height == 0 {
-                return Err(ImageError::Malformed(format!(
-                    "malformed JPEG: frame size {width}x{height}"
-                )));
-            }
-            return Ok(ImageInfo {
-                format: ImageFormat::Jpeg,
-                width,
-                height,
-            });
-        }
-        i += len;
-    }
+    let f = crate::image::frame::jpeg_frame(b)?;
+    Ok(ImageInfo {
+        format: ImageFormat::Jpeg,
+        width: f.width,
+        height: f.height,
+    })
 }
 
 fn probe_png(b: &[u8]) -> Result<ImageInfo, ImageError> {
@@ -140,7 +81,7 @@ mod tests {
     fn refuses_text_and_truncated_jpeg() {
         assert!(probe(b"hello world").unwrap_err().contains("not a JPEG or PNG"));
         let mut j = vec![0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x04, 0, 0];
-        j.extend_from_slice(&[0xFF, 0xC0, 0x00, 0x0B, 8, 0x01, 0xE0, 0x02, 0x80, 1, 0x11, 0]);
+        j.extend_from_slice(&[0xFF, 0xC0, 0x00, 0x0B, 8, 0x01, 0xE0, 0x02, 0x80, 1, 0x01, 0x11, 0]);
         assert!(probe(&j).unwrap_err().contains("end-of-image"));
         j.extend_from_slice(&[0xFF, 0xD9]);
         assert_eq!(

@@ -45,6 +45,9 @@ pub struct Header {
     /// Width of an iMCU in pixels (8, 16 or 32), or `None` where the chroma subsampling is
     /// one libjpeg-turbo cannot crop (a region decode then decodes whole rows).
     pub mcu_width: Option<u32>,
+    /// Four components (CMYK, or YCCK): decoded as CMYK, then converted to RGB as Adobe's
+    /// inverted CMYK, the form nearly every CMYK JPEG has ([`cmyk_to_rgb`]).
+    pub cmyk: bool,
 }
 
 /// A rectangle of the decoded (scaled) image, in pixels.
@@ -194,10 +197,13 @@ impl TurboJpeg {
         }
         let subsamp = self.handle.get(tj::TJPARAM_TJPARAM_SUBSAMP);
         let mcu_width = usize::try_from(subsamp).ok().and_then(|i| MCU_WIDTH.get(i).copied());
+        let space = self.handle.get(tj::TJPARAM_TJPARAM_COLORSPACE);
+        let cmyk = space == tj::TJCS_TJCS_CMYK as c_int || space == tj::TJCS_TJCS_YCCK as c_int;
         Ok(Header {
             width: w as u32,
             height: h as u32,
             mcu_width,
+            cmyk,
         })
     }
 
@@ -341,26 +347,47 @@ impl TurboJpeg {
                 self.error()
             )));
         }
-        let pitch = r.w as usize * 3;
-        out.resize(pitch * r.h as usize, 0);
-        // SAFETY: the handle is live; `jpeg` is a valid slice read-only for the call; `out`
+        let (bpp, format) = match header.cmyk {
+            false => (3, tj::TJPF_TJPF_RGB),
+            true => (4, tj::TJPF_TJPF_CMYK),
+        };
+        let pitch = r.w as usize * bpp;
+        let mut cmyk = Vec::new();
+        let dst = if header.cmyk { &mut cmyk } else { &mut *out };
+        dst.resize(pitch * r.h as usize, 0);
+        // SAFETY: the handle is live; `jpeg` is a valid slice read-only for the call; `dst`
         // holds pitch * r.h bytes, exactly what tj3Decompress8 writes for an r.w x r.h region
-        // of 3-byte RGB pixels at that pitch (the region set just above, or the whole scaled
+        // of `bpp`-byte pixels at that pitch (the region set just above, or the whole scaled
         // image when uncropped).
         let rc = unsafe {
             tj::tj3Decompress8(
                 self.handle.ptr(),
                 jpeg.as_ptr(),
                 jpeg.len() as tj::size_t,
-                out.as_mut_ptr(),
+                dst.as_mut_ptr(),
                 pitch as c_int,
-                tj::TJPF_TJPF_RGB as c_int,
+                format as c_int,
             )
         };
         if rc != 0 {
             return Err(ImageError::Malformed(format!("malformed JPEG: {}", self.error())));
         }
+        if header.cmyk {
+            cmyk_to_rgb(&cmyk, out);
+        }
         Ok(r)
+    }
+}
+
+/// Adobe's inverted CMYK (what Photoshop writes, and libjpeg-turbo returns as stored: 255
+/// minus each ink) to RGB: each stored channel times stored K, over 255, which is
+/// (255 - ink)(255 - K) / 255 (Pillow's conversion).
+pub fn cmyk_to_rgb(cmyk: &[u8], rgb: &mut Vec<u8>) {
+    rgb.clear();
+    rgb.reserve(cmyk.len() / 4 * 3);
+    for p in cmyk.chunks_exact(4) {
+        let k = p[3] as u32;
+        rgb.extend([p[0], p[1], p[2]].map(|c| ((c as u32 * k + 127) / 255) as u8));
     }
 }
 

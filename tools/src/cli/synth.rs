@@ -1,9 +1,10 @@
-//! `ramjet synth`: write a deterministic synthetic YOLO dataset (photo-like 640x480 JPEGs plus labels).
+//! `ramjet synth`: write a deterministic synthetic dataset: photo-like 640x480 JPEGs plus YOLO
+//! labels, or (`--profile imagenet`) ImageNet-like sizes and JPEG layouts.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::synth::{synth, SynthOptions};
+use crate::synth::{synth, Profile, SynthOptions};
 use crate::ui::{count_bar, human_bytes};
 
 #[derive(clap::Args)]
@@ -16,13 +17,33 @@ pub struct Args {
     /// Dataset seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Which images: `yolo` (640x480 scenes with boxes) or `imagenet` (200 to 4,000 px a side;
+    /// 4:2:0, 4:2:2, 4:4:4, 4:1:1, progressive, grey and CMYK JPEGs).
+    #[arg(long, value_enum, default_value_t = Profile::Yolo)]
+    pub profile: Profile,
+    /// With `--profile imagenet`: this many per thousand are damaged (entropy data
+    /// overwritten, headers intact); the loader then stops at the first, naming it.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub damaged_per_mille: u32,
 }
 
 /// Runs the command.
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
-    let Args { dir, samples, seed } = a;
+    let Args {
+        dir,
+        samples,
+        seed,
+        profile,
+        damaged_per_mille,
+    } = a;
     let t0 = std::time::Instant::now();
-    let r = synth(&dir, &SynthOptions { samples, seed }, &count_bar("synth"))?;
+    let opts = SynthOptions {
+        samples,
+        seed,
+        profile,
+        damaged_per_mille,
+    };
+    let r = synth(&dir, &opts, &count_bar("synth"))?;
     println!(
         "synth: {} images ({}, {}..{} each), {} boxes in {:.1} s -> {}",
         r.images,
@@ -33,5 +54,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         t0.elapsed().as_secs_f64(),
         dir.display()
     );
+    let kinds: Vec<String> = r.kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    println!("synth: kinds: {}", kinds.join(", "));
     Ok(ExitCode::SUCCESS)
 }
