@@ -231,11 +231,7 @@ mod tests {
     use crate::image::frame::test_jpeg;
     use jpeg_encoder::{ColorType, SamplingFactor};
 
-    const ALL: Decoders = Decoders {
-        hardware: true,
-        hybrid: true,
-        scratch_bound: Decoders::SCRATCH_BOUND,
-    };
+    const ALL: Decoders = crate::image::route::TEST_DECODERS;
 
     fn batch() -> Vec<Vec<u8>> {
         use SamplingFactor::*;

@@ -175,17 +175,21 @@ pub fn route(bytes: &[u8], spec: &ImageSpec, mut rng: SampleRng, d: &Decoders) -
         reason: Reason::Damaged,
         geometry: None,
     };
-    let Ok(info) = probe(bytes) else {
-        return damaged;
-    };
-    if info.format == ImageFormat::Png {
-        let p = plan(spec, info.width, info.height, &mut rng);
-        return Route {
-            path: Path::Cpu,
-            reason: Reason::Png,
-            geometry: Some(whole(info.width, info.height, p, bytes.len())),
+    if !bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        // Not a JPEG: a PNG (probed), or nothing ramjet reads.
+        return match probe(bytes) {
+            Ok(info) if info.format == ImageFormat::Png => {
+                let p = plan(spec, info.width, info.height, &mut rng);
+                Route {
+                    path: Path::Cpu,
+                    reason: Reason::Png,
+                    geometry: Some(whole(info.width, info.height, p, bytes.len())),
+                }
+            }
+            _ => damaged,
         };
     }
+    // The frame parse makes the same checks as `probe`'s for a JPEG: the header is read once.
     let Ok(frame) = jpeg_frame(bytes) else {
         return damaged;
     };
@@ -347,6 +351,14 @@ impl RouteCounts {
     }
 }
 
+/// Every decoder present, the default bound (tests here and in [`crate::image::gpu_batch`]).
+#[cfg(test)]
+pub(crate) const TEST_DECODERS: Decoders = Decoders {
+    hardware: true,
+    hybrid: true,
+    scratch_bound: Decoders::SCRATCH_BOUND,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,11 +366,7 @@ mod tests {
     use crate::image::ImageConfig;
     use jpeg_encoder::{ColorType, SamplingFactor};
 
-    const ALL: Decoders = Decoders {
-        hardware: true,
-        hybrid: true,
-        scratch_bound: Decoders::SCRATCH_BOUND,
-    };
+    const ALL: Decoders = TEST_DECODERS;
 
     /// Every kind of file goes where the module's text says, and says why.
     #[test]
