@@ -4,6 +4,9 @@ with batches already on the device, interleaved round by round; and, on a GPU, t
 host-to-device copy from ramjet's page-locked batch buffers against torch's own pinned tensor.
 
   fed       ResNet-50 (AMP bf16, channels_last on CUDA) steps fed by StreamingDataset(device=D)
+  fed_gpu   (CUDA, with --decode MODE) the same fed by StreamingDataset(device=D, decode=MODE):
+            images decoded by nvJPEG and the CPU threads and augmented by the fused kernel
+            (issue 41: at least 0.97x resident, with fewer CPU s per 1,000 images than `fed`)
   resident  the same steps over K batches already on D, cycled (no loader at all)
   ratio     fed / resident images per second, per round; the target is at least 0.95
   CPU       the process's CPU seconds per 1,000 images in each; their difference is what
@@ -133,6 +136,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--decode", default=None, choices=["auto", "gpu", "cpu"],
+                   help="also feed with GPU decode in this mode (CUDA only), interleaved in the same rounds")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.steps, a.batch_size, a.size, a.samples = 3, 4, 16, 64, 160
@@ -147,6 +152,10 @@ def main() -> None:
     ds = ramjet.StreamingDataset(str(work / "ds"), batch_size=a.batch_size, image_size=a.size, normalize=True,
                                  drop_last=True, device=a.device)
     dev = torch.device(ds.device)
+    gpu_ds = None
+    if a.decode is not None and dev.type == "cuda":
+        gpu_ds = ramjet.StreamingDataset(str(work / "ds"), batch_size=a.batch_size, image_size=a.size,
+                                         normalize=True, drop_last=True, device=a.device, decode=a.decode)
     fmt = torch.channels_last if dev.type == "cuda" else torch.contiguous_format
     net = build_model(a.model, dev, fmt)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -158,6 +167,7 @@ def main() -> None:
         b = next(it)
         batches.append((b["image"].clone(), (b["_index"] % 1000).to(dev)))
     it_holder = [it, 1]
+    gpu_holder = [None, 0]
     if dev.type == "cuda":
         # One batch as the loader hands it over, before the copy: the image tensor in ramjet's
         # page-locked buffer. And torch's own pinned tensor of the same size.
@@ -166,16 +176,25 @@ def main() -> None:
     # Warm-up: cuDNN's algorithm choice and the loader's first shards are not measured.
     resident_round(batches, step, 3, dev)
     fed_round(ds, step, 3, dev, it_holder)
+    if gpu_ds is not None:
+        fed_round(gpu_ds, step, 3, dev, gpu_holder)
     rounds = []
     for r in range(a.rounds):
-        order = ("fed", "resident") if r % 2 == 0 else ("resident", "fed")
+        order = ["fed", "resident"] + (["fed_gpu"] if gpu_ds is not None else [])
+        order = order[r % len(order):] + order[:r % len(order)]  # each contender in each slot
         res = {}
         for who in order:
-            wall, cpu = (fed_round(ds, step, a.steps, dev, it_holder) if who == "fed"
-                         else resident_round(batches, step, a.steps, dev))
+            if who == "fed":
+                wall, cpu = fed_round(ds, step, a.steps, dev, it_holder)
+            elif who == "fed_gpu":
+                wall, cpu = fed_round(gpu_ds, step, a.steps, dev, gpu_holder)
+            else:
+                wall, cpu = resident_round(batches, step, a.steps, dev)
             imgs = a.steps * a.batch_size
             res[who] = {"img_s": imgs / wall, "cpu_s_per_1000": cpu / imgs * 1000, "wall_s": wall}
         res["ratio"] = res["fed"]["img_s"] / res["resident"]["img_s"]
+        if "fed_gpu" in res:
+            res["gpu_ratio"] = res["fed_gpu"]["img_s"] / res["resident"]["img_s"]
         if dev.type == "cuda":
             res["h2d_gb_s"] = h2d_round(src_r, src_t, dev, 20)
             res["h2d_ratio"] = res["h2d_gb_s"]["ramjet"] / res["h2d_gb_s"]["torch"]
@@ -183,6 +202,9 @@ def main() -> None:
         line = (f"round {r + 1}/{a.rounds}: fed {res['fed']['img_s']:.0f} img/s, resident "
                 f"{res['resident']['img_s']:.0f} img/s, ratio {res['ratio']:.3f}; CPU s/1000 fed "
                 f"{res['fed']['cpu_s_per_1000']:.2f} resident {res['resident']['cpu_s_per_1000']:.2f}")
+        if "gpu_ratio" in res:
+            line += (f"; GPU decode {res['fed_gpu']['img_s']:.0f} img/s, ratio {res['gpu_ratio']:.3f}, CPU s/1000 "
+                     f"{res['fed_gpu']['cpu_s_per_1000']:.2f}")
         if "h2d_ratio" in res:
             line += f"; H2D {res['h2d_gb_s']['ramjet']:.1f} vs {res['h2d_gb_s']['torch']:.1f} GB/s"
         print(line, flush=True)
@@ -195,6 +217,15 @@ def main() -> None:
     }
     if dev.type == "cuda":
         med["h2d_ratio"] = statistics.median(r["h2d_ratio"] for r in rounds)
+    if gpu_ds is not None:
+        med["gpu_ratio"] = statistics.median(r["gpu_ratio"] for r in rounds)
+        med["gpu_fed_img_s"] = statistics.median(r["fed_gpu"]["img_s"] for r in rounds)
+        med["gpu_feeding_cpu_s_per_1000"] = statistics.median(
+            r["fed_gpu"]["cpu_s_per_1000"] - r["resident"]["cpu_s_per_1000"] for r in rounds)
+        med["gpu_decode_metrics"] = {k: v for k, v in gpu_ds.metrics().items() if k.startswith("decode_")}
+        print(f"gpu_feed: GPU decode ({a.decode}): median ratio {med['gpu_ratio']:.3f} (target >= 0.97), per round "
+              f"{[round(r['gpu_ratio'], 3) for r in rounds]}; feeding cost {med['gpu_feeding_cpu_s_per_1000']:.2f} "
+              f"CPU s per 1,000 images (CPU decode: {med['feeding_cpu_s_per_1000']:.2f})", flush=True)
     print(f"gpu_feed: device {dev}, model {a.model}, batch {a.batch_size}, {a.size}px: median ratio "
           f"{med['ratio']:.3f} (target >= 0.95), per round {[round(r['ratio'], 3) for r in rounds]}; "
           f"feeding cost {med['feeding_cpu_s_per_1000']:.2f} CPU s per 1,000 images"

@@ -10,7 +10,7 @@ use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use ramjet_cuda::dlpack::{check_requested_device, ConsumerStream, Device, KDL_CPU};
+use ramjet_cuda::dlpack::{check_requested_device, ConsumerStream, Device, Export, Shared};
 use ramjet_engine::buf::HostBuf;
 
 #[repr(C)]
@@ -123,11 +123,15 @@ pub enum Storage {
     F32(Vec<f32>),
     /// float64 values.
     F64(Vec<f64>),
+    /// A device buffer of ramjet's pool (the GPU decode's batches): exported to CUDA
+    /// consumers, each ordered after the batch and fenced on its own stream.
+    Cuda(Shared),
 }
 
 // SAFETY: a `Storage` is never mutated after construction (consumers write through the raw
-// pointer they were given, as DLPack allows, but ramjet itself only reads the address), and
-// `HostBuf` is an owned allocation with no thread affinity.
+// pointer they were given, as DLPack allows, but ramjet itself only reads the address),
+// `HostBuf` is an owned allocation with no thread affinity, and a `Shared` device buffer is
+// read for its address and device only, its releases recorded under its own lock.
 unsafe impl Sync for Storage {}
 
 impl Storage {
@@ -138,11 +142,19 @@ impl Storage {
             Storage::I64(v) => v.as_ptr() as *mut c_void,
             Storage::F32(v) => v.as_ptr() as *mut c_void,
             Storage::F64(v) => v.as_ptr() as *mut c_void,
+            Storage::Cuda(b) => b.addr() as *mut c_void,
+        }
+    }
+
+    fn device(&self) -> Device {
+        match self {
+            Storage::Cuda(b) => b.device(),
+            _ => Device::CPU,
         }
     }
 }
 
-/// A CPU tensor exported through DLPack (`torch.from_dlpack(t)`, `numpy.from_dlpack(t)`).
+/// A tensor exported through DLPack (host memory, or a GPU batch's device buffer) (`torch.from_dlpack(t)`, `numpy.from_dlpack(t)`).
 #[pyclass(frozen, module = "ramjet._ramjet")]
 pub struct Tensor {
     storage: Arc<Storage>,
@@ -162,8 +174,18 @@ impl Tensor {
 }
 
 struct Ctx {
-    _storage: Arc<Storage>,
+    storage: Arc<Storage>,
     shape: Vec<i64>,
+    /// A CUDA export: its consumer's release is fenced when the consumer frees the tensor.
+    export: Option<Export>,
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        if let (Storage::Cuda(shared), Some(e)) = (&*self.storage, &self.export) {
+            shared.released(e);
+        }
+    }
 }
 
 unsafe extern "C" fn managed_deleter(m: *mut DLManagedTensor) {
@@ -235,22 +257,35 @@ impl Tensor {
                 PyValueError::new_err("__dlpack__: stream must be None or an integer (DLPack protocol)")
             })?),
         };
-        check_requested_device(Device::CPU, dl_device).map_err(|e| PyBufferError::new_err(e.to_string()))?;
-        ConsumerStream::parse(Device::CPU, stream).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let device = self.storage.device();
+        check_requested_device(device, dl_device).map_err(|e| PyBufferError::new_err(e.to_string()))?;
         if copy == Some(true) {
             return Err(PyValueError::new_err(
                 "ramjet exports without copying; copy=True is not supported",
             ));
         }
+        // A CUDA consumer's stream waits for the batch here; host memory takes no stream.
+        let export = match &*self.storage {
+            Storage::Cuda(shared) => Some(
+                shared
+                    .export(stream)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))?,
+            ),
+            _ => {
+                ConsumerStream::parse(device, stream).map_err(|e| PyValueError::new_err(e.to_string()))?;
+                None
+            }
+        };
         let mut ctx = Box::new(Ctx {
-            _storage: self.storage.clone(),
+            storage: self.storage.clone(),
             shape: self.shape.clone(),
+            export,
         });
         let dl_tensor = DLTensor {
             data: self.storage.ptr(),
             device: DLDevice {
-                device_type: KDL_CPU,
-                device_id: 0,
+                device_type: device.kind,
+                device_id: device.id,
             },
             ndim: self.shape.len() as i32,
             dtype: self.dtype.dl(),
@@ -305,9 +340,10 @@ impl Tensor {
         Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
     }
 
-    /// `(kDLCPU, 0)`.
+    /// `(kDLCPU, 0)`, or `(kDLCUDA, ordinal)` for a GPU batch.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (KDL_CPU, 0)
+        let d = self.storage.device();
+        (d.kind, d.id)
     }
 
     /// The shape.

@@ -12,6 +12,7 @@ use ramjet_engine::{Dataset, Error};
 
 mod augment;
 mod dlpack;
+mod gpu_decode;
 mod loader;
 mod session;
 

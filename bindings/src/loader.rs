@@ -32,6 +32,9 @@ pub(crate) struct ConfigJson {
     /// driver, so the copy to the device is asynchronous (the Python side makes it).
     #[serde(default)]
     pinned_gpu: Option<usize>,
+    /// Images are decoded on this GPU (`decode=`): the loader makes batches for the GPU path.
+    #[serde(default)]
+    pub(crate) gpu_decode: Option<crate::gpu_decode::GpuDecodeConfig>,
 }
 
 /// Page-locked batch buffers (`cuMemHostAlloc`, `PORTABLE`) for the engine's [`HostPool`].
@@ -253,6 +256,11 @@ pub(crate) fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDic
                 }
                 d.set_item(&name, l)?;
             }
+            ColumnData::ImageSource(_) => {
+                return Err(InvalidInputError::new_err(
+                    "a batch made for the GPU decode reached the host conversion (the GPU side finishes it first)",
+                ))
+            }
             ColumnData::Boxes { values, offsets } => {
                 let rows = (values.len() / 5) as i64;
                 d.set_item(&name, tensor(py, Storage::F32(values), vec![rows, 5], DType::F32)?)?;
@@ -468,6 +476,7 @@ impl Reader {
                 ColumnData::Str(mut v) | ColumnData::Json(mut v) => d.set_item(&name, v.swap_remove(0))?,
                 ColumnData::Bytes(v) => d.set_item(&name, PyBytes::new(py, &v[0]))?,
                 ColumnData::Boxes { .. } => unreachable!("the reader's assembler parses no boxes"),
+                ColumnData::ImageSource(_) => unreachable!("the reader's assembler makes no GPU batches"),
             }
         }
         d.set_item("_index", index)?;

@@ -17,6 +17,7 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use ramjet_engine::loader::{Arg, Batch, Epochs, Loader as EngineLoader, Next, Options, Step};
 
+use crate::gpu_decode::GpuSide;
 use crate::loader::{batch_to_py, parse, snapshot_dict, Loader};
 use crate::{interruptible, to_py, wait_polling, InvalidInputError};
 
@@ -109,6 +110,11 @@ pub struct Session {
     deferred: Mutex<Option<Box<Batch>>>,
     /// The current iteration has ended (its last batch was yielded).
     ended: Mutex<bool>,
+    /// The GPU decode's side (`decode=` with a GPU), opened once; taken out of the lock while
+    /// it works (with the GIL released).
+    gpu: Mutex<Option<GpuSide>>,
+    /// Whether the GPU side skips an image no decoder reads (`on_corrupt="skip"`).
+    gpu_skip: Mutex<bool>,
 }
 
 /// A lock taken only with the GIL held and never across a wait (see the module's note).
@@ -123,7 +129,43 @@ impl Session {
             loader: Mutex::new(None),
             deferred: Mutex::new(None),
             ended: Mutex::new(false),
+            gpu: Mutex::new(None),
+            gpu_skip: Mutex::new(false),
         }
+    }
+
+    /// A GPU-decode batch's image column through the GPU side (with the GIL released), as a
+    /// CUDA tensor; `None` for any other batch.
+    fn finish_on_gpu(&self, py: Python<'_>, batch: &mut Batch) -> PyResult<Option<(String, crate::dlpack::Tensor)>> {
+        use ramjet_engine::loader::ColumnData;
+        if !batch
+            .columns
+            .iter()
+            .any(|(_, c)| matches!(c, ColumnData::ImageSource(_)))
+        {
+            return Ok(None);
+        }
+        let Some(loader) = held(&self.loader).clone() else {
+            return Err(InvalidInputError::new_err("a GPU batch without its loader"));
+        };
+        let (planner, metrics) = {
+            let l = loader.lock().unwrap_or_else(|p| p.into_inner());
+            (l.planner().cloned(), l.metrics())
+        };
+        let Some(planner) = planner else {
+            return Err(InvalidInputError::new_err(
+                "a GPU batch from a loader without a planner",
+            ));
+        };
+        let Some(mut side) = held(&self.gpu).take() else {
+            return Err(InvalidInputError::new_err(
+                "a GPU batch, but the GPU side is busy or closed (one iteration at a time)",
+            ));
+        };
+        let skip = *held(&self.gpu_skip);
+        let r = py.detach(|| side.finish(batch, planner.spec(), Some(&planner), &metrics, skip));
+        *held(&self.gpu) = Some(side);
+        r.map_err(to_py)
     }
 
     /// Drops the running loader (a new one starts on the next iteration).
@@ -178,6 +220,15 @@ impl Session {
         if !running || held(&self.epochs).needs_start(&topology) {
             self.stop();
             let mut lc = cfg.loader().map_err(to_py)?;
+            if let Some(g) = cfg.gpu_decode.clone() {
+                let open = held(&self.gpu).as_ref().map(|s| s.ordinal()) == Some(g.ordinal);
+                if !open {
+                    let side = interruptible(py, move || GpuSide::open(&g))?.map_err(to_py)?;
+                    *held(&self.gpu) = Some(side);
+                }
+                lc.gpu_decoders = held(&self.gpu).as_ref().map(|s| s.decoders());
+                *held(&self.gpu_skip) = lc.on_corrupt == ramjet_engine::loader::OnCorrupt::Skip;
+            }
             held(&self.epochs).start(&mut lc.stream);
             let loader = interruptible(py, move || EngineLoader::start(lc))?;
             let loader = match loader {
@@ -231,7 +282,12 @@ impl Session {
             Step::YieldLast => *held(&self.ended) = true,
             Step::Yield => {}
         }
-        batch_to_py(py, *batch).map(Some)
+        let image = self.finish_on_gpu(py, &mut batch)?;
+        let (cols, meta) = batch_to_py(py, *batch)?;
+        if let Some((name, t)) = image {
+            cols.set_item(name, Py::new(py, t)?)?;
+        }
+        Ok(Some((cols, meta)))
     }
 
     /// The epoch the next iteration reads.

@@ -234,3 +234,53 @@ def test_the_fused_kernel_on_torch_tensors_is_its_reference_bit_for_bit(dtype):
         bad = list(jobs)
         bad[1] = (src.numel(), *bad[1][1:])  # past the source's end
         aug(src.cuda(), bad, (96, 112), dtype, mean, std)
+
+
+@ON_GPU
+@pytest.mark.parametrize("decode", ["gpu", "auto", "cpu"])
+def test_gpu_decode_batches_are_the_cpu_path_s_within_the_kernel_s_tolerance(packed, decode):
+    """decode= on a GPU: the image column is a CUDA tensor in ramjet's own device memory
+    (DLPack shared it, no copy), every other column as on the CPU path, and each image the CPU
+    path's within the fused kernel's tolerance (mean difference at most 0.35 of a step, no
+    pixel more than 2 off: ramjet_cuda::kernel::TOLERANCE_U8*)."""
+    cpu = list(_ds(packed))
+    ds = _ds(packed, device="cuda", decode=decode)
+    gpu = list(ds)
+    assert len(cpu) == len(gpu) == 12
+    for a, b in zip(cpu, gpu):
+        img = b["image"]
+        assert img.device.type == "cuda" and img.dtype == torch.uint8 and img.shape == a["image"].shape
+        d = (img.cpu().int() - a["image"].int()).abs()
+        assert d.float().mean().item() <= 0.35 and d.max().item() <= 2, (d.float().mean().item(), d.max().item())
+        assert torch.equal(a["_index"], b["_index"].cpu())
+    m = ds.metrics()
+    assert sum(m[f"decode_{p}"] for p in ("hardware", "hybrid", "cpu")) == 96, m
+    assert m["images_decoded"] == 96, m
+    if decode == "cpu":
+        assert m["decode_cpu"] == 96, m
+
+
+@ON_GPU
+def test_gpu_decode_tensors_are_ramjet_s_buffer_and_memory_stays_flat(packed):
+    """torch.from_dlpack of a GPU-decoded batch gives a CUDA tensor whose data pointer is the
+    ramjet tensor's; ten epochs keep torch's and the driver's device memory flat."""
+    ds = _ds(packed, device="cuda", decode="gpu")
+    next(iter(ds))
+    used = []
+    for epoch in range(10):
+        ds.set_epoch(epoch)
+        for b in ds:
+            pass
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used.append(total - free)
+    assert max(used[2:]) - min(used[2:]) <= 64 << 20, [u >> 20 for u in used]
+
+
+def test_decode_needs_a_cuda_device_and_a_known_decoder(packed):
+    """Without a GPU: decode= with device="cpu" is refused by name; an unknown decoder is
+    refused by the engine, naming the option and the choices."""
+    with pytest.raises(ramjet.InvalidInputError, match='decode=.gpu. decodes on a GPU'):
+        _ds(packed, decode="gpu")
+    with pytest.raises(ramjet.InvalidInputError, match="decode"):
+        _ds(packed, decode="nvdec", device="auto")

@@ -273,6 +273,10 @@ INTERRUPT = textwrap.dedent(
     """
     import os, signal, socket, sys, threading, time
     import ramjet
+    # Python's own handler, whatever this process inherited: a process started in the
+    # background of a non-interactive shell (nohup ... &, as CI runners may do) ignores SIGINT,
+    # Python then installs no handler, and the Ctrl-C this test sends would never arrive.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     url, mode = sys.argv[1], sys.argv[2]
     threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     t = time.time()

@@ -181,6 +181,113 @@ impl Export {
     }
 }
 
+/// A pool buffer as [`Shared`] holds it (any allocator's).
+pub trait Held: Send + 'static {
+    /// Its address.
+    fn addr(&self) -> u64;
+    /// Returns it to its pool once `fence` completes.
+    fn give_back_after(self: Box<Self>, fence: Box<dyn crate::pool::Fence>);
+}
+
+impl<A: crate::pool::Allocator> Held for crate::pool::PoolBuf<A> {
+    fn addr(&self) -> u64 {
+        crate::pool::PoolBuf::addr(self)
+    }
+    fn give_back_after(self: Box<Self>, fence: Box<dyn crate::pool::Fence>) {
+        self.release_after(fence)
+    }
+}
+
+/// Complete when every fence is; an error in any is the answer.
+pub struct AllOf(pub Vec<Box<dyn crate::pool::Fence>>);
+
+impl crate::pool::Fence for AllOf {
+    fn is_complete(&self) -> Result<bool, GpuError> {
+        for f in &self.0 {
+            if !f.is_complete()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// A fence that can never be known complete: its buffer is never reused.
+struct Unknown(String);
+
+impl crate::pool::Fence for Unknown {
+    fn is_complete(&self) -> Result<bool, GpuError> {
+        Err(GpuError::Invalid {
+            what: "exported buffer",
+            reason: self.0.clone(),
+        })
+    }
+}
+
+/// A device buffer handed to consumers through DLPack, as many times as they ask: each export
+/// waits for the buffer's ready event on the consumer's stream ([`Export::begin`]), each
+/// consumer's release is fenced on its own stream ([`Shared::released`]), and the buffer goes
+/// back to its pool only after all of them and the producer's own work (`idle`) completed,
+/// when the last holder drops this. A release that cannot be recorded keeps the buffer out of
+/// the pool for good (never reused while something may read it).
+pub struct Shared {
+    buf: Option<Box<dyn Held>>,
+    ops: Box<dyn StreamOps>,
+    device: Device,
+    fences: std::sync::Mutex<Vec<Box<dyn crate::pool::Fence>>>,
+}
+
+impl Shared {
+    /// `buf` on `device`, ready once `ops`' ready event is; `idle` completes when the producer's
+    /// work on it does (the buffer's fence if no consumer ever takes it).
+    pub fn new(
+        buf: Box<dyn Held>,
+        ops: Box<dyn StreamOps>,
+        idle: Box<dyn crate::pool::Fence>,
+        device: Device,
+    ) -> Shared {
+        Shared {
+            buf: Some(buf),
+            ops,
+            device,
+            fences: std::sync::Mutex::new(vec![idle]),
+        }
+    }
+
+    /// The buffer's address.
+    pub fn addr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.addr())
+    }
+
+    /// Its device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// One export for `__dlpack__(stream=...)` ([`Export::begin`]).
+    pub fn export(&self, stream: Option<i64>) -> Result<Export, GpuError> {
+        Export::begin(self.ops.as_ref(), self.device, stream)
+    }
+
+    /// The consumer of `export` freed its tensor: the buffer waits for its stream too.
+    pub fn released(&self, export: &Export) {
+        let fence = match export.release(self.ops.as_ref()) {
+            Ok(f) => f,
+            Err(e) => Box::new(Unknown(format!("a consumer's release could not be recorded: {e}"))),
+        };
+        self.fences.lock().unwrap_or_else(|p| p.into_inner()).push(fence);
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let fences = std::mem::take(&mut *self.fences.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(b) = self.buf.take() {
+            b.give_back_after(Box::new(AllOf(fences)));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
@@ -299,6 +406,59 @@ mod tests {
             ops.calls.lock().unwrap().is_empty(),
             "a refused export touched a stream"
         );
+    }
+
+    /// A buffer shared with two consumers goes back to its pool only after the producer's work
+    /// and both consumers' streams passed their releases, and only when the last holder
+    /// dropped it.
+    #[test]
+    fn a_shared_buffer_waits_for_every_consumer_and_the_producer() {
+        let pool = Pool::new(Heap, 1 << 30);
+        let ops = std::sync::Arc::new(Recorder::default());
+        struct Ops(std::sync::Arc<Recorder>);
+        impl StreamOps for Ops {
+            fn wait_ready(&self, c: u64) -> Result<(), GpuError> {
+                self.0.wait_ready(c)
+            }
+            fn record_release(&self, c: Option<u64>) -> Result<Box<dyn Fence>, GpuError> {
+                self.0.record_release(c)
+            }
+        }
+        let idle = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let buf = pool.get(100).unwrap();
+        let addr = buf.addr();
+        let shared = Shared::new(
+            Box::new(buf),
+            Box::new(Ops(ops.clone())),
+            Box::new(Flag(idle.clone())),
+            Device::cuda(0),
+        );
+        assert_eq!(shared.addr(), addr);
+        let a = shared.export(Some(0x7000)).unwrap();
+        let b = shared.export(None).unwrap();
+        assert!(shared.export(Some(-1)).is_err());
+        shared.released(&a);
+        shared.released(&b);
+        drop(shared);
+        assert_eq!(
+            *ops.calls.lock().unwrap(),
+            ["wait 0x7000", "wait 0x1", "release Some(28672)", "release Some(1)"]
+        );
+        let set =
+            |f: &std::sync::Arc<std::sync::atomic::AtomicBool>| f.store(true, std::sync::atomic::Ordering::SeqCst);
+        for step in 0..3 {
+            assert_eq!(
+                pool.stats().pending,
+                Pool::<Heap>::GRAIN,
+                "reusable after {step} of 3 fences"
+            );
+            match step {
+                0 => set(&idle),
+                _ => set(&ops.fences.lock().unwrap()[step - 1]),
+            }
+        }
+        assert_eq!(pool.stats().pending, 0);
+        assert_eq!(pool.get(100).unwrap().addr(), addr);
     }
 
     #[test]

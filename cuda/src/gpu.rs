@@ -198,6 +198,24 @@ impl Event {
         Ok(e)
     }
 
+    /// Records a new event with timing on `stream` ([`Event::seconds_since`] reads it).
+    pub fn record_timed(ctx: &Arc<CudaContext>, stream: u64) -> Result<Event, GpuError> {
+        let _current = crate::current::enter(ctx)?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(err("creating an event"))?;
+        let e = Event { ctx: ctx.clone(), ev };
+        // SAFETY: a live event, and a stream handle the caller vouches for.
+        unsafe { result::event::record(e.ev, stream as sys::CUstream) }.map_err(err("recording an event"))?;
+        Ok(e)
+    }
+
+    /// Seconds from `earlier` to this event, both recorded with timing and completed.
+    pub fn seconds_since(&self, earlier: &Event) -> Result<f64, GpuError> {
+        let _current = crate::current::enter(&self.ctx)?;
+        // SAFETY: two live events of this context.
+        let ms = unsafe { result::event::elapsed(earlier.ev, self.ev) }.map_err(err("timing two events"))?;
+        Ok(ms as f64 / 1e3)
+    }
+
     /// Makes `stream` wait for this event (asynchronously).
     pub fn make_wait(&self, stream: u64) -> Result<(), GpuError> {
         let _current = crate::current::enter(&self.ctx)?;
@@ -233,6 +251,35 @@ impl Drop for Event {
             let _ = unsafe { result::event::destroy(self.ev) };
         }
     }
+}
+
+/// Queues a copy of `bytes` bytes from host address `src` to device address `dst` on `stream`.
+///
+/// # Safety
+/// `src` is pinned host memory of `bytes` bytes, untouched until an event recorded on `stream`
+/// afterwards completes; `dst` is device memory of `ctx` of as many bytes.
+pub unsafe fn copy_async(
+    ctx: &Arc<CudaContext>,
+    dst: u64,
+    src: *const u8,
+    bytes: usize,
+    stream: u64,
+) -> Result<(), GpuError> {
+    let _current = crate::current::enter(ctx)?;
+    // SAFETY: the caller's contract.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream as sys::CUstream).result() }
+        .map_err(err("queueing a host-to-device copy"))
+}
+
+/// Copies `src` (any host memory) to device address `dst`, returning when it is done.
+///
+/// # Safety
+/// `dst` is device memory of `ctx` of `src.len()` bytes.
+pub unsafe fn copy_sync(ctx: &Arc<CudaContext>, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+    let _current = crate::current::enter(ctx)?;
+    // SAFETY: the caller's contract; a synchronous copy from a live slice.
+    unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()).result() }
+        .map_err(err("copying to the GPU"))
 }
 
 /// [`StreamOps`] of one exported buffer on a real GPU.
@@ -309,6 +356,9 @@ pub struct FusedKernel {
 // SAFETY: module and function handles are opaque and usable from any thread with their context;
 // the pools are Send.
 unsafe impl Send for FusedKernel {}
+// SAFETY: `&self` methods only pass the handles to driver calls (thread-safe with their
+// context) and take scratch from the pools, which lock.
+unsafe impl Sync for FusedKernel {}
 
 /// Scratch a launch may hold (jobs and weight table), pinned and on the device alike: a batch
 /// of 256 images at 224x224 takes about 5 MiB, so dozens of launches can be in flight.

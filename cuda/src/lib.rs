@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod current;
+pub mod decode_batch;
 pub mod dlpack;
 pub mod gpu;
 pub mod kernel;

@@ -59,6 +59,9 @@ pub struct Metrics {
     pub provider_bytes: AtomicU64,
     /// Daemon requests that failed (or delivered unsound bytes) and were read directly.
     pub provider_failures: AtomicU64,
+    /// The GPU decode path's planner, when a loader decodes for the GPU: its routes and split
+    /// are part of the snapshot ([`crate::image::gpu_batch::Planner::metrics`]).
+    pub decode: std::sync::OnceLock<std::sync::Arc<crate::image::gpu_batch::Planner>>,
 }
 
 impl Default for Metrics {
@@ -90,6 +93,7 @@ impl Default for Metrics {
             provider_shards: Default::default(),
             provider_bytes: AtomicU64::new(0),
             provider_failures: AtomicU64::new(0),
+            decode: std::sync::OnceLock::new(),
         }
     }
 }
@@ -159,6 +163,9 @@ pub struct MetricsSnapshot {
     pub daemon_bytes: u64,
     /// Daemon requests that failed and were read directly.
     pub daemon_failures: u64,
+    /// The GPU decode path's routes and split (`decode_*`; empty without it).
+    #[serde(flatten)]
+    pub decode: std::collections::BTreeMap<String, f64>,
 }
 
 impl Metrics {
@@ -214,6 +221,7 @@ impl Metrics {
             daemon_origin: g(&self.provider_shards[2]),
             daemon_bytes: g(&self.provider_bytes),
             daemon_failures: g(&self.provider_failures),
+            decode: self.decode.get().map(|p| p.metrics()).unwrap_or_default(),
         }
     }
 }

@@ -26,7 +26,8 @@ Steps:
              + normalise to bf16 in images/s (`nvjpeg_rrc_img_s`)
   py_gpu     the Python GPU tests (RAMJET_GPU_TESTS=1 pytest test_gpu.py)
   feed       benches/python/gpu_feed.py: H2D from ramjet's pool against torch's pinned copy, and
-             ResNet-50 (AMP bf16, channels_last) fed by ramjet against resident batches
+             ResNet-50 (AMP bf16, channels_last) fed by ramjet (CPU decode, and GPU decode with
+             decode="auto") against resident batches, rounds interleaved
   cpu_scale  the CPU path at 1, 2, 4, 8 and 16 decode threads: img/s and CPU s per 1,000 images
   kernel     benches/python/kernel_bench.py: the fused kernel against torchvision v2
              RandomResizedCrop + normalise on the GPU over the same decoded images, uint8 and
@@ -243,7 +244,7 @@ def main() -> int:
     # 4 and 6. H2D against torch's pinned copy; ResNet-50 fed by ramjet against resident batches
     feed_json = out / "feed.json"
     feed = [py, scripts / "gpu_feed.py", "--out", feed_json]
-    feed += ["--device", "cuda"] if gpu else ["--device", "cpu", "--quick"]
+    feed += ["--device", "cuda", "--decode", "auto"] if gpu else ["--device", "cpu", "--quick"]
 
     def feed_figures(_):
         med = json.loads(feed_json.read_text())["median"]
@@ -252,9 +253,13 @@ def main() -> int:
              "fed_img_s": round(med["fed_img_s"], 1)}
         if "h2d_ratio" in med:
             f["h2d_ratio_vs_torch_pinned"] = round(med["h2d_ratio"], 3)
+        if "gpu_ratio" in med:
+            f["resnet50_gpu_decode_fed_ratio"] = round(med["gpu_ratio"], 4)
+            f["gpu_decode_feeding_cpu_s_per_1000_img"] = round(med["gpu_feeding_cpu_s_per_1000"], 3)
+            f["gpu_decode_fed_img_s"] = round(med["gpu_fed_img_s"], 1)
         return f
 
-    r.step("feed", [feed], 240 if gpu else 180, figures=feed_figures, head=head)
+    r.step("feed", [feed], 300 if gpu else 180, figures=feed_figures, head=head)
 
     # 7. the CPU path's scaling with decode threads
     cpu_json = out / "cpu_scale.json"

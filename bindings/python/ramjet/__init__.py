@@ -272,6 +272,14 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         prefetch_batches: batches prepared ahead.
         on_corrupt: ``"error"`` (default: raise :class:`CorruptError` naming dataset, shard and
             sample) or ``"skip"`` (leave the sample out and count it).
+        decode: with a CUDA ``device``, decode and augment images on the GPU: ``"auto"`` (the
+            hardware JPEG engine, nvJPEG's hybrid decoder and the CPU threads, split by their
+            measured rates), ``"gpu"`` (every image a GPU decoder takes goes to it) or ``"cpu"``
+            (the CPU threads decode, the fused kernel augments on the GPU). The image column is
+            then a CUDA tensor in ramjet's own device memory (``torch.from_dlpack`` copies
+            nothing); ``metrics()`` gives each decoder's images, reasons and rate. ``None``
+            (default): images are decoded and augmented on the CPU and copied. The GPU path
+            has run only against a fake nvJPEG so far (docs/gpu.md), hence not the default.
         rank / world_size: override the topology (default: torch.distributed when
             initialised, else ``RANK``/``WORLD_SIZE``).
         daemon: the host daemon's socket (default: the one :func:`init` connected to, else
@@ -281,8 +289,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             is usable, else the CPU with a ``RuntimeWarning`` saying why). Without a driver or
             a GPU, ``"cuda"`` raises :class:`Error`. CUDA is not fork-safe: in a forked
             DataLoader worker a CUDA device raises :class:`Error`; iterate the dataset
-            directly (ramjet's loader is threaded). Today images are decoded on the CPU and
-            copied to the GPU by torch; nvJPEG decode is not wired in yet (docs/python.md).
+            directly (ramjet's loader is threaded). Without ``decode``, images are decoded on the
+            CPU and copied to the GPU by torch.
     """
 
     def __init__(
@@ -315,6 +323,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         num_threads: Optional[int] = None,
         prefetch_batches: int = 4,
         on_corrupt: str = "error",
+        decode: Optional[str] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         daemon: Optional[str] = None,
@@ -345,6 +354,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         # process holding it got it through fork().
         self._origin_pid = self._pid
         self.device = _resolve_device(device)
+        if decode is not None and device == "cpu":
+            raise InvalidInputError(f"decode={decode!r} decodes on a GPU: it needs device=\"cuda\" (or \"cuda:N\"), not \"cpu\"")
+        # device="auto" without a usable GPU: the CPU path (its warning says why).
+        self._decode = decode if self.device != "cpu" else None
         self._copy_stream: Any = None  # the host-to-device copies' CUDA stream (device="cuda")
         self._in_flight: List[Any] = []  # (copy event, host batch) until the copy completes
         self._lengths: Dict[Any, Tuple[int, int]] = {}
@@ -420,6 +433,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         extra: Dict[str, Any] = {}
         if self.device != "cpu":
             extra["pinned_gpu"] = int(self.device.split(":")[1])
+            if self._decode is not None:
+                roots = [p for p in sys.path if p.endswith("site-packages")]
+                extra["gpu_decode"] = {"ordinal": extra["pinned_gpu"], "roots": roots}
         # The engine decides whether the running loader goes on (same epoch and topology) or
         # a new one starts, and where (the epoch's start, or a loaded state); it ends the
         # iteration after the epoch's last batch.

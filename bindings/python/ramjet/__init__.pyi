@@ -131,6 +131,7 @@ class StreamingDataset:
         num_threads: Optional[int] = None,
         prefetch_batches: int = 4,
         on_corrupt: str = "error",
+        decode: Optional[str] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         daemon: Optional[str] = None,

@@ -637,5 +637,5 @@ fn int<T: TryInto<c_int> + Copy + std::fmt::Display>(v: T, what: &'static str) -
     })
 }
 
-#[cfg(test)]
-mod fake;
+#[cfg(any(test, feature = "fake"))]
+pub mod fake;

@@ -252,6 +252,14 @@ impl HostBuf {
         self.raw.as_ref().expect("present until drop").ptr.as_ptr()
     }
 
+    /// The bytes, read only.
+    pub fn as_slice(&self) -> &[u8] {
+        let r = self.raw.as_ref().expect("present until drop");
+        // SAFETY: `ptr` owns `cap >= len` initialised bytes (zeroed or written before), and
+        // `&self` rules out a `&mut` view while this one lives.
+        unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), self.len) }
+    }
+
     /// The bytes.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         let r = self.raw.as_ref().expect("present until drop");

@@ -8,13 +8,20 @@
 //! The plan is data only: the GPU side (nvJPEG's decoders, the copy, the kernel) carries it
 //! out, and reports each path's time back through [`Planner::observe`].
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+
+use bytes::Bytes;
+
+use crate::buf::HostBuf;
 use crate::image::route::{route, Decoders, Geometry, Path, Reason, RouteCounts};
 use crate::image::split::{Item, Split, SplitStats};
 use crate::image::turbo::Region;
 use crate::image::{decode_rgb, jpeg_header, ImageError, ImageSpec, SampleRng, Scratch};
 
 /// Which decoders a loader's GPU path uses (`StreamingDataset(decode=...)`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DecodeMode {
     /// The measured split between the GPU decoders and the CPU threads.
     #[default]
@@ -72,13 +79,28 @@ impl BatchPlan {
 }
 
 /// Plans batches for one loader: its output, its decoders, its mode, and the split's rates.
-#[derive(Debug, Clone)]
+///
+/// Shared by the loader's decode threads: each plans its own batch, routing every image
+/// from its header without a lock; only the split's few arithmetic steps and the counters
+/// are shared (a short lock per batch, relaxed atomics).
+#[derive(Debug)]
 pub struct Planner {
     spec: ImageSpec,
     decoders: Decoders,
     mode: DecodeMode,
-    split: Split,
-    counts: RouteCounts,
+    split: Mutex<Split>,
+    counts: [[AtomicU64; Reason::ALL.len()]; Path::ALL.len()],
+}
+
+fn path_at(p: Path) -> usize {
+    Path::ALL.iter().position(|&q| q == p).expect("every path is in ALL")
+}
+
+fn reason_at(r: Reason) -> usize {
+    Reason::ALL
+        .iter()
+        .position(|&q| q == r)
+        .expect("every reason is in ALL")
 }
 
 impl Planner {
@@ -88,19 +110,40 @@ impl Planner {
             spec,
             decoders,
             mode,
-            split: Split::new(cpu_threads),
-            counts: RouteCounts::default(),
+            split: Mutex::new(Split::new(cpu_threads)),
+            counts: Default::default(),
         }
     }
 
+    /// The output the batches are planned for.
+    pub fn spec(&self) -> &ImageSpec {
+        &self.spec
+    }
+
+    /// The decoders the GPU side has.
+    pub fn decoders(&self) -> Decoders {
+        self.decoders
+    }
+
+    /// The mode.
+    pub fn mode(&self) -> DecodeMode {
+        self.mode
+    }
+
+    fn split(&self) -> std::sync::MutexGuard<'_, Split> {
+        // A panic while holding it leaves only rates behind: still usable.
+        self.split.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Plans one batch: each sample's bytes with its own generator.
-    pub fn plan(&mut self, samples: &[(&[u8], SampleRng)]) -> BatchPlan {
+    pub fn plan(&self, samples: &[(&[u8], SampleRng)]) -> BatchPlan {
+        let cpu_only = Decoders {
+            hardware: false,
+            hybrid: false,
+            ..self.decoders
+        };
         let decoders = match self.mode {
-            DecodeMode::Cpu => Decoders {
-                hardware: false,
-                hybrid: false,
-                ..self.decoders
-            },
+            DecodeMode::Cpu => cpu_only,
             _ => self.decoders,
         };
         let routes: Vec<_> = samples
@@ -120,15 +163,19 @@ impl Planner {
                 src: 0,
             })
             .collect();
-        if self.mode == DecodeMode::Auto {
-            let items: Vec<Item> = images
-                .iter()
-                .map(|p| Item {
-                    path: p.path,
-                    work: p.geometry.map_or(0.0, |g| g.decoded.0 as f64 * g.decoded.1 as f64),
-                })
-                .collect();
-            for (p, to) in images.iter_mut().zip(self.split.assign(&items)) {
+        let items: Vec<Item> = images
+            .iter()
+            .map(|p| Item {
+                path: p.path,
+                work: p.work(),
+            })
+            .collect();
+        if self.mode != DecodeMode::Auto {
+            let to: Vec<Path> = images.iter().map(|p| p.path).collect();
+            self.split().record(&items, &to);
+        } else {
+            let to = self.split().assign(&items);
+            for (p, to) in images.iter_mut().zip(to) {
                 if to != p.path {
                     // The CPU decodes the same region, at the DCT scale the hybrid decoder
                     // could not use (its geometry is recomputed for the CPU).
@@ -137,23 +184,15 @@ impl Planner {
             }
             for (p, (b, rng)) in images.iter_mut().zip(samples) {
                 if p.reason == Reason::Chosen && p.geometry.is_some_and(|g| g.eighths == 8) {
-                    let cpu = Decoders {
-                        hardware: false,
-                        hybrid: false,
-                        ..self.decoders
-                    };
-                    p.geometry = route(b, &self.spec, rng.clone(), &cpu).geometry;
+                    p.geometry = route(b, &self.spec, rng.clone(), &cpu_only).geometry;
                 }
             }
         }
         let mut at = 0;
         for p in &mut images {
-            self.counts.add(p.path, p.reason);
+            self.counts[path_at(p.path)][reason_at(p.reason)].fetch_add(1, Relaxed);
             p.src = at;
-            let bytes = p
-                .geometry
-                .map_or(0, |g| g.decoded.0 as usize * g.decoded.1 as usize * 3);
-            at += bytes.div_ceil(SOURCE_ALIGN) * SOURCE_ALIGN;
+            at += p.source_len().div_ceil(SOURCE_ALIGN) * SOURCE_ALIGN;
         }
         BatchPlan {
             images,
@@ -162,19 +201,89 @@ impl Planner {
     }
 
     /// Records that `path` decoded `images` images of `work` decoded pixels in `seconds`.
-    pub fn observe(&mut self, path: Path, images: usize, work: f64, seconds: f64) {
-        self.split.observe(path, images, work, seconds);
+    pub fn observe(&self, path: Path, images: usize, work: f64, seconds: f64) {
+        self.split().observe(path, images, work, seconds);
+    }
+
+    /// Records that one of the CPU's decode threads decoded `work` decoded pixels in
+    /// `seconds` (the loader's threads each decode their own batch's share, side by side).
+    pub fn observe_cpu_thread(&self, work: f64, seconds: f64) {
+        self.split().observe_one_thread(work, seconds);
     }
 
     /// Images per path and reason so far.
-    pub fn counts(&self) -> &RouteCounts {
-        &self.counts
+    pub fn counts(&self) -> RouteCounts {
+        let mut c = RouteCounts::default();
+        for (pi, p) in Path::ALL.iter().enumerate() {
+            for (ri, r) in Reason::ALL.iter().enumerate() {
+                let n = self.counts[pi][ri].load(Relaxed);
+                if n > 0 {
+                    c.counts.insert((*p, *r), n);
+                }
+            }
+        }
+        c
     }
 
     /// What the split last did, and each path's rate.
-    pub fn split(&self) -> SplitStats {
-        self.split.stats()
+    pub fn split_stats(&self) -> SplitStats {
+        self.split().stats()
     }
+
+    /// The counters and the split as flat `metrics()` entries: `decode_<path>` images,
+    /// `decode_<path>_<reason>` images, `decode_share_<path>` (0 to 1, the last batch's work)
+    /// and `decode_rate_<path>_px_s` (once measured).
+    pub fn metrics(&self) -> std::collections::BTreeMap<String, f64> {
+        let mut m = std::collections::BTreeMap::new();
+        let counts = self.counts();
+        let stats = self.split_stats();
+        for (i, p) in Path::ALL.iter().enumerate() {
+            m.insert(format!("decode_{}", p.name()), counts.on(*p) as f64);
+            for r in Reason::ALL {
+                let n = counts.get(*p, r);
+                if n > 0 {
+                    m.insert(format!("decode_{}_{}", p.name(), r.name()), n as f64);
+                }
+            }
+            m.insert(format!("decode_share_{}", p.name()), stats.share[i]);
+            if let Some(r) = stats.rate[i] {
+                m.insert(format!("decode_rate_{}_px_s", p.name()), r);
+            }
+        }
+        m
+    }
+}
+
+impl Planned {
+    /// Bytes of its decoded region (rows of `3 * width` bytes; 0 without a geometry).
+    pub fn source_len(&self) -> usize {
+        self.geometry
+            .map_or(0, |g| g.decoded.0 as usize * g.decoded.1 as usize * 3)
+    }
+
+    /// Decoded pixels (the split's unit of work).
+    pub fn work(&self) -> f64 {
+        self.geometry.map_or(0.0, |g| g.decoded.0 as f64 * g.decoded.1 as f64)
+    }
+}
+
+/// A batch made for the GPU path: the plan, the source buffer with the CPU's share decoded
+/// into its places, and every image's encoded bytes for the GPU decoders (and for a fallback
+/// to the CPU when a GPU decoder refuses one). The GPU side copies the CPU's regions, decodes
+/// the rest into the device's copy of the source buffer, and runs the fused kernel.
+#[derive(Debug)]
+pub struct SourceBatch {
+    /// The images, in the batch's order (those left out as corrupt are not in it).
+    pub plan: BatchPlan,
+    /// At least `plan.source_bytes` bytes of pinned (or aligned) host memory; the CPU's
+    /// images are decoded at their places, the GPU's places are left as they were.
+    pub source: HostBuf,
+    /// Each image's encoded bytes (zero-copy slices of its shard's record).
+    pub bitstreams: Vec<Bytes>,
+    /// Each image's shard, to name it in an error.
+    pub shards: Vec<String>,
+    /// Each image's index in its dataset, to name it in an error.
+    pub samples: Vec<u64>,
 }
 
 /// The CPU's share of a GPU batch: decodes `g`'s region of `bytes` at `g`'s scale into `out`
@@ -256,7 +365,7 @@ mod tests {
             .map(|(i, b)| (&b[..], SampleRng::new(1, 0, 0, i as u64)))
             .collect();
         let spec = ImageSpec::train(224);
-        let mut gpu = Planner::new(spec.clone(), ALL, DecodeMode::Gpu, 4);
+        let gpu = Planner::new(spec.clone(), ALL, DecodeMode::Gpu, 4);
         let plan = gpu.plan(&samples);
         assert_eq!(plan.on(Path::Hardware).len(), 12);
         assert_eq!(plan.on(Path::Hybrid), vec![12]);
@@ -269,18 +378,18 @@ mod tests {
             end = p.src + p.geometry.map_or(0, |g| (g.decoded.0 * g.decoded.1 * 3) as usize);
         }
         assert!(plan.source_bytes >= end);
-        let mut cpu = Planner::new(spec.clone(), ALL, DecodeMode::Cpu, 4);
+        let cpu = Planner::new(spec.clone(), ALL, DecodeMode::Cpu, 4);
         let plan = cpu.plan(&samples);
         assert!(plan
             .images
             .iter()
             .all(|p| (p.path, p.reason) == (Path::Cpu, Reason::Chosen)));
         assert_eq!(cpu.counts().get(Path::Cpu, Reason::Chosen), 15);
-        let mut auto = Planner::new(spec, ALL, DecodeMode::Auto, 4);
+        let auto = Planner::new(spec, ALL, DecodeMode::Auto, 4);
         let plan = auto.plan(&samples);
         let chosen = plan.images.iter().filter(|p| p.reason == Reason::Chosen).count();
         assert_eq!(chosen, 4, "the CPU's first share is one image per thread");
-        assert_eq!(auto.split().images.iter().sum::<u64>(), 15);
+        assert_eq!(auto.split_stats().images.iter().sum::<u64>(), 15);
         assert!(DecodeMode::parse("gpu").is_ok());
         assert!(DecodeMode::parse("GPU").unwrap_err().contains("decode=\"GPU\""));
     }

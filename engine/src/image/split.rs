@@ -104,17 +104,25 @@ impl Split {
             out[i] = to;
             load[at(to)] += w;
         }
-        let total: f64 = load.iter().sum();
+        self.record(items, &out);
+        out
+    }
+
+    /// Records a batch placed without [`assign`](Self::assign) (a fixed mode): what
+    /// [`stats`](Self::stats) then reports.
+    pub fn record(&mut self, items: &[Item], to: &[Path]) {
+        let mut load = [0f64; 3];
         let mut images = [0u64; 3];
-        for p in &out {
+        for (i, p) in items.iter().zip(to) {
+            load[at(*p)] += i.work;
             images[at(*p)] += 1;
         }
+        let total: f64 = load.iter().sum();
         self.last = SplitStats {
             images,
             share: load.map(|l| if total > 0.0 { l / total } else { 0.0 }),
             rate: self.rate,
         };
-        out
     }
 
     /// Records that `path` decoded `images` images of `work` pixels in all in `seconds`.
@@ -132,6 +140,14 @@ impl Split {
             Some(old) => old + Self::SMOOTHING * (r - old),
         });
         self.last.rate = self.rate;
+    }
+
+    /// Records that one of the CPU's threads decoded `work` pixels in `seconds`, while the
+    /// others did the same beside it (the loader's decode threads each decode their own
+    /// batch's share): the CPU's rate is that thread's times the threads.
+    pub fn observe_one_thread(&mut self, work: f64, seconds: f64) {
+        let threads = self.cpu_threads;
+        self.observe(Path::Cpu, threads, work * threads as f64, seconds);
     }
 
     /// What the split last did.

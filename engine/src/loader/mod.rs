@@ -30,6 +30,8 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use crate::buf::HostPool;
 use crate::error::{Error, Location, Result};
 use crate::format::{ColumnType, Schema, ValueRef};
+use crate::image::gpu_batch::{self, DecodeMode, Planner, SourceBatch};
+use crate::image::route::{Decoders as GpuDecoders, Path};
 use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
 use crate::metrics::Metrics;
 use crate::stream::{FirstGate, Opened, Sample, Stream, StreamConfig, StreamState};
@@ -79,6 +81,15 @@ pub struct LoaderConfig {
     pub prefetch_batches: usize,
     /// Images that fail to decode.
     pub on_corrupt: OnCorrupt,
+    /// Which decoders take the images on the GPU path (`decode=`): used once
+    /// [`gpu_decoders`](Self::gpu_decoders) is set.
+    pub decode: DecodeMode,
+    /// The GPU side's decoders, set by the binding once nvJPEG is open on the batch's GPU:
+    /// the image column then leaves as a [`SourceBatch`] ([`ColumnData::ImageSource`]) with
+    /// the CPU's share decoded, for the GPU side to finish. `None`: images are decoded and
+    /// augmented here ([`ColumnData::Image`]).
+    #[serde(skip)]
+    pub gpu_decoders: Option<GpuDecoders>,
     /// Where batch buffers come from.
     #[serde(skip)]
     pub pool: Option<HostPool>,
@@ -109,6 +120,8 @@ impl LoaderConfig {
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             prefetch_batches: 4,
             on_corrupt: OnCorrupt::Error,
+            decode: DecodeMode::Auto,
+            gpu_decoders: None,
             pool: None,
             panic_reader_after_samples: None,
         }
@@ -141,6 +154,9 @@ pub enum ColumnData {
     Bytes(Vec<Bytes>),
     /// JSON text values.
     Json(Vec<String>),
+    /// Images for the GPU path: planned, the CPU's share decoded, the rest still encoded
+    /// (with [`LoaderConfig::gpu_decoders`]).
+    ImageSource(Box<SourceBatch>),
     /// YOLO boxes: `values` is `(M, 5)` row-major `[class, cx, cy, w, h]`; sample `i` owns
     /// rows `offsets[i]..offsets[i + 1]`.
     Boxes {
@@ -221,6 +237,8 @@ pub struct Assembler {
     pool: HostPool,
     seed: u64,
     metrics: Arc<Metrics>,
+    /// The GPU path's planner (with [`LoaderConfig::gpu_decoders`] and images).
+    planner: Option<Arc<Planner>>,
 }
 
 impl Assembler {
@@ -231,7 +249,17 @@ impl Assembler {
             .pool
             .clone()
             .unwrap_or_else(|| HostPool::new(Box::new(crate::buf::AlignedAlloc), buffers));
+        let planner = match (&cfg.image, cfg.gpu_decoders) {
+            (Some(spec), Some(d)) => {
+                let p = Arc::new(Planner::new(spec.clone(), d, cfg.decode, cfg.threads.max(1)));
+                // The first planner of a stream's metrics is the one they report.
+                let _ = metrics.decode.set(p.clone());
+                Some(p)
+            }
+            _ => None,
+        };
         Assembler {
+            planner,
             seed: cfg.stream.order.seed,
             cfg,
             schema,
@@ -252,6 +280,12 @@ impl Assembler {
         };
         assemble(self, job, scratch)
     }
+
+    /// The GPU path's planner, when batches are made for it: the GPU side reports each
+    /// decoder's time to it ([`Planner::observe`]).
+    pub fn planner(&self) -> Option<&Arc<Planner>> {
+        self.planner.as_ref()
+    }
 }
 
 type Ctx = Assembler;
@@ -266,6 +300,8 @@ pub struct Loader {
     reader: tokio::task::JoinHandle<()>,
     metrics: Arc<Metrics>,
     schema: Arc<Schema>,
+    /// The GPU path's planner (with [`LoaderConfig::gpu_decoders`] and images).
+    planner: Option<Arc<Planner>>,
     /// When [`Loader::start`] began, until the first batch is handed out
     /// (`RAMJET_LOG=ramjet_engine=debug` shows how long that took).
     started: Option<std::time::Instant>,
@@ -464,8 +500,15 @@ impl Loader {
             reader,
             metrics,
             schema,
+            planner: ctx.planner.clone(),
             started: Some(started),
         })
+    }
+
+    /// The GPU path's planner, when batches are made for it (the GPU side reports each
+    /// decoder's measured rate to it: [`Planner::observe`]).
+    pub fn planner(&self) -> Option<&Arc<Planner>> {
+        self.planner.as_ref()
     }
 
     /// The next batch in order, waiting at most `timeout` (so a caller can check for
@@ -715,13 +758,27 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
         .and_then(|_| schema.columns.iter().position(|c| c.name == cfg.image_column));
     let mut skipped = Vec::new();
     let mut image = None;
-    if let (Some(spec), Some(ci)) = (&cfg.image, image_col) {
-        let (kept, buf, n) = decode_images(ctx, &job, rows, spec, ci, scratch, &mut skipped)?;
-        rows = kept;
-        image = Some((ci, buf, n));
+    let mut sources = None;
+    match (&cfg.image, image_col, &ctx.planner) {
+        (Some(_), Some(ci), Some(planner)) => {
+            let (kept, batch) = decode_sources(ctx, planner, &job, rows, ci, scratch, &mut skipped)?;
+            rows = kept;
+            sources = Some((ci, batch));
+        }
+        (Some(spec), Some(ci), None) => {
+            let (kept, buf, n) = decode_images(ctx, &job, rows, spec, ci, scratch, &mut skipped)?;
+            rows = kept;
+            image = Some((ci, buf, n));
+        }
+        _ => {}
     }
     let mut columns = Vec::with_capacity(schema.columns.len());
     for (ci, col) in schema.columns.iter().enumerate() {
+        if sources.as_ref().is_some_and(|(ic, _)| *ic == ci) {
+            let (_, batch) = sources.take().expect("present");
+            columns.push((col.name.clone(), ColumnData::ImageSource(Box::new(batch))));
+            continue;
+        }
         if let Some((ic, _, _)) = &image {
             if *ic == ci {
                 let (_, buf, n) = image.take().expect("present");
@@ -841,6 +898,100 @@ fn decode_images<'a>(
         }
     }
     Ok((kept, buf, n))
+}
+
+/// Plans the image column `ci` of `rows` for the GPU path and decodes the CPU's share into
+/// the source buffer (see [`SourceBatch`]). An image whose header does not read, or whose CPU
+/// decode fails, is an error naming it, or with [`OnCorrupt::Skip`] left out and recorded in
+/// `skipped`; the GPU side reports its own decoders' failures the same way.
+fn decode_sources<'a>(
+    ctx: &Ctx,
+    planner: &Planner,
+    job: &Job,
+    rows: Rows<'a>,
+    ci: usize,
+    scratch: &mut Scratch,
+    skipped: &mut Vec<Skipped>,
+) -> Result<(Rows<'a>, SourceBatch)> {
+    let cfg = &ctx.cfg;
+    let image = |vals: &[ValueRef<'a>]| -> &'a [u8] {
+        let ValueRef::Bytes(b) = vals[ci] else {
+            unreachable!("checked to be a bytes column at start")
+        };
+        b
+    };
+    let samples: Vec<(&[u8], SampleRng)> = rows
+        .iter()
+        .map(|(i, vals)| {
+            let s = &job.samples[*i];
+            let rng = SampleRng::new(ctx.seed, job.epoch, s.id.source, s.global_index);
+            (image(vals), rng)
+        })
+        .collect();
+    let mut plan = planner.plan(&samples);
+    // Buffers of a few sizes only, so that the pool reuses them (a pinned allocation mid-run
+    // synchronises the GPU).
+    let len = plan.source_bytes.max(1).next_power_of_two().max(1 << 20);
+    let mut source = ctx
+        .pool
+        .take(len)
+        .ok_or_else(|| Error::invalid("source buffer", format!("cannot allocate {len} bytes")))?;
+    let (mut kept, mut planned) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+    let (mut bitstreams, mut shards, mut indices) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut cpu_work, t) = (0.0, std::time::Instant::now());
+    for ((i, vals), p) in rows.into_iter().zip(plan.images.drain(..)) {
+        let s = &job.samples[i];
+        let bytes = image(&vals);
+        let r = match (&p.geometry, p.path) {
+            (None, _) => Err(match crate::image::decode_rgb(bytes, 8, None) {
+                Err(e) => e.to_string(),
+                Ok(_) => "its header does not read".to_owned(),
+            }),
+            (Some(g), Path::Cpu) => {
+                cpu_work += p.work();
+                let slot = &mut source.as_mut_slice()[p.src..p.src + p.source_len()];
+                gpu_batch::decode_region(bytes, g, slot, scratch).map_err(|e| e.to_string())
+            }
+            (Some(_), _) => Ok(()),
+        };
+        match r {
+            Ok(()) => {
+                bitstreams.push(s.record.slice_ref(bytes));
+                shards.push(job.urls[i].clone());
+                indices.push(s.global_index);
+                planned.push(p);
+                kept.push((i, vals));
+            }
+            Err(reason) => {
+                let reason = format!("image column {:?}: {reason}", cfg.image_column);
+                if cfg.on_corrupt == OnCorrupt::Error {
+                    return Err(corrupt(&job.urls[i], s.global_index, reason));
+                }
+                skipped.push(Skipped {
+                    shard: job.urls[i].clone(),
+                    sample: s.global_index,
+                    reason,
+                });
+            }
+        }
+    }
+    if cpu_work > 0.0 {
+        planner.observe_cpu_thread(cpu_work, t.elapsed().as_secs_f64());
+    }
+    // The GPU side counts the images its decoders take.
+    let on_cpu = planned.iter().filter(|p| p.path == Path::Cpu).count();
+    Metrics::add(&ctx.metrics.images_decoded, on_cpu as u64);
+    plan.images = planned;
+    Ok((
+        kept,
+        SourceBatch {
+            plan,
+            source,
+            bitstreams,
+            shards,
+            samples: indices,
+        },
+    ))
 }
 
 /// Column `ci` (not the decoded image) of `rows`: YOLO boxes flattened with their offsets, or

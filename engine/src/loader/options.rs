@@ -90,6 +90,7 @@ pub const OPTIONS: &[(&str, OptionDefault)] = &[
     ("num_threads", OptionDefault::None),
     ("prefetch_batches", OptionDefault::Int(4)),
     ("on_corrupt", OptionDefault::Str("error")),
+    ("decode", OptionDefault::None),
     ("rank", OptionDefault::None),
     ("world_size", OptionDefault::None),
 ];
@@ -195,9 +196,12 @@ impl Options {
         let image = image_config(&all, batch_size)?;
         let on_corrupt = choice("on_corrupt", a("on_corrupt"), &[("error", "error"), ("skip", "skip")])?;
         let drop_last = boolean("drop_last", a("drop_last"))?;
+        let decode = optional(a("decode"), |v| {
+            choice("decode", v, &[("auto", "auto"), ("gpu", "gpu"), ("cpu", "cpu")])
+        })?;
         let cache =
             optional(a("local"), |v| text("local", v))?.map(|dir| json!({"dir": dir, "limit_bytes": cache_limit}));
-        let config = json!({
+        let mut config = json!({
             "sources": sources,
             "order": order_spec(&all)?,
             "cache": cache,
@@ -209,6 +213,10 @@ impl Options {
             "prefetch_batches": prefetch_batches as usize,
             "on_corrupt": on_corrupt,
         });
+        if let Some(d) = decode {
+            // The GPU decode (a binding with a GPU turns it on): which decoders.
+            config["decode"] = json!(d);
+        }
         Ok(Options {
             config,
             rank: rank.map(|r| r as usize),

@@ -1,4 +1,6 @@
-//! A fake nvJPEG behind [`Api`], and the decoders' tests against it.
+//! A fake nvJPEG behind [`Api`], and the decoders' tests against it. Built for this crate's
+//! tests, and for other crates' with the `fake` feature (the GPU decode's end-to-end test
+//! puts libjpeg-turbo behind it: [`Fake::with_pixels`]).
 //!
 //! The fake keeps a ledger of every handle (made, live, destroyed) and refuses a call on a
 //! handle that is not live, as nvJPEG's contract would be broken there. "Device memory" is
@@ -7,16 +9,20 @@
 //! frames only, and a region inside the frame. A decode allocates its output's size as
 //! scratch through the device allocator it was given (so the bridge's bound applies), then
 //! writes each decoded pixel as `[image's index in the call, region x, scale factor]` into
-//! the destination at its pitch.
+//! the destination at its pitch, or, with [`Fake::with_pixels`], the pixels a real decoder
+//! gives for the region and scale.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::{Arc, Mutex};
 
-use super::super::{
-    status, version, AllocatorV2, Api, Buffer, Decoder, Handle, Image, JpegStream, Params, State, Stream,
-};
+use super::super::{status, AllocatorV2, Api, Buffer, Decoder, Handle, Image, JpegStream, Params, State, Stream};
 use super::*;
+
+/// A real decoder behind the fake: `(jpeg, region (x, y, w, h), scale factor (0: none, 1 to
+/// 3: 1/2 to 1/8))` to the region's pixels, rows of `3 x width` bytes, `None` for a file it
+/// cannot decode.
+pub type Pixels = Arc<dyn Fn(&[u8], (i32, i32, i32, i32), i32) -> Option<Vec<u8>> + Send + Sync>;
 
 /// What a parameter handle was set to: output format, region, scale factor.
 type ParamsSet = (c_int, (c_int, c_int, c_int, c_int), c_int);
@@ -34,15 +40,47 @@ struct Ledger {
     dev: BTreeMap<usize, AllocatorV2>,
     initialized: Option<c_int>,
     calls: Vec<String>,
+    /// The bitstream the hybrid decoder last parsed.
+    parsed: Vec<u8>,
+    /// The region its last host phase was given.
+    host_roi: Option<(c_int, c_int, c_int, c_int)>,
 }
 
+/// The fake library (see the module's text). Clones share one ledger.
 #[derive(Clone, Default)]
-struct Fake {
+pub struct Fake {
     no_engine: bool,
     ledger: Arc<Mutex<Ledger>>,
+    pixels: Option<Pixels>,
 }
 
 impl Fake {
+    /// A library whose decodes write `pixels`' output; `engine`: whether the GPU has a
+    /// hardware JPEG engine.
+    pub fn with_pixels(pixels: Pixels, engine: bool) -> Fake {
+        Fake {
+            no_engine: !engine,
+            ledger: Arc::default(),
+            pixels: Some(pixels),
+        }
+    }
+
+    /// Handles made and not destroyed.
+    pub fn live_handles(&self) -> usize {
+        self.ledger.lock().unwrap().live.len()
+    }
+
+    /// Calls whose log line starts with `prefix` (`"batched"`, `"host"`, ...).
+    pub fn calls(&self, prefix: &str) -> usize {
+        self.ledger
+            .lock()
+            .unwrap()
+            .calls
+            .iter()
+            .filter(|c| c.starts_with(prefix))
+            .count()
+    }
+
     fn make(&self, kind: &'static str, out: *mut *mut c_void) -> i32 {
         let mut l = self.ledger.lock().unwrap();
         l.next += 1;
@@ -88,19 +126,18 @@ impl Fake {
     fn log(&self, s: String) {
         self.ledger.lock().unwrap().calls.push(s);
     }
-    fn calls(&self, prefix: &str) -> usize {
-        self.ledger
-            .lock()
-            .unwrap()
-            .calls
-            .iter()
-            .filter(|c| c.starts_with(prefix))
-            .count()
-    }
 
     /// Writes one decoded region (`roi` scaled by `sf`) at `dst`, its scratch taken through
     /// the handle's device allocator.
-    fn write(&self, handle: Handle, dst: &Image, roi: (c_int, c_int, c_int, c_int), sf: c_int, index: usize) -> i32 {
+    fn write(
+        &self,
+        handle: Handle,
+        data: &[u8],
+        dst: &Image,
+        roi: (c_int, c_int, c_int, c_int),
+        sf: c_int,
+        index: usize,
+    ) -> i32 {
         let a = *self
             .ledger
             .lock()
@@ -116,14 +153,29 @@ impl Fake {
         if unsafe { (a.malloc)(a.ctx, &mut scratch, bytes, std::ptr::null_mut()) } != 0 {
             return status::ALLOCATOR_FAILURE;
         }
+        let real = match &self.pixels {
+            Some(f) => match f(data, roi, sf) {
+                Some(px) if px.len() == bytes => Some(px),
+                _ => {
+                    // SAFETY: as below.
+                    unsafe { (a.free)(a.ctx, scratch, bytes, std::ptr::null_mut()) };
+                    return status::BAD_JPEG;
+                }
+            },
+            None => None,
+        };
         for y in 0..h {
             for x in 0..w {
-                // SAFETY: the test's destination holds `pitch` bytes for each decoded row.
+                let px = match &real {
+                    Some(r) => [r[(y * w + x) * 3], r[(y * w + x) * 3 + 1], r[(y * w + x) * 3 + 2]],
+                    None => [index as u8, roi.0 as u8, sf as u8],
+                };
+                // SAFETY: the caller's destination holds `pitch` bytes for each decoded row.
                 unsafe {
                     let p = dst.channel[0].add(y * dst.pitch[0] + 3 * x);
-                    *p = index as u8;
-                    *p.add(1) = roi.0 as u8;
-                    *p.add(2) = sf as u8;
+                    *p = px[0];
+                    *p.add(1) = px[1];
+                    *p.add(2) = px[2];
                 }
             }
         }
@@ -212,6 +264,8 @@ impl Api for Fake {
         _stream: c_int,
         js: JpegStream,
     ) -> i32 {
+        // SAFETY: the caller's live slice.
+        self.ledger.lock().unwrap().parsed = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
         // SAFETY: as the header parse.
         unsafe { self.stream_parse_header(handle, data, len, js) }
     }
@@ -297,7 +351,8 @@ impl Api for Fake {
             }
             let (format, roi, sf) = self.ledger.lock().unwrap().params[&(p as usize)];
             assert_eq!(format, OUTPUT_RGBI);
-            let s = self.write(handle, &img, roi, sf, i);
+            // SAFETY: the caller's live slice.
+            let s = self.write(handle, unsafe { std::slice::from_raw_parts(d, len) }, &img, roi, sf, i);
             if s != status::SUCCESS {
                 self.ledger.lock().unwrap().initialized = None;
                 return s;
@@ -350,6 +405,8 @@ impl Api for Fake {
         assert!(self.live(handle, "handle") && self.live(decoder, "decoder") && self.live(state, "state"));
         assert!(self.live(params, "params") && self.live(js, "stream"));
         self.log("host".into());
+        let mut l = self.ledger.lock().unwrap();
+        l.host_roi = Some(l.params[&(params as usize)].1);
         status::SUCCESS
     }
     unsafe fn decode_jpeg_transfer(
@@ -379,24 +436,24 @@ impl Api for Fake {
     ) -> i32 {
         assert!(self.live(handle, "handle") && self.live(decoder, "decoder") && self.live(state, "state"));
         self.log("device".into());
-        let roi = self
-            .ledger
-            .lock()
-            .unwrap()
-            .params
-            .values()
-            .last()
-            .map(|p| p.1)
-            .expect("params set");
+        let roi = self.ledger.lock().unwrap().host_roi.take().expect("the host phase ran");
+        let data = std::mem::take(&mut self.ledger.lock().unwrap().parsed);
         // SAFETY: the decoder's destination.
-        self.write(handle, unsafe { &*dst }, roi, 0, 0)
+        self.write(handle, &data, unsafe { &*dst }, roi, 0, 0)
     }
 }
 
 /// Host memory standing in for device memory, with a ledger of what is live.
 #[derive(Clone, Default)]
-struct Heap {
+pub struct Heap {
     live: Arc<Mutex<BTreeMap<u64, usize>>>,
+}
+
+impl Heap {
+    /// Bytes allocated and not freed.
+    pub fn live_bytes(&self) -> usize {
+        self.live.lock().unwrap().values().sum()
+    }
 }
 
 impl Allocator for Heap {
@@ -420,224 +477,231 @@ impl Allocator for Heap {
     }
 }
 
-fn bridges(bound: usize) -> (Box<Bridge>, Box<Bridge>, Heap) {
-    let heap = Heap::default();
-    (
-        Bridge::new(heap.clone(), bound),
-        Bridge::new(heap.clone(), usize::MAX),
-        heap,
-    )
-}
+#[cfg(test)]
+mod tests {
+    use super::super::super::version;
+    use super::*;
 
-/// A JPEG-shaped bitstream: `FF D8`, a frame header of the given marker and size, `FF D9`.
-fn jpeg(marker: u8, w: u16, h: u16) -> Vec<u8> {
-    let mut j = vec![0xFF, 0xD8, 0xFF, marker, 0, 11, 8];
-    j.extend_from_slice(&h.to_be_bytes());
-    j.extend_from_slice(&w.to_be_bytes());
-    j.extend_from_slice(&[1, 1, 0x11, 0, 0xFF, 0xD9]);
-    j
-}
-
-/// Destination rows of `pitch` bytes, with room for `rows`.
-struct Dst(Vec<u8>, usize);
-
-impl Dst {
-    fn new(pitch: usize, rows: usize) -> Dst {
-        Dst(vec![0xEE; pitch * rows], pitch)
-    }
-    fn addr(&mut self) -> u64 {
-        self.0.as_mut_ptr() as u64
-    }
-}
-
-/// The batch split: the engine gets exactly the images it supports, in order, each with its
-/// own region and scale; the damaged and the unsupported come back with their status;
-/// every decoded pixel lands at its row's pitch and nothing past the decoded width is
-/// written.
-#[test]
-fn the_engine_gets_what_it_supports_with_each_images_region_and_scale() {
-    let fake = Fake::default();
-    let (dev, pinned, heap) = bridges(1 << 30);
-    let mut d = HardwareDecoder::open(fake.clone(), dev, pinned, Some((64, 640, 480)))
-        .unwrap()
-        .expect("an engine");
-    assert_eq!(fake.calls("preallocate 64 640 480 2 5"), 1);
-    let images = [
-        jpeg(0xC0, 640, 480),
-        jpeg(0xC2, 640, 480),
-        b"not a jpeg".to_vec(),
-        jpeg(0xC0, 320, 200),
-        jpeg(0xC0, 100, 100),
-    ];
-    let rois = [
-        (16, 8, 64, 32),
-        (0, 0, 640, 480),
-        (0, 0, 1, 1),
-        (32, 0, 288, 200),
-        (0, 0, 200, 100),
-    ];
-    let eighths = [4, 8, 8, 1, 8];
-    let mut dsts: Vec<Dst> = (0..5).map(|_| Dst::new(1024, 200)).collect();
-    let jobs: Vec<Job<'_>> = (0..5)
-        .map(|i| Job {
-            data: &images[i],
-            roi: rois[i],
-            eighths: eighths[i],
-            dst: dsts[i].addr(),
-            pitch: dsts[i].1,
-        })
-        .collect();
-    let r = d.decode(&jobs, 0).unwrap();
-    assert_eq!(r.decoded, vec![0, 3]);
-    assert_eq!(
-        r.refused,
-        vec![
-            (1, status::JPEG_NOT_SUPPORTED),
-            (2, status::BAD_JPEG),
-            (4, status::JPEG_NOT_SUPPORTED)
-        ]
-    );
-    // Image 0: region 64x32 at 1/2 -> 32x16 pixels, written as [0, x 16, factor 1].
-    let px = |d: &Dst, x: usize, y: usize| [d.0[y * d.1 + 3 * x], d.0[y * d.1 + 3 * x + 1], d.0[y * d.1 + 3 * x + 2]];
-    assert_eq!(px(&dsts[0], 31, 15), [0, 16, 1]);
-    assert_eq!(px(&dsts[0], 32, 15), [0xEE; 3], "written past the decoded width");
-    assert_eq!(px(&dsts[0], 0, 16), [0xEE; 3], "written past the decoded height");
-    // Image 3 is the call's second: region 288x200 at 1/8 -> 36x25.
-    assert_eq!(px(&dsts[3], 35, 24), [1, 32, 3]);
-    assert_eq!(px(&dsts[3], 36, 24), [0xEE; 3]);
-    assert_eq!(px(&dsts[1], 0, 0), [0xEE; 3], "a refused image was written");
-    let st = d.stats();
-    assert_eq!((st.batches, st.images, st.refused, st.initializations), (1, 2, 3, 1));
-    // The scratch was the bridge's, and all of it came back.
-    let (devm, _) = d.memory();
-    assert_eq!((devm.live, devm.peak, devm.allocations), (0, 36 * 25 * 3, 2));
-    drop(d);
-    assert!(
-        fake.ledger.lock().unwrap().live.is_empty(),
-        "a handle outlived its decoder"
-    );
-    assert!(heap.live.lock().unwrap().is_empty());
-}
-
-/// Initialisation happens when the batch's size changes and after a failed batch, not per
-/// batch; an absurd scale or region is refused before anything is queued.
-#[test]
-fn initialises_only_when_the_size_changes_or_a_batch_failed() {
-    let fake = Fake::default();
-    let (dev, pinned, _heap) = bridges(1 << 30);
-    let mut d = HardwareDecoder::open(fake.clone(), dev, pinned, None).unwrap().unwrap();
-    assert_eq!(fake.calls("preallocate"), 0);
-    let img = jpeg(0xC0, 64, 64);
-    let mut dst = Dst::new(256, 64);
-    let job = Job {
-        data: &img,
-        roi: (0, 0, 64, 64),
-        eighths: 8,
-        dst: dst.addr(),
-        pitch: 256,
-    };
-    for _ in 0..3 {
-        d.decode(&[job, job], 0).unwrap();
-    }
-    assert_eq!(fake.calls("initialize"), 1);
-    d.decode(&[job], 0).unwrap();
-    assert_eq!(fake.calls("initialize 1 1 5"), 1);
-    let e = d.decode(&[Job { eighths: 3, ..job }], 0).unwrap_err();
-    assert!(e.to_string().contains("3/8"), "{e}");
-    let e = d
-        .decode(
-            &[Job {
-                roi: (0, 0, u32::MAX, 1),
-                ..job
-            }],
-            0,
+    fn bridges(bound: usize) -> (Box<Bridge>, Box<Bridge>, Heap) {
+        let heap = Heap::default();
+        (
+            Bridge::new(heap.clone(), bound),
+            Bridge::new(heap.clone(), usize::MAX),
+            heap,
         )
-        .unwrap_err();
-    assert!(e.to_string().contains("roi width"), "{e}");
-    assert_eq!(fake.calls("batched"), 4);
-}
+    }
 
-/// The memory bound: a decode whose scratch would pass it fails with
-/// `NVJPEG_STATUS_ALLOCATOR_FAILURE`, counted by the bridge, nothing left allocated, and the
-/// next batch initialises again and decodes.
-#[test]
-fn scratch_over_the_bound_fails_the_batch_by_name_and_leaks_nothing() {
-    let fake = Fake::default();
-    let (dev, pinned, heap) = bridges(100 * 100 * 3);
-    let mut d = HardwareDecoder::open(fake.clone(), dev, pinned, None).unwrap().unwrap();
-    let (small, big) = (jpeg(0xC0, 100, 100), jpeg(0xC0, 200, 200));
-    let mut dst = Dst::new(600, 200);
-    let at = dst.addr();
-    let job = |data: &'static [u8], n: u32| Job {
-        data,
-        roi: (0, 0, n, n),
-        eighths: 8,
-        dst: at,
-        pitch: 600,
-    };
-    let (small, big): (&'static [u8], &'static [u8]) = (small.leak(), big.leak());
-    let e = d.decode(&[job(big, 200)], 0).unwrap_err();
-    assert!(e.to_string().contains("ALLOCATOR_FAILURE"), "{e}");
-    let (m, _) = d.memory();
-    assert_eq!((m.refused, m.live), (1, 0));
-    assert_eq!(d.stats().failed, 1);
-    d.decode(&[job(small, 100)], 0).unwrap();
-    assert_eq!(
-        fake.calls("initialize 1"),
-        2,
-        "a failed batch must be initialised again"
-    );
-    drop(d);
-    assert!(heap.live.lock().unwrap().is_empty());
-}
+    /// A JPEG-shaped bitstream: `FF D8`, a frame header of the given marker and size, `FF D9`.
+    fn jpeg(marker: u8, w: u16, h: u16) -> Vec<u8> {
+        let mut j = vec![0xFF, 0xD8, 0xFF, marker, 0, 11, 8];
+        j.extend_from_slice(&h.to_be_bytes());
+        j.extend_from_slice(&w.to_be_bytes());
+        j.extend_from_slice(&[1, 1, 0x11, 0, 0xFF, 0xD9]);
+        j
+    }
 
-/// Without a hardware engine `open` says so (`None`), and the hybrid decoder takes the image:
-/// host phase, transfer, device phase, with the region; it refuses a scale.
-#[test]
-fn without_an_engine_the_hybrid_decoder_takes_the_image() {
-    let fake = Fake {
-        no_engine: true,
-        ..Fake::default()
-    };
-    let (dev, pinned, _heap) = bridges(1 << 30);
-    assert!(HardwareDecoder::open(fake.clone(), dev, pinned, None)
-        .unwrap()
-        .is_none());
-    let (dev, pinned, heap) = bridges(1 << 30);
-    let mut h = HybridDecoder::open(fake.clone(), Backend::Hybrid, dev, pinned).unwrap();
-    let img = jpeg(0xC2, 64, 48);
-    let mut dst = Dst::new(256, 48);
-    let job = Job {
-        data: &img,
-        roi: (8, 0, 40, 48),
-        eighths: 8,
-        dst: dst.addr(),
-        pitch: 256,
-    };
-    h.decode(7, &job, 0).unwrap();
-    assert_eq!(
-        (fake.calls("host"), fake.calls("transfer"), fake.calls("device")),
-        (1, 1, 1)
-    );
-    assert_eq!(&dst.0[39 * 3..39 * 3 + 3], &[0, 8, 0]);
-    assert_eq!(dst.0[40 * 3], 0xEE);
-    let e = h.decode(7, &Job { eighths: 4, ..job }, 0).unwrap_err();
-    assert!(
-        e.to_string().contains("image 7") && e.to_string().contains("does not scale"),
-        "{e}"
-    );
-    let bad = b"garbage".to_vec();
-    let e = h.decode(9, &Job { data: &bad, ..job }, 0).unwrap_err();
-    assert!(
-        e.to_string().contains("image 9") && e.to_string().contains("BAD_JPEG"),
-        "{e}"
-    );
-    assert_eq!(h.decoded(), 1);
-    drop(h);
-    assert!(
-        fake.ledger.lock().unwrap().live.is_empty(),
-        "a handle outlived its decoder"
-    );
-    assert!(heap.live.lock().unwrap().is_empty());
-    assert_eq!(version(&fake).unwrap(), (13, 0, 2));
+    /// Destination rows of `pitch` bytes, with room for `rows`.
+    struct Dst(Vec<u8>, usize);
+
+    impl Dst {
+        fn new(pitch: usize, rows: usize) -> Dst {
+            Dst(vec![0xEE; pitch * rows], pitch)
+        }
+        fn addr(&mut self) -> u64 {
+            self.0.as_mut_ptr() as u64
+        }
+    }
+
+    /// The batch split: the engine gets exactly the images it supports, in order, each with its
+    /// own region and scale; the damaged and the unsupported come back with their status;
+    /// every decoded pixel lands at its row's pitch and nothing past the decoded width is
+    /// written.
+    #[test]
+    fn the_engine_gets_what_it_supports_with_each_images_region_and_scale() {
+        let fake = Fake::default();
+        let (dev, pinned, heap) = bridges(1 << 30);
+        let mut d = HardwareDecoder::open(fake.clone(), dev, pinned, Some((64, 640, 480)))
+            .unwrap()
+            .expect("an engine");
+        assert_eq!(fake.calls("preallocate 64 640 480 2 5"), 1);
+        let images = [
+            jpeg(0xC0, 640, 480),
+            jpeg(0xC2, 640, 480),
+            b"not a jpeg".to_vec(),
+            jpeg(0xC0, 320, 200),
+            jpeg(0xC0, 100, 100),
+        ];
+        let rois = [
+            (16, 8, 64, 32),
+            (0, 0, 640, 480),
+            (0, 0, 1, 1),
+            (32, 0, 288, 200),
+            (0, 0, 200, 100),
+        ];
+        let eighths = [4, 8, 8, 1, 8];
+        let mut dsts: Vec<Dst> = (0..5).map(|_| Dst::new(1024, 200)).collect();
+        let jobs: Vec<Job<'_>> = (0..5)
+            .map(|i| Job {
+                data: &images[i],
+                roi: rois[i],
+                eighths: eighths[i],
+                dst: dsts[i].addr(),
+                pitch: dsts[i].1,
+            })
+            .collect();
+        let r = d.decode(&jobs, 0).unwrap();
+        assert_eq!(r.decoded, vec![0, 3]);
+        assert_eq!(
+            r.refused,
+            vec![
+                (1, status::JPEG_NOT_SUPPORTED),
+                (2, status::BAD_JPEG),
+                (4, status::JPEG_NOT_SUPPORTED)
+            ]
+        );
+        // Image 0: region 64x32 at 1/2 -> 32x16 pixels, written as [0, x 16, factor 1].
+        let px =
+            |d: &Dst, x: usize, y: usize| [d.0[y * d.1 + 3 * x], d.0[y * d.1 + 3 * x + 1], d.0[y * d.1 + 3 * x + 2]];
+        assert_eq!(px(&dsts[0], 31, 15), [0, 16, 1]);
+        assert_eq!(px(&dsts[0], 32, 15), [0xEE; 3], "written past the decoded width");
+        assert_eq!(px(&dsts[0], 0, 16), [0xEE; 3], "written past the decoded height");
+        // Image 3 is the call's second: region 288x200 at 1/8 -> 36x25.
+        assert_eq!(px(&dsts[3], 35, 24), [1, 32, 3]);
+        assert_eq!(px(&dsts[3], 36, 24), [0xEE; 3]);
+        assert_eq!(px(&dsts[1], 0, 0), [0xEE; 3], "a refused image was written");
+        let st = d.stats();
+        assert_eq!((st.batches, st.images, st.refused, st.initializations), (1, 2, 3, 1));
+        // The scratch was the bridge's, and all of it came back.
+        let (devm, _) = d.memory();
+        assert_eq!((devm.live, devm.peak, devm.allocations), (0, 36 * 25 * 3, 2));
+        drop(d);
+        assert!(
+            fake.ledger.lock().unwrap().live.is_empty(),
+            "a handle outlived its decoder"
+        );
+        assert!(heap.live.lock().unwrap().is_empty());
+    }
+
+    /// Initialisation happens when the batch's size changes and after a failed batch, not per
+    /// batch; an absurd scale or region is refused before anything is queued.
+    #[test]
+    fn initialises_only_when_the_size_changes_or_a_batch_failed() {
+        let fake = Fake::default();
+        let (dev, pinned, _heap) = bridges(1 << 30);
+        let mut d = HardwareDecoder::open(fake.clone(), dev, pinned, None).unwrap().unwrap();
+        assert_eq!(fake.calls("preallocate"), 0);
+        let img = jpeg(0xC0, 64, 64);
+        let mut dst = Dst::new(256, 64);
+        let job = Job {
+            data: &img,
+            roi: (0, 0, 64, 64),
+            eighths: 8,
+            dst: dst.addr(),
+            pitch: 256,
+        };
+        for _ in 0..3 {
+            d.decode(&[job, job], 0).unwrap();
+        }
+        assert_eq!(fake.calls("initialize"), 1);
+        d.decode(&[job], 0).unwrap();
+        assert_eq!(fake.calls("initialize 1 1 5"), 1);
+        let e = d.decode(&[Job { eighths: 3, ..job }], 0).unwrap_err();
+        assert!(e.to_string().contains("3/8"), "{e}");
+        let e = d
+            .decode(
+                &[Job {
+                    roi: (0, 0, u32::MAX, 1),
+                    ..job
+                }],
+                0,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("roi width"), "{e}");
+        assert_eq!(fake.calls("batched"), 4);
+    }
+
+    /// The memory bound: a decode whose scratch would pass it fails with
+    /// `NVJPEG_STATUS_ALLOCATOR_FAILURE`, counted by the bridge, nothing left allocated, and the
+    /// next batch initialises again and decodes.
+    #[test]
+    fn scratch_over_the_bound_fails_the_batch_by_name_and_leaks_nothing() {
+        let fake = Fake::default();
+        let (dev, pinned, heap) = bridges(100 * 100 * 3);
+        let mut d = HardwareDecoder::open(fake.clone(), dev, pinned, None).unwrap().unwrap();
+        let (small, big) = (jpeg(0xC0, 100, 100), jpeg(0xC0, 200, 200));
+        let mut dst = Dst::new(600, 200);
+        let at = dst.addr();
+        let job = |data: &'static [u8], n: u32| Job {
+            data,
+            roi: (0, 0, n, n),
+            eighths: 8,
+            dst: at,
+            pitch: 600,
+        };
+        let (small, big): (&'static [u8], &'static [u8]) = (small.leak(), big.leak());
+        let e = d.decode(&[job(big, 200)], 0).unwrap_err();
+        assert!(e.to_string().contains("ALLOCATOR_FAILURE"), "{e}");
+        let (m, _) = d.memory();
+        assert_eq!((m.refused, m.live), (1, 0));
+        assert_eq!(d.stats().failed, 1);
+        d.decode(&[job(small, 100)], 0).unwrap();
+        assert_eq!(
+            fake.calls("initialize 1"),
+            2,
+            "a failed batch must be initialised again"
+        );
+        drop(d);
+        assert!(heap.live.lock().unwrap().is_empty());
+    }
+
+    /// Without a hardware engine `open` says so (`None`), and the hybrid decoder takes the image:
+    /// host phase, transfer, device phase, with the region; it refuses a scale.
+    #[test]
+    fn without_an_engine_the_hybrid_decoder_takes_the_image() {
+        let fake = Fake {
+            no_engine: true,
+            ..Fake::default()
+        };
+        let (dev, pinned, _heap) = bridges(1 << 30);
+        assert!(HardwareDecoder::open(fake.clone(), dev, pinned, None)
+            .unwrap()
+            .is_none());
+        let (dev, pinned, heap) = bridges(1 << 30);
+        let mut h = HybridDecoder::open(fake.clone(), Backend::Hybrid, dev, pinned).unwrap();
+        let img = jpeg(0xC2, 64, 48);
+        let mut dst = Dst::new(256, 48);
+        let job = Job {
+            data: &img,
+            roi: (8, 0, 40, 48),
+            eighths: 8,
+            dst: dst.addr(),
+            pitch: 256,
+        };
+        h.decode(7, &job, 0).unwrap();
+        assert_eq!(
+            (fake.calls("host"), fake.calls("transfer"), fake.calls("device")),
+            (1, 1, 1)
+        );
+        assert_eq!(&dst.0[39 * 3..39 * 3 + 3], &[0, 8, 0]);
+        assert_eq!(dst.0[40 * 3], 0xEE);
+        let e = h.decode(7, &Job { eighths: 4, ..job }, 0).unwrap_err();
+        assert!(
+            e.to_string().contains("image 7") && e.to_string().contains("does not scale"),
+            "{e}"
+        );
+        let bad = b"garbage".to_vec();
+        let e = h.decode(9, &Job { data: &bad, ..job }, 0).unwrap_err();
+        assert!(
+            e.to_string().contains("image 9") && e.to_string().contains("BAD_JPEG"),
+            "{e}"
+        );
+        assert_eq!(h.decoded(), 1);
+        drop(h);
+        assert!(
+            fake.ledger.lock().unwrap().live.is_empty(),
+            "a handle outlived its decoder"
+        );
+        assert!(heap.live.lock().unwrap().is_empty());
+        assert_eq!(version(&fake).unwrap(), (13, 0, 2));
+    }
 }
