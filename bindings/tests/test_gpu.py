@@ -266,6 +266,12 @@ def test_gpu_decode_tensors_are_ramjet_s_buffer_and_memory_stays_flat(packed):
     ramjet tensor's; ten epochs keep torch's and the driver's device memory flat."""
     ds = _ds(packed, device="cuda", decode="gpu")
     next(iter(ds))
+    cols, _meta = ds._session.next_batch()
+    img = cols["image"]
+    assert img.__dlpack_device__() == (2, 0)
+    t = torch.from_dlpack(img)
+    assert t.is_cuda and t.data_ptr() == img.data_ptr, "DLPack copied the GPU batch instead of sharing it"
+    del t, img, cols
     used = []
     for epoch in range(10):
         ds.set_epoch(epoch)
