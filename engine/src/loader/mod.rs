@@ -884,17 +884,7 @@ fn decode_images<'a>(
                 n += 1;
                 kept.push((i, vals));
             }
-            Err(reason) => {
-                let reason = format!("image column {:?}: {reason}", cfg.image_column);
-                if cfg.on_corrupt == OnCorrupt::Error {
-                    return Err(corrupt(&job.urls[i], s.global_index, reason));
-                }
-                skipped.push(Skipped {
-                    shard: job.urls[i].clone(),
-                    sample: s.global_index,
-                    reason,
-                });
-            }
+            Err(reason) => bad_image(cfg, job, i, reason, skipped)?,
         }
     }
     Ok((kept, buf, n))
@@ -962,17 +952,7 @@ fn decode_sources<'a>(
                 planned.push(p);
                 kept.push((i, vals));
             }
-            Err(reason) => {
-                let reason = format!("image column {:?}: {reason}", cfg.image_column);
-                if cfg.on_corrupt == OnCorrupt::Error {
-                    return Err(corrupt(&job.urls[i], s.global_index, reason));
-                }
-                skipped.push(Skipped {
-                    shard: job.urls[i].clone(),
-                    sample: s.global_index,
-                    reason,
-                });
-            }
+            Err(reason) => bad_image(cfg, job, i, reason, skipped)?,
         }
     }
     if cpu_work > 0.0 {
@@ -992,6 +972,28 @@ fn decode_sources<'a>(
             samples: indices,
         },
     ))
+}
+
+/// Sample `i` of `job`, whose image did not decode: an error naming it, or with
+/// [`OnCorrupt::Skip`] recorded in `skipped`.
+fn bad_image(
+    cfg: &LoaderConfig,
+    job: &Job,
+    i: usize,
+    reason: impl std::fmt::Display,
+    skipped: &mut Vec<Skipped>,
+) -> Result<()> {
+    let s = &job.samples[i];
+    let reason = format!("image column {:?}: {reason}", cfg.image_column);
+    if cfg.on_corrupt == OnCorrupt::Error {
+        return Err(corrupt(&job.urls[i], s.global_index, reason));
+    }
+    skipped.push(Skipped {
+        shard: job.urls[i].clone(),
+        sample: s.global_index,
+        reason,
+    });
+    Ok(())
 }
 
 /// Column `ci` (not the decoded image) of `rows`: YOLO boxes flattened with their offsets, or
