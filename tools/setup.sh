@@ -25,9 +25,11 @@ fi
 
 # Debian packages: cmake and nasm build libjpeg-turbo (the C library, with its SIMD code: the
 # JPEG decoder, turbojpeg-sys); cmake and clang build the RDMA transport's verbs shim (cargo
-# feature `rdma`, rdma-mummy-sys); iperf3 is the cluster benchmark's TCP baseline.
+# feature `rdma`, rdma-mummy-sys); iperf3 is the cluster benchmark's TCP baseline; chromium is
+# the real browser the dashboard's test drives (Playwright with executable_path set to it: a
+# browser download is not possible here).
 missing=()
-for tool in cmake:cmake nasm:nasm clang:clang iperf3:iperf3; do
+for tool in cmake:cmake nasm:nasm clang:clang iperf3:iperf3 chromium:chromium; do
   command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 done
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || missing+=(libclang-dev)

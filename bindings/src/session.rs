@@ -282,7 +282,15 @@ impl Session {
             Step::YieldLast => *held(&self.ended) = true,
             Step::Yield => {}
         }
+        let t = std::time::Instant::now();
         let image = self.finish_on_gpu(py, &mut batch)?;
+        if image.is_some() {
+            // The GPU side's share of the decode ran in this call: the consumer waited on it.
+            if let Some(l) = held(&self.loader).clone() {
+                let mut l = l.lock().unwrap_or_else(|p| p.into_inner());
+                l.charge(ramjet_engine::stall::WaitOn::Decode, t.elapsed());
+            }
+        }
         let (cols, meta) = batch_to_py(py, *batch)?;
         if let Some((name, t)) = image {
             cols.set_item(name, Py::new(py, t)?)?;

@@ -84,6 +84,8 @@ pub struct Got {
     pub bytes: Bytes,
     /// Where they came from.
     pub from: FetchedFrom,
+    /// An [`Upstream`] delivered them (`from` is then where that upstream got them).
+    pub via_upstream: bool,
     /// The download lock taken by [`Step::CacheLocked`], held until the caller has written its
     /// cache copy (others on the host wait for it rather than fetch again).
     pub lock: Option<FetchGuard>,
@@ -99,6 +101,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                     return Ok(Got {
                         bytes,
                         from: FetchedFrom::CacheLocal,
+                        via_upstream: false,
                         lock,
                     });
                 }
@@ -109,6 +112,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                     return Ok(Got {
                         bytes,
                         from: FetchedFrom::CacheLocal,
+                        via_upstream: false,
                         lock,
                     });
                 }
@@ -117,7 +121,12 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                 Ok((bytes, from)) => match verify(at, bytes.clone()).await {
                     Ok(()) => {
                         up.outcome(at, Outcome::Delivered(from));
-                        return Ok(Got { bytes, from, lock });
+                        return Ok(Got {
+                            bytes,
+                            from,
+                            via_upstream: true,
+                            lock,
+                        });
                     }
                     Err(e) => up.outcome(at, Outcome::Corrupt(e)),
                 },
@@ -132,6 +141,7 @@ pub async fn fetch(steps: &[Step<'_>], at: &ShardAt<'_>, metrics: &Metrics) -> R
                 return Ok(Got {
                     bytes,
                     from: FetchedFrom::Origin,
+                    via_upstream: false,
                     lock,
                 });
             }

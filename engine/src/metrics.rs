@@ -62,6 +62,18 @@ pub struct Metrics {
     /// The GPU decode path's planner, when a loader decodes for the GPU: its routes and split
     /// are part of the snapshot ([`crate::image::gpu_batch::Planner::metrics`]).
     pub decode: std::sync::OnceLock<std::sync::Arc<crate::image::gpu_batch::Planner>>,
+    /// Nanoseconds the consumer's wait went to each stage, and those it did not wait, in
+    /// [`crate::stall::NAMES`] order (loader only; see [`crate::stall`]).
+    pub stall_ns: [AtomicU64; crate::stall::PARTS],
+    /// Nanoseconds the stream's reader waited for the prefetcher, by the source of what ended
+    /// each wait ([`crate::stall::WaitOn`]'s first four).
+    pub read_blocked_ns: [AtomicU64; crate::stall::SOURCES],
+    /// The epoch of the last batch handed to the consumer (loader only).
+    pub consumer_epoch: AtomicU64,
+    /// Samples of that epoch this consumer has been handed (loader only).
+    pub consumer_position: AtomicU64,
+    /// Samples in this consumer's share of that epoch (loader only; 0 when unknown).
+    pub consumer_epoch_len: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -94,6 +106,11 @@ impl Default for Metrics {
             provider_bytes: AtomicU64::new(0),
             provider_failures: AtomicU64::new(0),
             decode: std::sync::OnceLock::new(),
+            stall_ns: Default::default(),
+            read_blocked_ns: Default::default(),
+            consumer_epoch: AtomicU64::new(0),
+            consumer_position: AtomicU64::new(0),
+            consumer_epoch_len: AtomicU64::new(0),
         }
     }
 }
@@ -166,6 +183,17 @@ pub struct MetricsSnapshot {
     /// The GPU decode path's routes and split (`decode_*`; empty without it).
     #[serde(flatten)]
     pub decode: std::collections::BTreeMap<String, f64>,
+    /// Where the consumer's wait went: `wait_<stage>_s` and `wait_share_<stage>` for each of
+    /// origin, peer, daemon, cache, decode and not_waiting, and `data_wait_share`
+    /// ([`crate::stall`]; loader only, zeros otherwise).
+    #[serde(flatten)]
+    pub stall: std::collections::BTreeMap<String, f64>,
+    /// The epoch of the last batch handed out (loader only).
+    pub epoch: u64,
+    /// Samples of that epoch handed out (loader only).
+    pub position: u64,
+    /// Samples in this consumer's share of the epoch (0 when unknown).
+    pub epoch_len: u64,
 }
 
 impl Metrics {
@@ -222,6 +250,10 @@ impl Metrics {
             daemon_bytes: g(&self.provider_bytes),
             daemon_failures: g(&self.provider_failures),
             decode: self.decode.get().map(|p| p.metrics()).unwrap_or_default(),
+            stall: crate::stall::split(&std::array::from_fn(|i| g(&self.stall_ns[i]))),
+            epoch: g(&self.consumer_epoch),
+            position: g(&self.consumer_position),
+            epoch_len: g(&self.consumer_epoch_len),
         }
     }
 }

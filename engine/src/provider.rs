@@ -73,4 +73,127 @@ pub trait ShardProvider: Send + Sync + std::fmt::Debug {
     /// Tells the provider that the bytes it delivered for `req` failed verification, so it
     /// drops its copy instead of serving it again.
     fn report_corrupt(&self, req: &ShardRequest<'_>);
+
+    /// Tells the provider how this consumer is doing ([`Heartbeat`]; a stream sends one every
+    /// [`HEARTBEAT_EVERY`]). A provider that keeps no such record ignores it.
+    fn heartbeat(&self, _beat: &Heartbeat) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// How often a stream with a provider reports its [`Heartbeat`].
+pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// One consumer's report to its host daemon: who it is, where it is in its epoch, how fast it
+/// goes and where its wait goes (`crate::stall`). Small (well under a kilobyte), sent every
+/// [`HEARTBEAT_EVERY`]; the daemon drops a consumer that stops sending.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Heartbeat {
+    /// The consumer, unique on its host: `<pid>/<rank>.<worker>`.
+    pub consumer: String,
+    /// The job: `RAMJET_JOB`, else `SLURM_JOB_ID`, else the first dataset's name.
+    pub job: String,
+    /// The first source's manifest URL.
+    pub dataset: String,
+    /// Process id.
+    pub pid: u32,
+    /// Rank and ranks.
+    pub rank: u32,
+    /// Ranks in the job.
+    pub world: u32,
+    /// DataLoader worker in the rank, and workers per rank.
+    pub worker: u32,
+    /// Workers per rank.
+    pub workers: u32,
+    /// The epoch it reads.
+    pub epoch: u64,
+    /// Samples of that epoch delivered to it.
+    pub position: u64,
+    /// Samples in its share of the epoch (0 when unknown).
+    pub epoch_len: u64,
+    /// Samples delivered since it started.
+    pub samples: u64,
+    /// Samples per second over the last interval.
+    pub samples_per_s: f64,
+    /// Share of its time spent waiting for data, since it started.
+    pub data_wait_share: f64,
+    /// Shares of its time by stage (`origin`, `peer`, `daemon`, `cache`, `decode`,
+    /// `not_waiting`: `crate::stall::NAMES`), since it started.
+    pub split: std::collections::BTreeMap<String, f64>,
+    /// Seconds since it started.
+    pub elapsed_s: f64,
+}
+
+/// Reports this consumer's [`Heartbeat`] to `provider` every [`HEARTBEAT_EVERY`] until the
+/// task is aborted (its stream dropped). A report that fails is logged once and retried at the
+/// next beat: the daemon may be restarting, and the stream goes on without it.
+pub(crate) async fn report_heartbeats(
+    provider: std::sync::Arc<dyn ShardProvider>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    who: Heartbeat,
+) {
+    let mut last = (std::time::Instant::now(), 0u64);
+    let mut warned = false;
+    loop {
+        tokio::time::sleep(HEARTBEAT_EVERY).await;
+        let s = metrics.snapshot();
+        let now = std::time::Instant::now();
+        let dt = now.duration_since(last.0).as_secs_f64().max(1e-9);
+        let mut beat = who.clone();
+        beat.epoch = s.epoch;
+        beat.position = if s.epoch_len > 0 { s.position } else { s.samples };
+        beat.epoch_len = s.epoch_len;
+        beat.samples = s.samples;
+        beat.samples_per_s = s.samples.saturating_sub(last.1) as f64 / dt;
+        beat.data_wait_share = s.stall.get("data_wait_share").copied().unwrap_or(0.0);
+        beat.split = crate::stall::NAMES
+            .iter()
+            .map(|n| {
+                (
+                    n.to_string(),
+                    s.stall.get(&format!("wait_share_{n}")).copied().unwrap_or(0.0),
+                )
+            })
+            .collect();
+        beat.elapsed_s = s.elapsed_s;
+        last = (now, s.samples);
+        let p = provider.clone();
+        let r = tokio::task::spawn_blocking(move || p.heartbeat(&beat)).await;
+        match r {
+            Ok(Ok(())) => warned = false,
+            Ok(Err(e)) if !warned => {
+                warned = true;
+                tracing::debug!(error = %e, "heartbeat to the host daemon failed; retrying at the next beat");
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Heartbeat {
+    /// The fixed part of a consumer's heartbeat: its identity.
+    pub fn identity(dataset: &str, t: &crate::order::Topology) -> Heartbeat {
+        let pid = std::process::id();
+        let job = std::env::var("RAMJET_JOB")
+            .or_else(|_| std::env::var("SLURM_JOB_ID"))
+            .unwrap_or_else(|_| {
+                let base = dataset.trim_end_matches('/').trim_end_matches("manifest.json");
+                base.trim_end_matches('/')
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or(dataset)
+                    .to_string()
+            });
+        Heartbeat {
+            consumer: format!("{pid}/{}.{}", t.rank, t.worker),
+            job,
+            dataset: dataset.to_string(),
+            pid,
+            rank: t.rank as u32,
+            world: t.world as u32,
+            worker: t.worker as u32,
+            workers: t.workers as u32,
+            ..Default::default()
+        }
+    }
 }

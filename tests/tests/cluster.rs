@@ -1422,3 +1422,135 @@ fn a_stuck_daemon_costs_a_loader_its_request_timeout_and_nothing_else() {
     );
     assert!(took < Duration::from_secs(60), "took {took:?}");
 }
+
+/// The body of `GET path` on `addr` (HTTP 200 asserted).
+fn get_ok(addr: &str, path: &str) -> String {
+    let r = http(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"),
+    );
+    assert!(r.starts_with("HTTP/1.1 200"), "{addr}{path}: {r}");
+    r.split_once("\r\n\r\n").unwrap().1.to_owned()
+}
+
+/// Every metric name the Grafana dashboard's queries use (`ramjet_...`).
+fn grafana_metrics() -> std::collections::BTreeSet<String> {
+    let p = ramjet_tests::repo_root().join("tools/grafana/ramjet.json");
+    let d: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let mut names = std::collections::BTreeSet::new();
+    let panels = d["panels"].as_array().expect("panels");
+    assert!(!panels.is_empty());
+    let mut ids = std::collections::BTreeSet::new();
+    for p in panels {
+        assert!(ids.insert(p["id"].as_u64().expect("a panel id")), "panel ids repeat");
+        assert!(p["gridPos"]["w"].as_u64().is_some() && p["title"].is_string(), "{p}");
+        for t in p["targets"].as_array().expect("targets") {
+            let expr = t["expr"].as_str().expect("expr");
+            assert!(t["refId"].is_string(), "{t}");
+            let mut rest = expr;
+            while let Some(i) = rest.find("ramjet_") {
+                let tail = &rest[i..];
+                let end = tail
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(tail.len());
+                names.insert(tail[..end].to_owned());
+                rest = &tail[end..];
+            }
+        }
+    }
+    names
+}
+
+/// Issue 44: two daemons in a ring and a reader through the first. Either daemon's
+/// `/cluster` lists both members and the reader (its heartbeat: dataset, position, rate, the
+/// split of its time); the first keeps the reader's history (`/jobs`) and exports it on
+/// `/metrics` (OpenMetrics, through prometheus-client), where every metric the Grafana
+/// dashboard queries is found. A stopped daemon is shown down within 10 s, naming why.
+#[test]
+fn the_cluster_view_lists_every_member_and_reader_and_a_stopped_daemon_goes_down() {
+    let url = dataset();
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(2, 41);
+    let a = start_node(dir.path(), &members[0], &members, &s3().endpoint, &[]);
+    let b = start_node(dir.path(), &members[1], &members, &s3().endpoint, &[]);
+    let out = dir.path().join("r.txt");
+    // 120 samples at 60 ms each: about 7 s, three heartbeats or more.
+    let r = reader(url, &a.sock, &out, &s3().endpoint, 60);
+    let t0 = Instant::now();
+    let doc = loop {
+        let doc: serde_json::Value = serde_json::from_str(&get_ok(&b.http, "/cluster")).unwrap();
+        let seen = doc["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|j| j["beat"]["samples"].as_u64() > Some(0));
+        if seen {
+            break doc;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no reader on the dashboard: {doc}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(doc["served_by"], members[1].as_str());
+    let nodes = doc["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 2, "{doc}");
+    for n in nodes {
+        assert!(members.contains(&n["name"].as_str().unwrap().to_owned()), "{n}");
+        assert!(matches!(n["state"].as_str().unwrap(), "ready" | "up"), "{n}");
+        assert_eq!(n["summary"]["cache_limit_bytes"], 1u64 << 30, "{n}");
+    }
+    let job = &doc["jobs"][0];
+    assert_eq!(job["node"], members[0].as_str(), "{job}");
+    assert_eq!(job["beat"]["dataset"], url, "{job}");
+    let split: f64 = job["beat"]["split"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    assert!((split - 1.0).abs() < 1e-3, "{job}");
+    // The reader's own daemon keeps its history, and exports it.
+    let jobs: serde_json::Value = serde_json::from_str(&get_ok(&a.http, "/jobs")).unwrap();
+    assert!(!jobs[0]["history"].as_array().unwrap().is_empty(), "{jobs}");
+    let metrics = get_ok(&a.http, "/metrics");
+    assert!(metrics.ends_with("# EOF\n"), "{metrics}");
+    assert!(metrics.contains("ramjet_job_data_wait_share{job="), "{metrics}");
+    let exported: std::collections::BTreeSet<String> = metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_owned)
+        .collect();
+    for name in grafana_metrics() {
+        assert!(
+            exported.contains(&name),
+            "the Grafana dashboard queries {name}, which /metrics lacks:\n{metrics}"
+        );
+    }
+    // The page itself: served whole from the binary, nothing from elsewhere.
+    let page = get_ok(&a.http, "/");
+    assert!(page.contains("<title>ramjet cluster</title>") && !page.contains("http://") && !page.contains("https://"));
+    finish(r);
+    // Stop the second daemon: the first shows it down, with the reason.
+    drop(b);
+    let t0 = Instant::now();
+    loop {
+        let doc: serde_json::Value = serde_json::from_str(&get_ok(&a.http, "/cluster")).unwrap();
+        let n = doc["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["name"] == members[1].as_str())
+            .cloned()
+            .unwrap();
+        if n["state"] == "down" {
+            assert!(n["error"].as_str().is_some_and(|e| !e.is_empty()), "{n}");
+            assert_eq!(doc["down"], 1u64, "{doc}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "a stopped daemon is still {n}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}

@@ -287,6 +287,10 @@ impl ShardProvider for DaemonClient {
         }
     }
 
+    fn heartbeat(&self, beat: &ramjet_engine::Heartbeat) -> Result<()> {
+        self.simple(&Msg::Heartbeat(beat.clone()))
+    }
+
     fn report_corrupt(&self, req: &ShardRequest<'_>) {
         let m = Msg::Corrupt {
             checksum: req.id.checksum,

@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod error;
 pub mod hostlist;
 pub mod peer;
+pub mod prometheus;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod ring;
@@ -21,4 +22,4 @@ pub use daemon::{read_members, Daemon, DaemonConfig, TransportKind};
 pub use error::Error;
 pub use peer::{PeerTransport, ShardGet, TcpTransport};
 pub use ring::{Membership, Ring};
-pub use stats::{ReadyDoc, StatsDoc};
+pub use stats::{ClusterDoc, NodeSummary, ReadyDoc, StatsDoc};

@@ -1,5 +1,5 @@
-//! The daemon's counters and latency histograms, rendered as `/stats` JSON and `/metrics`
-//! Prometheus text.
+//! The daemon's counters and latency histograms (`/stats` JSON; `/metrics` is rendered from
+//! the same document by `crate::prometheus`), and the dashboard's documents.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -225,145 +225,130 @@ impl StatsDoc {
                 .insert(class.into(), s.connections_refused[i].load(Relaxed));
         }
     }
+}
 
-    /// Prometheus text exposition.
-    pub fn prometheus(&self) -> String {
-        let mut o = String::new();
-        let mut counter = |name: &str, help: &str, kind: &str, rows: Vec<(String, f64)>| {
-            o.push_str(&format!("# HELP ramjet_{name} {help}\n# TYPE ramjet_{name} {kind}\n"));
-            for (labels, v) in rows {
-                o.push_str(&format!("ramjet_{name}{labels} {v}\n"));
-            }
-        };
-        self.expose_reads(&mut counter);
-        self.expose_counters(&mut counter);
-        self.expose_ring(&mut counter);
-        o
-    }
+/// One point of a consumer's history (one heartbeat).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobPoint {
+    /// Seconds ago.
+    pub age_s: f64,
+    /// Samples per second then.
+    pub samples_per_s: f64,
+    /// Its data-wait share then (since it started).
+    pub data_wait_share: f64,
+}
 
-    /// Shards and bytes served and the read latency, by source.
-    fn expose_reads(&self, counter: &mut impl FnMut(&str, &str, &str, Vec<(String, f64)>)) {
-        let by_src = |m: &BTreeMap<String, u64>| {
-            m.iter()
-                .map(|(k, v)| (format!("{{source=\"{k}\"}}"), *v as f64))
-                .collect()
-        };
-        counter(
-            "reads_total",
-            "Shards served, by source.",
-            "counter",
-            by_src(&self.reads),
-        );
-        counter(
-            "read_bytes_total",
-            "Bytes served, by source.",
-            "counter",
-            by_src(&self.bytes),
-        );
-        let mut q = Vec::new();
-        for (src, l) in &self.latency {
-            for (qq, v) in [("0.5", l.p50_us), ("0.9", l.p90_us), ("0.99", l.p99_us)] {
-                q.push((format!("{{source=\"{src}\",quantile=\"{qq}\"}}"), v as f64 / 1e6));
-            }
-        }
-        counter("read_latency_seconds", "Shard read latency, by source.", "summary", q);
-    }
+/// A consumer as its host daemon knows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobView {
+    /// The ring name of the daemon it reports to.
+    pub node: String,
+    /// Seconds since its last heartbeat.
+    pub seen_s_ago: f64,
+    /// Its last heartbeat.
+    pub beat: ramjet_engine::Heartbeat,
+    /// Its heartbeats of the last minutes (only on the daemon's own `/jobs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<JobPoint>,
+}
 
-    /// The daemon's counters and gauges: flights, failures, refusals, peers served, origin
-    /// traffic, the node cache.
-    fn expose_counters(&self, counter: &mut impl FnMut(&str, &str, &str, Vec<(String, f64)>)) {
-        let one = |v: u64| vec![(String::new(), v as f64)];
-        // Unlabelled counters and gauges, in exposition order: (name, help, kind, value).
-        let plain = [
-            (
-                "singleflight_coalesced_total",
-                "Requests that joined a fetch in flight.",
-                "counter",
-                self.singleflight_coalesced,
-            ),
-            (
-                "singleflight_timeouts_total",
-                "Waiters that gave up on a flight.",
-                "counter",
-                self.singleflight_timeouts,
-            ),
-            ("failures_total", "Failed shard requests.", "counter", self.failures),
-            (
-                "auth_refused_total",
-                "Peer connections refused by the handshake.",
-                "counter",
-                self.auth_refused,
-            ),
-            (
-                "requests_refused_total",
-                "Requests refused by validation.",
-                "counter",
-                self.requests_refused,
-            ),
-        ];
-        for (name, help, kind, v) in plain {
-            counter(name, help, kind, one(v));
-        }
-        counter(
-            "connections_refused_total",
-            "Connections closed on accept: their class (or their address's share) was full.",
-            "counter",
-            self.connections_refused
-                .iter()
-                .map(|(k, v)| (format!("{{class=\"{k}\"}}"), *v as f64))
-                .collect(),
-        );
-        let plain = [
-            (
-                "peer_served_total",
-                "Shards served to peers.",
-                "counter",
-                self.peer_served,
-            ),
-            (
-                "peer_served_bytes_total",
-                "Bytes served to peers.",
-                "counter",
-                self.peer_served_bytes,
-            ),
-            (
-                "peer_corrupt_total",
-                "Peer deliveries that failed verification.",
-                "counter",
-                self.peer_corrupt,
-            ),
-            (
-                "origin_requests_total",
-                "GET requests sent to the origin.",
-                "counter",
-                self.origin_requests,
-            ),
-            (
-                "origin_bytes_total",
-                "Bytes fetched from the origin.",
-                "counter",
-                self.origin_bytes,
-            ),
-            ("cache_bytes", "Bytes in the node cache.", "gauge", self.cache_bytes),
-            ("cache_shards", "Shards in the node cache.", "gauge", self.cache_shards),
-        ];
-        for (name, help, kind, v) in plain {
-            counter(name, help, kind, one(v));
-        }
-    }
+/// A daemon's read rates over one interval.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RatePoint {
+    /// Seconds ago (the end of the interval).
+    pub age_s: f64,
+    /// Bytes/s served to this host's loaders from its own cache.
+    pub cache_local: f64,
+    /// Bytes/s served to this host's loaders from peers' caches.
+    pub cache_peer: f64,
+    /// Bytes/s served to this host's loaders from the origin.
+    pub origin: f64,
+    /// Bytes/s this daemon fetched from the origin (for its own loaders and its peers).
+    pub origin_fetched: f64,
+    /// Bytes/s this daemon served to its peers.
+    pub to_peers: f64,
+}
 
-    /// The ring and its peers' health.
-    fn expose_ring(&self, counter: &mut impl FnMut(&str, &str, &str, Vec<(String, f64)>)) {
-        let one = |v: u64| vec![(String::new(), v as f64)];
-        counter("ring_version", "Ring version.", "gauge", one(self.ring_version));
-        counter("ring_members", "Ring members.", "gauge", one(self.members.len() as u64));
-        let health = self
-            .peers
-            .iter()
-            .map(|(p, h)| (format!("{{peer=\"{p}\"}}"), if h.healthy { 1.0 } else { 0.0 }))
-            .collect();
-        counter("peer_up", "Peer reachable at the last attempt.", "gauge", health);
-    }
+/// What one daemon tells the dashboard about itself (over the peer channel for the others).
+/// Bounded to fit one control frame: [`RATES_MAX`] points and [`SUMMARY_JOBS_MAX`] consumers.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeSummary {
+    /// Its ring name.
+    pub node: String,
+    /// Seconds since it started.
+    pub uptime_s: f64,
+    /// Its ring version.
+    pub ring_version: u64,
+    /// Its member list.
+    pub members: Vec<String>,
+    /// Its ring version is frozen (a training epoch runs).
+    pub frozen: bool,
+    /// A membership change waits for the unfreeze.
+    pub pending_members: bool,
+    /// It is in its own member list and every peer it knows was reachable at the last try.
+    pub ready: bool,
+    /// Bytes in its cache.
+    pub cache_bytes: u64,
+    /// Its cache budget.
+    pub cache_limit_bytes: u64,
+    /// Shards in its cache.
+    pub cache_shards: u64,
+    /// Shards served to its loaders, by source.
+    pub reads: BTreeMap<String, u64>,
+    /// Bytes served to its loaders, by source.
+    pub bytes: BTreeMap<String, u64>,
+    /// Bytes it fetched from the origin.
+    pub origin_bytes: u64,
+    /// GETs it sent to the origin.
+    pub origin_requests: u64,
+    /// Requests that joined a fetch in flight (singleflight).
+    pub singleflight_coalesced: u64,
+    /// Corrupt copies caught: peers' deliveries that failed verification, and loaders'
+    /// reports of corrupt copies.
+    pub corrupt_caught: u64,
+    /// Failed requests.
+    pub failures: u64,
+    /// Read rates, oldest first.
+    pub rates: Vec<RatePoint>,
+    /// Its host's consumers.
+    pub jobs: Vec<JobView>,
+}
+
+/// Rate points in a [`NodeSummary`] (5 minutes at one per 5 s).
+pub const RATES_MAX: usize = 60;
+/// Consumers in a [`NodeSummary`] (those heard from last are kept).
+pub const SUMMARY_JOBS_MAX: usize = 64;
+
+/// A ring member as the dashboard shows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeView {
+    /// Its ring name.
+    pub name: String,
+    /// `ready`, `up`, `frozen` or `down` (did not answer: `error` says why).
+    pub state: String,
+    /// Why it is down.
+    pub error: Option<String>,
+    /// What it said.
+    pub summary: Option<NodeSummary>,
+}
+
+/// The whole cluster, as `/cluster` serves it (the dashboard's data).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterDoc {
+    /// The daemon that gathered it.
+    pub served_by: String,
+    /// Seconds since the Unix epoch, when gathered.
+    pub at_unix_s: f64,
+    /// Every ring member (of the serving daemon's ring), in ring order.
+    pub nodes: Vec<NodeView>,
+    /// Every consumer of every node that answered.
+    pub jobs: Vec<JobView>,
+    /// The cluster's origin fetches, bytes/s, over the last interval.
+    pub origin_bytes_per_s: f64,
+    /// Bytes/s served to loaders, by source, over the last interval (the cluster's sum).
+    pub read_bytes_per_s: BTreeMap<String, f64>,
+    /// Members down.
+    pub down: usize,
 }
 
 #[cfg(test)]
@@ -381,8 +366,6 @@ mod tests {
         assert_eq!(d.bytes["cache_peer"], 50);
         let l = &d.latency["origin"];
         assert!(l.count == 1 && (19_000..=21_000).contains(&l.p50_us), "{l:?}");
-        let p = d.prometheus();
-        assert!(p.contains("ramjet_reads_total{source=\"origin\"} 1\n"), "{p}");
         let back: StatsDoc = serde_json::from_str(&serde_json::to_string(&d).unwrap()).unwrap();
         assert_eq!(back.reads, d.reads);
     }

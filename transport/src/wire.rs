@@ -19,6 +19,8 @@ pub const FRAME_TAG_BYTES: usize = 32;
 pub const FRAME_MAX: usize = 64 << 10;
 /// The largest shard a peer may announce.
 pub const SHARD_MAX: u64 = 16 << 30;
+/// What the HTTP credential is a MAC of ([`ApiKey::http_token`]).
+const HTTP_TOKEN_ROLE: &str = "ramjet-http-read-v1";
 /// A URL in a request.
 pub const URL_MAX: usize = 4096;
 
@@ -108,6 +110,12 @@ pub enum Msg {
         /// The region's remote key.
         rkey: u32,
     },
+    /// Local only: a consumer's heartbeat (answered `Ok`, or `Fail` naming what is wrong).
+    Heartbeat(ramjet_engine::Heartbeat),
+    /// Peer → peer: asks for the member's dashboard summary.
+    SummaryRequest,
+    /// The answer to `SummaryRequest`.
+    Summary(Box<crate::stats::NodeSummary>),
 }
 
 /// The address of an RDMA queue pair.
@@ -209,6 +217,18 @@ impl ApiKey {
             .ok()
             .filter(|s| !s.is_empty())
             .map(|s| ApiKey::new(&s))
+    }
+
+    /// The read-only HTTP credential (the dashboard, `/cluster`, `/stats`, `/metrics`):
+    /// HMAC(key, "ramjet-http-read-v1"), hex. It opens nothing but those pages, and the key
+    /// cannot be recovered from it; `ramjet token` prints it.
+    pub fn http_token(&self) -> String {
+        self.mac(HTTP_TOKEN_ROLE, b"", b"")
+    }
+
+    /// Whether `token` is [`ApiKey::http_token`] (compared in constant time).
+    pub fn check_http_token(&self, token: &str) -> bool {
+        unhex(token.trim()).is_some_and(|t| hmac::verify(&self.0, HTTP_TOKEN_ROLE.as_bytes(), &t).is_ok())
     }
 
     fn mac(&self, role: &str, a: &[u8], b: &[u8]) -> String {

@@ -34,6 +34,7 @@ use crate::image::gpu_batch::{self, DecodeMode, Planner, SourceBatch};
 use crate::image::route::{Decoders as GpuDecoders, Path};
 use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
 use crate::metrics::Metrics;
+use crate::stall::{self, ConsumerClock, Timeline, WaitOn};
 use crate::stream::{FirstGate, Opened, Sample, Stream, StreamConfig, StreamState};
 
 pub use crate::buf::HostBuf;
@@ -224,10 +225,22 @@ struct Job {
     end_of_epoch: bool,
 }
 
-/// A finished batch, with the permit that counts it as ahead of the consumer.
-type Done = (u64, Result<Batch>, Option<tokio::sync::OwnedSemaphorePermit>);
+/// A finished batch by sequence number, with the permit that counts it as ahead of the
+/// consumer, and its way through the loader (for the consumer's wait: [`crate::stall`]).
+type Done = (
+    u64,
+    Result<Batch>,
+    Option<tokio::sync::OwnedSemaphorePermit>,
+    Option<Timeline>,
+);
 
-/// Everything the decode threads share (read-only).
+/// A finished batch waiting for its turn ([`Done`] without its sequence number).
+type Waiting = (
+    Result<Batch>,
+    Option<tokio::sync::OwnedSemaphorePermit>,
+    Option<Timeline>,
+);
+
 /// Batch assembly (decode, augment, collate into pooled buffers): the one implementation,
 /// used by the loader for whole batches on the decode pool and by random access (the Python
 /// package's map-style reads) for one sample.
@@ -293,7 +306,9 @@ type Ctx = Assembler;
 /// A running batch pipeline. Dropping it stops its reader task.
 pub struct Loader {
     done: Receiver<Done>,
-    reorder: BTreeMap<u64, (Result<Batch>, Option<tokio::sync::OwnedSemaphorePermit>)>,
+    reorder: BTreeMap<u64, Waiting>,
+    /// Where the consumer's time goes ([`crate::stall`]).
+    clock: ConsumerClock,
     next: u64,
     finished: bool,
     stop: Arc<AtomicBool>,
@@ -487,6 +502,7 @@ impl Loader {
                         next.load(Ordering::SeqCst),
                         Err(Error::from_panic("ramjet-reader", &*p)),
                         None,
+                        None,
                     ));
                 }
             })
@@ -494,6 +510,7 @@ impl Loader {
         Ok(Loader {
             done: done_rx,
             reorder: BTreeMap::new(),
+            clock: ConsumerClock::default(),
             next: 0,
             finished: false,
             stop,
@@ -515,18 +532,27 @@ impl Loader {
     /// interrupts between waits). Time spent waiting counts as batch wait in the metrics.
     pub fn next_batch(&mut self, timeout: Duration) -> Result<Next> {
         let t = std::time::Instant::now();
+        self.clock.asking(t, &self.metrics);
         let r = self.next_inner(timeout);
         Metrics::add(&self.metrics.batch_wait_ns, t.elapsed().as_nanos() as u64);
         r
     }
 
+    /// The consumer's call spent `d` more on `on` after its batch was handed out (the GPU
+    /// side's decode): charged there in the wait's split, not to "not waiting".
+    pub fn charge(&mut self, on: WaitOn, d: Duration) {
+        self.clock.charge(on, d, &self.metrics);
+    }
+
     fn next_inner(&mut self, timeout: Duration) -> Result<Next> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
-            if let Some((r, permit)) = self.reorder.remove(&self.next) {
+            if let Some((r, permit, tl)) = self.reorder.remove(&self.next) {
                 self.next += 1;
                 // Handed out: the reader may cut one more.
                 drop(permit);
+                self.clock
+                    .delivered(std::time::Instant::now(), tl.as_ref(), &self.metrics);
                 return match r {
                     Ok(b) => {
                         if let Some(t) = self.started.take() {
@@ -535,6 +561,12 @@ impl Loader {
                         // Counted on delivery, not on decode: the reader runs ahead into the
                         // next epoch, and its skips belong to batches not yet handed out.
                         Metrics::add(&self.metrics.samples_skipped, b.skipped.len() as u64);
+                        let m = &self.metrics;
+                        m.consumer_epoch.store(b.epoch, Ordering::Relaxed);
+                        if let Some(st) = &b.state {
+                            m.consumer_position.store(st.delivered, Ordering::Relaxed);
+                            m.consumer_epoch_len.store(st.len, Ordering::Relaxed);
+                        }
                         Ok(Next::Batch(Box::new(b)))
                     }
                     Err(e) => {
@@ -548,8 +580,8 @@ impl Loader {
             }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.done.recv_timeout(left) {
-                Ok((seq, r, permit)) => {
-                    self.reorder.insert(seq, (r, permit));
+                Ok((seq, r, permit, tl)) => {
+                    self.reorder.insert(seq, (r, permit, tl));
                 }
                 Err(RecvTimeoutError::Timeout) => return Ok(Next::Pending),
                 Err(RecvTimeoutError::Disconnected) => {
@@ -608,6 +640,12 @@ async fn read_loop(
     let mut read = 0u64;
     let mut cur: Vec<Sample> = Vec::with_capacity(bs);
     let mut urls: Vec<String> = Vec::with_capacity(bs);
+    // This batch's read: when it began, and the reader's waits on each source until then.
+    let blocked = |m: &Metrics| -> [u64; stall::SOURCES] {
+        std::array::from_fn(|i| m.read_blocked_ns[i].load(Ordering::Relaxed))
+    };
+    let mut read_start = std::time::Instant::now();
+    let mut blocked_before = blocked(&ctx.metrics);
     loop {
         if stop.load(Ordering::Relaxed) {
             return;
@@ -620,7 +658,7 @@ async fn read_loop(
             Ok(Some(s)) => s,
             Ok(None) => return,
             Err(e) => {
-                let _ = done.send((seq, Err(e), None));
+                let _ = done.send((seq, Err(e), None, None));
                 return;
             }
         };
@@ -638,6 +676,8 @@ async fn read_loop(
         let end_of_epoch = left == 0 || (ctx.cfg.drop_last && left < bs);
         let samples = std::mem::replace(&mut cur, Vec::with_capacity(bs));
         let job_urls = std::mem::replace(&mut urls, Vec::with_capacity(bs));
+        let after = blocked(&ctx.metrics);
+        let timeline = Timeline::read(read_start, std::time::Instant::now(), blocked_before, after);
         if samples.len() < bs && ctx.cfg.drop_last {
             continue;
         }
@@ -663,8 +703,21 @@ async fn read_loop(
             // The first batch's stages (RAMJET_LOG=debug): its samples read, then decoded.
             tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "loader: first batch read");
         }
-        let (ctx, stop, done) = (ctx.clone(), stop.clone(), done.clone());
-        pool.spawn(move || decode_and_send(&ctx, job, &stop, &done, (ahead, decoding), gate, started));
+        let (job_ctx, stop, done) = (ctx.clone(), stop.clone(), done.clone());
+        pool.spawn(move || {
+            decode_and_send(
+                &job_ctx,
+                (job, timeline),
+                &stop,
+                &done,
+                (ahead, decoding),
+                gate,
+                started,
+            )
+        });
+        // The next batch's read begins now (the wait for permits above belongs to decode).
+        read_start = std::time::Instant::now();
+        blocked_before = blocked(&ctx.metrics);
     }
 }
 
@@ -674,7 +727,7 @@ async fn read_loop(
 /// and page faults tell a decode that waited for a core from one that worked longer.
 fn decode_and_send(
     ctx: &Ctx,
-    job: Job,
+    (job, mut timeline): (Job, Timeline),
     stop: &AtomicBool,
     done: &Sender<Done>,
     (ahead, _decoding): (tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit),
@@ -684,6 +737,7 @@ fn decode_and_send(
     if stop.load(Ordering::Relaxed) {
         return;
     }
+    timeline.decode_start = Some(std::time::Instant::now());
     let ms = move || started.elapsed().as_secs_f64() * 1e3;
     let t = (job.seq == 0).then(|| (ms(), crate::rt::thread_usage()));
     let (seq, r) = (job.seq, decode_job(ctx, job));
@@ -701,7 +755,7 @@ fn decode_and_send(
     if let Some(g) = gate {
         g.open();
     }
-    let _ = done.send((seq, r, Some(ahead)));
+    let _ = done.send((seq, r, Some(ahead), Some(timeline)));
 }
 
 thread_local! {

@@ -19,6 +19,7 @@ use crate::provider::FetchedFrom;
 use crate::provider::ShardProvider;
 use crate::provider::ShardRequest;
 use crate::singleflight::Flights;
+use crate::stall::WaitOn;
 use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -642,7 +643,7 @@ impl Upstream for HostDaemon<'_> {
 }
 
 /// Whole-shard flights keyed by shard and fetch chain.
-type ShardFlights = Flights<(ShardId, u64), Result<Bytes>>;
+type ShardFlights = Flights<(ShardId, u64), Result<(Bytes, WaitOn)>>;
 
 /// Whole-shard fetches in flight in this process (`crate::singleflight`), remade in a forked
 /// child.
@@ -651,6 +652,11 @@ pub(super) static SHARD_FLIGHTS: crate::rt::PerProcess<Arc<ShardFlights>> = crat
 /// A whole shard, fetched once in this process however many streams want it at once: the
 /// first starts the flight ([`fetch_shard_once`]), the others join it.
 pub(super) async fn fetch_shard(shared: Arc<Shared>, source: usize, shard: usize) -> Result<Bytes> {
+    Ok(fetch_shard_from(shared, source, shard).await?.0)
+}
+
+/// [`fetch_shard`], and the stage it came from (for the consumer's wait: `crate::stall`).
+pub(super) async fn fetch_shard_from(shared: Arc<Shared>, source: usize, shard: usize) -> Result<(Bytes, WaitOn)> {
     let flights = SHARD_FLIGHTS.get(|| Ok(Arc::default()))?;
     let id = shared.sources[source].id(shard)?;
     let sh = shared.clone();
@@ -675,7 +681,7 @@ pub(super) async fn fetch_shard(shared: Arc<Shared>, source: usize, shard: usize
 /// A whole shard through the stream's fetch chain (`crate::chain`): the host daemon, else
 /// the disk cache, else (holding the host-wide download lock for it) the origin, then stored
 /// in the cache.
-pub(super) async fn fetch_shard_once(shared: Arc<Shared>, source: usize, shard: usize) -> Result<Bytes> {
+pub(super) async fn fetch_shard_once(shared: Arc<Shared>, source: usize, shard: usize) -> Result<(Bytes, WaitOn)> {
     let src = &shared.sources[source];
     let at = ShardAt {
         ds: &src.ds,
@@ -698,11 +704,13 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, source: usize, shard: 
     }
     steps.push(Step::Origin);
     let got = crate::chain::fetch(&steps, &at, &shared.metrics).await?;
+    let via_daemon = got.via_upstream;
+    let from = WaitOn::of(got.from, via_daemon);
     let (Some(cache), Some(lock)) = (shared.cache.clone(), got.lock) else {
-        return Ok(got.bytes);
+        return Ok((got.bytes, from));
     };
     if got.from != FetchedFrom::Origin {
-        return Ok(got.bytes);
+        return Ok((got.bytes, from));
     }
     let (id, bytes) = (at.id, got.bytes);
     // Writing the cache copy is off the delivery path; the download lock is
@@ -728,7 +736,7 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, source: usize, shard: 
         drop(lock);
         drop(permit);
     }));
-    Ok(bytes)
+    Ok((bytes, from))
 }
 
 /// Host-daemon calls in flight in this process: each holds a blocking-pool thread while the

@@ -309,6 +309,8 @@ enum Msg {
         key: ShardKey,
         uses: u64,
         bytes: Result<Bytes>,
+        /// Where it came from (the reader's wait for it is charged there: `crate::stall`).
+        from: crate::stall::WaitOn,
     },
     /// The prefetcher cannot go on (the order could not be computed: a shard table block
     /// could not be read or failed its check).
@@ -342,6 +344,8 @@ pub struct Stream {
     /// shuffle), by (epoch, position).
     ranged_ready: HashMap<(u64, u64), Result<Bytes>, PositionHash>,
     prefetch: tokio::task::JoinHandle<()>,
+    /// Reports this consumer to the host daemon (with a provider).
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Opens the prefetcher's first-batch gate (see [`Stream::open_gated`]); dropping it opens
@@ -384,6 +388,9 @@ impl Opened for Stream {
 impl Drop for Stream {
     fn drop(&mut self) {
         self.prefetch.abort();
+        if let Some(h) = &self.heartbeat {
+            h.abort();
+        }
         if !self.wait_inserts_on_drop {
             return;
         }
@@ -455,6 +462,11 @@ impl Stream {
             (cfg.prefetch_bytes_max / ahead as u64 / avg).clamp(8, SAMPLE_BATCH_MAX as u64) as usize
         });
         let prefetch = rt.spawn(prefetcher(shared.clone(), start, skip, tx, per_sample, ranged, gate));
+        let heartbeat = cfg.provider.clone().map(|p| {
+            let url = cfg.sources.first().map_or("", |s| s.url.as_str());
+            let who = crate::provider::Heartbeat::identity(url, &cfg.topology);
+            rt.spawn(crate::provider::report_heartbeats(p, shared.metrics.clone(), who))
+        });
         let stream = Stream {
             rt,
             wait_inserts_on_drop: true,
@@ -470,6 +482,7 @@ impl Stream {
             live: HashMap::new(),
             ranged_ready: HashMap::default(),
             prefetch,
+            heartbeat,
         };
         Ok((stream, first_gate))
     }
@@ -504,9 +517,26 @@ impl Stream {
     }
 
     async fn recv(&mut self) -> Result<bool> {
-        let t = Instant::now();
-        let msg = self.rx.recv().await;
-        Metrics::add(&self.shared.metrics.wait_ns, t.elapsed().as_nanos() as u64);
+        // A message already there costs no clock read; a wait is charged to the source of the
+        // message that ends it.
+        let msg = match self.rx.try_recv() {
+            Ok(m) => Some(m),
+            Err(mpsc::error::TryRecvError::Disconnected) => None,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                let t = Instant::now();
+                let msg = self.rx.recv().await;
+                let ns = t.elapsed().as_nanos() as u64;
+                let m = &self.shared.metrics;
+                Metrics::add(&m.wait_ns, ns);
+                let on = match &msg {
+                    Some(Msg::Shard { from, .. }) => *from,
+                    Some(Msg::Samples { from_origin, .. }) if *from_origin > 0 => crate::stall::WaitOn::Origin,
+                    _ => crate::stall::WaitOn::Cache,
+                };
+                Metrics::add(&m.read_blocked_ns[on as usize], ns);
+                msg
+            }
+        };
         match msg {
             None => Ok(false),
             Some(m) => {
@@ -529,7 +559,7 @@ impl Stream {
                     .extend(samples.into_iter().map(|(position, r)| ((epoch, position), r)));
             }
             Msg::Failed(e) => return Err(e),
-            Msg::Shard { key, uses, bytes } => {
+            Msg::Shard { key, uses, bytes, .. } => {
                 let bytes = bytes?;
                 if let Some(live) = self.live.get_mut(&key) {
                     // The shard is used again in a later group of the order while still held.

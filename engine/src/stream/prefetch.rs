@@ -9,8 +9,8 @@
 //! walking this consumer's positions one group of the order at a time (a unit, or a round of
 //! the shard-block shuffle), as the fetches are pulled.
 
-use super::fetch::fetch_shard;
 use super::fetch::read_samples;
+use super::fetch::{fetch_shard, fetch_shard_from};
 use super::plan::plan_epoch;
 use super::plan::EpochPlan;
 use super::shared::{slice_record, Live, Shared};
@@ -20,6 +20,7 @@ use crate::metrics::Metrics;
 use crate::order::EpochProgress;
 use crate::order::OrderCursor;
 use crate::order::SampleRef;
+use crate::stall::WaitOn;
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 use std::collections::HashMap;
@@ -196,7 +197,11 @@ async fn shard_epoch(
                 let shared = sh.clone();
                 async move {
                     let ((s, shard), n) = u?;
-                    Ok(((s, shard), n, fetch_shard(shared, s as usize, shard as usize).await))
+                    Ok((
+                        (s, shard),
+                        n,
+                        fetch_shard_from(shared, s as usize, shard as usize).await,
+                    ))
                 }
             })
             .buffered(in_flight)
@@ -244,10 +249,15 @@ async fn shard_epoch(
             uses -= taken;
         }
         let failed = res.is_err();
+        let (bytes, from) = match res {
+            Ok((b, from)) => (Ok(b), from),
+            Err(e) => (Err(e), WaitOn::Origin),
+        };
         let msg = Msg::Shard {
             key: (epoch, s, sh),
             uses,
-            bytes: res,
+            bytes,
+            from,
         };
         if tx.send(msg).await.is_err() || failed {
             return false;
@@ -338,7 +348,7 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
                     return false;
                 }
                 Some(Ok(((s, sh), Err(e)))) => {
-                    let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e) }).await;
+                    let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e), from: WaitOn::Origin }).await;
                     return false;
                 }
             },

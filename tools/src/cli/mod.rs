@@ -14,6 +14,7 @@ mod serve;
 mod stats;
 mod stream;
 mod synth;
+mod token;
 mod verify;
 
 #[derive(Parser)]
@@ -52,8 +53,12 @@ enum Cmd {
     /// Run the host cache daemon: owns the node cache, serves local loaders over a Unix
     /// socket and peers over TCP (consistent-hash ring, singleflight, RAMJET_API_KEY).
     Serve(Box<serve::ServeArgs>),
-    /// Print a cluster view from daemons' /stats (HOST is host:port of their --http).
+    /// Print a cluster view from daemons' /stats (HOST is host:port of their --http); with
+    /// --watch, the dashboard's live view in the terminal.
     Stats(stats::Args),
+    /// Print the read-only HTTP credential derived from RAMJET_API_KEY: the dashboard,
+    /// /cluster, /stats and /metrics of a daemon whose --http is not on loopback ask for it.
+    Token(token::Args),
     /// Re-read every shard and check every checksum. Exits 1 and names each bad shard and sample.
     Verify(verify::Args),
 }
@@ -101,6 +106,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Audit(a) => audit::run(a),
         Cmd::Serve(a) => serve::serve_cmd(*a),
         Cmd::Stats(a) => stats::run(a),
+        Cmd::Token(a) => token::run(a),
         Cmd::Verify(a) => verify::run(a),
     }
 }

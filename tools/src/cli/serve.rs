@@ -156,6 +156,7 @@ pub fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
         cfg.peers.is_empty() && cfg.peers_file.is_none() || cfg.listen.is_some(),
         "members were given but no --listen address for peers"
     );
+    let key = ramjet_transport::wire::ApiKey::from_env();
     let d = Daemon::start(cfg).context("start the daemon")?;
     eprintln!(
         "ramjet serve: socket {}, peers {}, http {}",
@@ -163,6 +164,20 @@ pub fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
         d.peer_addr().map(|a| a.to_string()).unwrap_or("-".into()),
         d.http_addr().map(|a| a.to_string()).unwrap_or("-".into())
     );
+    if let Some(at) = d.http_addr() {
+        // The page's URL: with the read credential when this port asks for one.
+        let host = if at.ip().is_unspecified() {
+            hostname().unwrap_or_else(|| "localhost".into())
+        } else {
+            at.ip().to_string()
+        };
+        let guarded = !at.ip().is_loopback() && key.is_some();
+        let q = key
+            .filter(|_| guarded)
+            .map(|k| format!("?token={}", k.http_token()))
+            .unwrap_or_default();
+        eprintln!("ramjet serve: dashboard http://{host}:{}/{q}", at.port());
+    }
     d.run_until_signal();
     Ok(ExitCode::SUCCESS)
 }

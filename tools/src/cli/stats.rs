@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use crate::ui::human_bytes;
+use ramjet_transport::ClusterDoc;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -23,6 +24,12 @@ pub struct Args {
     /// Seconds --wait waits.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// The dashboard's view in the terminal, refreshed in place every SECS (default 2): every
+    /// ring member with its state, cache and reads, and every consumer with its rate, data
+    /// wait and where that wait goes, from the first HOST's /cluster (that daemon asks the
+    /// others). Ctrl-C ends it.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+    pub watch: Option<f64>,
 }
 
 /// Runs the command.
@@ -32,11 +39,19 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         json,
         wait,
         timeout,
+        watch,
     } = a;
     let timeout =
         std::time::Duration::try_from_secs_f64(timeout).map_err(|e| anyhow::anyhow!("--timeout {timeout}: {e}"))?;
     if wait && !wait_ready(&hosts, timeout)? {
         return Ok(ExitCode::FAILURE);
+    }
+    if let Some(every) = watch {
+        let every = std::time::Duration::try_from_secs_f64(every)
+            .ok()
+            .filter(|d| *d >= std::time::Duration::from_millis(100))
+            .ok_or_else(|| anyhow::anyhow!("--watch {every}: give at least 0.1 seconds"))?;
+        return watch_cmd(&hosts[0], every);
     }
     stats_cmd(&hosts, json)
 }
@@ -119,7 +134,13 @@ fn http_get_any(host: &str, path: &str) -> anyhow::Result<(u16, String)> {
     let mut s = std::net::TcpStream::connect_timeout(&sock, std::time::Duration::from_secs(5))
         .with_context(|| format!("connect {addr}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
-    write!(s, "GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n")?;
+    let auth = token()
+        .map(|t| format!("authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n"
+    )?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
     let (head, body) = resp.split_once("\r\n\r\n").context("malformed HTTP response")?;
@@ -129,6 +150,124 @@ fn http_get_any(host: &str, path: &str) -> anyhow::Result<(u16, String)> {
         .and_then(|c| c.parse().ok())
         .context("malformed HTTP status line")?;
     Ok((code, body.to_owned()))
+}
+
+/// The HTTP credential to send: `RAMJET_TOKEN`, else the one `RAMJET_API_KEY` gives (a port
+/// on loopback asks for none, and ignores it).
+fn token() -> Option<String> {
+    std::env::var("RAMJET_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .or_else(|| ramjet_transport::wire::ApiKey::from_env().map(|k| k.http_token()))
+}
+
+/// `ramjet stats --watch`: the cluster view, refreshed in place (on a terminal), or printed
+/// again each time (to a file).
+fn watch_cmd(host: &str, every: std::time::Duration) -> anyhow::Result<ExitCode> {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    loop {
+        let view = match http_get(host, "/cluster").and_then(|b| Ok(serde_json::from_str::<ClusterDoc>(&b)?)) {
+            Ok(d) => render_cluster(&d),
+            Err(e) => format!("{host}: {e:#}\n"),
+        };
+        if tty {
+            // Home, the view, then clear what the last one left below it.
+            print!("\x1b[H{}\x1b[J", view.replace('\n', "\x1b[K\n"));
+        } else {
+            println!("{view}");
+        }
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        std::thread::sleep(every);
+    }
+}
+
+/// The cluster view as text: the members, then the consumers.
+pub fn render_cluster(d: &ClusterDoc) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let up = d.nodes.iter().filter(|n| n.state != "down").count();
+    let _ = writeln!(
+        o,
+        "ramjet cluster via {}: {up}/{} members up, origin {}/s, loaders served {}/s, {} consumers",
+        d.served_by,
+        d.nodes.len(),
+        human_bytes(d.origin_bytes_per_s as u64),
+        human_bytes(d.read_bytes_per_s.values().sum::<f64>() as u64),
+        d.jobs.len()
+    );
+    let _ = writeln!(
+        o,
+        "{:<22} {:<7} {:>6} {:>10} {:>8} {:>8} {:>8} {:>10} {:>7} {:>7}",
+        "node", "state", "fill", "cached", "local", "peer", "origin", "fetched", "coalesc", "corrupt"
+    );
+    for n in &d.nodes {
+        match &n.summary {
+            Some(s) => {
+                let fill = if s.cache_limit_bytes == 0 {
+                    0.0
+                } else {
+                    s.cache_bytes as f64 / s.cache_limit_bytes as f64
+                };
+                let r = |k: &str| s.reads.get(k).copied().unwrap_or(0);
+                let _ = writeln!(
+                    o,
+                    "{:<22} {:<7} {:>5.1}% {:>10} {:>8} {:>8} {:>8} {:>10} {:>7} {:>7}",
+                    n.name,
+                    n.state,
+                    fill * 100.0,
+                    human_bytes(s.cache_bytes),
+                    r("cache_local"),
+                    r("cache_peer"),
+                    r("origin"),
+                    human_bytes(s.origin_bytes),
+                    s.singleflight_coalesced,
+                    s.corrupt_caught
+                );
+            }
+            None => {
+                let _ = writeln!(o, "{:<22} {:<7} {}", n.name, n.state, n.error.as_deref().unwrap_or(""));
+            }
+        }
+    }
+    let _ = writeln!(
+        o,
+        "\n{:<16} {:<22} {:>7} {:>6} {:>5} {:>15} {:>9} {:>6}  where the time goes",
+        "job", "node", "rank", "worker", "epoch", "progress", "samples/s", "wait"
+    );
+    for j in &d.jobs {
+        let b = &j.beat;
+        let progress = if b.epoch_len > 0 {
+            format!("{}/{}", b.position, b.epoch_len)
+        } else {
+            b.position.to_string()
+        };
+        let split: Vec<String> = b
+            .split
+            .iter()
+            .filter(|(_, v)| **v >= 0.005)
+            .map(|(k, v)| format!("{k} {:.0}%", v * 100.0))
+            .collect();
+        let _ = writeln!(
+            o,
+            "{:<16} {:<22} {:>7} {:>6} {:>5} {:>15} {:>9.1} {:>5.1}%  {}{}",
+            b.job,
+            j.node,
+            format!("{}/{}", b.rank, b.world),
+            format!("{}/{}", b.worker, b.workers),
+            b.epoch,
+            progress,
+            b.samples_per_s,
+            b.data_wait_share * 100.0,
+            split.join(", "),
+            if b.data_wait_share > 0.2 {
+                "  <- waiting for data"
+            } else {
+                ""
+            }
+        );
+    }
+    o
 }
 
 /// GET over plain HTTP/1.1 (the daemons' stats port); an error unless it answers 200.

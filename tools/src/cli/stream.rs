@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use std::sync::atomic::Ordering;
 
 use crate::ui::{human_bytes, parse_size};
 use ramjet_engine::cache::CacheConfig;
@@ -224,9 +225,18 @@ pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     let mut stream = Stream::open(cfg)?;
     let mut n = 0u64;
     let mut first: Option<f64> = None;
-    while let Some(s) = stream.next_sample()? {
+    let (metrics, mut clock) = (stream.metrics_handle(), ramjet_engine::stall::SampleClock::default());
+    while let Some(s) = clock.around(&metrics, || stream.next_sample())? {
         first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
         n += 1;
+        // Where this consumer is, for its heartbeat to the host daemon (the dashboard).
+        if metrics.consumer_epoch.swap(s.epoch, Ordering::Relaxed) != s.epoch || n == 1 {
+            metrics.consumer_position.store(0, Ordering::Relaxed);
+            metrics
+                .consumer_epoch_len
+                .store(stream.epoch_len().unwrap_or(0) as u64, Ordering::Relaxed);
+        }
+        metrics.consumer_position.fetch_add(1, Ordering::Relaxed);
         if let Some(w) = out.as_mut() {
             let line = format!(
                 "{} {} {} {} {} {} {}\n",
@@ -294,6 +304,14 @@ fn report(
             m.ranged_samples,
             m.wait_s
         );
+        let parts: Vec<String> = ramjet_engine::stall::NAMES
+            .iter()
+            .map(|n| {
+                let share = m.stall.get(&format!("wait_share_{n}")).copied().unwrap_or(0.0);
+                format!("{} {:.1}%", n.replace('_', " "), share * 100.0)
+            })
+            .collect();
+        println!("stream: where the time went: {}", parts.join(", "));
     }
     Ok(())
 }

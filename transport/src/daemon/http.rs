@@ -1,4 +1,11 @@
-//! `/stats`, `/metrics`, `/health` and `/ready` over hyper (HTTP/1.1), read-only.
+//! The daemon's HTTP port over hyper (HTTP/1.1), read-only: the dashboard (`/`), `/cluster`,
+//! `/jobs`, `/stats`, `/metrics`, and the open probes `/health` and `/ready`.
+//!
+//! With an API key and a port that is not on loopback, everything but the probes asks for the
+//! read-only credential derived from the key ([`crate::wire::ApiKey::http_token`], printed by
+//! `ramjet token`): `Authorization: Bearer <token>` (a Prometheus scraper, `curl`, `ramjet
+//! stats`), or the `ramjet_token` cookie that opening `/?token=<token>` sets (a browser). A
+//! request without it gets 401 and nothing else.
 
 use super::budget::Class;
 use super::Inner;
@@ -7,10 +14,16 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
-/// Serves `/stats`, `/metrics`, `/health` and `/ready` with hyper (HTTP/1.1). Read-only: the
-/// ring is frozen and unfrozen over the Unix socket, which only this user can reach. `/ready`
-/// answers 200 when this daemon is a member and has just completed an authenticated handshake
-/// with every other member, else 503; both with a [`ReadyDoc`](crate::ReadyDoc).
+/// The dashboard page: HTML, CSS and JS in one file, built into the binary (nothing is
+/// fetched from anywhere else).
+const PAGE: &str = include_str!("page/index.html");
+
+type Resp = hyper::Response<http_body_util::Full<Bytes>>;
+
+/// Serves the HTTP port (see the module docs). Read-only: the ring is frozen and unfrozen over
+/// the Unix socket, which only this user can reach. `/ready` answers 200 when this daemon is a
+/// member and has just completed an authenticated handshake with every other member, else
+/// 503; both with a [`ReadyDoc`](crate::ReadyDoc).
 pub(super) async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     loop {
@@ -27,24 +40,7 @@ pub(super) async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
             let _permit = permit;
             let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 let inner = inner.clone();
-                async move {
-                    let r = if req.method() == hyper::Method::GET && req.uri().path() == "/ready" {
-                        let d = inner.ready_doc().await;
-                        let status = if d.ready {
-                            hyper::StatusCode::OK
-                        } else {
-                            hyper::StatusCode::SERVICE_UNAVAILABLE
-                        };
-                        response(
-                            status,
-                            "application/json",
-                            serde_json::to_string_pretty(&d).expect("json"),
-                        )
-                    } else {
-                        http_route(&inner, &req)
-                    };
-                    Ok::<_, std::convert::Infallible>(r)
-                }
+                async move { Ok::<_, std::convert::Infallible>(route(&inner, &req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -57,7 +53,97 @@ pub(super) async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
     }
 }
 
-pub(super) fn http_route<B>(inner: &Inner, req: &hyper::Request<B>) -> hyper::Response<http_body_util::Full<Bytes>> {
+/// Whether this port asks for the credential: a key is set and the port is not on loopback.
+fn guarded(inner: &Inner) -> bool {
+    inner.cfg.api_key.is_some() && inner.cfg.http.is_some_and(|a| !a.ip().is_loopback())
+}
+
+/// The credential a request carries: its bearer token, else its `ramjet_token` cookie.
+fn credential<B>(req: &hyper::Request<B>) -> Option<String> {
+    let h = req.headers();
+    if let Some(v) = h.get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        if let Some(t) = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")) {
+            return Some(t.trim().to_string());
+        }
+    }
+    h.get_all(hyper::header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| c.trim().strip_prefix("ramjet_token=").map(str::to_string))
+}
+
+/// `token=` in the query, if any.
+fn query_token<B>(req: &hyper::Request<B>) -> Option<String> {
+    req.uri()
+        .query()?
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("token=").map(str::to_string))
+}
+
+fn valid(inner: &Inner, token: &str) -> bool {
+    inner.cfg.api_key.as_ref().is_some_and(|k| k.check_http_token(token))
+}
+
+async fn route<B>(inner: &Arc<Inner>, req: &hyper::Request<B>) -> Resp {
+    use hyper::{Method, StatusCode};
+    let path = req.uri().path();
+    if req.method() == Method::GET && path == "/ready" {
+        let d = inner.ready_doc().await;
+        let status = if d.ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
+        return response(
+            status,
+            "application/json",
+            serde_json::to_string_pretty(&d).expect("json"),
+        );
+    }
+    if req.method() == Method::GET && path == "/health" {
+        return response(StatusCode::OK, "text/plain", "ok\n".into());
+    }
+    if guarded(inner) {
+        // A browser opens the printed URL with `?token=`: the cookie is set, and the token
+        // leaves the address bar.
+        if let (true, Some(t)) = (path == "/", query_token(req)) {
+            if valid(inner, &t) {
+                return hyper::Response::builder()
+                    .status(StatusCode::SEE_OTHER)
+                    .header("location", "/")
+                    .header(
+                        "set-cookie",
+                        format!("ramjet_token={t}; Path=/; HttpOnly; SameSite=Strict"),
+                    )
+                    .body(http_body_util::Full::new(Bytes::new()))
+                    .expect("valid response");
+            }
+        }
+        if !credential(req).is_some_and(|t| valid(inner, &t)) {
+            return hyper::Response::builder()
+                .status(StatusCode::UNAUTHORIZED)
+                .header("www-authenticate", "Bearer realm=\"ramjet\"")
+                .header("content-type", "text/plain")
+                .body(http_body_util::Full::new(Bytes::from(
+                    "401 unauthorized: this port needs the read credential (`ramjet token` prints it; \
+                     send `Authorization: Bearer <token>`, or open /?token=<token> in a browser)\n",
+                )))
+                .expect("valid response");
+        }
+    }
+    if req.method() == Method::GET && path == "/cluster" {
+        let d = inner.cluster().await;
+        return response(
+            StatusCode::OK,
+            "application/json",
+            serde_json::to_string(&d).expect("json"),
+        );
+    }
+    http_route(inner, req)
+}
+
+pub(super) fn http_route<B>(inner: &Inner, req: &hyper::Request<B>) -> Resp {
     use hyper::{Method, StatusCode};
     let (status, ctype, body) = match (req.method(), req.uri().path()) {
         (&Method::GET, "/stats") => (
@@ -67,10 +153,15 @@ pub(super) fn http_route<B>(inner: &Inner, req: &hyper::Request<B>) -> hyper::Re
         ),
         (&Method::GET, "/metrics") => (
             StatusCode::OK,
-            "text/plain; version=0.0.4",
-            inner.stats_doc().prometheus(),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            crate::prometheus::exposition(&inner.stats_doc(), &inner.jobs.views(&inner.me, false)),
         ),
-        (&Method::GET, "/health") => (StatusCode::OK, "text/plain", "ok\n".into()),
+        (&Method::GET, "/jobs") => (
+            StatusCode::OK,
+            "application/json",
+            serde_json::to_string_pretty(&inner.jobs.views(&inner.me, true)).expect("json"),
+        ),
+        (&Method::GET, "/" | "/index.html") => (StatusCode::OK, "text/html; charset=utf-8", PAGE.into()),
         (_, "/freeze" | "/unfreeze") => (
             StatusCode::METHOD_NOT_ALLOWED,
             "text/plain",
@@ -82,10 +173,16 @@ pub(super) fn http_route<B>(inner: &Inner, req: &hyper::Request<B>) -> hyper::Re
     response(status, ctype, body)
 }
 
-fn response(status: hyper::StatusCode, ctype: &str, body: String) -> hyper::Response<http_body_util::Full<Bytes>> {
+fn response(status: hyper::StatusCode, ctype: &str, body: String) -> Resp {
     hyper::Response::builder()
         .status(status)
         .header("content-type", ctype)
+        .header("cache-control", "no-store")
+        // The page loads nothing from anywhere but this daemon.
+        .header(
+            "content-security-policy",
+            "default-src 'none'; connect-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self'",
+        )
         .body(http_body_util::Full::new(Bytes::from(body)))
         .expect("valid response")
 }

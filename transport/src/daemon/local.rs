@@ -130,6 +130,13 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 inner.cache.remove(ShardId { checksum, bytes });
                 wire::write_msg(&mut s, &Msg::Ok).await?;
             }
+            Msg::Heartbeat(beat) => {
+                let reply = match inner.jobs.beat(beat) {
+                    Ok(()) => Msg::Ok,
+                    Err(message) => Msg::Fail { message },
+                };
+                wire::write_msg(&mut s, &reply).await?;
+            }
             Msg::Freeze => {
                 inner.membership.write().expect("membership lock").freeze();
                 *held += 1;

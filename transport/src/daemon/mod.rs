@@ -15,24 +15,29 @@
 //! Split by concept: `config` (settings, member lists, URL prefixes), `validate` (a request
 //! checked against the allowed prefixes and its manifest), `fetch` (the shard chain: cache,
 //! owner peer, origin, with one flight per shard), `local` (loaders on the Unix socket, fd
-//! passing), `peers` (peer connections over TCP or RDMA), `http` (`/stats`, `/metrics`,
-//! `/health`), `budget` (connection budgets by class and source address); this file holds
-//! the running daemon and its shared state.
+//! passing), `peers` (peer connections over TCP or RDMA), `http` (the dashboard, `/cluster`,
+//! `/stats`, `/metrics`, `/health`, `/ready`), `cluster` (the dashboard's view: rates, summaries,
+//! the ring's gathered), `jobs` (consumers' heartbeats), `budget` (connection budgets by class
+//! and source address); this file holds the running daemon and its shared state.
 
 mod budget;
+mod cluster;
 mod config;
 mod fetch;
 mod http;
+mod jobs;
 mod local;
 mod peers;
 mod validate;
 
 use budget::{Budget, Class, Permit};
+pub use cluster::{RATES_EVERY, SUMMARY_TIMEOUT};
 pub use config::{
     read_members, url_under, DaemonConfig, TransportKind, CONNECTIONS_MAX_DEFAULT, DATASETS_OPEN_MAX_DEFAULT,
     HANDSHAKES_MAX_DEFAULT, PER_ADDRESS_MAX_DEFAULT,
 };
 use http::serve_http;
+pub use jobs::{JOBS_MAX, JOB_SILENT_DROP};
 use local::serve_local;
 use peers::serve_peers;
 
@@ -93,6 +98,10 @@ struct Inner {
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
     started: Instant,
+    /// Read rates of the last minutes, and the last gathered cluster view (the dashboard).
+    history: cluster::History,
+    /// This host's consumers, from their heartbeats.
+    jobs: jobs::Jobs,
     /// Set when the daemon stops: every task it started ends at its next await (they run on
     /// the process's shared runtime, which outlives the daemon).
     stop: tokio::sync::watch::Sender<bool>,
@@ -251,6 +260,8 @@ impl Daemon {
             #[cfg(feature = "rdma")]
             rdma,
             started: Instant::now(),
+            history: Default::default(),
+            jobs: Default::default(),
             stop: tokio::sync::watch::channel(false).0,
             cfg,
         });
@@ -269,6 +280,7 @@ impl Daemon {
             http_addr = Some(at);
             inner.spawn(serve_http(inner.clone(), l));
         }
+        inner.spawn(cluster::sample_rates(inner.clone()));
         if let Some(f) = inner.cfg.peers_file.clone() {
             inner.spawn(watch_members(inner.clone(), f));
         }

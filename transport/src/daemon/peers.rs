@@ -103,6 +103,10 @@ pub(super) async fn peer_conn(
                 addr,
                 rkey,
             } => (manifest_url, shard, checksum, bytes, Some((addr, rkey))),
+            Msg::SummaryRequest => {
+                s.send(&inner.summary_msg()).await?;
+                continue;
+            }
             Msg::RdmaConnect(remote) => {
                 let reply = rdma_accept(inner, remote, &mut rdma).await;
                 s.send(&reply).await?;

@@ -1,0 +1,182 @@
+"""The live dashboard in a real browser: Debian's headless Chromium, driven by Playwright with
+`executable_path` set to it (Playwright's own browser download is never used).
+
+Two `ramjet serve` daemons in a ring with an API key, the first with its HTTP port on a
+non-loopback address (0.0.0.0, so it asks for the read credential), and a reader streaming
+through it. The page lists both nodes and the job; its figures match `/stats` within one
+refresh; freezing the ring shows it frozen; a SIGKILLed daemon shows down within 10 s; a
+missing or wrong credential gets 401 and no data. The screenshot goes to
+docs/img/dashboard.png (RAMJET_DASHBOARD_PNG overrides the path)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import ramjet
+from ramjet_cli import RAMJET, run
+
+KEY = "dashboard-test-key"
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(addr, path, token=None):
+    """(status, body) of GET http://addr/path, with a bearer token if given."""
+    req = urllib.request.Request(f"http://{addr}{path}")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def wait_for(what, cond, timeout):
+    t0 = time.monotonic()
+    while True:
+        v = cond()
+        if v:
+            return v
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.1)
+
+
+def serve(tmp_path, name, me, members, http):
+    sock = tmp_path / f"{name}.sock"
+    env = dict(os.environ, RAMJET_API_KEY=KEY)
+    p = subprocess.Popen(
+        [RAMJET, "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / f"cache-{name}")]
+        + ["--cache-limit", "256MiB", "--listen", me, "--advertise", me, "--http", http]
+        + ["--peers", ",".join(members), "--threads", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(f"daemon {name} up", lambda: sock.exists() and get(http.replace("0.0.0.0", "127.0.0.1"), "/health")[0] == 200, 30)
+    return p, sock
+
+
+def test_the_dashboard_in_a_real_browser(tmp_path):
+    assert os.path.exists(CHROMIUM), "Debian's chromium is not installed (tools/setup.sh installs it)"
+    from playwright.sync_api import sync_playwright
+
+    run("synth", str(tmp_path / "synth"), "--samples", "48")
+    run("pack", str(tmp_path / "synth"), str(tmp_path / "packed"), "--shard-size", "200KiB")
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    port_a = free_port()
+    http_a, http_b = f"0.0.0.0:{port_a}", f"127.0.0.1:{free_port()}"
+    page_addr = f"127.0.0.1:{port_a}"
+    da, sock_a = serve(tmp_path, "a", a, [a, b], http_a)
+    db, _ = serve(tmp_path, "b", b, [a, b], http_b)
+    token = subprocess.run([RAMJET, "token"], env=dict(os.environ, RAMJET_API_KEY=KEY), capture_output=True, text=True, check=True).stdout.strip()
+    reader = subprocess.Popen(
+        [RAMJET, "stream", str(tmp_path / "packed"), "--daemon", str(sock_a), "--shuffle", "none"]
+        + ["--epochs", "100000", "--step-ms", "20", "--prefetch", "1KiB"],
+        env=dict(os.environ, RAMJET_JOB="browser-test"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lease = None
+    try:
+        # No credential, or a wrong one, on the non-loopback port: 401 and nothing about
+        # datasets or jobs. The probes stay open.
+        for path in ["/", "/cluster", "/stats", "/metrics", "/jobs"]:
+            for tok in [None, "0" * 64, token[:-1] + ("0" if token[-1] != "0" else "1"), "not-hex"]:
+                status, body = get(page_addr, path, tok)
+                assert status == 401, (path, tok, status, body)
+                assert "packed" not in body and "browser-test" not in body and "members" not in body, body
+        assert get(page_addr, "/health")[0] == 200
+        # With it: data. The loopback port of the other daemon asks for nothing.
+        assert get(page_addr, "/stats", token)[0] == 200
+        assert get(http_b, "/stats")[0] == 200
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                headless=True,
+                args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+                + ["--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            )
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            # The printed URL carries the token; the daemon sets a cookie and drops it from the URL.
+            page.goto(f"http://{page_addr}/?token={token}")
+            assert page.url.rstrip("/") == f"http://{page_addr}", page.url
+            page.wait_for_selector(f'tr[data-node="{a}"]', timeout=15_000)
+            page.wait_for_selector(f'tr[data-node="{b}"]', timeout=15_000)
+            for n in (a, b):
+                state = page.get_attribute(f'tr[data-node="{n}"]', "data-state")
+                assert state in ("ready", "up"), (n, state)
+            page.wait_for_selector('tr[data-job="browser-test"]', timeout=20_000)
+            assert "browser-test" in page.inner_text("#jobs")
+
+            # Figures match /stats within one refresh: /stats before, two page refreshes (the
+            # second gathered after it), the page's figures, /stats after.
+            def updated():
+                return page.get_attribute("body", "data-updated")
+
+            def reads(doc):
+                return sum(doc["reads"].values())
+
+            before = json.loads(get(page_addr, "/stats", token)[1])
+            for _ in range(2):
+                u0 = updated()
+                wait_for("a page refresh", lambda: updated() != u0, 10)
+            row = f'tr[data-node="{a}"]'
+            on_page = sum(
+                int(page.get_attribute(f"{row} td[{attr}]", attr))
+                for attr in ("data-reads-cache-local", "data-reads-cache-peer", "data-reads-origin")
+            )
+            cached_on_page = int(page.get_attribute(f"{row} td[data-cache-bytes]", "data-cache-bytes"))
+            after = json.loads(get(page_addr, "/stats", token)[1])
+            assert reads(before) <= on_page <= reads(after), (reads(before), on_page, reads(after))
+            assert on_page > 0
+            assert min(before["cache_bytes"], after["cache_bytes"]) <= cached_on_page <= max(before["cache_bytes"], after["cache_bytes"])
+            rate = float(page.get_attribute('tr[data-job="browser-test"]', "data-wait"))
+            assert 0.0 <= rate <= 1.0
+
+            png = Path(os.environ.get("RAMJET_DASHBOARD_PNG", ROOT / "docs/img/dashboard.png"))
+            png.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(png), full_page=True)
+            assert png.stat().st_size > 10_000
+
+            # Freezing the ring (over the Unix socket, as a trainer does) shows it frozen.
+            lease = ramjet._ramjet.freeze(str(sock_a))
+            page.wait_for_selector(f'tr[data-node="{a}"][data-state="frozen"]', timeout=10_000)
+            lease.release()
+            page.wait_for_selector(f'tr[data-node="{a}"]:not([data-state="frozen"])', timeout=10_000)
+
+            # A daemon killed outright shows down within 10 s, with the reason.
+            t0 = time.monotonic()
+            db.send_signal(signal.SIGKILL)
+            db.wait()
+            page.wait_for_selector(f'tr[data-node="{b}"][data-state="down"]', timeout=10_000)
+            took = time.monotonic() - t0
+            assert took < 10, took
+            assert page.inner_text(f'tr[data-node="{b}"] .err')
+            browser.close()
+    finally:
+        if lease is not None:
+            lease.release()
+        for proc in (reader, da, db):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
