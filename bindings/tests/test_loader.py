@@ -896,3 +896,24 @@ def test_numpy_and_torch_values_pass_as_the_numbers_they_hold(classes):
     torch.testing.assert_close(b["image"], plain["image"])
     with pytest.raises(ramjet.InvalidInputError, match="std"):
         dataset(url, std=np.array([0.2, 0.2]))
+
+
+def test_metrics_split_the_loops_time_by_stage(classes):
+    """Issue 44: `metrics()` says where the training loop's time went. A loop that sleeps
+    between batches (the trainer the slower side) spends most of it not waiting; the six
+    shares add up to 1 and the seconds to the loop's time."""
+    import time
+
+    url, _ = classes
+    ds = dataset(url, batch_size=4, image_size=32)
+    n = 0
+    for _ in ds:
+        n += 1
+        time.sleep(0.03)
+    m = ds.metrics()
+    stages = ["origin", "peer", "daemon", "cache", "decode", "not_waiting"]
+    shares = [m[f"wait_share_{s}"] for s in stages]
+    assert abs(sum(shares) - 1) < 1e-6, m
+    assert m["wait_share_not_waiting"] > 0.5, m
+    assert abs(m["data_wait_share"] - (1 - m["wait_share_not_waiting"])) < 1e-6, m
+    assert m["wait_not_waiting_s"] >= 0.03 * (n - 1) * 0.9, (n, m)

@@ -24,12 +24,15 @@ pub struct Args {
     /// Seconds --wait waits.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
-    /// The dashboard's view in the terminal, refreshed in place every SECS (default 2): every
+    /// The dashboard's view in the terminal, refreshed in place every --every seconds: every
     /// ring member with its state, cache and reads, and every consumer with its rate, data
     /// wait and where that wait goes, from the first HOST's /cluster (that daemon asks the
     /// others). Ctrl-C ends it.
-    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
-    pub watch: Option<f64>,
+    #[arg(long)]
+    pub watch: bool,
+    /// Seconds between --watch's refreshes.
+    #[arg(long, default_value_t = 2.0)]
+    pub every: f64,
 }
 
 /// Runs the command.
@@ -40,17 +43,18 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         wait,
         timeout,
         watch,
+        every,
     } = a;
     let timeout =
         std::time::Duration::try_from_secs_f64(timeout).map_err(|e| anyhow::anyhow!("--timeout {timeout}: {e}"))?;
     if wait && !wait_ready(&hosts, timeout)? {
         return Ok(ExitCode::FAILURE);
     }
-    if let Some(every) = watch {
+    if watch {
         let every = std::time::Duration::try_from_secs_f64(every)
             .ok()
             .filter(|d| *d >= std::time::Duration::from_millis(100))
-            .ok_or_else(|| anyhow::anyhow!("--watch {every}: give at least 0.1 seconds"))?;
+            .ok_or_else(|| anyhow::anyhow!("--every {every}: give at least 0.1 seconds"))?;
         return watch_cmd(&hosts[0], every);
     }
     stats_cmd(&hosts, json)
