@@ -169,7 +169,9 @@ impl DaemonClient {
             }
             buf.extend_from_slice(&chunk[..n]);
         };
-        if used == buf.len() && fds.len() <= 1 {
+        // After a `fail` the connection may be closing (a daemon that did not know the
+        // request ends it): it is not reused.
+        if used == buf.len() && fds.len() <= 1 && !matches!(reply, Msg::Fail { .. }) {
             self.idle.lock().expect("pool lock").push(c);
         }
         Ok((reply, fds.pop().map(File::from)))
