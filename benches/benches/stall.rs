@@ -12,13 +12,12 @@
 //! `cargo bench -p ramjet-benches --bench stall` (under `cargo test`: one short round).
 
 use std::hint::black_box;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use ramjet_benches::{full_run, save_results, synth_dataset};
 use ramjet_engine::image::{process, ImageSpec, SampleRng, Scratch, Slot};
 use ramjet_engine::metrics::Metrics;
-use ramjet_engine::stall::{attribute, ConsumerClock, Timeline, SOURCES};
+use ramjet_engine::stall::{attribute, read_waits, ConsumerClock, Timeline};
 
 const BATCH: usize = 8;
 
@@ -30,12 +29,10 @@ fn thread_cpu() -> f64 {
 fn accounting_per_batch(n: usize) -> f64 {
     let m = Metrics::default();
     let mut clock = ConsumerClock::default();
-    let blocked =
-        |m: &Metrics| -> [u64; SOURCES] { std::array::from_fn(|i| m.read_blocked_ns[i].load(Ordering::Relaxed)) };
     let c0 = thread_cpu();
     for _ in 0..n {
-        let (start, before) = (Instant::now(), blocked(&m));
-        let mut tl = Timeline::read(start, Instant::now(), before, blocked(&m));
+        let (start, before) = (Instant::now(), read_waits(&m));
+        let mut tl = Timeline::read(start, Instant::now(), before, read_waits(&m));
         tl.decode_start = Some(Instant::now());
         clock.asking(Instant::now(), &m);
         clock.delivered(Instant::now(), Some(black_box(&tl)), &m);

@@ -97,6 +97,12 @@ impl Timeline {
     }
 }
 
+/// The reader's waits so far, by source, in nanoseconds ([`Metrics::read_blocked_ns`]): a
+/// batch's waits are the difference of two of these.
+pub fn read_waits(m: &Metrics) -> [u64; SOURCES] {
+    std::array::from_fn(|i| m.read_blocked_ns[i].load(std::sync::atomic::Ordering::Relaxed))
+}
+
 /// The length of `[a, b)` within `[lo, hi)`.
 fn overlap(a: Instant, b: Instant, lo: Instant, hi: Instant) -> Duration {
     let (s, e) = (a.max(lo), b.min(hi));
@@ -191,16 +197,13 @@ pub struct SampleClock {
 impl SampleClock {
     /// Runs one call for the next sample, charging its time.
     pub fn around<T>(&mut self, m: &Metrics, f: impl FnOnce() -> T) -> T {
-        let load = |m: &Metrics| -> [u64; SOURCES] {
-            std::array::from_fn(|i| m.read_blocked_ns[i].load(std::sync::atomic::Ordering::Relaxed))
-        };
-        let (t0, before) = (Instant::now(), load(m));
+        let (t0, before) = (Instant::now(), read_waits(m));
         if let Some(t) = self.last_return {
             add(&m.stall_ns[NOT_WAITING], t0.saturating_duration_since(t));
         }
         let r = f();
         let t1 = Instant::now();
-        let after = load(m);
+        let after = read_waits(m);
         let mut charged = 0u64;
         for i in 0..SOURCES {
             let d = after[i].saturating_sub(before[i]);

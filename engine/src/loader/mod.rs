@@ -641,11 +641,8 @@ async fn read_loop(
     let mut cur: Vec<Sample> = Vec::with_capacity(bs);
     let mut urls: Vec<String> = Vec::with_capacity(bs);
     // This batch's read: when it began, and the reader's waits on each source until then.
-    let blocked = |m: &Metrics| -> [u64; stall::SOURCES] {
-        std::array::from_fn(|i| m.read_blocked_ns[i].load(Ordering::Relaxed))
-    };
     let mut read_start = std::time::Instant::now();
-    let mut blocked_before = blocked(&ctx.metrics);
+    let mut blocked_before = stall::read_waits(&ctx.metrics);
     loop {
         if stop.load(Ordering::Relaxed) {
             return;
@@ -676,7 +673,7 @@ async fn read_loop(
         let end_of_epoch = left == 0 || (ctx.cfg.drop_last && left < bs);
         let samples = std::mem::replace(&mut cur, Vec::with_capacity(bs));
         let job_urls = std::mem::replace(&mut urls, Vec::with_capacity(bs));
-        let after = blocked(&ctx.metrics);
+        let after = stall::read_waits(&ctx.metrics);
         let timeline = Timeline::read(read_start, std::time::Instant::now(), blocked_before, after);
         if samples.len() < bs && ctx.cfg.drop_last {
             continue;
@@ -717,7 +714,7 @@ async fn read_loop(
         });
         // The next batch's read begins now (the wait for permits above belongs to decode).
         read_start = std::time::Instant::now();
-        blocked_before = blocked(&ctx.metrics);
+        blocked_before = stall::read_waits(&ctx.metrics);
     }
 }
 

@@ -21,7 +21,8 @@ const FIELD_MAX: usize = 256;
 struct Track {
     beat: Heartbeat,
     seen: Instant,
-    history: VecDeque<JobPoint>,
+    /// When each heartbeat came, and its figures (`age_s` filled in by [`Jobs::views`]).
+    history: VecDeque<(Instant, JobPoint)>,
 }
 
 /// The host's consumers.
@@ -106,27 +107,16 @@ impl Jobs {
         if t.history.len() == JOB_HISTORY_MAX {
             t.history.pop_front();
         }
-        // Ages are kept as the time of each point; `views` turns them into seconds ago.
-        t.history.push_back(JobPoint {
-            age_s: now.duration_since(self.epoch()).as_secs_f64(),
-            ..point
-        });
+        t.history.push_back((now, point));
         t.beat = b;
         t.seen = now;
         Ok(())
-    }
-
-    /// A fixed instant the points' times count from.
-    fn epoch(&self) -> Instant {
-        static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        *T0.get_or_init(Instant::now)
     }
 
     /// Every consumer heard from within [`JOB_SILENT_DROP`], by job and rank, with `node`
     /// (this daemon's ring name) and its history (points as seconds ago).
     pub fn views(&self, node: &str, with_history: bool) -> Vec<JobView> {
         let now = Instant::now();
-        let now_s = now.duration_since(self.epoch()).as_secs_f64();
         let mut map = self.map.lock().expect("jobs lock");
         map.retain(|_, t| now.duration_since(t.seen) < JOB_SILENT_DROP);
         let mut out: Vec<JobView> = map
@@ -138,8 +128,8 @@ impl Jobs {
                 history: if with_history {
                     t.history
                         .iter()
-                        .map(|p| JobPoint {
-                            age_s: (now_s - p.age_s).max(0.0),
+                        .map(|(at, p)| JobPoint {
+                            age_s: now.duration_since(*at).as_secs_f64(),
                             ..p.clone()
                         })
                         .collect()
