@@ -309,8 +309,11 @@ fn init_log() {
         .try_init();
 }
 
-/// The native module behind `ramjet`.
-#[pymodule]
+/// The native module behind `ramjet`. It declares that it runs without the GIL on a
+/// free-threaded CPython (`gil_used = false`): every class keeps its state behind a `Mutex`
+/// or in atomics (PyO3 requires its classes to be `Sync`), and the engine's threads never
+/// touch Python objects (docs/python.md, "Free-threaded Python").
+#[pymodule(gil_used = false)]
 fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     init_log();

@@ -113,7 +113,8 @@ pub fn loader_defaults() -> PyResult<String> {
         "drop_last": d.drop_last,
         "image_column": d.image_column,
         "boxes_column": d.boxes_column,
-        "prefetch_batches": d.prefetch_batches,
+        // Unpinned (the default), the depth is the tuner's: `None`, as the signature says.
+        "prefetch_batches": d.prefetch_pinned.then_some(d.prefetch_batches),
         "on_corrupt": d.on_corrupt,
         "image": ramjet_engine::image::ImageConfig::default(),
         "order": d.stream.order,
@@ -210,6 +211,11 @@ pub(crate) fn snapshot_dict<'py>(py: Python<'py>, snap: &impl serde::Serialize) 
         for (k, v) in m {
             if let Some(f) = v.as_f64() {
                 d.set_item(k, f)?;
+            } else if let Some(t) = v.as_str() {
+                // The tuner's reasons (`tune_*_reason`).
+                d.set_item(k, t)?;
+            } else if let Some(b) = v.as_bool() {
+                d.set_item(k, b)?;
             }
         }
     }

@@ -25,10 +25,11 @@ pub mod size;
 pub mod stall;
 pub mod store;
 pub mod stream;
+pub mod tune;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};
 pub use error::{Error, Invalid, Location, Result};
 pub use loader::{Batch, ColumnData, Loader, LoaderConfig, Next, OnCorrupt};
-pub use provider::{Fetched, FetchedFrom, Heartbeat, ShardProvider, ShardRequest};
+pub use provider::{Fetched, FetchedFrom, Heartbeat, HostGrant, ShardProvider, ShardRequest};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
 pub use stream::{Opened, Sample, SampleReader, SourceConfig, Stream, StreamConfig, StreamState};

@@ -74,6 +74,16 @@ pub struct Metrics {
     pub consumer_position: AtomicU64,
     /// Samples in this consumer's share of that epoch (loader only; 0 when unknown).
     pub consumer_epoch_len: AtomicU64,
+    /// The origin's request control this stream's requests go through
+    /// ([`crate::tune::Origin`]): its state is part of the snapshot (`tune_origin_*`).
+    pub origin: std::sync::OnceLock<std::sync::Arc<crate::tune::Origin>>,
+    /// The host daemon's last grant to this consumer, with when it came
+    /// ([`crate::provider::HostGrant`]).
+    pub grant: std::sync::Mutex<Option<(Instant, crate::provider::HostGrant)>>,
+    /// The loader's decode jobs allowed at once now (0: no loader), sent in heartbeats.
+    pub decode_threads: AtomicU64,
+    /// What the loader's tuner chose and why (`tune_*` in the snapshot; [`crate::tune`]).
+    pub tune: std::sync::Mutex<std::collections::BTreeMap<&'static str, serde_json::Value>>,
 }
 
 impl Default for Metrics {
@@ -110,6 +120,10 @@ impl Default for Metrics {
             read_blocked_ns: Default::default(),
             consumer_epoch: AtomicU64::new(0),
             consumer_position: AtomicU64::new(0),
+            origin: std::sync::OnceLock::new(),
+            grant: Default::default(),
+            decode_threads: AtomicU64::new(0),
+            tune: Default::default(),
             consumer_epoch_len: AtomicU64::new(0),
         }
     }
@@ -194,6 +208,11 @@ pub struct MetricsSnapshot {
     pub position: u64,
     /// Samples in this consumer's share of the epoch (0 when unknown).
     pub epoch_len: u64,
+    /// What the tuners chose and why: `tune_decode_threads`, `tune_prefetch_batches` (with
+    /// `_reason` and `_pinned`), `tune_host_share` and the origin's `tune_origin_*`
+    /// ([`crate::tune`]).
+    #[serde(flatten)]
+    pub tune: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 impl Metrics {
@@ -206,6 +225,27 @@ impl Metrics {
     /// Adds `n` to a counter.
     pub fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Relaxed);
+    }
+
+    /// Sets one of the tuner's figures (`key` without its `tune_` prefix).
+    pub fn set_tune(&self, key: &'static str, v: impl Into<serde_json::Value>) {
+        self.tune.lock().expect("tune lock").insert(key, v.into());
+    }
+
+    fn tune_snapshot(&self) -> std::collections::BTreeMap<String, serde_json::Value> {
+        let mut m: std::collections::BTreeMap<String, serde_json::Value> = self
+            .tune
+            .lock()
+            .expect("tune lock")
+            .iter()
+            .map(|(k, v)| (format!("tune_{k}"), v.clone()))
+            .collect();
+        if let Some(o) = self.origin.get() {
+            if let Ok(serde_json::Value::Object(st)) = serde_json::to_value(o.state()) {
+                m.extend(st.into_iter().map(|(k, v)| (format!("tune_origin_{k}"), v)));
+            }
+        }
+        m
     }
 
     /// A snapshot.
@@ -254,6 +294,7 @@ impl Metrics {
             epoch: g(&self.consumer_epoch),
             position: g(&self.consumer_position),
             epoch_len: g(&self.consumer_epoch_len),
+            tune: self.tune_snapshot(),
         }
     }
 }

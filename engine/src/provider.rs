@@ -76,9 +76,21 @@ pub trait ShardProvider: Send + Sync + std::fmt::Debug {
 
     /// Tells the provider how this consumer is doing ([`Heartbeat`]; a stream sends one every
     /// [`HEARTBEAT_EVERY`]). A provider that keeps no such record ignores it.
-    fn heartbeat(&self, _beat: &Heartbeat) -> Result<()> {
-        Ok(())
+    fn heartbeat(&self, _beat: &Heartbeat) -> Result<Option<HostGrant>> {
+        Ok(None)
     }
+}
+
+/// The host daemon's answer to a heartbeat: this consumer's share of the host's budgets
+/// ([`crate::tune::shares`]), which its loader's tuner applies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HostGrant {
+    /// Decode jobs this consumer may run at once.
+    pub decode_threads: u32,
+    /// Bytes of prefetched and decoded batches it may hold.
+    pub memory_bytes: u64,
+    /// Consumers sharing the host.
+    pub consumers: u32,
 }
 
 /// How often a stream with a provider reports its [`Heartbeat`].
@@ -122,6 +134,10 @@ pub struct Heartbeat {
     pub split: std::collections::BTreeMap<String, f64>,
     /// Seconds since it started.
     pub elapsed_s: f64,
+    /// Decode jobs its loader runs at once now (0: no loader decodes for it); consumers that
+    /// decode share the host's decode budget.
+    #[serde(default)]
+    pub decode_threads: u32,
 }
 
 /// Reports this consumer's [`Heartbeat`] to `provider` every [`HEARTBEAT_EVERY`] until the
@@ -134,8 +150,10 @@ pub(crate) async fn report_heartbeats(
 ) {
     let mut last = (std::time::Instant::now(), 0u64);
     let mut warned = false;
+    // The first beat goes at once (after the loader's first look), so the host's budget is
+    // split among its consumers from their start.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     loop {
-        tokio::time::sleep(HEARTBEAT_EVERY).await;
         let s = metrics.snapshot();
         let now = std::time::Instant::now();
         let dt = now.duration_since(last.0).as_secs_f64().max(1e-9);
@@ -156,17 +174,24 @@ pub(crate) async fn report_heartbeats(
             })
             .collect();
         beat.elapsed_s = s.elapsed_s;
+        beat.decode_threads = metrics.decode_threads.load(std::sync::atomic::Ordering::Relaxed) as u32;
         last = (now, s.samples);
         let p = provider.clone();
         let r = tokio::task::spawn_blocking(move || p.heartbeat(&beat)).await;
         match r {
-            Ok(Ok(())) => warned = false,
+            Ok(Ok(grant)) => {
+                warned = false;
+                if let Some(g) = grant {
+                    *metrics.grant.lock().expect("grant lock") = Some((std::time::Instant::now(), g));
+                }
+            }
             Ok(Err(e)) if !warned => {
                 warned = true;
                 tracing::debug!(error = %e, "heartbeat to the host daemon failed; retrying at the next beat");
             }
             _ => {}
         }
+        tokio::time::sleep(HEARTBEAT_EVERY).await;
     }
 }
 

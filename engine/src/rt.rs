@@ -8,7 +8,7 @@
 //! |---|---|---|---|
 //! | network runtime workers | `ramjet-net` | min(cores, 2) | `RAMJET_NET_THREADS` |
 //! | runtime blocking pool (verification, cache opens, host-daemon calls) | `ramjet-net` | at most [`BLOCKING_THREADS_MAX`], idle ones exit | fixed |
-//! | decode pool | `ramjet-decode-N` | cores | `RAMJET_DECODE_THREADS` |
+//! | decode pool | `ramjet-decode-N` | at most cores, started on demand | `RAMJET_DECODE_THREADS` |
 //! | I/O core rings (`io::uring`) | `ramjet-io-N` | cores | `RAMJET_IO_THREADS` |
 //! | cache writers ([`crate::cache::Filler`]) | `ramjet-cache-fill-N` | 2 | fixed |
 //!
@@ -123,34 +123,71 @@ pub fn block_on<F: std::future::Future>(f: F) -> Result<F::Output> {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// A fixed set of CPU threads taking jobs in submission order.
+/// A set of at most `max` CPU threads taking jobs in submission order. Threads start on
+/// demand (a job queued while none is idle starts one), so a process whose loaders are
+/// granted fewer decode jobs than its cores (a rank sharing its host) holds only as many
+/// threads as it ever ran jobs at once.
 pub struct Pool {
+    name: String,
     tx: crossbeam_channel::Sender<Job>,
+    rx: crossbeam_channel::Receiver<Job>,
+    max: usize,
+    started: std::sync::atomic::AtomicUsize,
+    idle: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Pool {
     fn new(name: &str, threads: usize) -> Result<Pool> {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        for i in 0..threads {
-            let rx = rx.clone();
-            std::thread::Builder::new()
-                .name(format!("{name}-{i}"))
-                .spawn(move || {
-                    while let Ok(job) = rx.recv() {
-                        // A job catches its own panics (the loader reports them in the batch's
-                        // place); one that escapes must not take the pool thread down.
-                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-                    }
-                })
-                .map_err(|e| Error::io("decode thread", e))?;
+        Ok(Pool {
+            name: name.to_owned(),
+            tx,
+            rx,
+            max: threads.max(1),
+            started: Default::default(),
+            idle: Default::default(),
+        })
+    }
+
+    /// Starts one more thread if none is idle and fewer than `max` run.
+    fn grow(&self) {
+        if self.idle.load(Ordering::Acquire) > 0 {
+            return;
         }
-        Ok(Pool { tx })
+        let Ok(i) = self
+            .started
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1))
+        else {
+            return;
+        };
+        let (rx, idle) = (self.rx.clone(), self.idle.clone());
+        let r = std::thread::Builder::new()
+            .name(format!("{}-{i}", self.name))
+            .spawn(move || loop {
+                idle.fetch_add(1, Ordering::AcqRel);
+                let job = rx.recv();
+                idle.fetch_sub(1, Ordering::AcqRel);
+                let Ok(job) = job else { return };
+                // A job catches its own panics (the loader reports them in the batch's place); one
+                // that escapes must not take the pool thread down.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            });
+        if let Err(e) = r {
+            self.started.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(error = %e, "could not start a decode thread; the running ones take the job");
+        }
+    }
+
+    /// Threads started so far.
+    pub fn threads(&self) -> usize {
+        self.started.load(Ordering::Acquire)
     }
 
     /// Queues a job.
     pub fn spawn(&self, job: impl FnOnce() + Send + 'static) {
-        // The pool's threads hold the receiver for the life of the process.
+        // The pool holds a receiver for the life of the process.
         let _ = self.tx.send(Box::new(job));
+        self.grow();
     }
 }
 
@@ -176,14 +213,14 @@ pub fn thread_usage() -> (Duration, u64, u64) {
     (cpu, u.ru_minflt as u64, u.ru_majflt as u64)
 }
 
+/// Threads in this process's decode pool: `RAMJET_DECODE_THREADS`, else the cores.
+pub fn decode_threads() -> usize {
+    env_threads("RAMJET_DECODE_THREADS").unwrap_or_else(cores)
+}
+
 /// This process's decode pool (`RAMJET_DECODE_THREADS`, default the cores).
 pub fn decode_pool() -> Result<&'static Pool> {
-    DECODE.get(|| {
-        Pool::new(
-            "ramjet-decode",
-            env_threads("RAMJET_DECODE_THREADS").unwrap_or_else(cores),
-        )
-    })
+    DECODE.get(|| Pool::new("ramjet-decode", decode_threads()))
 }
 
 #[cfg(test)]

@@ -381,7 +381,10 @@ impl Store {
     {
         let mut retry = Retrying::new(self.config.retry);
         loop {
-            match op().await {
+            let ticket = self.origin_start(false).await;
+            let r = op().await;
+            finish(ticket, r.as_ref().map(|_| 0));
+            match r {
                 Ok(v) => {
                     // Each origin request's latency, retries included (RAMJET_LOG=trace).
                     let (ms, attempts) = (retry.start.elapsed().as_secs_f64() * 1e3, retry.attempt + 1);
@@ -585,6 +588,37 @@ impl Store {
         Ok(b)
     }
 
+    /// Waits for a request's start with the origin's control, if this store has one
+    /// ([`crate::tune::Origin`]): bulk requests also take a place in flight.
+    async fn origin_start(&self, bulk: bool) -> Option<crate::tune::Ticket> {
+        match &self.pace.origin {
+            Some(o) => Some(o.start(bulk).await),
+            None => None,
+        }
+    }
+
+    /// The origin control's state (`None` for local and in-memory stores, or with
+    /// `RAMJET_ORIGIN_TUNE=off`).
+    pub fn origin_state(&self) -> Option<crate::tune::OriginState> {
+        self.pace.origin.as_ref().map(|o| o.state())
+    }
+
+    /// This store's origin control, to share (a test's fault-injecting store gets one with
+    /// [`Store::with_origin`]).
+    pub fn origin(&self) -> Option<Arc<crate::tune::Origin>> {
+        self.pace.origin.clone()
+    }
+
+    /// The same store with its own origin control (tests of the control on a wrapped store).
+    pub fn with_origin(mut self, origin: Arc<crate::tune::Origin>) -> Store {
+        let pace = Pace {
+            origin: Some(origin),
+            ..Default::default()
+        };
+        self.pace = Arc::new(pace);
+        self
+    }
+
     /// Ranged reads hedged so far by stores on this store's client, and how many of them the
     /// second request won ([`Store::get_range`]).
     pub fn hedges(&self) -> (u64, u64) {
@@ -632,7 +666,18 @@ impl Store {
         tracing::trace!(object = %self.url(key), ?range, "ranged GET starts");
         let mut retry = Retrying::new(self.config.retry);
         loop {
-            match read_stream_into(self.inner.as_ref(), &path, range.clone(), dst, &mut seen).await {
+            let ticket = self.origin_start(true).await;
+            let mut first = None;
+            let mut seen_first = |off: usize, b: &[u8]| {
+                first.get_or_insert_with(Instant::now);
+                seen(off, b)
+            };
+            let r = read_stream_into(self.inner.as_ref(), &path, range.clone(), dst, &mut seen_first).await;
+            if let (Some(t), Some(at)) = (ticket.as_ref(), first) {
+                t.first_byte_at(at);
+            }
+            finish(ticket, r.as_ref().map(|n| *n as u64));
+            match r {
                 Ok(n) if n == dst.len() => return Ok(()),
                 Ok(n) if n < dst.len() => {
                     return Err(Error::Truncated {
@@ -740,7 +785,15 @@ fn shared_client(
     if let Some(c) = clients.lock().expect("client cache lock").get(&key) {
         return Ok(c.clone());
     }
-    let c = (build()?, Arc::default());
+    let origin = crate::tune::Origin::from_env();
+    if let Some(o) = &origin {
+        crate::tune::Origin::register(&format!("{scheme}://{bucket}"), o);
+    }
+    let pace = Pace {
+        origin,
+        ..Default::default()
+    };
+    let c = (build()?, Arc::new(pace));
     let mut map = clients.lock().expect("client cache lock");
     if map.len() >= SHARED_CLIENTS_MAX {
         map.clear();
@@ -763,6 +816,9 @@ struct Pace {
     hedges_won: std::sync::atomic::AtomicU64,
     /// Whole-object and large reads in flight ([`Store::get`], [`Store::get_range_into`]).
     bulk: std::sync::atomic::AtomicU64,
+    /// The origin's request control ([`crate::tune::Origin`]; remote stores only, unless
+    /// `RAMJET_ORIGIN_TUNE=off`).
+    origin: Option<Arc<crate::tune::Origin>>,
 }
 
 /// One bulk read in flight, counted in [`Pace`] until dropped.
@@ -894,6 +950,23 @@ fn range_past_end(e: &object_store::Error) -> bool {
         || msg.contains("Wanted range starting at")
         || msg.contains("status code: 416")
         || msg.contains("InvalidRange")
+}
+
+/// Reports how an attempt ended to the origin's control: its bytes, a throttle, or another
+/// failure.
+fn finish(ticket: Option<crate::tune::Ticket>, r: std::result::Result<u64, &object_store::Error>) {
+    if let Some(t) = ticket {
+        t.finish(r.map_err(is_throttle));
+    }
+}
+
+/// Whether an origin said to slow down: HTTP 503 (S3's SlowDown) or 429 (Too Many Requests).
+fn is_throttle(e: &object_store::Error) -> bool {
+    let msg = error_chain(e);
+    msg.contains("status code: 503")
+        || msg.contains("status code: 429")
+        || msg.contains("SlowDown")
+        || msg.contains("Too Many Requests")
 }
 
 /// Whether an object_store error is worth retrying.

@@ -289,8 +289,15 @@ impl ShardProvider for DaemonClient {
         }
     }
 
-    fn heartbeat(&self, beat: &ramjet_engine::Heartbeat) -> Result<()> {
-        self.simple(&Msg::Heartbeat(beat.clone()))
+    fn heartbeat(&self, beat: &ramjet_engine::Heartbeat) -> Result<Option<ramjet_engine::HostGrant>> {
+        match self
+            .call(&Msg::Heartbeat(beat.clone()))
+            .map_err(|e| self.err("heartbeat", e))?
+        {
+            (Msg::Ok, _) => Ok(None),
+            (Msg::Grant(g), _) => Ok(Some(g)),
+            (r, _) => Err(self.err("heartbeat", std::io::Error::other(format!("unexpected reply {r:?}")))),
+        }
     }
 
     fn report_corrupt(&self, req: &ShardRequest<'_>) {

@@ -35,6 +35,10 @@ pub struct Stats {
     pub peer_corrupt: AtomicU64,
     /// Local readers that reported a corrupt copy.
     pub local_corrupt: AtomicU64,
+    /// Sealed shared copies of cached shards made (`daemon::local`, shared shards).
+    pub shared_copies: AtomicU64,
+    /// Local requests answered with a shared copy made for an earlier one.
+    pub shared_hits: AtomicU64,
     /// Connections closed on accept because their class's budget (or their address's share
     /// of it) was full, by class: local, peer, handshake, http.
     pub connections_refused: [AtomicU64; 4],
@@ -59,6 +63,8 @@ impl Default for Stats {
             peer_served_bytes: AtomicU64::new(0),
             peer_corrupt: AtomicU64::new(0),
             local_corrupt: AtomicU64::new(0),
+            shared_copies: AtomicU64::new(0),
+            shared_hits: AtomicU64::new(0),
             connections_refused: Default::default(),
             refusal_logged_ms: Default::default(),
             latency: [h(), h(), h()],
@@ -185,6 +191,12 @@ pub struct StatsDoc {
     pub peer_corrupt: u64,
     /// Local reports of corrupt copies.
     pub local_corrupt: u64,
+    /// Sealed shared copies of cached shards made for the host's consumers to map.
+    #[serde(default)]
+    pub shared_copies: u64,
+    /// Local requests answered with a shared copy made for an earlier one.
+    #[serde(default)]
+    pub shared_hits: u64,
     /// Connections closed on accept because their class (or their address's share of it)
     /// was full, by class (`local`, `peer`, `handshake`, `http`).
     #[serde(default)]
@@ -201,6 +213,24 @@ pub struct StatsDoc {
     pub cache_limit_bytes: u64,
     /// Peers, by name.
     pub peers: BTreeMap<String, PeerHealth>,
+    /// What the host's tuners chose and why: the origin controls of this daemon (its
+    /// whole-shard fetches are the host's), the host's budgets and each decoding consumer's
+    /// grant.
+    #[serde(default)]
+    pub tuner: TunerDoc,
+}
+
+/// `/stats` `tuner`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TunerDoc {
+    /// Each origin's request control (`s3://bucket`), as `metrics()` shows it.
+    pub origins: BTreeMap<String, ramjet_engine::tune::OriginState>,
+    /// The host's decode budget (decode jobs at once, all consumers together).
+    pub decode_threads: u64,
+    /// The host's memory budget for prefetched and decoded batches.
+    pub host_memory_bytes: u64,
+    /// Each decoding consumer's share now.
+    pub grants: BTreeMap<String, ramjet_engine::HostGrant>,
 }
 
 impl StatsDoc {
@@ -220,6 +250,8 @@ impl StatsDoc {
         self.peer_served_bytes = s.peer_served_bytes.load(Relaxed);
         self.peer_corrupt = s.peer_corrupt.load(Relaxed);
         self.local_corrupt = s.local_corrupt.load(Relaxed);
+        self.shared_copies = s.shared_copies.load(Relaxed);
+        self.shared_hits = s.shared_hits.load(Relaxed);
         for (i, class) in ["local", "peer", "handshake", "http"].into_iter().enumerate() {
             self.connections_refused
                 .insert(class.into(), s.connections_refused[i].load(Relaxed));

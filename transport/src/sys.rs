@@ -108,6 +108,40 @@ pub fn memfd_with(name: &str, data: &[u8]) -> io::Result<File> {
     Ok(f)
 }
 
+/// A sealed memfd holding the first `len` bytes of `src` (a cache file), copied in the kernel
+/// (`copy_file_range` or `sendfile`, through `std::io::copy`): the one copy of a shard that
+/// several local consumers then map (`daemon::local`, shared shards). A file of another length
+/// is an error.
+pub fn memfd_from_file(name: &str, src: &File, len: u64) -> io::Result<File> {
+    let actual = src.metadata()?.len();
+    if actual != len {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a cache file of {actual} bytes for a shard of {len}"),
+        ));
+    }
+    let cname = std::ffi::CString::new(name.replace('\0', "_")).expect("no NUL");
+    // SAFETY: as in `memfd_with`.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor owned by nobody else.
+    let f = unsafe { File::from_raw_fd(fd) };
+    let n = std::io::copy(&mut std::io::Read::take(src, len), &mut &f)?;
+    if n != len {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("the cache file gave {n} of {len} bytes"),
+        ));
+    }
+    // SAFETY: fcntl on a descriptor we own; no memory is involved.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, SHARD_SEALS | libc::F_SEAL_SEAL) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(f)
+}
+
 /// Creates a memfd without seals (tests of the receiver's refusal).
 #[doc(hidden)]
 pub fn memfd_unsealed(data: &[u8]) -> io::Result<File> {
@@ -283,6 +317,23 @@ mod tests {
 
     /// Regression: memfds crossed the socket unsealed and were mapped shared, so the sender
     /// could change or shrink a shard after the receiver verified it.
+    #[test]
+    fn a_cache_file_becomes_a_sealed_memfd_that_maps_without_a_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard");
+        std::fs::write(&path, b"shard bytes, long enough").unwrap();
+        let src = File::open(&path).unwrap();
+        let m = memfd_from_file("t", &src, 24).unwrap();
+        assert!(is_memfd(&m));
+        assert_eq!(seals(&m).unwrap() & SHARD_SEALS, SHARD_SEALS);
+        assert_eq!(&received_shard(&m, 24).unwrap()[..], b"shard bytes, long enough");
+        // The cache file changing afterwards changes nothing in the copy.
+        std::fs::write(&path, b"XXXXXXXXXXXXXXXXXXXXXXXX").unwrap();
+        assert_eq!(&received_shard(&m, 24).unwrap()[..], b"shard bytes, long enough");
+        let e = memfd_from_file("t", &File::open(&path).unwrap(), 30).unwrap_err();
+        assert!(e.to_string().contains("24 bytes for a shard of 30"), "{e}");
+    }
+
     #[test]
     fn received_memfds_are_sealed_and_unsealed_ones_refused() {
         let sealed = memfd_with("t", b"abc").unwrap();

@@ -112,6 +112,9 @@ pub enum Msg {
     },
     /// Local only: a consumer's heartbeat (answered `Ok`, or `Fail` naming what is wrong).
     Heartbeat(ramjet_engine::Heartbeat),
+    /// Daemon → loader, the answer to a decoding consumer's `Heartbeat`: its share of the
+    /// host's budgets (an older daemon, or a consumer that does not decode, gets `Ok`).
+    Grant(ramjet_engine::HostGrant),
     /// Peer → peer: asks for the member's dashboard summary.
     SummaryRequest,
     /// The answer to `SummaryRequest`.

@@ -267,9 +267,14 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         dct_scaling: let JPEG decode at a reduced DCT scale (1/2, 1/4, 1/8) when the crop is at
             least twice the output: the smallest that keeps the crop at least the output size.
         image_column / boxes_column: column names.
-        num_threads: this dataset's batches decoding at once on the process's shared decode pool
-            (default: one per core, divided among DataLoader workers).
-        prefetch_batches: batches prepared ahead.
+        num_threads: this dataset's batches decoding at once on the process's shared decode pool.
+            ``None`` (the default): this rank's share of the host's decode budget (about one
+            thread per core for all ranks of the host together, split by demand through the
+            host daemon; without one, one per core divided among DataLoader workers); a number
+            pins it.
+        prefetch_batches: batches prepared ahead. ``None`` (the default): sized as it runs, to
+            cover the longest recent gather of one batch at the trainer's rate, within this
+            rank's share of the host's memory budget; a number pins it.
         on_corrupt: ``"error"`` (default: raise :class:`CorruptError` naming dataset, shard and
             sample) or ``"skip"`` (leave the sample out and count it).
         decode: with a CUDA ``device``, decode and augment images on the GPU: ``"auto"`` (the
@@ -321,7 +326,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         image_column: str = "image",
         boxes_column: Optional[str] = "boxes",
         num_threads: Optional[int] = None,
-        prefetch_batches: int = 4,
+        prefetch_batches: Optional[int] = None,
         on_corrupt: str = "error",
         decode: Optional[str] = None,
         rank: Optional[int] = None,
@@ -394,6 +399,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             cfg["daemon"] = daemon
         if self._num_threads is not None:
             cfg["threads"] = self._num_threads
+            cfg["threads_pinned"] = True
         else:
             cfg["threads"] = max(1, (os.cpu_count() or 2) // topo["workers"])
         return json.dumps(cfg)

@@ -129,7 +129,7 @@ class StreamingDataset:
         image_column: str = "image",
         boxes_column: Optional[str] = "boxes",
         num_threads: Optional[int] = None,
-        prefetch_batches: int = 4,
+        prefetch_batches: Optional[int] = None,
         on_corrupt: str = "error",
         decode: Optional[str] = None,
         rank: Optional[int] = None,

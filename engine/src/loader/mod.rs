@@ -11,7 +11,10 @@
 //! Two bounds: at most `threads` of this loader's batches decode at once (its share of the
 //! pool), and at most `prefetch_batches + threads` are cut and not yet handed out (the
 //! `ahead` permits, each freed when `next_batch` hands its batch out), so memory is bounded
-//! whatever the consumer's pace.
+//! whatever the consumer's pace. Both are [`Limit`]s the loader's tuner resizes as it runs
+//! ([`tune_loop`]): `threads` to this consumer's share of the host's decode budget,
+//! `prefetch_batches` to cover the longest recent gather of a batch at the consumer's rate,
+//! within its share of the host's memory budget; values the user set stay.
 //!
 //! A batch never spans two epochs: the last batch of an epoch may be short (or dropped with
 //! `drop_last`) and carries `end_of_epoch`. Each batch carries the stream's state after its
@@ -25,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 
 use crate::buf::HostPool;
 use crate::error::{Error, Location, Result};
@@ -36,6 +39,7 @@ use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
 use crate::metrics::Metrics;
 use crate::stall::{self, ConsumerClock, Timeline, WaitOn};
 use crate::stream::{FirstGate, Opened, Sample, Stream, StreamConfig, StreamState};
+use crate::tune::{Limit, Permit};
 
 pub use crate::buf::HostBuf;
 
@@ -76,10 +80,17 @@ pub struct LoaderConfig {
     /// A JSON column of YOLO boxes (`[[class, cx, cy, w, h], ...]`) yielded as a flat
     /// `(M, 5)` float32 array plus per-sample offsets.
     pub boxes_column: Option<String>,
-    /// This loader's batches decoding at once on the process's decode pool.
+    /// This loader's batches decoding at once on the process's decode pool: the start value,
+    /// which the tuner then sets from the host's budget ([`crate::tune`]), unless
+    /// `threads_pinned`.
     pub threads: usize,
-    /// Batches prepared ahead of the consumer.
+    /// The user set `threads` (`num_threads`): the tuner leaves it.
+    pub threads_pinned: bool,
+    /// Batches prepared ahead of the consumer: the start value, which the tuner then sizes
+    /// from the consumer's rate and the fetch time, unless `prefetch_pinned`.
     pub prefetch_batches: usize,
+    /// The user set `prefetch_batches`: the tuner leaves it.
+    pub prefetch_pinned: bool,
     /// Images that fail to decode.
     pub on_corrupt: OnCorrupt,
     /// Which decoders take the images on the GPU path (`decode=`): used once
@@ -119,7 +130,9 @@ impl LoaderConfig {
             image_column: "image".into(),
             boxes_column: Some("boxes".into()),
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            threads_pinned: false,
             prefetch_batches: 4,
+            prefetch_pinned: false,
             on_corrupt: OnCorrupt::Error,
             decode: DecodeMode::Auto,
             gpu_decoders: None,
@@ -227,19 +240,10 @@ struct Job {
 
 /// A finished batch by sequence number, with the permit that counts it as ahead of the
 /// consumer, and its way through the loader (for the consumer's wait: [`crate::stall`]).
-type Done = (
-    u64,
-    Result<Batch>,
-    Option<tokio::sync::OwnedSemaphorePermit>,
-    Option<Timeline>,
-);
+type Done = (u64, Result<Batch>, Option<Permit>, Option<Timeline>);
 
 /// A finished batch waiting for its turn ([`Done`] without its sequence number).
-type Waiting = (
-    Result<Batch>,
-    Option<tokio::sync::OwnedSemaphorePermit>,
-    Option<Timeline>,
-);
+type Waiting = (Result<Batch>, Option<Permit>, Option<Timeline>);
 
 /// Batch assembly (decode, augment, collate into pooled buffers): the one implementation,
 /// used by the loader for whole batches on the decode pool and by random access (the Python
@@ -313,6 +317,10 @@ pub struct Loader {
     finished: bool,
     stop: Arc<AtomicBool>,
     reader: tokio::task::JoinHandle<()>,
+    /// The task that resizes the decode and prefetch bounds ([`tune_loop`]).
+    tuner: tokio::task::JoinHandle<()>,
+    /// Batches handed to the consumer (the tuner's consumption rate).
+    handed: Arc<AtomicU64>,
     metrics: Arc<Metrics>,
     schema: Arc<Schema>,
     /// The GPU path's planner (with [`LoaderConfig::gpu_decoders`] and images).
@@ -340,6 +348,7 @@ impl Drop for Loader {
         // waits, so a consumer is never held up by a fetch in flight.
         self.stop.store(true, Ordering::Relaxed);
         self.reader.abort();
+        self.tuner.abort();
     }
 }
 
@@ -439,11 +448,12 @@ impl Loader {
         let schema = check_schema(&stream, &cfg)?;
         let metrics = stream.metrics_handle();
         let stop = Arc::new(AtomicBool::new(false));
-        let threads = cfg.threads.max(1);
-        let ahead = cfg.prefetch_batches.max(1) + threads;
+        let tuning = Tuning::new(&cfg);
+        let threads = tuning.threads_start;
+        let ahead = tuning.prefetch_start + threads;
         // Every batch cut holds an `ahead` permit until handed out, so at most `ahead` sit in
         // this channel: it never blocks a decode job.
-        let (done_tx, done_rx) = bounded::<Done>(ahead);
+        let (done_tx, done_rx) = unbounded::<Done>();
         // The working set: `ahead` batches decoding or queued, plus the host batches out of
         // the loader's hands on the GPU path (`IN_FLIGHT_COPIES`).
         let ctx = Arc::new(Assembler::new(
@@ -479,8 +489,9 @@ impl Loader {
         let reader = {
             let (ctx, stop, done_tx) = (ctx.clone(), stop.clone(), done_tx.clone());
             let permits = Permits {
-                ahead: Arc::new(tokio::sync::Semaphore::new(ahead)),
-                decoding: Arc::new(tokio::sync::Semaphore::new(threads)),
+                ahead: tuning.ahead.clone(),
+                decoding: tuning.decoding.clone(),
+                gap_ns: tuning.gap_ns.clone(),
             };
             rt.spawn(async move {
                 use futures::FutureExt;
@@ -507,7 +518,11 @@ impl Loader {
                 }
             })
         };
+        let handed = tuning.handed.clone();
+        let tuner = rt.spawn(tune_loop(tuning, metrics.clone()));
         Ok(Loader {
+            tuner,
+            handed,
             done: done_rx,
             reorder: BTreeMap::new(),
             clock: ConsumerClock::default(),
@@ -551,6 +566,7 @@ impl Loader {
                 self.next += 1;
                 // Handed out: the reader may cut one more.
                 drop(permit);
+                self.handed.fetch_add(1, Ordering::Relaxed);
                 self.clock
                     .delivered(std::time::Instant::now(), tl.as_ref(), &self.metrics);
                 return match r {
@@ -602,10 +618,12 @@ impl Loader {
     }
 }
 
-/// The reader's two bounds (see the module docs).
+/// The reader's two bounds (see the module docs), both resized by the tuner, and the longest
+/// time the reader took to gather one batch since the tuner last looked (nanoseconds).
 struct Permits {
-    ahead: Arc<tokio::sync::Semaphore>,
-    decoding: Arc<tokio::sync::Semaphore>,
+    ahead: Arc<Limit>,
+    decoding: Arc<Limit>,
+    gap_ns: Arc<AtomicU64>,
 }
 
 /// Where the reader's batches go: the decode pool, then the channel of finished batches.
@@ -688,13 +706,11 @@ async fn read_loop(
         };
         seq += 1;
         next.store(seq, Ordering::SeqCst);
-        // The semaphores are never closed.
-        let Ok(ahead) = permits.ahead.clone().acquire_owned().await else {
-            return;
-        };
-        let Ok(decoding) = permits.decoding.clone().acquire_owned().await else {
-            return;
-        };
+        permits
+            .gap_ns
+            .fetch_max(read_start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let ahead = permits.ahead.acquire().await;
+        let decoding = permits.decoding.acquire().await;
         let gate = if job.seq == 0 { first_gate.take() } else { None };
         if job.seq == 0 {
             // The first batch's stages (RAMJET_LOG=debug): its samples read, then decoded.
@@ -718,6 +734,128 @@ async fn read_loop(
     }
 }
 
+/// The loader's tuner: its bounds and what it measures (see [`crate::tune`]).
+struct Tuning {
+    decoding: Arc<Limit>,
+    ahead: Arc<Limit>,
+    gap_ns: Arc<AtomicU64>,
+    handed: Arc<AtomicU64>,
+    threads_start: usize,
+    prefetch_start: usize,
+    threads_pinned: bool,
+    /// Why the prefetch depth is pinned, if it is.
+    prefetch_pinned: Option<&'static str>,
+    batch_bytes: u64,
+}
+
+/// How often the loader's tuner looks.
+const TUNE_EVERY: Duration = Duration::from_millis(500);
+/// A host grant older than this is stale (the daemon stopped answering): the process is
+/// then the host.
+const GRANT_STALE: Duration = Duration::from_secs(10);
+
+impl Tuning {
+    fn new(cfg: &LoaderConfig) -> Tuning {
+        let cores = crate::rt::decode_threads();
+        // Before the host daemon's first grant, a rank assumes an even split among the ranks
+        // torchrun or Slurm say share its host.
+        let local_ranks = ["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"]
+            .iter()
+            .find_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
+            .filter(|n| *n > 0)
+            .unwrap_or(1);
+        let threads_start = if cfg.threads_pinned {
+            cfg.threads.max(1)
+        } else {
+            cfg.threads.clamp(1, (cores / local_ranks).max(1))
+        };
+        // Page-locked batch memory (a GPU's) is sized once, so its depth stays as set.
+        let prefetch_pinned = if cfg.prefetch_pinned {
+            Some("pinned by the user")
+        } else if cfg.pool.is_some() {
+            Some("page-locked host memory is sized once")
+        } else {
+            None
+        };
+        let batch_bytes = cfg
+            .image
+            .as_ref()
+            .map_or(1 << 20, |s| (s.bytes() * cfg.batch_size) as u64);
+        Tuning {
+            decoding: Limit::new(threads_start),
+            ahead: Limit::new(cfg.prefetch_batches.max(1) + threads_start),
+            gap_ns: Arc::default(),
+            handed: Arc::default(),
+            threads_start,
+            prefetch_start: cfg.prefetch_batches.max(1),
+            threads_pinned: cfg.threads_pinned,
+            prefetch_pinned,
+            batch_bytes: batch_bytes.max(1),
+        }
+    }
+}
+
+/// Every [`TUNE_EVERY`]: this loader's decode jobs at once follow its share of the host's
+/// decode budget (the host daemon's grant, else the process's decode pool: the process is the
+/// host), and its batches ahead cover the longest recent gather of one batch at the consumer's
+/// rate, within its share of the host's memory budget ([`crate::tune::prefetch_batches`]).
+/// Pinned values stay. What it chose and why is in the metrics (`tune_*`).
+async fn tune_loop(t: Tuning, metrics: Arc<Metrics>) {
+    let pool = crate::rt::decode_threads();
+    let (mut last, mut handed_before) = (std::time::Instant::now(), 0u64);
+    let mut gap_s = 0.0f64;
+    let mut rate = 0.0f64;
+    loop {
+        let grant = metrics
+            .grant
+            .lock()
+            .expect("grant lock")
+            .filter(|(at, _)| at.elapsed() < GRANT_STALE)
+            .map(|(_, g)| g);
+        let (threads, why) = if t.threads_pinned {
+            (t.decoding.size(), "pinned by the user")
+        } else if let Some(g) = grant {
+            (g.decode_threads as usize, "host daemon's share")
+        } else if metrics.grant.lock().expect("grant lock").is_some() {
+            (pool, "host daemon silent: the process is the host")
+        } else {
+            (
+                t.threads_start,
+                "the process's share (no host daemon grant yet, or none)",
+            )
+        };
+        let threads = threads.clamp(1, pool.max(1).max(if t.threads_pinned { threads } else { 1 }));
+        t.decoding.resize(threads);
+        metrics.decode_threads.store(threads as u64, Ordering::Relaxed);
+        metrics.set_tune("decode_threads", threads as u64);
+        metrics.set_tune("decode_threads_reason", why);
+        // The consumer's rate (batches/s, smoothed) and the longest gather of one batch
+        // (decaying by a tenth a look, so one long fetch is remembered for some seconds).
+        let now = std::time::Instant::now();
+        let dt = now.duration_since(last).as_secs_f64().max(1e-3);
+        let handed = t.handed.load(Ordering::Relaxed);
+        let r = handed.saturating_sub(handed_before) as f64 / dt;
+        rate = if rate == 0.0 { r } else { 0.7 * rate + 0.3 * r };
+        (last, handed_before) = (now, handed);
+        gap_s = (gap_s * 0.9).max(t.gap_ns.swap(0, Ordering::Relaxed) as f64 / 1e9);
+        let memory = grant.map_or_else(crate::tune::host_memory_budget, |g| g.memory_bytes);
+        let (depth, why) = match t.prefetch_pinned {
+            Some(why) => (t.prefetch_start, why),
+            None => (
+                crate::tune::prefetch_batches(rate, gap_s, t.batch_bytes, memory, 2),
+                "covers the longest recent batch gather at the consumer's rate",
+            ),
+        };
+        t.ahead.resize(depth + threads);
+        metrics.set_tune("prefetch_batches", depth as u64);
+        metrics.set_tune("prefetch_batches_reason", why);
+        metrics.set_tune("consumer_batches_per_s", (rate * 100.0).round() / 100.0);
+        metrics.set_tune("gather_s", (gap_s * 1e4).round() / 1e4);
+        metrics.set_tune("memory_budget_bytes", memory);
+        tokio::time::sleep(TUNE_EVERY).await;
+    }
+}
+
 /// On a decode-pool thread: decodes `job` (unless the loader stopped) and hands its batch on
 /// with its `ahead` permit; the `decoding` permit is freed when this returns. The first batch
 /// opens the stream's gate and logs its decode (RAMJET_LOG=debug): the thread's own CPU time
@@ -727,7 +865,7 @@ fn decode_and_send(
     (job, mut timeline): (Job, Timeline),
     stop: &AtomicBool,
     done: &Sender<Done>,
-    (ahead, _decoding): (tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit),
+    (ahead, _decoding): (Permit, Permit),
     gate: Option<FirstGate>,
     started: std::time::Instant,
 ) {

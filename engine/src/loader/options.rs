@@ -88,7 +88,7 @@ pub const OPTIONS: &[(&str, OptionDefault)] = &[
     ("image_column", OptionDefault::Str("image")),
     ("boxes_column", OptionDefault::Str("boxes")),
     ("num_threads", OptionDefault::None),
-    ("prefetch_batches", OptionDefault::Int(4)),
+    ("prefetch_batches", OptionDefault::None),
     ("on_corrupt", OptionDefault::Str("error")),
     ("decode", OptionDefault::None),
     ("rank", OptionDefault::None),
@@ -182,12 +182,10 @@ impl Options {
 
         let sources = sources(a("remote"))?;
         let batch_size = int("batch_size", a("batch_size"), 1, BATCH_SIZE_MAX as i128)? as usize;
-        let prefetch_batches = int(
-            "prefetch_batches",
-            a("prefetch_batches"),
-            0,
-            PREFETCH_BATCHES_MAX as i128,
-        )?;
+        // None: the tuner sizes it ([`crate::tune::prefetch_batches`]); a value pins it.
+        let prefetch_batches = optional(a("prefetch_batches"), |v| {
+            int("prefetch_batches", v, 0, PREFETCH_BATCHES_MAX as i128)
+        })?;
         let num_threads = optional(a("num_threads"), |v| int("num_threads", v, 1, THREADS_MAX as i128))?;
         let world_size = optional(a("world_size"), |v| int("world_size", v, 1, 1 << 31))?;
         let rank_max = world_size.unwrap_or(1 << 31) - 1;
@@ -210,9 +208,12 @@ impl Options {
             "image": image,
             "image_column": text("image_column", a("image_column"))?,
             "boxes_column": optional(a("boxes_column"), |v| text("boxes_column", v))?,
-            "prefetch_batches": prefetch_batches as usize,
             "on_corrupt": on_corrupt,
         });
+        if let Some(n) = prefetch_batches {
+            config["prefetch_batches"] = json!(n as usize);
+            config["prefetch_pinned"] = json!(true);
+        }
         if let Some(d) = decode {
             // The GPU decode (a binding with a GPU turns it on): which decoders.
             config["decode"] = json!(d);
@@ -509,6 +510,11 @@ mod tests {
         assert_eq!(cfg.batch_size, d.batch_size);
         assert_eq!(cfg.drop_last, d.drop_last);
         assert_eq!(cfg.prefetch_batches, d.prefetch_batches);
+        // Left out, the depth is the tuner's; given, it is pinned.
+        assert!(!cfg.prefetch_pinned);
+        let given: LoaderConfig =
+            serde_json::from_value(opts(&[("prefetch_batches", Arg::Int(7))]).unwrap().config).unwrap();
+        assert!(given.prefetch_pinned && given.prefetch_batches == 7);
         assert_eq!(cfg.on_corrupt, d.on_corrupt);
         assert_eq!(cfg.image_column, d.image_column);
         assert_eq!(cfg.boxes_column, d.boxes_column);

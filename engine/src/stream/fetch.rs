@@ -687,7 +687,10 @@ pub(super) async fn fetch_shard_once(shared: Arc<Shared>, source: usize, shard: 
         ds: &src.ds,
         shard,
         id: src.id(shard)?,
-        range_bytes: shared.cfg.range_bytes,
+        range_bytes: match src.ds.store().origin() {
+            Some(o) if !shared.cfg.range_pinned => o.range_bytes(shared.cfg.range_bytes),
+            _ => shared.cfg.range_bytes,
+        },
         ranges_in_flight: shared.cfg.ranges_in_flight_max,
     };
     let daemon = shared.cfg.provider.as_ref().map(|provider| HostDaemon {

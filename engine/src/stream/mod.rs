@@ -91,8 +91,12 @@ pub struct StreamConfig {
     pub cache: Option<CacheConfig>,
     /// Bytes of shards fetched ahead of the consumer.
     pub prefetch_bytes_max: u64,
-    /// Whole shards are fetched as parallel ranged GETs of this size.
+    /// Whole shards are fetched as parallel ranged GETs of this size: the start value, which
+    /// the origin control's rule then sets ([`crate::tune::OriginTune::range_bytes`]), unless
+    /// `range_pinned`.
     pub range_bytes: u64,
+    /// The user set `range_bytes` (`--range-size`): the rule leaves it.
+    pub range_pinned: bool,
     /// Ranged GETs in flight per shard.
     pub ranges_in_flight_max: usize,
     /// Shards fetched at once.
@@ -218,6 +222,7 @@ impl Default for StreamConfig {
             // fast as whole-object GETs); 32 MiB keeps two parallel ranges per 64 MiB shard.
             // Lower it for high-latency links, where more ranges in flight win.
             range_bytes: 32 << 20,
+            range_pinned: false,
             ranges_in_flight_max: 4,
             shards_in_flight_max: 4,
             first_ranged_samples_max: 64,

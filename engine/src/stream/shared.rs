@@ -107,6 +107,9 @@ impl Shared {
             });
         }
         tracing::debug!(ms = ms(opened_at), "stream: manifests read");
+        if let Some(o) = sources.iter().find_map(|s| s.ds.store().origin()) {
+            let _ = metrics.origin.set(o);
+        }
         // Nothing here is per shard: the order reads the shards' counts as it reaches them.
         let shapes: Vec<SourceShape> = sources
             .iter()

@@ -50,6 +50,19 @@ pub struct ServeArgs {
     /// Datasets (manifests) held open at once.
     #[arg(long, default_value_t = ramjet_transport::daemon::DATASETS_OPEN_MAX_DEFAULT)]
     datasets_open_max: usize,
+    /// The host's decode budget: decode jobs at once, all of the host's ranks together, split
+    /// among them by demand (a rank whose trainer waits for data gets more). Default: the cores.
+    #[arg(long)]
+    decode_threads: Option<usize>,
+    /// The host's memory budget for prefetched and decoded batches, split likewise (bytes or a
+    /// size such as 8GiB). Default: RAMJET_HOST_MEMORY, else an eighth of the memory, at most
+    /// 16 GiB.
+    #[arg(long, value_parser = parse_size)]
+    host_memory: Option<u64>,
+    /// Bytes of sealed in-memory shard copies kept for the host's consumers to map while two or
+    /// more read (each shard copied out of the cache once for all of them; 0: never).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    shared_shards: u64,
     /// Connections served at once in each class (local loaders, authenticated peers, HTTP):
     /// each class has a budget of its own, so a flood on one port never refuses another.
     #[arg(long, default_value_t = ramjet_transport::daemon::CONNECTIONS_MAX_DEFAULT)]
@@ -121,6 +134,13 @@ pub fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
     cfg.connections_max = a.connections_max;
     cfg.handshakes_max = a.handshakes_max;
     cfg.per_address_max = a.per_address_max;
+    if let Some(n) = a.decode_threads {
+        cfg.decode_threads = n.max(1);
+    }
+    cfg.shared_shard_bytes = a.shared_shards;
+    if let Some(b) = a.host_memory {
+        cfg.host_memory_bytes = b.max(1 << 20);
+    }
     raise_open_files_limit();
     cfg.threads = if a.threads > 0 {
         a.threads

@@ -87,9 +87,11 @@ pub struct StreamArgs {
     /// sample instead of two, when every source's index fits).
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     index_bytes: u64,
-    /// Whole shards are fetched as parallel ranged GETs of this size.
-    #[arg(long, default_value = "32MiB", value_parser = parse_size)]
-    range_size: u64,
+    /// Whole shards are fetched as parallel ranged GETs of this size (default: 32 MiB to
+    /// start, then the origin control's rule: four round trips of one request's bandwidth,
+    /// 16-64 MiB). Given, it pins the size.
+    #[arg(long, value_parser = parse_size)]
+    range_size: Option<u64>,
     /// Write one line per sample: epoch position stream shard index global_index record_bytes.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -194,7 +196,10 @@ fn stream_config(a: &StreamArgs) -> anyhow::Result<StreamConfig> {
     cfg.resident_bytes_max = a.resident;
     cfg.index_bytes_max = a.index_bytes;
     cfg.ranged_until_shard_bytes_max = a.ranged_bytes;
-    cfg.range_bytes = a.range_size;
+    if let Some(r) = a.range_size {
+        cfg.range_bytes = r;
+        cfg.range_pinned = true;
+    }
     cfg.cache = a.cache_dir.as_ref().map(|d| CacheConfig::new(d, a.cache_limit));
     cfg.provider = a.daemon.as_ref().map(|p| {
         std::sync::Arc::new(ramjet_transport::DaemonClient::new(p)) as std::sync::Arc<dyn ramjet_engine::ShardProvider>

@@ -70,6 +70,16 @@ pub struct DaemonConfig {
     pub threads: usize,
     /// How shard bytes move between peers.
     pub transport: TransportKind,
+    /// The host's decode budget: decode jobs at once, split among the host's decoding
+    /// consumers by demand (default: the cores; `ramjet serve --decode-threads`).
+    pub decode_threads: usize,
+    /// The host's memory budget for prefetched and decoded batches, split likewise (default
+    /// [`ramjet_engine::tune::host_memory_budget`]; `--host-memory`).
+    pub host_memory_bytes: u64,
+    /// Bytes of sealed in-memory shard copies kept for several local consumers to map, so a
+    /// host of N ranks copies a shard out of the cache once, not N times (0: never share;
+    /// `--shared-shards`).
+    pub shared_shard_bytes: u64,
 }
 
 /// How shard bytes move between peers. Control frames always use the authenticated TCP
@@ -89,6 +99,8 @@ pub enum TransportKind {
     },
 }
 
+/// Default of [`DaemonConfig::shared_shard_bytes`].
+pub const SHARED_SHARD_BYTES_DEFAULT: u64 = 1 << 30;
 /// Default of [`DaemonConfig::datasets_open_max`].
 pub const DATASETS_OPEN_MAX_DEFAULT: usize = 64;
 /// Default of [`DaemonConfig::connections_max`].
@@ -172,6 +184,9 @@ impl DaemonConfig {
             ranges_in_flight: 4,
             threads: 0,
             transport: TransportKind::Tcp,
+            decode_threads: ramjet_engine::rt::decode_threads(),
+            host_memory_bytes: ramjet_engine::tune::host_memory_budget(),
+            shared_shard_bytes: SHARED_SHARD_BYTES_DEFAULT,
         }
     }
 

@@ -138,7 +138,10 @@ impl Inner {
         req.ds
             .fetch_shard_parallel(
                 req.shard,
-                self.cfg.range_bytes,
+                req.ds
+                    .store()
+                    .origin()
+                    .map_or(self.cfg.range_bytes, |o| o.range_bytes(self.cfg.range_bytes)),
                 self.cfg.ranges_in_flight,
                 &self.metrics,
             )
@@ -159,7 +162,12 @@ impl Inner {
             ds: &req.ds,
             shard: req.shard,
             id: req.id,
-            range_bytes: self.cfg.range_bytes,
+            // The origin control's rule (`ramjet_engine::tune::OriginTune::range_bytes`).
+            range_bytes: req
+                .ds
+                .store()
+                .origin()
+                .map_or(self.cfg.range_bytes, |o| o.range_bytes(self.cfg.range_bytes)),
             ranges_in_flight: self.cfg.ranges_in_flight,
         };
         let peer = owner

@@ -79,7 +79,55 @@ fn check(b: &Heartbeat) -> Result<(), String> {
     Ok(())
 }
 
+/// A decoding consumer heard from within this long shares the host's decode budget.
+const GRANT_LIVE: Duration = Duration::from_secs(6);
+
 impl Jobs {
+    /// `consumer`'s share of the host's budgets: `decode_threads` decode jobs at once and
+    /// `memory_bytes` of batches, split among the consumers that decode and reported within
+    /// [`GRANT_LIVE`], by their data wait ([`ramjet_engine::tune::shares`]). `None` for a
+    /// consumer that does not decode (a plain stream).
+    pub fn grant(&self, consumer: &str, decode_threads: u64, memory_bytes: u64) -> Option<ramjet_engine::HostGrant> {
+        let now = Instant::now();
+        let map = self.map.lock().expect("jobs lock");
+        let mut live: Vec<(&String, f64)> = map
+            .iter()
+            .filter(|(_, t)| t.beat.decode_threads > 0 && now.duration_since(t.seen) < GRANT_LIVE)
+            .map(|(k, t)| (k, t.beat.data_wait_share))
+            .collect();
+        live.sort_by(|a, b| a.0.cmp(b.0));
+        let i = live.iter().position(|(k, _)| k.as_str() == consumer)?;
+        let waits: Vec<f64> = live.iter().map(|x| x.1).collect();
+        let n = live.len() as u64;
+        let threads = ramjet_engine::tune::shares(decode_threads, 1, &waits)[i];
+        let memory = ramjet_engine::tune::shares(memory_bytes, memory_bytes / (4 * n).max(1), &waits)[i];
+        Some(ramjet_engine::HostGrant {
+            decode_threads: threads.min(u32::MAX as u64) as u32,
+            memory_bytes: memory,
+            consumers: n as u32,
+        })
+    }
+
+    /// Consumers heard from within [`GRANT_LIVE`] (they share the host's shards).
+    pub fn live(&self) -> usize {
+        let now = Instant::now();
+        let map = self.map.lock().expect("jobs lock");
+        map.values().filter(|t| now.duration_since(t.seen) < GRANT_LIVE).count()
+    }
+
+    /// Every decoding consumer's grant now, by consumer.
+    pub fn grants(
+        &self,
+        decode_threads: u64,
+        memory_bytes: u64,
+    ) -> std::collections::BTreeMap<String, ramjet_engine::HostGrant> {
+        let names: Vec<String> = self.map.lock().expect("jobs lock").keys().cloned().collect();
+        names
+            .into_iter()
+            .filter_map(|c| self.grant(&c, decode_threads, memory_bytes).map(|g| (c, g)))
+            .collect()
+    }
+
     /// Records one heartbeat (refused, with the reason, when its figures are not sane).
     pub fn beat(&self, mut b: Heartbeat) -> Result<(), String> {
         check(&b)?;
@@ -162,6 +210,30 @@ mod tests {
             data_wait_share: 0.5,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn decoding_consumers_split_the_hosts_budgets_by_demand() {
+        let j = Jobs::default();
+        let mut a = beat("a");
+        a.decode_threads = 4;
+        a.data_wait_share = 0.8;
+        let mut b = beat("b");
+        b.decode_threads = 4;
+        b.data_wait_share = 0.0;
+        // A plain stream (no loader) takes no share.
+        let mut c = beat("c");
+        c.decode_threads = 0;
+        for x in [a, b, c] {
+            j.beat(x).unwrap();
+        }
+        let (ga, gb) = (j.grant("a", 8, 1 << 30).unwrap(), j.grant("b", 8, 1 << 30).unwrap());
+        assert!(j.grant("c", 8, 1 << 30).is_none());
+        assert_eq!((ga.consumers, gb.consumers), (2, 2));
+        assert_eq!(ga.decode_threads + gb.decode_threads, 8);
+        assert!(ga.decode_threads > gb.decode_threads, "{ga:?} {gb:?}");
+        assert!(ga.memory_bytes > gb.memory_bytes && ga.memory_bytes + gb.memory_bytes <= 1 << 30);
+        assert_eq!(j.grants(8, 1 << 30).len(), 2);
     }
 
     #[test]

@@ -74,6 +74,79 @@ pub(super) async fn local_conn(inner: &Arc<Inner>, s: UnixStream) -> std::io::Re
     r
 }
 
+/// Sealed in-memory copies of cached shards, by shard, least recently used first out, at most
+/// `max` bytes. A host of N ranks reads each shard whole in every rank: handing each the cache
+/// file made each copy it into its own memory (a loader copies a file it does not own, so no
+/// other process can change it under it), N copies into fresh pages. A sealed memfd can never
+/// change, so every rank maps the same pages instead: one copy on the host. Each rank still
+/// verifies what it maps.
+pub(super) struct SharedShards {
+    map: std::collections::HashMap<ShardId, (File, u64, u64)>,
+    bytes: u64,
+    max: u64,
+    tick: u64,
+}
+
+impl SharedShards {
+    pub(super) fn new(max: u64) -> SharedShards {
+        SharedShards {
+            map: Default::default(),
+            bytes: 0,
+            max,
+            tick: 0,
+        }
+    }
+
+    fn get(&mut self, id: ShardId) -> Option<std::io::Result<File>> {
+        self.tick += 1;
+        let tick = self.tick;
+        self.map.get_mut(&id).map(|e| {
+            e.2 = tick;
+            e.0.try_clone()
+        })
+    }
+
+    fn insert(&mut self, id: ShardId, f: &File, n: u64) {
+        if n > self.max || self.map.contains_key(&id) {
+            return;
+        }
+        while self.bytes + n > self.max {
+            let Some(old) = self.map.iter().min_by_key(|(_, e)| e.2).map(|(k, _)| *k) else {
+                break;
+            };
+            if let Some(e) = self.map.remove(&old) {
+                self.bytes -= e.1;
+            }
+        }
+        if let Ok(c) = f.try_clone() {
+            self.tick += 1;
+            self.map.insert(id, (c, n, self.tick));
+            self.bytes += n;
+        }
+    }
+}
+
+/// The shared sealed copy of a cached shard (`SharedShards`), made from the cache file when
+/// there is none yet (a kernel copy, off the runtime's threads).
+async fn shared_copy(
+    inner: &Arc<Inner>,
+    id: ShardId,
+    f: &ramjet_engine::cache::CachedShard,
+    n: u64,
+) -> std::io::Result<File> {
+    if let Some(r) = inner.shared.lock().expect("shared lock").get(id) {
+        inner.stats.shared_hits.fetch_add(1, Ordering::Relaxed);
+        return r;
+    }
+    let src = f.hand_out().map_err(std::io::Error::other)?;
+    let copy = tokio::task::spawn_blocking(move || sys::memfd_from_file("ramjet-shared-shard", &src, n))
+        .await
+        .map_err(std::io::Error::other)??;
+    inner.shared.lock().expect("shared lock").insert(id, &copy, n);
+    inner.stats.shared_copies.fetch_add(1, Ordering::Relaxed);
+    Ok(copy)
+}
+
 async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -> std::io::Result<()> {
     loop {
         let msg = wire::read_msg(&mut s).await?;
@@ -94,7 +167,20 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 };
                 match r {
                     Ok((body, src, n)) => {
+                        let id = ShardId { checksum, bytes };
                         let (_pinned, file) = match body {
+                            // Several consumers on this host: one sealed copy they all map.
+                            Body::File(f) if inner.jobs.live() >= 2 && inner.cfg.shared_shard_bytes > 0 => {
+                                match shared_copy(inner, id, &f, n).await {
+                                    Ok(file) => (Some(f), file),
+                                    Err(e) => {
+                                        inner.stats.failures.fetch_add(1, Ordering::Relaxed);
+                                        let message = format!("shared copy of shard {checksum:016x}: {e}");
+                                        wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                                        continue;
+                                    }
+                                }
+                            }
                             Body::File(f) => match f.hand_out() {
                                 Ok(file) => (Some(f), file),
                                 Err(e) => {
@@ -131,8 +217,14 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 wire::write_msg(&mut s, &Msg::Ok).await?;
             }
             Msg::Heartbeat(beat) => {
+                let consumer = beat.consumer.clone();
                 let reply = match inner.jobs.beat(beat) {
-                    Ok(()) => Msg::Ok,
+                    // The consumer's share of the host's budgets; `ok` for one that does not
+                    // decode.
+                    Ok(()) => inner
+                        .jobs
+                        .grant(&consumer, inner.cfg.decode_threads as u64, inner.cfg.host_memory_bytes)
+                        .map_or(Msg::Ok, Msg::Grant),
                     Err(message) => Msg::Fail { message },
                 };
                 wire::write_msg(&mut s, &reply).await?;

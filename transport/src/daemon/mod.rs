@@ -102,6 +102,9 @@ struct Inner {
     history: cluster::History,
     /// This host's consumers, from their heartbeats.
     jobs: jobs::Jobs,
+    /// Sealed in-memory copies of cached shards that several local consumers map
+    /// (`local::shared_copy`).
+    shared: std::sync::Mutex<local::SharedShards>,
     /// Set when the daemon stops: every task it started ends at its next await (they run on
     /// the process's shared runtime, which outlives the daemon).
     stop: tokio::sync::watch::Sender<bool>,
@@ -262,6 +265,7 @@ impl Daemon {
             started: Instant::now(),
             history: Default::default(),
             jobs: Default::default(),
+            shared: std::sync::Mutex::new(local::SharedShards::new(cfg.shared_shard_bytes)),
             stop: tokio::sync::watch::channel(false).0,
             cfg,
         });
@@ -428,6 +432,12 @@ impl Inner {
         };
         drop(m);
         d.fill(&self.stats);
+        d.tuner.origins = ramjet_engine::tune::origins().into_iter().collect();
+        d.tuner.decode_threads = self.cfg.decode_threads as u64;
+        d.tuner.host_memory_bytes = self.cfg.host_memory_bytes;
+        d.tuner.grants = self
+            .jobs
+            .grants(self.cfg.decode_threads as u64, self.cfg.host_memory_bytes);
         let s = self.metrics.snapshot();
         d.origin_requests = s.origin_requests;
         d.origin_bytes = s.origin_bytes;
