@@ -19,6 +19,7 @@ So a benchmark here:
 docs/benchmarks.md ("How we measure") says the same for readers of the figures.
 """
 
+import json
 import os
 import resource
 import statistics
@@ -30,6 +31,13 @@ STEAL_FLAG = 0.10
 OTHERS_FLAG = 0.10
 VERDICT_ROUNDS = 3
 _TICK = os.sysconf("SC_CLK_TCK")
+
+
+def stream_json(text):
+    """The metrics `ramjet stream --json` prints at its end (one indented JSON document, over
+    several lines, after any other output)."""
+    i = text.rfind("\n{")
+    return json.loads(text[i + 1 if i >= 0 else text.index("{"):])
 
 
 def proc_stat():

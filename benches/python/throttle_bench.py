@@ -34,12 +34,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/release/ramjet")
 
 
-
-def last_json(text):
-    """The JSON document `ramjet stream --json` prints last (indented, over several lines)."""
-    i = text.rfind("\n{")
-    return json.loads(text[i + 1 if i >= 0 else text.index("{"):])
-
 def one_run(a, mode, work):
     stats = work / f"proxy-{mode}.json"
     upstream = os.environ["AWS_ENDPOINT_URL"].split("://", 1)[1].rstrip("/")
@@ -66,7 +60,7 @@ def one_run(a, mode, work):
     tuned = {}
     if r.returncode == 0:
         try:
-            m = last_json(r.stdout)
+            m = measure.stream_json(r.stdout)
             tuned = {k: v for k, v in m.items() if k.startswith("tune_origin")}
         except (ValueError, IndexError):
             pass

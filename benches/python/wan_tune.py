@@ -40,12 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/release/ramjet")
 
 
-
-def last_json(text):
-    """The JSON document `ramjet stream --json` prints last (indented, over several lines)."""
-    i = text.rfind("\n{")
-    return json.loads(text[i + 1 if i >= 0 else text.index("{"):])
-
 def contenders(a):
     out = {"tuned": ({}, []), "fixed": ({"RAMJET_ORIGIN_TUNE": "off"}, ["--range-size", "32MiB"])}
     for r in a.sweep_ranges.split(","):
@@ -85,7 +79,7 @@ def main():
                 wall = time.perf_counter() - t
                 if p.returncode != 0:
                     raise SystemExit(f"{name}: ramjet stream failed: {p.stderr[-2000:]}")
-                m = last_json(p.stdout)
+                m = measure.stream_json(p.stdout)
                 x = {"round": r, "contender": name, "wall_s": wall,
                      "tune": {k: v for k, v in m.items() if k.startswith("tune_origin")}}
                 rows.append(x)

@@ -23,6 +23,8 @@ import pytest
 from ramjet_cli import RAMJET, run
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benches/python"))
+import measure  # noqa: E402 - stream_json
 BUCKET = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
 
 RANK = r"""
@@ -47,12 +49,6 @@ m = ds.metrics()
 print(json.dumps({"seen": seen, "tune": {k: v for k, v in m.items() if k.startswith("tune_")}}), flush=True)
 """
 
-
-
-def last_json(text):
-    """The JSON document `ramjet stream --json` prints last (indented, over several lines)."""
-    i = text.rfind("\n{")
-    return json.loads(text[i + 1 if i >= 0 else text.index("{"):])
 
 def http_get(addr, path):
     with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as r:
@@ -149,7 +145,7 @@ def stream_through(proxy_rps, url, tmp_path, name, extra_env):
         proxy.terminate()
         proxy.wait(timeout=10)
     counts = json.loads(stats.read_text())
-    metrics = last_json(r.stdout) if r.returncode == 0 else {}
+    metrics = measure.stream_json(r.stdout) if r.returncode == 0 else {}
     return r.returncode, r.stderr, metrics, counts
 
 

@@ -178,11 +178,6 @@ impl Pool {
         }
     }
 
-    /// Threads started so far.
-    pub fn threads(&self) -> usize {
-        self.started.load(Ordering::Acquire)
-    }
-
     /// Queues a job.
     pub fn spawn(&self, job: impl FnOnce() + Send + 'static) {
         // The pool holds a receiver for the life of the process.

@@ -597,26 +597,11 @@ impl Store {
         }
     }
 
-    /// The origin control's state (`None` for local and in-memory stores, or with
-    /// `RAMJET_ORIGIN_TUNE=off`).
-    pub fn origin_state(&self) -> Option<crate::tune::OriginState> {
-        self.pace.origin.as_ref().map(|o| o.state())
-    }
-
-    /// This store's origin control, to share (a test's fault-injecting store gets one with
-    /// [`Store::with_origin`]).
+    /// This store's origin control (`None` for local and in-memory stores, or with
+    /// `RAMJET_ORIGIN_TUNE=off`): the stream's metrics show its state, and its range rule
+    /// sizes whole-shard reads.
     pub fn origin(&self) -> Option<Arc<crate::tune::Origin>> {
         self.pace.origin.clone()
-    }
-
-    /// The same store with its own origin control (tests of the control on a wrapped store).
-    pub fn with_origin(mut self, origin: Arc<crate::tune::Origin>) -> Store {
-        let pace = Pace {
-            origin: Some(origin),
-            ..Default::default()
-        };
-        self.pace = Arc::new(pace);
-        self
     }
 
     /// Ranged reads hedged so far by stores on this store's client, and how many of them the

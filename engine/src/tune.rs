@@ -885,47 +885,35 @@ mod tests {
 
     #[test]
     fn range_size_covers_four_round_trips_of_one_request() {
-        let mut t = OriginTune::new(None);
-        assert_eq!(t.range_bytes(32 << 20), 32 << 20, "nothing measured: as configured");
-        let now = Instant::now();
+        assert_eq!(
+            OriginTune::new(None).range_bytes(32 << 20),
+            32 << 20,
+            "nothing measured: as configured"
+        );
+        // 20 requests of 32 MiB, each `ms` to its first byte and `bw` bytes/s after it.
+        let measured = |ms: u64, bw: f64| {
+            let mut t = OriginTune::new(None);
+            let now = Instant::now();
+            for _ in 0..20 {
+                let transfer = Duration::from_secs_f64(32.0 * 1048576.0 / bw);
+                let latency = Duration::from_millis(ms);
+                t.done(
+                    now,
+                    Outcome::Ok {
+                        bytes: 32 << 20,
+                        latency,
+                        transfer,
+                    },
+                );
+            }
+            t
+        };
         // A near origin: 2 ms to first byte, 500 MB/s a request: 4 MB wanted, the floor.
-        for _ in 0..20 {
-            t.done(
-                now,
-                Outcome::Ok {
-                    bytes: 32 << 20,
-                    latency: Duration::from_millis(2),
-                    transfer: Duration::from_secs_f64(32.0 * 1048576.0 / 500e6),
-                },
-            );
-        }
-        assert_eq!(t.range_bytes(32 << 20), RANGE_BYTES_MIN);
+        assert_eq!(measured(2, 500e6).range_bytes(32 << 20), RANGE_BYTES_MIN);
         // A far one: 80 ms, 100 MB/s a request: 32 MB wanted, rounded up to 32 MiB.
-        let mut far = OriginTune::new(None);
-        for _ in 0..20 {
-            far.done(
-                now,
-                Outcome::Ok {
-                    bytes: 32 << 20,
-                    latency: Duration::from_millis(80),
-                    transfer: Duration::from_secs_f64(32.0 * 1048576.0 / 100e6),
-                },
-            );
-        }
-        assert_eq!(far.range_bytes(8 << 20), 32 << 20);
+        assert_eq!(measured(80, 100e6).range_bytes(8 << 20), 32 << 20);
         // Very far: capped.
-        let mut vfar = OriginTune::new(None);
-        for _ in 0..20 {
-            vfar.done(
-                now,
-                Outcome::Ok {
-                    bytes: 32 << 20,
-                    latency: Duration::from_millis(300),
-                    transfer: Duration::from_secs_f64(32.0 * 1048576.0 / 200e6),
-                },
-            );
-        }
-        assert_eq!(vfar.range_bytes(8 << 20), RANGE_BYTES_MAX);
+        assert_eq!(measured(300, 200e6).range_bytes(8 << 20), RANGE_BYTES_MAX);
     }
 
     #[test]

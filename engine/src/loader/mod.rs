@@ -806,17 +806,13 @@ async fn tune_loop(t: Tuning, metrics: Arc<Metrics>) {
     let mut gap_s = 0.0f64;
     let mut rate = 0.0f64;
     loop {
-        let grant = metrics
-            .grant
-            .lock()
-            .expect("grant lock")
-            .filter(|(at, _)| at.elapsed() < GRANT_STALE)
-            .map(|(_, g)| g);
+        let last_grant = *metrics.grant.lock().expect("grant lock");
+        let grant = last_grant.filter(|(at, _)| at.elapsed() < GRANT_STALE).map(|(_, g)| g);
         let (threads, why) = if t.threads_pinned {
             (t.decoding.size(), "pinned by the user")
         } else if let Some(g) = grant {
             (g.decode_threads as usize, "host daemon's share")
-        } else if metrics.grant.lock().expect("grant lock").is_some() {
+        } else if last_grant.is_some() {
             (pool, "host daemon silent: the process is the host")
         } else {
             (
@@ -824,7 +820,12 @@ async fn tune_loop(t: Tuning, metrics: Arc<Metrics>) {
                 "the process's share (no host daemon grant yet, or none)",
             )
         };
-        let threads = threads.clamp(1, pool.max(1).max(if t.threads_pinned { threads } else { 1 }));
+        // A pinned value stays as given; a tuned one fits the decode pool.
+        let threads = if t.threads_pinned {
+            threads
+        } else {
+            threads.clamp(1, pool.max(1))
+        };
         t.decoding.resize(threads);
         metrics.decode_threads.store(threads as u64, Ordering::Relaxed);
         metrics.set_tune("decode_threads", threads as u64);

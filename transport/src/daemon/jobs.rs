@@ -88,24 +88,7 @@ impl Jobs {
     /// [`GRANT_LIVE`], by their data wait ([`ramjet_engine::tune::shares`]). `None` for a
     /// consumer that does not decode (a plain stream).
     pub fn grant(&self, consumer: &str, decode_threads: u64, memory_bytes: u64) -> Option<ramjet_engine::HostGrant> {
-        let now = Instant::now();
-        let map = self.map.lock().expect("jobs lock");
-        let mut live: Vec<(&String, f64)> = map
-            .iter()
-            .filter(|(_, t)| t.beat.decode_threads > 0 && now.duration_since(t.seen) < GRANT_LIVE)
-            .map(|(k, t)| (k, t.beat.data_wait_share))
-            .collect();
-        live.sort_by(|a, b| a.0.cmp(b.0));
-        let i = live.iter().position(|(k, _)| k.as_str() == consumer)?;
-        let waits: Vec<f64> = live.iter().map(|x| x.1).collect();
-        let n = live.len() as u64;
-        let threads = ramjet_engine::tune::shares(decode_threads, 1, &waits)[i];
-        let memory = ramjet_engine::tune::shares(memory_bytes, memory_bytes / (4 * n).max(1), &waits)[i];
-        Some(ramjet_engine::HostGrant {
-            decode_threads: threads.min(u32::MAX as u64) as u32,
-            memory_bytes: memory,
-            consumers: n as u32,
-        })
+        self.grants(decode_threads, memory_bytes).remove(consumer)
     }
 
     /// Consumers heard from within [`GRANT_LIVE`] (they share the host's shards).
@@ -115,16 +98,34 @@ impl Jobs {
         map.values().filter(|t| now.duration_since(t.seen) < GRANT_LIVE).count()
     }
 
-    /// Every decoding consumer's grant now, by consumer.
+    /// Every decoding consumer's grant now, by consumer (see [`Jobs::grant`]).
     pub fn grants(
         &self,
         decode_threads: u64,
         memory_bytes: u64,
     ) -> std::collections::BTreeMap<String, ramjet_engine::HostGrant> {
-        let names: Vec<String> = self.map.lock().expect("jobs lock").keys().cloned().collect();
-        names
-            .into_iter()
-            .filter_map(|c| self.grant(&c, decode_threads, memory_bytes).map(|g| (c, g)))
+        let now = Instant::now();
+        let map = self.map.lock().expect("jobs lock");
+        let mut live: Vec<(&String, f64)> = map
+            .iter()
+            .filter(|(_, t)| t.beat.decode_threads > 0 && now.duration_since(t.seen) < GRANT_LIVE)
+            .map(|(k, t)| (k, t.beat.data_wait_share))
+            .collect();
+        live.sort_by(|a, b| a.0.cmp(b.0));
+        let waits: Vec<f64> = live.iter().map(|x| x.1).collect();
+        let n = live.len() as u64;
+        let threads = ramjet_engine::tune::shares(decode_threads, 1, &waits);
+        let memory = ramjet_engine::tune::shares(memory_bytes, memory_bytes / (4 * n).max(1), &waits);
+        live.iter()
+            .zip(threads.into_iter().zip(memory))
+            .map(|((k, _), (t, m))| {
+                let g = ramjet_engine::HostGrant {
+                    decode_threads: t.min(u32::MAX as u64) as u32,
+                    memory_bytes: m,
+                    consumers: n as u32,
+                };
+                ((*k).clone(), g)
+            })
             .collect()
     }
 
