@@ -63,7 +63,13 @@ fn main() {
             1,
             || rm(&pack_dst),
             || {
-                pack(&src, pack_dst.to_str().unwrap(), &PackOptions::default(), &hidden).expect("pack");
+                pack(
+                    src.to_str().unwrap(),
+                    pack_dst.to_str().unwrap(),
+                    &PackOptions::default(),
+                    &hidden,
+                )
+                .expect("pack");
             },
         ));
     }

@@ -95,7 +95,13 @@ pub fn bench_dataset(rt: &tokio::runtime::Runtime, n: usize) -> (String, ramjet_
     let src = synth_dataset(n);
     let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
     if rt.block_on(ramjet_engine::Dataset::open(&url)).is_err() {
-        ramjet_tools::pack::pack(&src, &url, &Default::default(), &indicatif::ProgressBar::hidden()).expect("pack");
+        ramjet_tools::pack::pack(
+            src.to_str().unwrap(),
+            &url,
+            &Default::default(),
+            &indicatif::ProgressBar::hidden(),
+        )
+        .expect("pack");
     }
     let ds = rt
         .block_on(ramjet_engine::Dataset::open(&url))

@@ -719,6 +719,50 @@ impl Store {
         Ok(())
     }
 
+    /// The objects under folder `under` (relative to this store; `""` for all), after key
+    /// `after` when given, a page at a time, in the store's own listing order: UTF-8 byte order
+    /// of the keys on S3, folder by folder on SeaweedFS (whichever it is, `after` resumes it).
+    /// Keys come back relative to this store. A transient failure mid-listing is retried under
+    /// the retry policy from the last key received, so nothing is listed twice or lost.
+    pub fn list(&self, under: &str, after: Option<&str>) -> Listing {
+        Listing {
+            store: self.clone(),
+            under: self.path(under),
+            last: after.map(|a| self.path(a)),
+            inner: None,
+            retry: Retrying::new(self.config.retry),
+            done: false,
+        }
+    }
+
+    /// The folders (common prefixes) and objects directly under folder `under`, each sorted by
+    /// name, as names relative to `under`; objects with their sizes. For the few top-level
+    /// entries of a layout (an image folder's classes), not for a large flat folder.
+    pub async fn list_dir(&self, under: &str) -> Result<(Vec<String>, Vec<(String, u64)>)> {
+        let path = self.path(under);
+        let r = self
+            .retrying(under, || self.inner.list_with_delimiter(Some(&path)))
+            .await?;
+        let name = |p: &Path| p.filename().unwrap_or_default().to_owned();
+        let mut dirs: Vec<String> = r.common_prefixes.iter().map(name).collect();
+        let mut files: Vec<(String, u64)> = r.objects.iter().map(|o| (name(&o.location), o.size)).collect();
+        dirs.sort();
+        files.sort();
+        Ok((dirs, files))
+    }
+
+    /// A key relative to this store, for a path the client returned.
+    fn relative(&self, p: &Path) -> String {
+        let full = p.as_ref();
+        let pre = self.prefix.as_ref();
+        if pre.is_empty() {
+            return full.to_owned();
+        }
+        full.strip_prefix(pre)
+            .map(|r| r.trim_start_matches('/').to_owned())
+            .unwrap_or_else(|| full.to_owned())
+    }
+
     /// Deletes an object (tests and tools use this).
     pub async fn delete(&self, key: &str) -> Result<()> {
         let path = self.path(key);
@@ -884,6 +928,66 @@ impl Pace {
 }
 
 /// The state of one request's retries.
+/// A listing in progress ([`Store::list`]).
+pub struct Listing {
+    store: Store,
+    under: Path,
+    /// The last key received (or the starting point): a retry resumes after it.
+    last: Option<Path>,
+    inner: Option<futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>>,
+    retry: Retrying,
+    /// The listing ended (a finished stream must not be polled again).
+    done: bool,
+}
+
+impl std::fmt::Debug for Listing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listing")
+            .field("store", &self.store.base_url)
+            .field("under", &self.under)
+            .field("last", &self.last)
+            .finish()
+    }
+}
+
+impl Listing {
+    /// The next object: its key (relative to the store) and size; `None` at the end.
+    pub async fn next(&mut self) -> Option<Result<(String, u64)>> {
+        use futures::StreamExt;
+        if self.done {
+            return None;
+        }
+        loop {
+            let inner = self.inner.get_or_insert_with(|| {
+                let under = (!self.under.as_ref().is_empty()).then_some(&self.under);
+                match &self.last {
+                    Some(after) => self.store.inner.list_with_offset(under, after),
+                    None => self.store.inner.list(under),
+                }
+            });
+            match inner.next().await {
+                None => {
+                    self.done = true;
+                    return None;
+                }
+                Some(Ok(meta)) => {
+                    self.retry = Retrying::new(self.store.config.retry);
+                    let key = self.store.relative(&meta.location);
+                    self.last = Some(meta.location);
+                    return Some(Ok((key, meta.size)));
+                }
+                Some(Err(e)) => {
+                    self.inner = None;
+                    let what = self.store.relative(&self.under);
+                    if let Err(e) = self.store.after_failure(&what, &mut self.retry, e).await {
+                        return Some(Err(e));
+                    }
+                }
+            }
+        }
+    }
+}
+
 struct Retrying {
     start: Instant,
     backoff: Duration,

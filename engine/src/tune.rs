@@ -37,6 +37,8 @@ const PROBE_EVERY: u32 = 8;
 const THROTTLE_CUT: f64 = 0.7;
 /// Multiplicative decrease of the request-rate cap on throttling.
 const RATE_CUT: f64 = 0.9;
+/// Requests completed in the last second below which a throttle sets no rate cap.
+const RATE_CAP_MIN_OBSERVED: f64 = 8.0;
 /// The rate cap grows by this fraction a second while nothing is throttled.
 const RATE_GROWTH_PER_S: f64 = 0.02;
 /// With nothing throttled for this long, the rate cap is lifted.
@@ -323,12 +325,17 @@ impl OriginTune {
             return;
         }
         self.last_cut = Some(now);
-        let observed = self.recent.len().max(1) as f64;
-        self.cap_rps = Some(match self.cap_rps {
-            Some(c) => (c.min(observed) * RATE_CUT).max(0.5),
-            None => (observed * RATE_CUT).max(0.5),
-        });
-        self.cap_grown_at = Some(now);
+        let observed = self.recent.len() as f64;
+        // A rate cap only from a rate: a 503 among a handful of requests a second is an outage
+        // the retries wait out, not a request-rate limit (a cap learnt from it would space every
+        // later request a second apart).
+        if observed >= RATE_CAP_MIN_OBSERVED {
+            self.cap_rps = Some(match self.cap_rps {
+                Some(c) => c.min(observed) * RATE_CUT,
+                None => observed * RATE_CUT,
+            });
+            self.cap_grown_at = Some(now);
+        }
         if !self.pinned {
             self.limit = (self.limit * THROTTLE_CUT).max(ORIGIN_LIMIT_MIN as f64);
             self.reason = Reason::Throttled;
@@ -881,6 +888,29 @@ mod tests {
         let a = t.start_at(now);
         let b = t.start_at(now);
         assert!(b > a);
+    }
+
+    /// A 503 among the first requests (an outage, not a rate limit) pauses and cuts, but sets
+    /// no rate cap: one learnt from a rate of one request a second spaced every later request a
+    /// second apart (a pack of a few hundred objects took minutes after two injected 503s).
+    #[test]
+    fn a_throttle_among_few_requests_sets_no_rate_cap() {
+        let mut t = OriginTune::new(None);
+        let now = Instant::now();
+        t.done(
+            now,
+            Outcome::Ok {
+                bytes: 1 << 10,
+                latency: Duration::from_millis(1),
+                transfer: Duration::from_millis(1),
+            },
+        );
+        t.done(now, Outcome::Throttled);
+        assert_eq!(t.rate_cap(), None);
+        let later = now + Duration::from_secs(1);
+        let a = t.start_at(later);
+        let b = t.start_at(later);
+        assert_eq!((a, b), (later, later), "no spacing once the pause is over");
     }
 
     #[test]

@@ -342,3 +342,175 @@ fn a_wrong_secret_is_refused_without_retrying() {
     );
     assert_eq!(proxy.connections(), 1, "a 403 must not be retried");
 }
+
+/// Uploads every file under local folder `dir` to `url` (keys relative to `dir`).
+fn upload_tree(dir: &std::path::Path, url: &str) {
+    let store = Store::open(url).unwrap();
+    let mut stack = vec![dir.to_path_buf()];
+    let mut puts = Vec::new();
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let key = p.strip_prefix(dir).unwrap().to_str().unwrap().to_owned();
+                puts.push((key, Bytes::from(std::fs::read(&p).unwrap())));
+            }
+        }
+    }
+    block_on(async {
+        for (k, b) in puts {
+            store.put(&k, b).await.unwrap();
+        }
+    });
+}
+
+fn pack_version(out: &str) -> String {
+    out.lines()
+        .find_map(|l| l.strip_prefix("pack: manifest version "))
+        .unwrap_or_else(|| panic!("no version in {out}"))
+        .to_owned()
+}
+
+/// `ramjet pack s3://…` reads its input in place, through the same store as every read: a YOLO
+/// layout (labels fetched beside each image), an image folder (classes from the prefix's
+/// folders, files loose at its top refused unless skipped) and a JSONL object whose rows name
+/// images by key and by s3:// URL give the same manifest version as the same input packed from
+/// local disk.
+#[test]
+fn pack_reads_its_input_from_s3_the_same_as_from_disk() {
+    let s = s3();
+    let t = tempfile::tempdir().unwrap();
+    let yolo = synth_dataset(40);
+    // An image folder of the same images, two classes, and a stray file at its top.
+    let folder = t.path().join("folder");
+    for i in 0..40 {
+        let class = if i % 3 == 0 { "cat" } else { "dog" };
+        std::fs::create_dir_all(folder.join(class)).unwrap();
+        std::fs::copy(
+            yolo.join(format!("images/{i:06}.jpg")),
+            folder.join(format!("{class}/{i:03}.jpg")),
+        )
+        .unwrap();
+    }
+    std::fs::write(folder.join("README.txt"), "not an image").unwrap();
+    let raw = s3_prefix("raw");
+    upload_tree(&yolo, &format!("{raw}/yolo"));
+    upload_tree(&folder, &format!("{raw}/folder"));
+    // Rows naming images: by key relative to the JSONL's folder, and by URL.
+    let bucket_rel = raw.strip_prefix(&format!("s3://{}/", s.bucket)).unwrap();
+    let rows: String = (0..40)
+        .map(|i| {
+            let name = if i % 2 == 0 {
+                format!("yolo/images/{i:06}.jpg")
+            } else {
+                format!("s3://{}/{bucket_rel}/yolo/images/{i:06}.jpg", s.bucket)
+            };
+            format!("{{\"image\": \"{name}\", \"caption\": \"image {i}\"}}\n")
+        })
+        .collect();
+    let jsonl = t.path().join("rows.jsonl");
+    std::fs::write(&jsonl, &rows).unwrap();
+    block_on(Store::open(&raw).unwrap().put("rows.jsonl", Bytes::from(rows))).unwrap();
+    // The local copy of the rows names local files for the even rows.
+    std::fs::create_dir_all(t.path().join("yolo")).unwrap();
+    std::os::unix::fs::symlink(yolo.join("images"), t.path().join("yolo/images")).unwrap();
+
+    let dst = |n: &str| t.path().join(n).to_str().unwrap().to_owned();
+    for (remote, local, extra) in [
+        (format!("{raw}/yolo"), yolo.to_str().unwrap().to_owned(), vec![]),
+        (
+            format!("{raw}/folder"),
+            folder.to_str().unwrap().to_owned(),
+            vec!["--skip-bad"],
+        ),
+        (
+            format!("{raw}/rows.jsonl"),
+            jsonl.to_str().unwrap().to_owned(),
+            vec!["--image-column", "image"],
+        ),
+    ] {
+        let mut a = vec![
+            "pack",
+            remote.as_str(),
+            "x",
+            "--shard-size",
+            "300KiB",
+            "--group-size",
+            "16",
+        ];
+        a.extend_from_slice(&extra);
+        let (ra, la) = (dst(&format!("r{}", a.len())), dst(&format!("l{}", a.len())));
+        a[2] = &ra;
+        let from_s3 = ramjet_ok(&a);
+        a[1] = &local;
+        a[2] = &la;
+        let from_disk = ramjet_ok(&a);
+        assert_eq!(
+            pack_version(&from_s3),
+            pack_version(&from_disk),
+            "{remote}:\n{from_s3}\n{from_disk}"
+        );
+        assert!(from_s3.contains("pack: 40 samples"), "{from_s3}");
+        if remote.ends_with("folder") {
+            assert!(
+                from_s3.contains("README.txt: file is not inside a class folder"),
+                "{from_s3}"
+            );
+        }
+        ramjet_ok(&["verify", &ra]);
+    }
+    // A row naming an image that is not there is named, line and image.
+    let bad = s3_prefix("badrows");
+    block_on(Store::open(&bad).unwrap().put(
+        "rows.jsonl",
+        Bytes::from(format!("{{\"image\": \"{bucket_rel}/nope.jpg\", \"n\": 1}}\n")),
+    ))
+    .unwrap();
+    ramjet_fails_naming(
+        &[
+            "pack",
+            &format!("{bad}/rows.jsonl"),
+            &dst("bad"),
+            "--image-column",
+            "image",
+        ],
+        &["rows.jsonl:1: image", "nope.jpg"],
+    );
+}
+
+/// A pack split into three tasks reading from S3 and writing to S3, each task through a proxy
+/// that answers its first connections with 503, retries and gives the manifest version of one
+/// pack; the merge checks every stored shard.
+#[test]
+fn a_split_pack_from_s3_to_s3_retries_and_equals_one_pack() {
+    s3();
+    let raw = s3_prefix("raw-split");
+    upload_tree(&synth_dataset(40), &raw);
+    let (one, split) = (s3_prefix("one"), s3_prefix("split"));
+    let extra = ["--group-size", "6", "--shard-size", "300KiB"];
+    let mut a = vec!["pack", raw.as_str(), one.as_str()];
+    a.extend_from_slice(&extra);
+    let v = pack_version(&ramjet_ok(&a));
+    for i in 0..3 {
+        let proxy = FaultProxy::start(&upstream(), Fault::Status503, 2);
+        let task = i.to_string();
+        let mut a = vec!["pack", raw.as_str(), split.as_str(), "--tasks", "3", "--task", &task];
+        a.extend_from_slice(&extra);
+        let o = ramjet(
+            &a,
+            &[("AWS_ENDPOINT_URL", &proxy.url), ("RAMJET_RETRY_BACKOFF_MS", "20")],
+        );
+        assert!(o.status.success(), "task {i} through two 503s:\n{}", text(&o));
+        assert!(proxy.connections() > 2, "task {i}: the 503s were not retried");
+    }
+    let mut a = vec!["pack", raw.as_str(), split.as_str(), "--tasks", "3", "--merge"];
+    a.extend_from_slice(&extra);
+    let out = ramjet_ok(&a);
+    assert!(
+        out.contains("merged 7 parts (") && out.contains("stored objects checked"),
+        "{out}"
+    );
+    assert_eq!(pack_version(&out), v);
+}

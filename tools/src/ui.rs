@@ -53,10 +53,10 @@ fn logged(pb: ProgressBar, msg: &'static str, bytes: bool) -> ProgressBar {
                 }
                 if Instant::now() >= next {
                     next += every;
-                    eprintln!(
-                        "{}",
-                        progress_line(msg, pb.position(), pb.length(), t0.elapsed(), bytes)
-                    );
+                    // The bar's message as it is now (pack's names the task and counts objects).
+                    let m = pb.message();
+                    let m = if m.is_empty() { msg.to_owned() } else { m };
+                    eprintln!("{}", progress_line(&m, pb.position(), pb.length(), t0.elapsed(), bytes));
                 }
             }
         });

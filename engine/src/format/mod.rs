@@ -19,9 +19,9 @@ pub use shard::{
     HEADER_LEN, INDEX_ENTRY_LEN, SHARD_MAGIC, SHARD_SAMPLES_MAX,
 };
 pub use table::{
-    shard_table_head_len, shard_table_len, ShardTable, ShardTableRef, TableReader, SHARD_TABLE_AUTO_MIN,
-    SHARD_TABLE_BLOCK_RECORDS, SHARD_TABLE_DIR_ENTRY_LEN, SHARD_TABLE_HEADER_LEN, SHARD_TABLE_MAGIC,
-    SHARD_TABLE_RECORD_LEN,
+    shard_table_head_len, shard_table_len, ShardTable, ShardTableBuilder, ShardTableRef, TableReader,
+    SHARD_TABLE_AUTO_MIN, SHARD_TABLE_BLOCK_RECORDS, SHARD_TABLE_DIR_ENTRY_LEN, SHARD_TABLE_HEADER_LEN,
+    SHARD_TABLE_MAGIC, SHARD_TABLE_RECORD_LEN,
 };
 
 /// Key under which shard number `index` with checksum `checksum` is stored. The checksum in

@@ -143,71 +143,96 @@ fn u32_at(b: &[u8], o: usize) -> u32 {
     u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
 }
 
-impl ShardTable {
-    /// The table of `shards`, whose keys must be pack's (`shards/<k>-<checksum>.rjs`, key
-    /// indices rising), and which all have a sidecar or none does. Held in memory.
-    pub fn build(shards: &[ShardInfo]) -> std::result::Result<ShardTable, Invalid> {
-        let columns = shards.first().is_some_and(|s| s.columns.is_some());
-        let mut records = Vec::with_capacity(shards.len() * SHARD_TABLE_RECORD_LEN);
-        let mut prev: Option<u64> = None;
-        let (mut samples, mut bytes) = (0u64, 0u64);
-        for s in shards {
-            let checksum = s.checksum.get();
-            let k = key_index(&s.key, "shards/", checksum)
-                .ok_or_else(|| format!("shard key {:?} is not shards/<index>-<checksum>.rjs", s.key))?;
-            if prev.is_some_and(|p| k <= p) {
-                return Err(Invalid::from(format!("shard key {:?}: key indices must rise", s.key)));
-            }
-            prev = Some(k);
-            let (cb, cc) = match (&s.columns, columns) {
-                (Some(c), true) => {
-                    let cc = c.checksum.get();
-                    if key_index(&c.key, "columns/", cc) != Some(k) {
-                        return Err(Invalid::from(format!(
-                            "columns key {:?} is not columns/<index>-<checksum>.rjs",
-                            c.key
-                        )));
-                    }
-                    (c.bytes, cc)
-                }
-                (None, false) => (0, 0),
-                _ => return Err(Invalid::from("some shards have a columns sidecar and some do not")),
-            };
-            samples = samples.checked_add(s.samples).ok_or("sample counts overflow 64 bits")?;
-            bytes = bytes.checked_add(s.bytes).ok_or("byte counts overflow 64 bits")?;
-            for v in [s.samples, s.bytes, checksum, k, cb, cc] {
-                records.extend_from_slice(&v.to_le_bytes());
-            }
+/// Builds a [`ShardTable`] a shard at a time, holding 48 bytes a shard (a merge of a large
+/// pack never holds its shards' JSON).
+#[derive(Debug, Default)]
+pub struct ShardTableBuilder {
+    records: Vec<u8>,
+    columns: Option<bool>,
+    prev: Option<u64>,
+    samples: u64,
+    bytes: u64,
+}
+
+impl ShardTableBuilder {
+    /// Shards pushed so far.
+    pub fn len(&self) -> usize {
+        self.records.len() / SHARD_TABLE_RECORD_LEN
+    }
+
+    /// Whether no shard was pushed.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Appends shard `s`: its key must be pack's, its key index above the last one's, and it
+    /// has a sidecar exactly when the first shard has one.
+    pub fn push(&mut self, s: &ShardInfo) -> std::result::Result<(), Invalid> {
+        let checksum = s.checksum.get();
+        let k = key_index(&s.key, "shards/", checksum)
+            .ok_or_else(|| format!("shard key {:?} is not shards/<index>-<checksum>.rjs", s.key))?;
+        if self.prev.is_some_and(|p| k <= p) {
+            return Err(Invalid::from(format!("shard key {:?}: key indices must rise", s.key)));
         }
-        let count = shards.len() as u64;
+        let columns = *self.columns.get_or_insert(s.columns.is_some());
+        let (cb, cc) = match (&s.columns, columns) {
+            (Some(c), true) => {
+                let cc = c.checksum.get();
+                if key_index(&c.key, "columns/", cc) != Some(k) {
+                    return Err(Invalid::from(format!(
+                        "columns key {:?} is not columns/<index>-<checksum>.rjs",
+                        c.key
+                    )));
+                }
+                (c.bytes, cc)
+            }
+            (None, false) => (0, 0),
+            _ => return Err(Invalid::from("some shards have a columns sidecar and some do not")),
+        };
+        let samples = self
+            .samples
+            .checked_add(s.samples)
+            .ok_or("sample counts overflow 64 bits")?;
+        let bytes = self.bytes.checked_add(s.bytes).ok_or("byte counts overflow 64 bits")?;
+        (self.samples, self.bytes, self.prev) = (samples, bytes, Some(k));
+        for v in [s.samples, s.bytes, checksum, k, cb, cc] {
+            self.records.extend_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    }
+
+    /// The table, held in memory.
+    pub fn finish(self) -> std::result::Result<ShardTable, Invalid> {
+        let records = self.records;
+        let count = (records.len() / SHARD_TABLE_RECORD_LEN) as u64;
         let mut b = Vec::with_capacity(shard_table_len(count) as usize);
         b.extend_from_slice(SHARD_TABLE_MAGIC);
-        for v in [count, samples, bytes] {
+        for v in [count, self.samples, self.bytes] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         for v in [
             SHARD_TABLE_RECORD_LEN as u32,
-            columns as u32,
+            self.columns.unwrap_or(false) as u32,
             SHARD_TABLE_BLOCK_RECORDS as u32,
             0,
         ] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         let mut first = 0u64;
-        for (blk, chunk) in records
-            .chunks(SHARD_TABLE_BLOCK_RECORDS * SHARD_TABLE_RECORD_LEN)
-            .enumerate()
-        {
-            let s = &shards[blk * SHARD_TABLE_BLOCK_RECORDS..];
-            let n = chunk.len() / SHARD_TABLE_RECORD_LEN;
+        for chunk in records.chunks(SHARD_TABLE_BLOCK_RECORDS * SHARD_TABLE_RECORD_LEN) {
             let key = u64_at(chunk, 24);
-            let block_bytes: u64 = s[..n].iter().map(|x| x.bytes).sum();
+            let (mut block_samples, mut block_bytes) = (0u64, 0u64);
+            for r in chunk.chunks(SHARD_TABLE_RECORD_LEN) {
+                block_samples += u64_at(r, 0);
+                block_bytes += u64_at(r, 8);
+            }
             for v in [first, key, block_bytes, xxh3_64(chunk)] {
                 b.extend_from_slice(&v.to_le_bytes());
             }
-            first += s[..n].iter().map(|x| x.samples).sum::<u64>();
+            first += block_samples;
         }
         b.extend_from_slice(&records);
+        drop(records);
         let whole = Bytes::from(b);
         ShardTable::open(
             whole.slice(..shard_table_head_len(count) as usize),
@@ -219,7 +244,18 @@ impl ShardTable {
             t
         })
     }
+}
 
+impl ShardTable {
+    /// The table of `shards`, whose keys must be pack's (`shards/<k>-<checksum>.rjs`, key
+    /// indices rising), and which all have a sidecar or none does. Held in memory.
+    pub fn build(shards: &[ShardInfo]) -> std::result::Result<ShardTable, Invalid> {
+        let mut b = ShardTableBuilder::default();
+        for s in shards {
+            b.push(s)?;
+        }
+        b.finish()
+    }
     /// Reads a whole table held in memory, checking its header, directory and length (the
     /// blocks are checked on first use).
     pub fn parse(bytes: Bytes) -> std::result::Result<ShardTable, Invalid> {

@@ -1,17 +1,19 @@
-//! `ramjet pack`: pack an image folder, a YOLO layout or a JSONL file into shards plus a manifest.
+//! `ramjet pack`: pack an image folder, a YOLO layout or a JSONL file (local or in an object
+//! store) into shards plus a manifest, on one machine or split into tasks and merged.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
 
-use crate::pack::{pack, PackOptions, SourceKind};
-use crate::ui::{bytes_bar, human_bytes, parse_size};
+use crate::pack::split::{merge, pack_task, plan};
+use crate::pack::{pack, PackOptions, PackReport, SourceKind, GROUP_ITEMS_DEFAULT};
+use crate::ui::{bytes_bar, count_bar, human_bytes, parse_size};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Input: a folder (YOLO or one subfolder per class) or a .jsonl file.
-    pub src: PathBuf,
+    /// Input: a folder (YOLO or one subfolder per class) or a .jsonl file, local or in an object
+    /// store (s3://bucket/raw/ for a folder, s3://bucket/raw/rows.jsonl for a JSONL object).
+    pub src: String,
     /// Output: a local folder, file://, or s3://bucket/prefix (also gs://, az://).
     pub dst: String,
     /// Target shard size, e.g. 64MiB.
@@ -35,32 +37,115 @@ pub struct Args {
     /// crop then decodes only the part of the image it needs, about 1.3x faster.
     #[arg(long)]
     pub jpeg_restarts: bool,
+    /// A JSONL column whose strings name images (a key relative to the JSONL's folder, a path,
+    /// or a URL such as s3://bucket/key): each is fetched and stored as the image's bytes.
+    #[arg(long)]
+    pub image_column: Option<String>,
+    /// Inputs in a group, the unit a split pack divides (the same value gives the same shards
+    /// whatever the number of tasks).
+    #[arg(long, default_value_t = GROUP_ITEMS_DEFAULT)]
+    pub group_size: u64,
+    /// Split the pack into N tasks: with --task I, pack task I's part; with --merge, write the
+    /// manifest of all parts.
+    #[arg(long)]
+    pub tasks: Option<u64>,
+    /// Which task (0 to N - 1) to pack; $SLURM_ARRAY_TASK_ID in a job array.
+    #[arg(long, requires = "tasks", conflicts_with = "merge")]
+    pub task: Option<u64>,
+    /// Check every task's part and write the dataset's manifest (and shard table) in one step.
+    #[arg(long)]
+    pub merge: bool,
+    /// Only list the input and store the plan the tasks follow (else the first task makes it).
+    #[arg(long, conflicts_with_all = ["merge", "task"])]
+    pub plan: bool,
+    /// With --merge: trust the parts' shard sizes instead of checking each stored shard (one
+    /// HEAD each).
+    #[arg(long, requires = "merge")]
+    pub no_check_shards: bool,
 }
 
 /// Runs the command.
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
-    let Args {
-        src,
-        dst,
-        shard_size,
-        format,
-        skip_bad,
-        threads,
-        shard_table,
-        jpeg_restarts,
-    } = a;
     let opts = PackOptions {
-        shard_bytes_target: shard_size,
-        skip_bad,
-        kind: format,
-        shard_table,
-        jpeg_restarts,
+        shard_bytes_target: a.shard_size,
+        skip_bad: a.skip_bad,
+        kind: a.format,
+        shard_table: a.shard_table,
+        jpeg_restarts: a.jpeg_restarts,
+        group_items: a.group_size,
+        image_column: a.image_column.clone(),
     };
     let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads.unwrap_or(0))
+        .num_threads(a.threads.unwrap_or(0))
         .build()
         .context("thread pool")?;
-    let r = pool.install(|| pack(&src, &dst, &opts, &bytes_bar("pack")))?;
+    if a.plan {
+        let (p, made) = pool.install(|| plan(&a.src, &a.dst, &opts, &count_bar("plan")))?;
+        println!(
+            "pack: plan {} {}: {} inputs in {} groups of {}",
+            p.id,
+            if made { "stored" } else { "already there" },
+            p.items,
+            p.groups.len(),
+            p.options.group_items
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    if a.merge {
+        let r = pool.install(|| {
+            merge(
+                &a.src,
+                &a.dst,
+                a.shard_table,
+                a.tasks,
+                !a.no_check_shards,
+                &count_bar("merge"),
+            )
+        })?;
+        println!(
+            "pack: merged {} parts{} in {:.2} s",
+            r.parts,
+            if r.checked > 0 {
+                format!(" ({} stored objects checked)", r.checked)
+            } else {
+                String::new()
+            },
+            r.pack.elapsed.as_secs_f64()
+        );
+        report(&r.pack);
+        return Ok(ExitCode::SUCCESS);
+    }
+    match (a.tasks, a.task) {
+        (Some(n), Some(i)) => {
+            let r = pool.install(|| pack_task(&a.src, &a.dst, &opts, n, i, &bytes_bar("pack")))?;
+            let secs = r.elapsed.as_secs_f64();
+            println!(
+                "pack task {i}/{n}: groups {}..{} of {} ({} resumed{}): {} samples in {} shards from {} of input in \
+                 {secs:.2} s ({}/s)",
+                r.groups.start,
+                r.groups.end,
+                r.plan.groups.len(),
+                r.resumed,
+                if r.planned { ", plan made by this task" } else { "" },
+                r.samples,
+                r.shards,
+                human_bytes(r.input_bytes),
+                human_bytes((r.input_bytes as f64 / secs.max(1e-9)) as u64),
+            );
+            skipped(&r.skipped);
+            peak_rss();
+            Ok(ExitCode::SUCCESS)
+        }
+        (Some(_), None) => anyhow::bail!("--tasks N needs --task I (pack one task's part), --merge or --plan"),
+        _ => {
+            let r = pool.install(|| pack(&a.src, &a.dst, &opts, &bytes_bar("pack")))?;
+            report(&r);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn report(r: &PackReport) {
     let secs = r.elapsed.as_secs_f64();
     println!(
         "pack: {} samples in {} shards ({}) from {} of input in {:.2} s ({}/s) -> {}",
@@ -73,8 +158,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         r.manifest_url
     );
     println!("pack: manifest version {}", r.manifest.version);
-    // The peak memory of the whole run (a JSONL file is packed as a stream: it stays
-    // about (threads + 2) x --shard-size, whatever the input's size).
+    peak_rss();
+    skipped(&r.skipped);
+}
+
+/// The peak memory of the whole run (a pack is a stream: it stays about (threads + 2) x
+/// --shard-size, whatever the input's size).
+fn peak_rss() {
     if let Some(kb) = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
         s.lines()
             .find(|l| l.starts_with("VmHWM:"))
@@ -82,11 +172,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     }) {
         println!("pack: peak RSS {} MiB", kb / 1024);
     }
-    if !r.skipped.is_empty() {
-        println!("pack: skipped {} bad input(s):", r.skipped.len());
-        for (what, why) in &r.skipped {
+}
+
+fn skipped(s: &[(String, String)]) {
+    if !s.is_empty() {
+        println!("pack: skipped {} bad input(s):", s.len());
+        for (what, why) in s {
             println!("  {what}: {why}");
         }
     }
-    Ok(ExitCode::SUCCESS)
 }

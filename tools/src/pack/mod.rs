@@ -1,0 +1,1248 @@
+//! `ramjet pack`: converts an image-classification folder, a YOLO layout or a JSONL file, on a
+//! local disk or in an object store, into shards plus a manifest; on one machine, or split
+//! into tasks (a Slurm job array) and merged ([`split`]).
+//!
+//! The input is a sequence in a fixed order (`source.rs`), cut into **groups** of
+//! [`PackOptions::group_items`] inputs (65,536 unless set). Each group is packed on its own, the
+//! same way whoever packs it: its inputs are scanned, planned into shards greedily by estimated
+//! size in input order (the last shard of a group ends with it), and each shard is read, checked,
+//! encoded and uploaded by a worker. Shard `j` of group `g` is stored under key index
+//! `g x group_items + j` (`shards/<index>-<checksum>.rjs`), so the shards of a dataset are the
+//! same bytes under the same keys whether one process packed it or a thousand tasks did, and a
+//! dataset smaller than one group packs exactly as before groups existed.
+//!
+//! Memory stays near `threads x shard size`: inputs are listed and scanned a chunk at a time,
+//! and a shard waits for a free worker. The manifest is written last, first as
+//! `manifests/<version>.json` and then as `manifest.json`: if any step fails, no new
+//! `manifest.json` appears.
+
+pub mod source;
+pub mod split;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rayon::prelude::*;
+use serde_json::{Map, Value as Json};
+use xxhash_rust::xxh3::Xxh3;
+
+use ramjet_engine::format::{
+    columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value,
+    MANIFEST_NAME, SHARD_TABLE_AUTO_MIN,
+};
+use ramjet_engine::image::probe::{probe, ImageFormat};
+use ramjet_engine::image::turbo::with_restarts_or_given;
+use ramjet_engine::{Error, Result, Store};
+
+pub use source::Source;
+
+/// Input layouts `pack` understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SourceKind {
+    /// `images/` and `labels/` (YOLO txt), with an optional `data.yaml` of class names.
+    Yolo,
+    /// One subfolder per class, images inside.
+    Imagefolder,
+    /// One JSON object per line.
+    Jsonl,
+}
+
+impl SourceKind {
+    /// Name stored in the manifest's `source` field.
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceKind::Yolo => "yolo",
+            SourceKind::Imagefolder => "imagefolder",
+            SourceKind::Jsonl => "jsonl",
+        }
+    }
+
+    /// The layout of a manifest's `source` field.
+    pub fn from_name(n: &str) -> Option<SourceKind> {
+        [SourceKind::Yolo, SourceKind::Imagefolder, SourceKind::Jsonl]
+            .into_iter()
+            .find(|k| k.name() == n)
+    }
+
+    /// Guesses the layout of `src`: a file is JSONL, a folder with `images/` and `labels/` is
+    /// YOLO, any other folder an image folder.
+    pub fn detect(src: &Source, rt: &tokio::runtime::Runtime) -> Result<SourceKind> {
+        if src.file.is_some() {
+            return Ok(SourceKind::Jsonl);
+        }
+        let (dirs, _) = src.top(rt)?;
+        if dirs.iter().any(|d| d == "images") && dirs.iter().any(|d| d == "labels") {
+            return Ok(SourceKind::Yolo);
+        }
+        Ok(SourceKind::Imagefolder)
+    }
+}
+
+/// Inputs in a group unless set: 65,536 (about 150 shards of 64 MiB at 150 KB an image), so
+/// that 9.5 billion images make about 145,000 groups, enough to spread over any job array.
+pub const GROUP_ITEMS_DEFAULT: u64 = 65_536;
+
+/// Options of `ramjet pack`.
+#[derive(Debug, Clone)]
+pub struct PackOptions {
+    /// Shards are cut when the next sample would take them past this size.
+    pub shard_bytes_target: u64,
+    /// Skip unreadable or unsupported inputs instead of aborting.
+    pub skip_bad: bool,
+    /// Layout; detected when `None`.
+    pub kind: Option<SourceKind>,
+    /// Where the shards are listed.
+    pub shard_table: ShardTableMode,
+    /// Store each JPEG of an image folder or YOLO layout transcoded losslessly with restart
+    /// markers ([`JPEG_RESTART_PX`]), so that a crop decodes only its part of the image. The
+    /// pixels are the same; the bytes are not.
+    pub jpeg_restarts: bool,
+    /// Inputs in a group: the unit a pack is split into. The same input packed with the same
+    /// group size gives the same shards whatever the number of tasks.
+    pub group_items: u64,
+    /// A JSONL column whose values name image objects (a key relative to the JSONL's folder, a
+    /// path, or a URL): each is fetched and stored in its place as the image's bytes.
+    pub image_column: Option<String>,
+}
+
+pub use ramjet_engine::image::turbo::JPEG_RESTART_PX;
+
+/// Where a packed dataset lists its shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShardTableMode {
+    /// A binary shard table above [`SHARD_TABLE_AUTO_MIN`] shards, else the JSON.
+    Auto,
+    /// Always a binary shard table.
+    Always,
+    /// Always the manifest's JSON.
+    Never,
+}
+
+impl ShardTableMode {
+    /// Whether a dataset of `shards` shards gets a binary table.
+    pub fn table_for(self, shards: u64) -> bool {
+        match self {
+            ShardTableMode::Always => true,
+            ShardTableMode::Never => false,
+            ShardTableMode::Auto => shards > SHARD_TABLE_AUTO_MIN as u64,
+        }
+    }
+}
+
+impl Default for PackOptions {
+    fn default() -> Self {
+        Self {
+            shard_bytes_target: 64 << 20,
+            skip_bad: false,
+            kind: None,
+            shard_table: ShardTableMode::Auto,
+            jpeg_restarts: false,
+            group_items: GROUP_ITEMS_DEFAULT,
+            image_column: None,
+        }
+    }
+}
+
+impl PackOptions {
+    fn check(&self) -> Result<()> {
+        if self.shard_bytes_target < 4096 {
+            return Err(Error::invalid("--shard-size", "must be at least 4096 bytes"));
+        }
+        if self.group_items == 0 || self.group_items > 1 << 32 {
+            return Err(Error::invalid("--group-size", "must be between 1 and 2^32 inputs"));
+        }
+        Ok(())
+    }
+}
+
+/// What [`pack`] did.
+#[derive(Debug, Clone)]
+pub struct PackReport {
+    /// The manifest written.
+    pub manifest: Manifest,
+    /// URL of `manifest.json`.
+    pub manifest_url: String,
+    /// Inputs skipped with `--skip-bad`: (path or `path:line`, reason).
+    pub skipped: Skipped,
+    /// Input bytes read.
+    pub input_bytes: u64,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+/// Inputs skipped with `--skip-bad`: (path or `path:line`, reason).
+pub type Skipped = Vec<(String, String)>;
+
+/// A layout's schema and the manifest's metadata.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// Its kind.
+    pub kind: SourceKind,
+    /// The schema of its shards.
+    pub schema: Schema,
+    /// The manifest's metadata (classes, source file, ...).
+    pub meta: Map<String, Json>,
+}
+
+/// One group as packed: what it held and what it gave.
+#[derive(Debug, Default)]
+pub struct GroupOut {
+    /// Inputs in the group (skipped ones included).
+    pub items: u64,
+    /// xxh3-64 of the group's input names (or JSONL lines), each followed by a newline.
+    pub hash: u64,
+    /// The group's first input's name.
+    pub first: String,
+    /// Its shards, in order.
+    pub shards: Vec<ShardInfo>,
+    /// Inputs skipped with `--skip-bad`, in input order.
+    pub skipped: Skipped,
+    /// Input bytes read.
+    pub input_bytes: u64,
+}
+
+/// Running statistics of a group while its inputs are read.
+#[derive(Default)]
+struct GroupStat {
+    items: u64,
+    hash: Option<Box<Xxh3>>,
+    first: String,
+}
+
+impl GroupStat {
+    fn add(&mut self, name: &[u8], label: impl FnOnce() -> String) {
+        if self.items == 0 {
+            self.first = label();
+        }
+        self.items += 1;
+        let h = self.hash.get_or_insert_with(|| Box::new(Xxh3::new()));
+        h.update(name);
+        h.update(b"\n");
+    }
+    fn into_out(self) -> GroupOut {
+        GroupOut {
+            items: self.items,
+            hash: self.hash.map(|h| h.digest()).unwrap_or(0),
+            first: self.first,
+            ..GroupOut::default()
+        }
+    }
+}
+
+/// Everything a pack's steps share.
+pub(crate) struct Ctx<'a> {
+    pub src: &'a Source,
+    pub dst: &'a Store,
+    pub rt: &'a tokio::runtime::Runtime,
+    pub opts: &'a PackOptions,
+    pub layout: &'a Layout,
+    pub progress: &'a indicatif::ProgressBar,
+    /// Names the pack in progress lines ("pack", "pack task 2/6").
+    pub label: String,
+    /// Inputs packed so far (progress lines count them).
+    pub objects: std::sync::atomic::AtomicU64,
+}
+
+/// The runtime a pack's requests run on.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("tokio runtime", e))
+}
+
+/// Packs `src` (a local folder or file, or an object store prefix or JSONL object) into `dst`
+/// (a local folder or an object-store URL), on this machine.
+pub fn pack(src: &str, dst: &str, opts: &PackOptions, progress: &indicatif::ProgressBar) -> Result<PackReport> {
+    let t0 = Instant::now();
+    opts.check()?;
+    let source = Source::open(src)?;
+    let store = open_dst(dst)?;
+    let rt = runtime()?;
+    let layout = layout(&source, &rt, opts)?;
+    let ctx = Ctx {
+        src: &source,
+        dst: &store,
+        rt: &rt,
+        opts,
+        layout: &layout,
+        progress,
+        label: "pack".into(),
+        objects: Default::default(),
+    };
+    let groups = if layout.kind == SourceKind::Jsonl {
+        pack_jsonl(&ctx, source.file_reader(&rt, 0)?, 0, None)?
+    } else {
+        pack_files(&ctx, None, 0, None)?
+    };
+    progress.finish_and_clear();
+    if groups.is_empty() {
+        let what = if layout.kind == SourceKind::Jsonl {
+            "no JSON objects found"
+        } else {
+            "no samples found"
+        };
+        return Err(Error::invalid(src, what));
+    }
+    let (mut shards, mut skipped, mut input_bytes) = (Vec::new(), Vec::new(), 0);
+    for (_, g) in groups {
+        shards.extend(g.shards);
+        skipped.extend(g.skipped);
+        input_bytes += g.input_bytes;
+    }
+    if shards.is_empty() {
+        return Err(Error::invalid(src, "every input was skipped"));
+    }
+    let manifest = write_manifest(&store, &rt, &layout, opts.shard_table, &shards)?;
+    Ok(PackReport {
+        manifest_url: store.url(MANIFEST_NAME),
+        manifest,
+        skipped,
+        input_bytes,
+        elapsed: t0.elapsed(),
+    })
+}
+
+/// Writes the shard table (if the mode asks for one), then `manifests/<version>.json`, then
+/// `manifest.json`, last.
+pub(crate) fn write_manifest(
+    store: &Store,
+    rt: &tokio::runtime::Runtime,
+    layout: &Layout,
+    mode: ShardTableMode,
+    shards: &[ShardInfo],
+) -> Result<Manifest> {
+    let (kind, schema, meta) = (layout.kind.name(), layout.schema.clone(), layout.meta.clone());
+    let manifest = if mode.table_for(shards.len() as u64) {
+        let t = ShardTable::build(shards).map_err(|why| Error::invalid("shard table", why))?;
+        put_table_and(store, rt, t, |t, key| Manifest::with_table(kind, schema, meta, t, key))?
+    } else {
+        Manifest::new(kind, schema, meta, shards.to_vec())
+    };
+    put_manifest(store, rt, &manifest)?;
+    Ok(manifest)
+}
+
+/// Uploads a shard table (before any manifest names it) and makes the manifest that does.
+pub(crate) fn put_table_and(
+    store: &Store,
+    rt: &tokio::runtime::Runtime,
+    t: ShardTable,
+    make: impl FnOnce(ShardTable, String) -> Manifest,
+) -> Result<Manifest> {
+    let key = format!("tables/{:016x}.rjt", t.checksum());
+    rt.block_on(store.put(&key, t.as_bytes().expect("built in memory").clone()))?;
+    Ok(make(t, key))
+}
+
+/// `manifests/<version>.json`, then `manifest.json`.
+pub(crate) fn put_manifest(store: &Store, rt: &tokio::runtime::Runtime, manifest: &Manifest) -> Result<()> {
+    let bytes = Bytes::from(manifest.to_bytes());
+    rt.block_on(async {
+        store
+            .put(&format!("manifests/{}.json", manifest.version), bytes.clone())
+            .await?;
+        store.put(MANIFEST_NAME, bytes).await
+    })
+}
+
+/// The layout of `src`: its kind (detected unless given), schema and metadata.
+pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) -> Result<Layout> {
+    let kind = match opts.kind {
+        Some(k) => k,
+        None => SourceKind::detect(src, rt)?,
+    };
+    if opts.image_column.is_some() && kind != SourceKind::Jsonl {
+        return Err(Error::invalid(
+            "--image-column",
+            "only a JSONL input names images by column",
+        ));
+    }
+    let mut l = match kind {
+        SourceKind::Jsonl => jsonl_layout(src, rt, opts)?,
+        SourceKind::Yolo => yolo_layout(src, rt)?,
+        SourceKind::Imagefolder => imagefolder_layout(src, rt)?,
+    };
+    if opts.jpeg_restarts && kind != SourceKind::Jsonl {
+        l.meta.insert("jpeg_restart_px".into(), Json::from(JPEG_RESTART_PX));
+    }
+    Ok(l)
+}
+
+/// Inputs scanned at a time (file sizes, YOLO labels), in parallel.
+const SCAN_CHUNK: usize = 4096;
+
+/// One input found by the listing of a folder: a file (with its class for an image folder, and
+/// its size when the listing gave it), or one refused as found (a loose file in an image
+/// folder).
+pub(crate) enum Found {
+    File { rel: String, class: i64, size: Option<u64> },
+    Bad(String, Error),
+}
+
+impl Found {
+    pub(crate) fn rel(&self) -> &str {
+        match self {
+            Found::File { rel, .. } | Found::Bad(rel, _) => rel,
+        }
+    }
+}
+
+/// One input sample, as found by the scan.
+struct Item {
+    /// Key relative to the source: used in messages and stored in the `path` column.
+    rel: String,
+    /// Position in the input (its group is `pos / group_items`).
+    pos: u64,
+    /// Estimated record size, used to plan shards.
+    size: u64,
+    extra: Extra,
+}
+
+enum Extra {
+    /// Image-folder class index.
+    Label(i64),
+    /// YOLO boxes as compact JSON.
+    Boxes(String),
+}
+
+/// The inputs of an image folder or a YOLO layout in order, starting after key `after`: for
+/// an image folder the files loose at its top (each refused) and then each class's files,
+/// class by class; for YOLO the files under `images/`.
+pub(crate) fn entries(
+    ctx_src: &Source,
+    rt: &tokio::runtime::Runtime,
+    kind: SourceKind,
+    after: Option<&str>,
+) -> Result<Box<dyn Iterator<Item = Result<Found>> + Send>> {
+    match kind {
+        SourceKind::Yolo => Ok(Box::new(
+            ctx_src
+                .walk(rt.handle(), "images", after)
+                .map(|r| r.map(|(rel, size)| Found::File { rel, class: -1, size })),
+        )),
+        SourceKind::Imagefolder => {
+            let (classes, loose) = ctx_src.top(rt)?;
+            // Where `after` is: among the loose files (no `/`), or in a class.
+            let (loose_after, class_after) = match after {
+                None => (None, None),
+                Some(a) => match a.split_once('/') {
+                    None => (Some(a.to_owned()), None),
+                    Some((c, _)) => (None, Some((c.to_owned(), a.to_owned()))),
+                },
+            };
+            let skip_loose = class_after.is_some();
+            let refused: Vec<Result<Found>> = loose
+                .into_iter()
+                .filter(|n| !skip_loose && loose_after.as_deref().is_none_or(|a| n.as_str() > a))
+                .map(|n| {
+                    let e = Error::invalid(ctx_src.name(&n), "file is not inside a class folder");
+                    Ok(Found::Bad(n, e))
+                })
+                .collect();
+            let (src, h) = (ctx_src.clone(), rt.handle().clone());
+            let files = classes
+                .into_iter()
+                .enumerate()
+                .filter(|(_, c)| class_after.as_ref().is_none_or(|(ca, _)| c.as_str() >= ca.as_str()))
+                .collect::<Vec<_>>()
+                .into_iter()
+                .flat_map(move |(ci, c)| {
+                    let after = class_after.as_ref().filter(|(ca, _)| *ca == c).map(|(_, k)| k.clone());
+                    src.walk(&h, &c, after.as_deref()).map(move |r| {
+                        r.map(|(rel, size)| Found::File {
+                            rel,
+                            class: ci as i64,
+                            size,
+                        })
+                    })
+                });
+            Ok(Box::new(refused.into_iter().chain(files)))
+        }
+        SourceKind::Jsonl => unreachable!("JSONL inputs are lines"),
+    }
+}
+
+/// What building one planned shard gave: the shard (none if every input was skipped), the
+/// inputs skipped, and the input bytes read.
+type ShardOutcome = (Option<ShardInfo>, Skipped, u64);
+
+/// Packs the files of an image folder or a YOLO layout from after key `after` (the whole
+/// input when `None`), at most `limit` of them, the first being input number `first_pos`: a
+/// stream, listed and scanned a chunk at a time, planned into shards as they come (a shard
+/// never spans two groups), each shard built and uploaded by a worker while the listing goes
+/// on. Memory holds one chunk of scanned inputs and the shards being built (one per worker,
+/// one queued), not the listing. Returns each group met, packed.
+pub(crate) fn pack_files(
+    ctx: &Ctx,
+    after: Option<&str>,
+    first_pos: u64,
+    limit: Option<u64>,
+) -> Result<BTreeMap<u64, GroupOut>> {
+    let gi = ctx.opts.group_items;
+    let found = entries(ctx.src, ctx.rt, ctx.layout.kind, after)?;
+    let mut found: Box<dyn Iterator<Item = Result<Found>> + Send> = match limit {
+        Some(n) => Box::new(found.take(n as usize)),
+        None => found,
+    };
+    let side_schema = ctx.layout.schema.without_bytes();
+    let mut stats: BTreeMap<u64, GroupStat> = BTreeMap::new();
+    let mut scan_skips: Vec<(u64, String, String)> = Vec::new();
+    let done = with_workers(
+        |(g, j, items): (u64, u64, Vec<Item>)| Ok((g, j, build_shard(ctx, g * gi + j, &items, side_schema.as_ref())?)),
+        |send| {
+            let mut pos = first_pos;
+            let (mut plan, mut acc, mut cur, mut j): (Vec<Item>, u64, u64, u64) = (Vec::new(), 0, first_pos / gi, 0);
+            loop {
+                let chunk: Vec<Found> = found.by_ref().take(SCAN_CHUNK).collect::<Result<_>>()?;
+                if chunk.is_empty() {
+                    break;
+                }
+                for (k, f) in chunk.iter().enumerate() {
+                    let g = (pos + k as u64) / gi;
+                    stats
+                        .entry(g)
+                        .or_default()
+                        .add(f.rel().as_bytes(), || f.rel().to_owned());
+                }
+                let scanned = scan_chunk(ctx, chunk, pos);
+                pos += scanned.len() as u64;
+                for (p, rel, r) in scanned {
+                    let it = match r {
+                        Ok(it) => it,
+                        Err(e) if ctx.opts.skip_bad => {
+                            scan_skips.push((p / gi, rel, reason_of(&e)));
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    ctx.progress.inc_length(it.size);
+                    let g = it.pos / gi;
+                    if g != cur {
+                        // A group's last shard ends with it.
+                        if !plan.is_empty() && !send((cur, j, std::mem::take(&mut plan))) {
+                            return Ok(());
+                        }
+                        (cur, j, acc) = (g, 0, 0);
+                    }
+                    if acc > 0 && acc + it.size > ctx.opts.shard_bytes_target {
+                        if !send((cur, j, std::mem::take(&mut plan))) {
+                            return Ok(());
+                        }
+                        j += 1;
+                        acc = 0;
+                    }
+                    acc += it.size;
+                    plan.push(it);
+                }
+            }
+            if !plan.is_empty() {
+                send((cur, j, plan));
+            }
+            Ok(())
+        },
+    );
+    let mut done = done?;
+    let mut out: BTreeMap<u64, GroupOut> = stats.into_iter().map(|(g, s)| (g, s.into_out())).collect();
+    for (g, rel, why) in scan_skips {
+        out.entry(g).or_default().skipped.push((rel, why));
+    }
+    done.sort_by_key(|(g, j, _)| (*g, *j));
+    for (g, _, (info, sk, read)) in done {
+        let o = out.entry(g).or_default();
+        o.shards.extend(info);
+        o.skipped.extend(sk);
+        o.input_bytes += read;
+    }
+    Ok(out)
+}
+
+/// YOLO's label file for image `rel` (`images/a/b.jpg` → `labels/a/b.txt`).
+fn label_key(rel: &str) -> String {
+    let under = rel.strip_prefix("images/").unwrap_or(rel);
+    let cut = match under.rfind('.') {
+        Some(i) if i > under.rfind('/').map_or(0, |s| s + 1) => i,
+        _ => under.len(),
+    };
+    format!("labels/{}.txt", &under[..cut])
+}
+
+/// Scans a chunk of inputs, the first being input number `pos`: each one's size (from the
+/// listing, or a local file's metadata) and, for YOLO, its label file's boxes (fetched together
+/// from an object store). Returns each input's position, name and item, in order.
+fn scan_chunk(ctx: &Ctx, chunk: Vec<Found>, pos: u64) -> Vec<(u64, String, Result<Item>)> {
+    let kind = ctx.layout.kind;
+    let labels: Vec<Option<Result<Option<Vec<u8>>>>> = if kind == SourceKind::Yolo {
+        let keys: Vec<String> = chunk.iter().map(|f| label_key(f.rel())).collect();
+        ctx.src.read_opt_all(ctx.rt, &keys).into_iter().map(Some).collect()
+    } else {
+        chunk.iter().map(|_| None).collect()
+    };
+    chunk
+        .into_par_iter()
+        .zip(labels)
+        .enumerate()
+        .map(|(k, (f, label))| {
+            let p = pos + k as u64;
+            match f {
+                Found::Bad(rel, e) => (p, rel, Err(e)),
+                Found::File { rel, class, size } => {
+                    let r = scan_one(ctx, &rel, class, size, label, p);
+                    (p, rel, r)
+                }
+            }
+        })
+        .collect()
+}
+
+/// One input's item: its estimated record size and its label or boxes.
+fn scan_one(
+    ctx: &Ctx,
+    rel: &str,
+    class: i64,
+    size: Option<u64>,
+    label: Option<Result<Option<Vec<u8>>>>,
+    pos: u64,
+) -> Result<Item> {
+    let size = match size {
+        Some(s) => s,
+        None => ctx.src.local_size(rel)?,
+    };
+    let (extra, more) = match label {
+        None => (Extra::Label(class), 0),
+        Some(label) => {
+            let key = label_key(rel);
+            let boxes = match label? {
+                Some(b) => {
+                    let name = ctx.src.name(&key);
+                    let text = String::from_utf8(b).map_err(|_| Error::invalid(name.clone(), "not UTF-8 text"))?;
+                    parse_yolo_labels(&text, Path::new(&name))?
+                }
+                // No label file is YOLO's way of saying "no objects".
+                None => "[]".to_owned(),
+            };
+            let n = boxes.len() as u64;
+            (Extra::Boxes(boxes), n)
+        }
+    };
+    Ok(Item {
+        size: size + more + rel.len() as u64 + 64,
+        rel: rel.to_owned(),
+        pos,
+        extra,
+    })
+}
+
+/// Runs `produce` on this thread while as many workers as the rayon pool has threads take the
+/// jobs it sends (a queue of one, so memory holds the jobs being worked on and one more) and
+/// run `work` on each. `send` returns false once a job has failed (then `produce` should stop;
+/// the workers still take and drop what it sends, so it never blocks). Returns every job's
+/// result, in no order, or the first failed job's error, else `produce`'s.
+fn with_workers<J: Send, T: Send>(
+    work: impl Fn(J) -> Result<T> + Sync,
+    produce: impl FnOnce(&mut dyn FnMut(J) -> bool) -> Result<()>,
+) -> Result<Vec<T>> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    let (tx, rx) = std::sync::mpsc::sync_channel::<J>(1);
+    let rx = Mutex::new(rx);
+    let done: Mutex<Vec<T>> = Mutex::new(Vec::new());
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    let stop = AtomicBool::new(false);
+    let produced = std::thread::scope(|scope| {
+        for _ in 0..rayon::current_num_threads().max(1) {
+            scope.spawn(|| loop {
+                let Ok(job) = rx.lock().expect("not poisoned").recv() else {
+                    return;
+                };
+                if stop.load(Ordering::Relaxed) {
+                    continue;
+                }
+                match work(job) {
+                    Ok(t) => done.lock().expect("not poisoned").push(t),
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        failed.lock().expect("not poisoned").get_or_insert(e);
+                    }
+                }
+            });
+        }
+        // Dropped when `produce` returns, which ends the workers.
+        let tx = tx;
+        produce(&mut |job| tx.send(job).is_ok() && !stop.load(Ordering::Relaxed))
+    });
+    if let Some(e) = failed.into_inner().expect("not poisoned") {
+        return Err(e);
+    }
+    produced?;
+    Ok(done.into_inner().expect("not poisoned"))
+}
+
+/// Builds and uploads the shard of key index `idx` holding `items` (and its columns sidecar,
+/// first): an input that cannot be read or decoded is skipped with `--skip-bad`, else fails the
+/// pack. From an object store the inputs are fetched [`source::FETCH_IN_FLIGHT`] at a time.
+fn build_shard(ctx: &Ctx, idx: u64, items: &[Item], side_schema: Option<&Schema>) -> Result<ShardOutcome> {
+    let mut b = ShardBuilder::new(ctx.layout.schema.clone());
+    let mut side = side_schema.cloned().map(ShardBuilder::new);
+    b.reserve(items.iter().map(|i| i.size).sum::<u64>() as usize);
+    let mut skipped = Vec::new();
+    let mut read = 0u64;
+    let keys: Vec<&str> = items.iter().map(|i| i.rel.as_str()).collect();
+    ctx.src.read_each(ctx.rt, &keys, |i, got| {
+        let it = &items[i];
+        match got.and_then(|bytes| values(ctx, it, bytes)) {
+            Ok((vals, n)) => {
+                read += n;
+                b.push(&vals, &it.rel)?;
+                if let Some(side) = side.as_mut() {
+                    let small: Vec<Value> = vals
+                        .iter()
+                        .filter(|v| v.column_type() != ColumnType::Bytes)
+                        .cloned()
+                        .collect();
+                    side.push(&small, &it.rel)?;
+                }
+            }
+            Err(e) if ctx.opts.skip_bad => skipped.push((it.rel.clone(), reason_of(&e))),
+            Err(e) => return Err(e),
+        }
+        ctx.progress.inc(it.size);
+        Ok(())
+    })?;
+    let n = items.len() as u64;
+    let objects = ctx.objects.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
+    ctx.progress.set_message(format!("{}, {objects} objects", ctx.label));
+    if b.samples() == 0 {
+        return Ok((None, skipped, read));
+    }
+    let shard = b.finish();
+    let key = shard_key(idx as usize, shard.checksum);
+    // The sidecar goes up first: a shard listed with a sidecar always has it.
+    let columns = match side {
+        Some(side) => {
+            let built = side.finish();
+            let c = ColumnsInfo {
+                key: columns_key(idx as usize, built.checksum),
+                bytes: built.bytes.len() as u64,
+                checksum: built.checksum.into(),
+            };
+            ctx.rt.block_on(ctx.dst.put(&c.key, Bytes::from(built.bytes)))?;
+            Some(c)
+        }
+        None => None,
+    };
+    let info = ShardInfo {
+        key: key.clone(),
+        bytes: shard.bytes.len() as u64,
+        samples: shard.samples,
+        checksum: shard.checksum.into(),
+        columns,
+        foreign: None,
+    };
+    ctx.rt.block_on(ctx.dst.put(&key, Bytes::from(shard.bytes)))?;
+    Ok((Some(info), skipped, read))
+}
+
+/// Opens the destination, creating a local folder if needed.
+pub fn open_dst(dst: &str) -> Result<Store> {
+    let local = !dst.contains("://") || dst.starts_with("file://");
+    if local {
+        let p = dst.strip_prefix("file://").unwrap_or(dst);
+        std::fs::create_dir_all(p).map_err(|e| Error::io(p, e))?;
+    }
+    Store::open(dst)
+}
+
+fn reason_of(e: &Error) -> String {
+    match e {
+        Error::InvalidInput { reason, .. } => reason.clone(),
+        Error::Io { source, .. } => source.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// One item's values, from its file's `bytes`, and the bytes read. With `--jpeg-restarts` a
+/// JPEG is stored transcoded ([`with_restarts_or_given`]).
+fn values(ctx: &Ctx, it: &Item, bytes: Vec<u8>) -> Result<(Vec<Value>, u64)> {
+    let info = probe(&bytes).map_err(|r| Error::invalid(ctx.src.name(&it.rel), r.to_string()))?;
+    let n = bytes.len() as u64;
+    let bytes = if ctx.opts.jpeg_restarts && info.format == ImageFormat::Jpeg {
+        with_restarts_or_given(bytes, JPEG_RESTART_PX)
+    } else {
+        bytes
+    };
+    let (w, h) = (info.width as i64, info.height as i64);
+    let vals = match &it.extra {
+        Extra::Label(l) => vec![
+            Value::Bytes(bytes),
+            Value::Int64(*l),
+            Value::Str(it.rel.clone()),
+            Value::Int64(w),
+            Value::Int64(h),
+        ],
+        Extra::Boxes(b) => vec![
+            Value::Bytes(bytes),
+            Value::Str(it.rel.clone()),
+            Value::Int64(w),
+            Value::Int64(h),
+            Value::Json(b.clone()),
+        ],
+    };
+    Ok((vals, n))
+}
+
+/// Parses YOLO label text into compact JSON `[[class, cx, cy, w, h], ...]`.
+pub fn parse_yolo_labels(text: &str, path: &Path) -> Result<String> {
+    let mut boxes = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let what = || format!("{}:{}", path.display(), n + 1);
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() != 5 {
+            return Err(Error::invalid(
+                what(),
+                format!("expected 'class cx cy w h', found {} fields", f.len()),
+            ));
+        }
+        let class: u32 = f[0]
+            .parse()
+            .map_err(|_| Error::invalid(what(), format!("class {:?} is not a non-negative integer", f[0])))?;
+        let mut b = vec![Json::from(class)];
+        for v in &f[1..] {
+            let x: f64 = v
+                .parse()
+                .map_err(|_| Error::invalid(what(), format!("{v:?} is not a number")))?;
+            if !(-1e-6..=1.0 + 1e-6).contains(&x) {
+                return Err(Error::invalid(what(), format!("{v} is outside [0, 1]")));
+            }
+            b.push(Json::from(x));
+        }
+        boxes.push(Json::Array(b));
+    }
+    Ok(Json::Array(boxes).to_string())
+}
+
+/// Class names from a YOLO `data.yaml`: `names: [a, b]`, a block list, or `0: a` pairs.
+fn read_yolo_names(text: &str) -> Option<Vec<String>> {
+    let mut lines = text.lines().peekable();
+    while let Some(l) = lines.next() {
+        let Some(rest) = l.trim_start().strip_prefix("names:") else {
+            continue;
+        };
+        let rest = rest.trim();
+        let clean = |s: &str| s.trim().trim_matches(|c| c == '\'' || c == '"').to_owned();
+        if let Some(inner) = rest.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            return Some(inner.split(',').map(clean).filter(|s| !s.is_empty()).collect());
+        }
+        let mut names = Vec::new();
+        while let Some(n) = lines.peek() {
+            let t = n.trim();
+            if let Some(item) = t.strip_prefix("- ") {
+                names.push(clean(item));
+            } else if let Some((k, v)) = t.split_once(':').filter(|(k, _)| k.trim().parse::<u32>().is_ok()) {
+                let _ = k;
+                names.push(clean(v));
+            } else {
+                break;
+            }
+            lines.next();
+        }
+        return (!names.is_empty()).then_some(names);
+    }
+    None
+}
+
+fn json_type(v: &Json) -> ColumnType {
+    match v {
+        Json::Number(n) if n.is_i64() => ColumnType::Int64,
+        Json::Number(n) if n.is_f64() => ColumnType::Float64,
+        Json::String(_) => ColumnType::Str,
+        _ => ColumnType::Json,
+    }
+}
+
+/// A YOLO layout's schema and metadata (its class names, from `data.yaml` when there is one).
+fn yolo_layout(src: &Source, rt: &tokio::runtime::Runtime) -> Result<Layout> {
+    let schema = Schema::new([
+        ("image", ColumnType::Bytes),
+        ("path", ColumnType::Str),
+        ("width", ColumnType::Int64),
+        ("height", ColumnType::Int64),
+        ("boxes", ColumnType::Json),
+    ])?;
+    let mut meta = Map::new();
+    let yaml = src.read_opt(rt, "data.yaml").ok().flatten();
+    if let Some(names) = yaml.and_then(|b| read_yolo_names(&String::from_utf8_lossy(&b))) {
+        meta.insert("classes".into(), Json::from(names));
+    }
+    meta.insert(
+        "boxes_format".into(),
+        Json::from("[[class, cx, cy, w, h], ...] normalised to [0, 1]"),
+    );
+    Ok(Layout {
+        kind: SourceKind::Yolo,
+        schema,
+        meta,
+    })
+}
+
+/// An image folder's schema and metadata: its classes are the top-level folders, sorted.
+fn imagefolder_layout(src: &Source, rt: &tokio::runtime::Runtime) -> Result<Layout> {
+    let (classes, _) = src.top(rt)?;
+    let schema = Schema::new([
+        ("image", ColumnType::Bytes),
+        ("label", ColumnType::Int64),
+        ("path", ColumnType::Str),
+        ("width", ColumnType::Int64),
+        ("height", ColumnType::Int64),
+    ])?;
+    let mut meta = Map::new();
+    meta.insert("classes".into(), Json::from(classes));
+    Ok(Layout {
+        kind: SourceKind::Imagefolder,
+        schema,
+        meta,
+    })
+}
+
+/// A JSONL input's schema: the first non-empty object's keys and value types, in its order;
+/// with `--image-column`, that column (strings naming images) holds the images' bytes.
+fn jsonl_layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) -> Result<Layout> {
+    let mut reader = src.file_reader(rt, 0)?;
+    let (mut line_no, mut remaining) = (0u64, u64::MAX);
+    let schema = loop {
+        let (lines, bytes) =
+            read_chunk(&mut reader, &mut line_no, &mut remaining).map_err(|e| Error::io(&src.display, e))?;
+        if let Some(s) = first_schema(&lines)? {
+            break s;
+        }
+        if bytes == 0 {
+            return Err(Error::invalid(&src.display, "no JSON objects found"));
+        }
+    };
+    let schema = match &opts.image_column {
+        None => schema,
+        Some(c) => {
+            let Some(i) = schema.index_of(c) else {
+                return Err(Error::invalid(
+                    "--image-column",
+                    format!("no column {c:?} in {} ({})", src.display, schema.describe()),
+                ));
+            };
+            if schema.columns[i].ty != ColumnType::Str {
+                return Err(Error::invalid(
+                    "--image-column",
+                    format!(
+                        "column {c:?} of {} holds {}, not strings naming images",
+                        src.display,
+                        schema.columns[i].ty.name()
+                    ),
+                ));
+            }
+            Schema::new(schema.columns.iter().map(|col| {
+                let ty = if col.name == *c { ColumnType::Bytes } else { col.ty };
+                (col.name.clone(), ty)
+            }))?
+        }
+    };
+    let mut meta = Map::new();
+    let name = src.file.as_deref().unwrap_or_default();
+    meta.insert(
+        "source_file".into(),
+        Json::from(name.rsplit('/').next().unwrap_or(name)),
+    );
+    if let Some(c) = &opts.image_column {
+        meta.insert("image_column".into(), Json::from(c.as_str()));
+    }
+    Ok(Layout {
+        kind: SourceKind::Jsonl,
+        schema,
+        meta,
+    })
+}
+
+/// JSONL input read and parsed together (in parallel) before it is packed in line order.
+const JSONL_CHUNK_BYTES: usize = 8 << 20;
+
+/// Rows whose images are fetched together with `--image-column`.
+const IMAGE_ROWS_AT_ONCE: usize = 2 * source::FETCH_IN_FLIGHT;
+
+/// A JSONL input packed as a stream, from `reader`, whose first line is input number
+/// `first_pos` (0-based), at most `limit` lines: chunks of lines are parsed and converted in
+/// parallel, rows go into the current shard in line order, and each full shard is finished and
+/// uploaded by a worker while the next one fills. A shard never spans two groups. Memory holds
+/// one chunk and at most `threads + 2` shards (the one filling, one queued, one per worker),
+/// whatever the input's size. Bad lines fail the pack, or with `--skip-bad` are listed in line
+/// order. Returns each group met, packed.
+pub(crate) fn pack_jsonl(
+    ctx: &Ctx,
+    mut reader: Box<dyn std::io::BufRead + Send>,
+    first_pos: u64,
+    limit: Option<u64>,
+) -> Result<BTreeMap<u64, GroupOut>> {
+    let gi = ctx.opts.group_items;
+    let schema = &ctx.layout.schema;
+    let image_col = ctx.opts.image_column.as_ref().and_then(|c| schema.index_of(c));
+    let display = &ctx.src.display;
+    let io = |e: std::io::Error| Error::io(display, e);
+    let mut stats: BTreeMap<u64, GroupStat> = BTreeMap::new();
+    let mut skips: Vec<(u64, String, String)> = Vec::new();
+    let mut read_bytes: BTreeMap<u64, u64> = BTreeMap::new();
+    let done = with_workers(
+        |(g, j, b): (u64, u64, ShardBuilder)| {
+            let shard = b.finish();
+            let key = shard_key((g * gi + j) as usize, shard.checksum);
+            let info = ShardInfo {
+                key: key.clone(),
+                bytes: shard.bytes.len() as u64,
+                samples: shard.samples,
+                checksum: shard.checksum.into(),
+                columns: None,
+                foreign: None,
+            };
+            ctx.rt.block_on(ctx.dst.put(&key, Bytes::from(shard.bytes)))?;
+            let n = info.samples;
+            let objects = ctx.objects.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
+            ctx.progress.set_message(format!("{}, {objects} rows", ctx.label));
+            Ok((g, j, info))
+        },
+        |send| {
+            let (mut line_no, mut remaining) = (first_pos, limit.unwrap_or(u64::MAX));
+            let (mut builder, mut acc, mut cur, mut j): (Option<ShardBuilder>, u64, u64, u64) =
+                (None, 0, first_pos / gi, 0);
+            loop {
+                let (lines, chunk) = read_chunk(&mut reader, &mut line_no, &mut remaining).map_err(io)?;
+                ctx.progress.inc(chunk as u64);
+                if lines.is_empty() {
+                    break;
+                }
+                for (n, l) in &lines {
+                    let g = (*n as u64 - 1) / gi;
+                    stats.entry(g).or_default().add(l.as_bytes(), || format!("line {n}"));
+                }
+                let lines: Vec<(usize, String)> = lines.into_iter().filter(|(_, l)| !l.trim().is_empty()).collect();
+                let what = |n: usize| format!("{display}:{n}");
+                let mut rows = parse_rows(&lines, schema, image_col, &what);
+                if let Some(ic) = image_col {
+                    fetch_images(ctx, ic, &lines, &mut rows, &what);
+                }
+                for ((n, _), r) in lines.iter().zip(rows) {
+                    let g = (*n as u64 - 1) / gi;
+                    let (vals, size) = match r {
+                        Ok(v) => v,
+                        Err(e) if ctx.opts.skip_bad => {
+                            skips.push((g, what(*n), reason_of(&e)));
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    if g != cur {
+                        if let Some(full) = builder.take() {
+                            if !send((cur, j, full)) {
+                                return Ok(());
+                            }
+                        }
+                        (cur, j, acc) = (g, 0, 0);
+                    }
+                    if acc > 0 && acc + size > ctx.opts.shard_bytes_target {
+                        let full = builder.take().expect("a shard is filling");
+                        if !send((cur, j, full)) {
+                            return Ok(());
+                        }
+                        j += 1;
+                        acc = 0;
+                    }
+                    builder
+                        .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
+                        .push(&vals, &what(*n))?;
+                    acc += size;
+                    *read_bytes.entry(g).or_default() += size;
+                }
+            }
+            if let Some(last) = builder.take() {
+                send((cur, j, last));
+            }
+            Ok(())
+        },
+    );
+    let mut done = done?;
+    let mut out: BTreeMap<u64, GroupOut> = stats.into_iter().map(|(g, s)| (g, s.into_out())).collect();
+    for (g, what, why) in skips {
+        out.entry(g).or_default().skipped.push((what, why));
+    }
+    for (g, n) in read_bytes {
+        out.entry(g).or_default().input_bytes = n;
+    }
+    done.sort_by_key(|(g, j, _)| (*g, *j));
+    for (g, _, info) in done {
+        out.entry(g).or_default().shards.push(info);
+    }
+    Ok(out)
+}
+
+/// With `--image-column`: fetches the image each good row names ([`IMAGE_ROWS_AT_ONCE`] rows
+/// at a time, in order) and puts its bytes in the row; a name that cannot be fetched, or bytes
+/// that are not an image, make the row an error naming the line and the image.
+fn fetch_images(
+    ctx: &Ctx,
+    ic: usize,
+    lines: &[(usize, String)],
+    rows: &mut [Result<(Vec<Value>, u64)>],
+    what: &(dyn Fn(usize) -> String + Sync),
+) {
+    for (ls, rs) in lines
+        .chunks(IMAGE_ROWS_AT_ONCE)
+        .zip(rows.chunks_mut(IMAGE_ROWS_AT_ONCE))
+    {
+        let names: Vec<String> = rs
+            .iter()
+            .map(|r| match r {
+                Ok((v, _)) => match &v[ic] {
+                    Value::Str(s) => s.clone(),
+                    _ => String::new(),
+                },
+                Err(_) => String::new(),
+            })
+            .collect();
+        let got = ctx.src.fetch_refs(ctx.rt, &names);
+        for (((n, _), r), (name, bytes)) in ls.iter().zip(rs.iter_mut()).zip(names.iter().zip(got)) {
+            let Ok((vals, size)) = r else { continue };
+            let checked = bytes.and_then(|b| match probe(&b) {
+                Ok(_) => Ok(b),
+                Err(why) => Err(Error::invalid(format!("{}: image {name}", what(*n)), why.to_string())),
+            });
+            match checked {
+                Ok(b) => {
+                    vals[ic] = Value::Bytes(b);
+                    *size = ramjet_engine::format::encoded_len(vals);
+                }
+                Err(e) => {
+                    let e = match e {
+                        Error::InvalidInput { .. } => e,
+                        other => Error::invalid(format!("{}: image {name}", what(*n)), reason_of(&other)),
+                    };
+                    *r = Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// The next lines of a JSONL input, about [`JSONL_CHUNK_BYTES`] of them and at most
+/// `remaining`, each with its line number (blank ones included), and the bytes read.
+fn read_chunk(
+    reader: &mut dyn std::io::BufRead,
+    line_no: &mut u64,
+    remaining: &mut u64,
+) -> std::io::Result<(Vec<(usize, String)>, usize)> {
+    let mut lines: Vec<(usize, String)> = Vec::new();
+    let mut chunk = 0usize;
+    while chunk < JSONL_CHUNK_BYTES && *remaining > 0 {
+        let mut l = String::new();
+        let n = reader.read_line(&mut l)?;
+        if n == 0 {
+            break;
+        }
+        *line_no += 1;
+        *remaining -= 1;
+        chunk += n;
+        lines.push((*line_no as usize, l));
+    }
+    Ok((lines, chunk))
+}
+
+/// The schema the first non-empty JSON object among `lines` defines, if there is one.
+fn first_schema(lines: &[(usize, String)]) -> Result<Option<Schema>> {
+    lines
+        .iter()
+        .find_map(|(_, l)| match serde_json::from_str::<Json>(l) {
+            Ok(Json::Object(m)) if !m.is_empty() => Some(Schema::new(m.iter().map(|(k, v)| (k.clone(), json_type(v))))),
+            _ => None,
+        })
+        .transpose()
+}
+
+/// Each line as the schema's values and their size, in parallel; a line that is not a
+/// non-empty JSON object, or does not fit the schema, is an error naming it (`what`).
+fn parse_rows(
+    lines: &[(usize, String)],
+    schema: &Schema,
+    image_col: Option<usize>,
+    what: &(dyn Fn(usize) -> String + Sync),
+) -> Vec<Result<(Vec<Value>, u64)>> {
+    lines
+        .par_iter()
+        .map(|(n, l)| {
+            let w = what(*n);
+            let m = match serde_json::from_str::<Json>(l) {
+                Ok(Json::Object(m)) if !m.is_empty() => m,
+                Ok(_) => return Err(Error::invalid(w, "line is not a non-empty JSON object")),
+                Err(e) => return Err(Error::invalid(w, format!("invalid JSON: {e}"))),
+            };
+            jsonl_row(schema, image_col, &m, &w)
+        })
+        .collect()
+}
+
+/// One JSONL object as the schema's values, and their encoded size. The image column's value
+/// is the string naming the image, until it is fetched.
+fn jsonl_row(
+    schema: &Schema,
+    image_col: Option<usize>,
+    m: &Map<String, Json>,
+    what: &str,
+) -> Result<(Vec<Value>, u64)> {
+    if m.len() != schema.columns.len() || schema.columns.iter().any(|c| !m.contains_key(&c.name)) {
+        let keys: Vec<&String> = m.keys().collect();
+        return Err(Error::invalid(
+            what,
+            format!("keys {keys:?} differ from the first line's ({})", schema.describe()),
+        ));
+    }
+    let mut vals = Vec::with_capacity(m.len());
+    let mut size = 0u64;
+    for (i, c) in schema.columns.iter().enumerate() {
+        let v = &m[&c.name];
+        let val = match (c.ty, v) {
+            (_, Json::String(s)) if image_col == Some(i) => Value::Str(s.clone()),
+            (ColumnType::Int64, Json::Number(n)) if n.is_i64() => Value::Int64(n.as_i64().expect("i64")),
+            (ColumnType::Float64, Json::Number(n)) => Value::Float64(n.as_f64().expect("f64")),
+            (ColumnType::Str, Json::String(s)) => Value::Str(s.clone()),
+            (ColumnType::Json, v) if json_type(v) == ColumnType::Json => Value::Json(v.to_string()),
+            _ => {
+                let ty = if image_col == Some(i) {
+                    "a string naming an image"
+                } else {
+                    c.ty.name()
+                };
+                return Err(Error::invalid(
+                    what,
+                    format!("column {:?} is {ty} in the first line, but this value is {v}", c.name),
+                ));
+            }
+        };
+        size += ramjet_engine::format::encoded_len(std::slice::from_ref(&val));
+        vals.push(val);
+    }
+    Ok((vals, size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_yolo_label_is_named_after_its_image() {
+        assert_eq!(label_key("images/a/b.jpg"), "labels/a/b.txt");
+        assert_eq!(label_key("images/x"), "labels/x.txt");
+        assert_eq!(label_key("images/v1.2/x"), "labels/v1.2/x.txt");
+        assert_eq!(label_key("images/x.tar.gz"), "labels/x.tar.txt");
+    }
+}
