@@ -232,3 +232,77 @@ def test_a_job_whose_ranks_fail_names_the_dataset_and_leaves_nothing(cluster, da
     assert missing in out, out
     assert re.search(r"torn down \(exit [1-9]", out), out
     assert_nothing_left(tmp_path, jid, str(marker))
+
+
+def upload_tree(local, url):
+    import boto3
+
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    for p in sorted(Path(local).rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(local)}")
+
+
+def wait_state(env, jid, timeout):
+    wait_gone(env, jid, timeout)
+    return job_state(env, jid)
+
+
+def test_a_pack_split_across_a_job_array_resumes_a_cancelled_task_and_equals_one_pack(cluster, proxy, tmp_path):
+    """tools/slurm/ramjet-pack.sbatch: one submission plans the pack (one listing), submits an
+    array of 6 tasks packing from the local S3 server into it, and a merge after them. Index 3 is
+    cancelled by `scancel <array>_3` (while the array is held, so it never ran); the merge then
+    refuses, naming group 6's part and task 3 of 6. Index 3 resubmitted alone, then the merge
+    again: the dataset verifies and has the manifest version of a one-machine pack."""
+    raw_dir = tmp_path / "raw"
+    sh(RAMJET, "synth", str(raw_dir), "--samples", "120")
+    run = uuid.uuid4().hex[:8]
+    raw = f"s3://{BUCKET}/pytest-slurm/raw-{run}"
+    upload_tree(raw_dir, raw)
+    dst, one = f"s3://{BUCKET}/pytest-slurm/packed-{run}", f"s3://{BUCKET}/pytest-slurm/one-{run}"
+    args = ["--group-size", "10", "--shard-size", "256KiB"]
+    want = re.search(r"manifest version (\w+)", sh(RAMJET, "pack", raw, one, *args).stdout).group(1)
+
+    env = dict(cluster)
+    env.update(
+        RAMJET_HOME=str(ROOT), RAMJET_BIN=RAMJET, SRC=raw, DST=dst, TASKS="6", PACK_ARGS=" ".join(args),
+        SBATCH_ARGS="--hold", AWS_ENDPOINT_URL=f"http://{proxy.address}",
+        RAMJET_PACK_OUTPUT=str(tmp_path / "task-%A_%a.out"),
+        RAMJET_PACK_OUTPUT_MERGE=str(tmp_path / "merge-%j.out"),
+    )
+    sbatch = str(ROOT / "tools/slurm/ramjet-pack.sbatch")
+    launch = int(sh("sbatch", "--parsable", "--chdir", str(tmp_path), "-o", str(tmp_path / "launch-%j.out"),
+                    sbatch, env=env).stdout.strip().split(";")[0])
+    state = wait_state(env, launch, 300)
+    text = (tmp_path / f"launch-{launch}.out").read_text()
+    assert state == ("COMPLETED", "0:0"), text
+    m = re.search(r"array job (\d+) \(tasks 0-5\), merge job (\d+)", text)
+    assert m and "plan " in text and "120 inputs in 12 groups" in text, text
+    array, merge = int(m.group(1)), int(m.group(2))
+
+    sh("scancel", f"{array}_3", env=env)
+    sh("scontrol", "release", str(array), str(merge), env=env)  # SBATCH_ARGS held both
+    state, _ = wait_state(env, merge, 300)
+    merged = (tmp_path / f"merge-{merge}.out").read_text()
+    assert state == "FAILED", merged
+    assert "merge refused: 2 of 12 parts missing" in merged, merged
+    assert "parts/00000006.json missing (task 3 of 6)" in merged, merged
+    for i in (0, 1, 2, 4, 5):
+        out = (tmp_path / f"task-{array}_{i}.out").read_text()
+        assert f"pack task {i}/6: groups" in out, out
+
+    # Task 3 alone, then the merge.
+    env.update(SBATCH_ARGS="")
+    rerun = int(sh("sbatch", "--parsable", "--array=3", "--chdir", str(tmp_path), "-o", str(tmp_path / "rerun-%A_%a.out"),
+                   "--export=ALL,RAMJET_PACK_STEP=task", sbatch, env=env).stdout.strip().split(";")[0])
+    wait_gone(env, rerun, 300)
+    out = (tmp_path / f"rerun-{rerun}_3.out").read_text()
+    assert "pack task 3/6: groups 6..8 of 12 (0 resumed)" in out, out
+    merge2 = int(sh("sbatch", "--parsable", "--chdir", str(tmp_path), "-o", str(tmp_path / "merge2-%j.out"),
+                    "--export=ALL,RAMJET_PACK_STEP=merge", sbatch, env=env).stdout.strip().split(";")[0])
+    state = wait_state(env, merge2, 300)
+    merged = (tmp_path / f"merge2-{merge2}.out").read_text()
+    assert state == ("COMPLETED", "0:0"), merged
+    assert f"manifest version {want}" in merged, merged
+    sh(RAMJET, "verify", dst)

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod audit;
 mod index;
 mod inspect;
+mod merge_sim;
 mod pack;
 mod plan_sim;
 mod serve;
@@ -32,7 +33,9 @@ struct Cli {
 enum Cmd {
     /// Write a deterministic synthetic YOLO dataset (photo-like 640x480 JPEGs plus labels).
     Synth(synth::Args),
-    /// Pack an image folder, a YOLO layout or a JSONL file into shards plus a manifest.
+    /// Pack an image folder, a YOLO layout or a JSONL file (local or in an object store) into
+    /// shards plus a manifest; on one machine, or split into tasks (--tasks N --task I) and merged
+    /// (--merge).
     Pack(pack::Args),
     /// Index a MosaicML (MDS) or WebDataset dataset in place: writes a ramjet manifest beside
     /// its shards (no copy), with every shard's size and checksum and every sample's checksum,
@@ -42,6 +45,9 @@ enum Cmd {
     /// manifest and shard table, every shard served by a stub from one real tiny shard. Prints
     /// JSON: time to first sample and peak RSS (measured in a fresh child process).
     PlanSim(plan_sim::Args),
+    /// Write the plan and parts of a simulated split pack of any size (shard objects not
+    /// written), to measure `ramjet pack --merge --no-check-shards` on them.
+    MergeSim(merge_sim::Args),
     /// Print a dataset's schema, shard count, sample count and bytes.
     Inspect(inspect::Args),
     /// Stream samples through the engine (order, cache, prefetch) and report throughput.
@@ -101,6 +107,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Pack(a) => pack::run(a),
         Cmd::Index(a) => index::run(a),
         Cmd::PlanSim(a) => plan_sim::run(a),
+        Cmd::MergeSim(a) => merge_sim::run(a),
         Cmd::Inspect(a) => inspect::run(a),
         Cmd::Stream(a) => stream::stream_cmd(*a),
         Cmd::Audit(a) => audit::run(a),

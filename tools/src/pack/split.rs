@@ -844,3 +844,92 @@ mod tests {
         }
     }
 }
+
+/// Writes the plan and the parts of a simulated split pack of `samples` samples in `parts`
+/// groups into folder `dir` (`ramjet merge-sim`), for measuring the merge at any scale: shards
+/// of `shard_samples` samples of 150 KB images, whose objects do not exist (merge them with
+/// `--no-check-shards`). Returns the source name the merge must be given.
+pub fn simulate(dir: &std::path::Path, parts: u64, samples: u64, shard_samples: u64) -> Result<String> {
+    use ramjet_engine::format::{shard_key, ColumnType};
+    const SOURCE: &str = "merge-sim";
+    if parts == 0 || samples < parts || shard_samples == 0 {
+        return Err(Error::invalid(
+            "merge-sim",
+            "needs 1 <= parts <= samples and shard samples >= 1",
+        ));
+    }
+    let gi = samples.div_ceil(parts);
+    let groups: Vec<GroupPlan> = (0..parts)
+        .map(|g| {
+            let items = gi.min(samples.saturating_sub(g * gi));
+            GroupPlan {
+                after: (g > 0).then(|| format!("class/{:012}.jpg", g * gi - 1)),
+                offset: None,
+                first: format!("class/{:012}.jpg", g * gi),
+                items,
+                hash: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&g.to_le_bytes())),
+            }
+        })
+        .collect();
+    let schema = Schema::new([
+        ("image", ColumnType::Bytes),
+        ("label", ColumnType::Int64),
+        ("path", ColumnType::Str),
+        ("width", ColumnType::Int64),
+        ("height", ColumnType::Int64),
+    ])?;
+    let mut meta = Map::new();
+    meta.insert("classes".into(), Json::from(vec!["class"]));
+    let mut plan = Plan {
+        plan_format: PLAN_FORMAT,
+        id: String::new(),
+        source: SOURCE.into(),
+        layout: SourceKind::Imagefolder.name().into(),
+        options: PlanOptions::of(&PackOptions {
+            group_items: gi,
+            ..PackOptions::default()
+        }),
+        schema,
+        meta,
+        items: samples,
+        groups,
+    };
+    if plan.groups.iter().any(|g| g.items == 0) {
+        return Err(Error::invalid("merge-sim", "more parts than groups of samples"));
+    }
+    plan.id = plan.compute_id();
+    let pdir = dir.join("parts");
+    std::fs::create_dir_all(&pdir).map_err(|e| Error::io(pdir.display(), e))?;
+    let io = |p: &std::path::Path, e| Error::io(p.display(), e);
+    let plan_path = dir.join(PLAN_KEY);
+    std::fs::write(&plan_path, plan.to_bytes()).map_err(|e| io(&plan_path, e))?;
+    (0..parts).into_par_iter().try_for_each(|g| {
+        let gp = &plan.groups[g as usize];
+        let (mut shards, mut left, mut j) = (Vec::new(), gp.items, 0u64);
+        while left > 0 {
+            let n = left.min(shard_samples);
+            let checksum = xxhash_rust::xxh3::xxh3_64(&(g * gi + j).to_le_bytes());
+            shards.push(ShardInfo {
+                key: shard_key((g * gi + j) as usize, checksum),
+                bytes: n * 150_000,
+                samples: n,
+                checksum: checksum.into(),
+                columns: None,
+                foreign: None,
+            });
+            (left, j) = (left - n, j + 1);
+        }
+        let out = GroupOut {
+            items: gp.items,
+            hash: u64::from_str_radix(&gp.hash, 16).expect("hex"),
+            first: gp.first.clone(),
+            input_bytes: gp.items * 150_000,
+            shards,
+            skipped: Vec::new(),
+        };
+        let p = dir.join(part_key(g));
+        let part = Part::new(&plan, g, out);
+        std::fs::write(&p, serde_json::to_vec(&part).expect("a part serialises")).map_err(|e| io(&p, e))
+    })?;
+    Ok(SOURCE.into())
+}
