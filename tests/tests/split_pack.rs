@@ -67,7 +67,8 @@ fn version(out: &str) -> String {
 
 /// The same input packed by one process, by 1, 2 or 6 tasks (in 8 groups of 5 images, so two
 /// tasks own four groups each and six tasks own one or two), gives byte-identical shards,
-/// sidecars and manifest, under the same keys; so does a JSONL file in groups of 7 lines.
+/// sidecars and manifest, under the same keys; so do a JSONL file in groups of 7 lines and an
+/// image folder of uneven classes in groups of 6.
 #[test]
 fn one_two_or_six_tasks_give_the_bytes_and_version_of_one_pack() {
     let t = tempfile::tempdir().unwrap();
@@ -77,9 +78,38 @@ fn one_two_or_six_tasks_give_the_bytes_and_version_of_one_pack() {
         .map(|i| format!("{{\"id\": {i}, \"text\": \"row {i}\"}}\n"))
         .collect();
     fs::write(&rows, format!("\n{text}\n\n")).unwrap();
+    // An image folder of uneven classes (one empty, names that sort apart by component and by
+    // byte), and a stray file at its top: the plan lists the classes in parallel, and groups
+    // straddle classes.
+    let folder = t.path().join("folder");
+    let sizes = [
+        ("a", 1),
+        ("a-b", 7),
+        ("a.c", 0),
+        ("b", 3),
+        ("c", 12),
+        ("d", 2),
+        ("e", 8),
+        ("f", 6),
+        ("g", 1),
+    ];
+    let mut i = 0;
+    for (class, n) in sizes {
+        fs::create_dir_all(folder.join(class)).unwrap();
+        for k in 0..n {
+            let to = folder.join(class).join(format!("{k:02}.jpg"));
+            fs::copy(yolo.join(format!("images/{i:06}.jpg")), to).unwrap();
+            i += 1;
+        }
+    }
+    fs::write(folder.join("stray.txt"), "not in a class").unwrap();
     for (src, extra) in [
         (s(&yolo).to_owned(), vec!["--group-size", "5", "--shard-size", "300KiB"]),
         (s(&rows).to_owned(), vec!["--group-size", "7", "--shard-size", "4KiB"]),
+        (
+            s(&folder).to_owned(),
+            vec!["--group-size", "6", "--shard-size", "200KiB", "--skip-bad"],
+        ),
     ] {
         let one = t.path().join(format!("one-{}", extra[1]));
         let mut args = vec!["pack", src.as_str(), s(&one)];

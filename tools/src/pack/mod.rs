@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rayon::prelude::*;
 use serde_json::{Map, Value as Json};
-use xxhash_rust::xxh3::Xxh3;
 
 use ramjet_engine::format::{
     columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value,
@@ -191,7 +190,7 @@ pub struct Layout {
 pub struct GroupOut {
     /// Inputs in the group (skipped ones included).
     pub items: u64,
-    /// xxh3-64 of the group's input names (or JSONL lines), each followed by a newline.
+    /// The group's hash ([`item_hash`] summed over its input names, or JSONL lines).
     pub hash: u64,
     /// The group's first input's name.
     pub first: String,
@@ -205,26 +204,32 @@ pub struct GroupOut {
 
 /// Running statistics of a group while its inputs are read.
 #[derive(Default)]
-struct GroupStat {
+pub(crate) struct GroupStat {
     items: u64,
-    hash: Option<Box<Xxh3>>,
+    hash: u64,
     first: String,
 }
 
+/// One input's share of its group's hash: xxh3-64 of its name seeded with its position in the
+/// input. A group's hash is the wrapping sum of its inputs' shares, so parts of a group listed
+/// apart (a plan's units, listed in parallel) add up to the same hash, while a name moved,
+/// added or removed changes it.
+pub(crate) fn item_hash(name: &[u8], pos: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(name, pos)
+}
+
 impl GroupStat {
-    fn add(&mut self, name: &[u8], label: impl FnOnce() -> String) {
+    fn add(&mut self, name: &[u8], pos: u64, label: impl FnOnce() -> String) {
         if self.items == 0 {
             self.first = label();
         }
         self.items += 1;
-        let h = self.hash.get_or_insert_with(|| Box::new(Xxh3::new()));
-        h.update(name);
-        h.update(b"\n");
+        self.hash = self.hash.wrapping_add(item_hash(name, pos));
     }
     fn into_out(self) -> GroupOut {
         GroupOut {
             items: self.items,
-            hash: self.hash.map(|h| h.digest()).unwrap_or(0),
+            hash: self.hash,
             first: self.first,
             ..GroupOut::default()
         }
@@ -409,61 +414,74 @@ enum Extra {
     Boxes(String),
 }
 
-/// The inputs of an image folder or a YOLO layout in order, starting after key `after`: for
-/// an image folder the files loose at its top (each refused) and then each class's files,
-/// class by class; for YOLO the files under `images/`.
+/// An image folder's or a YOLO layout's inputs as units listed one after the other: the names
+/// of files loose at an image folder's top (each refused), then its classes (each a folder
+/// walked, with its class index), or YOLO's `images/` (one folder). A plan lists the units in
+/// parallel.
+pub(crate) type Units = (Vec<String>, Vec<(String, i64)>);
+
+/// The units of `kind`'s inputs in `src` ([`Units`]).
+pub(crate) fn units(src: &Source, rt: &tokio::runtime::Runtime, kind: SourceKind) -> Result<Units> {
+    match kind {
+        SourceKind::Yolo => Ok((Vec::new(), vec![("images".to_owned(), -1)])),
+        SourceKind::Imagefolder => {
+            let (classes, loose) = src.top(rt)?;
+            Ok((
+                loose,
+                classes.into_iter().enumerate().map(|(i, c)| (c, i as i64)).collect(),
+            ))
+        }
+        SourceKind::Jsonl => unreachable!("JSONL inputs are lines"),
+    }
+}
+
+/// The inputs of an image folder or a YOLO layout in order ([`Units`]), starting after key
+/// `after`: a loose file's name, or a key in a unit (its first component names the class).
 pub(crate) fn entries(
-    ctx_src: &Source,
+    src: &Source,
     rt: &tokio::runtime::Runtime,
     kind: SourceKind,
     after: Option<&str>,
 ) -> Result<Box<dyn Iterator<Item = Result<Found>> + Send>> {
-    match kind {
-        SourceKind::Yolo => Ok(Box::new(
-            ctx_src
-                .walk(rt.handle(), "images", after)
-                .map(|r| r.map(|(rel, size)| Found::File { rel, class: -1, size })),
-        )),
-        SourceKind::Imagefolder => {
-            let (classes, loose) = ctx_src.top(rt)?;
-            // Where `after` is: among the loose files (no `/`), or in a class.
-            let (loose_after, class_after) = match after {
-                None => (None, None),
-                Some(a) => match a.split_once('/') {
-                    None => (Some(a.to_owned()), None),
-                    Some((c, _)) => (None, Some((c.to_owned(), a.to_owned()))),
-                },
-            };
-            let skip_loose = class_after.is_some();
-            let refused: Vec<Result<Found>> = loose
-                .into_iter()
-                .filter(|n| !skip_loose && loose_after.as_deref().is_none_or(|a| n.as_str() > a))
-                .map(|n| {
-                    let e = Error::invalid(ctx_src.name(&n), "file is not inside a class folder");
-                    Ok(Found::Bad(n, e))
-                })
-                .collect();
-            let (src, h) = (ctx_src.clone(), rt.handle().clone());
-            let files = classes
-                .into_iter()
-                .enumerate()
-                .filter(|(_, c)| class_after.as_ref().is_none_or(|(ca, _)| c.as_str() >= ca.as_str()))
-                .collect::<Vec<_>>()
-                .into_iter()
-                .flat_map(move |(ci, c)| {
-                    let after = class_after.as_ref().filter(|(ca, _)| *ca == c).map(|(_, k)| k.clone());
-                    src.walk(&h, &c, after.as_deref()).map(move |r| {
-                        r.map(|(rel, size)| Found::File {
-                            rel,
-                            class: ci as i64,
-                            size,
-                        })
-                    })
-                });
-            Ok(Box::new(refused.into_iter().chain(files)))
-        }
-        SourceKind::Jsonl => unreachable!("JSONL inputs are lines"),
-    }
+    let (loose, units) = units(src, rt, kind)?;
+    // Where `after` is: among the loose files (no `/`), or in a unit (the one it is under).
+    let (loose_after, unit_after) = match after {
+        None => (None, None),
+        Some(a) => match units.iter().position(|(u, _)| a.starts_with(&format!("{u}/"))) {
+            Some(i) => (None, Some((i, a.to_owned()))),
+            None if !a.contains('/') => (Some(a.to_owned()), None),
+            // Not under any unit: after everything before the unit it would sort into.
+            None => (
+                None,
+                Some((units.partition_point(|(u, _)| u.as_str() < a), String::new())),
+            ),
+        },
+    };
+    let skip_loose = unit_after.is_some();
+    let refused: Vec<Result<Found>> = loose
+        .into_iter()
+        .filter(|n| !skip_loose && loose_after.as_deref().is_none_or(|a| n.as_str() > a))
+        .map(|n| {
+            let e = Error::invalid(src.name(&n), "file is not inside a class folder");
+            Ok(Found::Bad(n, e))
+        })
+        .collect();
+    let (src, h) = (src.clone(), rt.handle().clone());
+    let files = units
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| unit_after.as_ref().is_none_or(|(ua, _)| i >= ua))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .flat_map(move |(i, (under, class))| {
+            let after = unit_after
+                .as_ref()
+                .filter(|(ua, k)| *ua == i && !k.is_empty())
+                .map(|(_, k)| k.clone());
+            src.walk(&h, &under, after.as_deref())
+                .map(move |r| r.map(|(rel, size)| Found::File { rel, class, size }))
+        });
+    Ok(Box::new(refused.into_iter().chain(files)))
 }
 
 /// What building one planned shard gave: the shard (none if every input was skipped), the
@@ -502,11 +520,11 @@ pub(crate) fn pack_files(
                     break;
                 }
                 for (k, f) in chunk.iter().enumerate() {
-                    let g = (pos + k as u64) / gi;
+                    let p = pos + k as u64;
                     stats
-                        .entry(g)
+                        .entry(p / gi)
                         .or_default()
-                        .add(f.rel().as_bytes(), || f.rel().to_owned());
+                        .add(f.rel().as_bytes(), p, || f.rel().to_owned());
                 }
                 let scanned = scan_chunk(ctx, chunk, pos);
                 pos += scanned.len() as u64;
@@ -1024,8 +1042,11 @@ pub(crate) fn pack_jsonl(
                     break;
                 }
                 for (n, l) in &lines {
-                    let g = (*n as u64 - 1) / gi;
-                    stats.entry(g).or_default().add(l.as_bytes(), || format!("line {n}"));
+                    let p = *n as u64 - 1;
+                    stats
+                        .entry(p / gi)
+                        .or_default()
+                        .add(l.as_bytes(), p, || format!("line {n}"));
                 }
                 let lines: Vec<(usize, String)> = lines.into_iter().filter(|(_, l)| !l.trim().is_empty()).collect();
                 let what = |n: usize| format!("{display}:{n}");

@@ -32,8 +32,8 @@ use ramjet_engine::format::{Manifest, Schema, ShardInfo, ShardTableBuilder, MANI
 use ramjet_engine::{Error, Result, Store};
 
 use super::{
-    entries, layout, open_dst, pack_files, pack_jsonl, put_manifest, put_table_and, runtime, Ctx, GroupOut, GroupStat,
-    Layout, PackOptions, PackReport, ShardTableMode, Skipped, Source, SourceKind,
+    layout, open_dst, pack_files, pack_jsonl, put_manifest, put_table_and, runtime, Ctx, GroupOut, GroupStat, Layout,
+    PackOptions, PackReport, ShardTableMode, Skipped, Source, SourceKind,
 };
 
 /// Where the plan is, under the destination.
@@ -326,7 +326,59 @@ impl Part {
     }
 }
 
-/// Lists the input once and cuts it into groups (`ramjet pack --plan`, or the first task).
+/// Units (an image folder's classes) a plan lists at once, unless `RAMJET_PACK_LISTS` says.
+const LIST_IN_FLIGHT: usize = 64;
+
+/// Units a plan lists at once: `RAMJET_PACK_LISTS`, else [`LIST_IN_FLIGHT`].
+fn lists_in_flight() -> usize {
+    std::env::var("RAMJET_PACK_LISTS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| (1..=4096).contains(n))
+        .unwrap_or(LIST_IN_FLIGHT)
+}
+
+/// Runs `f` on each unit, [`lists_in_flight`] at a time (a thread each: a unit's listing waits
+/// on the store), and returns the results in order.
+fn each_unit<T: Send>(n: usize, f: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let out: Vec<Mutex<Option<Result<T>>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..lists_in_flight().min(n) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    return;
+                }
+                let r = f(i);
+                let failed = r.is_err();
+                *out[i].lock().expect("not poisoned") = Some(r);
+                if failed {
+                    // The others stop at their next unit.
+                    next.store(n, Ordering::Relaxed);
+                    return;
+                }
+            });
+        }
+    });
+    let mut v = Vec::with_capacity(n);
+    for o in out {
+        if let Some(r) = o.into_inner().expect("not poisoned") {
+            v.push(r?);
+        }
+    }
+    if v.len() < n {
+        return Err(Error::invalid("plan", "a listing stopped before its end"));
+    }
+    Ok(v)
+}
+
+/// Lists the input and cuts it into groups (`ramjet pack --plan`, or the first task). An
+/// image folder's classes are listed in parallel, twice: once to count each (so every class's
+/// place in the input is known), once to find the group boundaries in it and hash its names.
+/// Memory holds the groups, not the listing. A JSONL input is read once, in order.
 pub fn make_plan(
     src: &Source,
     rt: &tokio::runtime::Runtime,
@@ -336,22 +388,21 @@ pub fn make_plan(
 ) -> Result<Plan> {
     let gi = opts.group_items;
     let mut groups: Vec<GroupPlan> = Vec::new();
-    let mut stat = GroupStat::default();
-    let mut start: (Option<String>, Option<u64>) = (None, None);
-    let close = |stat: &mut GroupStat, start: &(Option<String>, Option<u64>), groups: &mut Vec<GroupPlan>| {
-        let out = std::mem::take(stat).into_out();
-        groups.push(GroupPlan {
-            after: start.0.clone(),
-            offset: start.1,
-            first: out.first,
-            items: out.items,
-            hash: format!("{:016x}", out.hash),
-        });
-    };
-    let mut pos = 0u64;
-    if layout.kind == SourceKind::Jsonl {
+    let items = if layout.kind == SourceKind::Jsonl {
         let mut reader = src.file_reader(rt, 0)?;
-        let mut offset = 0u64;
+        let (mut offset, mut pos) = (0u64, 0u64);
+        let mut stat = GroupStat::default();
+        let mut start = 0u64;
+        let close = |stat: &mut GroupStat, start: u64, groups: &mut Vec<GroupPlan>| {
+            let out = std::mem::take(stat).into_out();
+            groups.push(GroupPlan {
+                after: None,
+                offset: Some(start),
+                first: out.first,
+                items: out.items,
+                hash: format!("{:016x}", out.hash),
+            });
+        };
         loop {
             let mut l = String::new();
             let n = reader.read_line(&mut l).map_err(|e| Error::io(&src.display, e))?;
@@ -359,34 +410,24 @@ pub fn make_plan(
                 break;
             }
             if pos > 0 && pos % gi == 0 {
-                close(&mut stat, &start, &mut groups);
-                start = (None, Some(offset));
-            } else if pos == 0 {
-                start = (None, Some(0));
+                close(&mut stat, start, &mut groups);
+                start = offset;
             }
-            pos += 1;
-            stat.add(l.as_bytes(), || format!("line {pos}"));
-            offset += n as u64;
+            let line = pos + 1;
+            stat.add(l.as_bytes(), pos, || format!("line {line}"));
+            (pos, offset) = (pos + 1, offset + n as u64);
             progress.inc(1);
         }
+        if pos > 0 {
+            close(&mut stat, start, &mut groups);
+        }
+        pos
     } else {
-        let mut last: Option<String> = None;
-        for f in entries(src, rt, layout.kind, None)? {
-            let f = f?;
-            if pos > 0 && pos % gi == 0 {
-                close(&mut stat, &start, &mut groups);
-                start = (last.clone(), None);
-            }
-            pos += 1;
-            stat.add(f.rel().as_bytes(), || f.rel().to_owned());
-            last = Some(f.rel().to_owned());
-            progress.inc(1);
-        }
-    }
-    if pos == 0 {
+        plan_listed(src, rt, layout.kind, gi, progress, &mut groups)?
+    };
+    if items == 0 {
         return Err(Error::invalid(&src.display, "no inputs found"));
     }
-    close(&mut stat, &start, &mut groups);
     let mut plan = Plan {
         plan_format: PLAN_FORMAT,
         id: String::new(),
@@ -395,11 +436,114 @@ pub fn make_plan(
         options: PlanOptions::of(opts),
         schema: layout.schema.clone(),
         meta: layout.meta.clone(),
-        items: pos,
+        items,
         groups,
     };
     plan.id = plan.compute_id();
     Ok(plan)
+}
+
+/// The groups of a listed input ([`super::Units`]): the loose names first, then each unit,
+/// counted in parallel and then walked again in parallel. Returns the inputs in all.
+fn plan_listed(
+    src: &Source,
+    rt: &tokio::runtime::Runtime,
+    kind: SourceKind,
+    gi: u64,
+    progress: &indicatif::ProgressBar,
+    groups: &mut Vec<GroupPlan>,
+) -> Result<u64> {
+    let (loose, units) = super::units(src, rt, kind)?;
+    let h = rt.handle();
+    // Pass 1: each unit's size and last key.
+    let counted = each_unit(units.len(), |u| {
+        let (mut n, mut last) = (0u64, None);
+        for r in src.walk(h, &units[u].0, None) {
+            last = Some(r?.0);
+            n += 1;
+            progress.inc(1);
+        }
+        Ok((n, last))
+    })?;
+    let mut offsets = Vec::with_capacity(units.len());
+    let mut before = Vec::with_capacity(units.len());
+    let (mut at, mut last) = (loose.len() as u64, loose.last().cloned());
+    for (n, l) in &counted {
+        offsets.push(at);
+        before.push(last.clone());
+        at += n;
+        if l.is_some() {
+            last = l.clone();
+        }
+    }
+    let total = at;
+    let ng = total.div_ceil(gi);
+    *groups = (0..ng)
+        .map(|g| GroupPlan {
+            after: None,
+            offset: None,
+            first: String::new(),
+            items: gi.min(total - g * gi),
+            hash: String::new(),
+        })
+        .collect();
+    let mut hashes = vec![0u64; ng as usize];
+    // Where each group starts: (the key before it, its first key).
+    type Starts = Vec<(u64, Option<String>, String)>;
+    let mut starts: Starts = Vec::new();
+    let mut prev: Option<String> = None;
+    for (i, name) in loose.iter().enumerate() {
+        let p = i as u64;
+        hashes[(p / gi) as usize] = hashes[(p / gi) as usize].wrapping_add(super::item_hash(name.as_bytes(), p));
+        if p % gi == 0 {
+            starts.push((p / gi, prev.clone(), name.clone()));
+        }
+        prev = Some(name.clone());
+    }
+    // Pass 2: the boundaries and hashes in each unit.
+    let walked = each_unit(units.len(), |u| {
+        let (mut shares, mut st): (Vec<(u64, u64)>, Starts) = (Vec::new(), Vec::new());
+        let mut prev = before[u].clone();
+        let mut p = offsets[u];
+        for r in src.walk(h, &units[u].0, None) {
+            let key = r?.0;
+            let g = p / gi;
+            match shares.last_mut() {
+                Some((lg, s)) if *lg == g => *s = s.wrapping_add(super::item_hash(key.as_bytes(), p)),
+                _ => shares.push((g, super::item_hash(key.as_bytes(), p))),
+            }
+            if p % gi == 0 {
+                st.push((g, prev.take(), key.clone()));
+            }
+            prev = Some(key);
+            p += 1;
+        }
+        if p - offsets[u] != counted[u].0 {
+            return Err(Error::invalid(
+                src.name(&units[u].0),
+                format!(
+                    "the input changed while it was listed: {} inputs, then {}",
+                    counted[u].0,
+                    p - offsets[u]
+                ),
+            ));
+        }
+        Ok((shares, st))
+    })?;
+    for (shares, st) in walked {
+        for (g, s) in shares {
+            hashes[g as usize] = hashes[g as usize].wrapping_add(s);
+        }
+        starts.extend(st);
+    }
+    for (g, after, first) in starts {
+        let gp = &mut groups[g as usize];
+        (gp.after, gp.first) = (after, first);
+    }
+    for (gp, h) in groups.iter_mut().zip(hashes) {
+        gp.hash = format!("{h:016x}");
+    }
+    Ok(total)
 }
 
 use std::io::BufRead as _;
@@ -595,8 +739,11 @@ type Checked = std::result::Result<Part, String>;
 /// Parts fetched and checked together by a merge.
 const MERGE_WINDOW: usize = 1024;
 
-/// Requests a merge has in flight.
+/// Part reads a merge has in flight.
 const MERGE_IN_FLIGHT: usize = 64;
+
+/// Shard checks (HEADs) a merge has in flight: at 10^5 parts, 2 x 10^7 shards.
+const HEAD_IN_FLIGHT: usize = 256;
 
 /// What a merge did, beside the pack's report.
 #[derive(Debug, Clone)]
@@ -775,7 +922,7 @@ fn check_stored(
     let sizes: Vec<Result<u64>> = rt.block_on(
         futures::stream::iter(objects.iter())
             .map(|(_, k, _)| store.size(k))
-            .buffered(MERGE_IN_FLIGHT)
+            .buffered(HEAD_IN_FLIGHT)
             .collect(),
     );
     for ((g, k, want), got) in objects.iter().zip(sizes) {
@@ -795,54 +942,6 @@ fn check_stored(
         ));
     }
     Ok(objects.len() as u64)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slices_cover_every_group_once_and_name_their_owner() {
-        let plan_of = |n: usize| Plan {
-            plan_format: PLAN_FORMAT,
-            id: String::new(),
-            source: String::new(),
-            layout: "jsonl".into(),
-            options: PlanOptions::of(&PackOptions::default()),
-            schema: Schema::new([("a", ramjet_engine::format::ColumnType::Int64)]).unwrap(),
-            meta: Map::new(),
-            items: 0,
-            groups: vec![
-                GroupPlan {
-                    after: None,
-                    offset: None,
-                    first: String::new(),
-                    items: 0,
-                    hash: String::new()
-                };
-                n
-            ],
-        };
-        for groups in [1usize, 2, 5, 64, 1000] {
-            let p = plan_of(groups);
-            for tasks in [1u64, 2, 3, 7, 64, 1000, 5000] {
-                let mut next = 0;
-                for t in 0..tasks {
-                    let s = p.slice(tasks, t);
-                    assert_eq!(s.start, next, "{groups} groups, {tasks} tasks");
-                    for g in s.clone() {
-                        assert_eq!(
-                            owner(g, groups as u64, tasks),
-                            t,
-                            "group {g} of {groups}, {tasks} tasks"
-                        );
-                    }
-                    next = s.end;
-                }
-                assert_eq!(next, groups as u64);
-            }
-        }
-    }
 }
 
 /// Writes the plan and the parts of a simulated split pack of `samples` samples in `parts`
@@ -932,4 +1031,52 @@ pub fn simulate(dir: &std::path::Path, parts: u64, samples: u64, shard_samples: 
         std::fs::write(&p, serde_json::to_vec(&part).expect("a part serialises")).map_err(|e| io(&p, e))
     })?;
     Ok(SOURCE.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_cover_every_group_once_and_name_their_owner() {
+        let plan_of = |n: usize| Plan {
+            plan_format: PLAN_FORMAT,
+            id: String::new(),
+            source: String::new(),
+            layout: "jsonl".into(),
+            options: PlanOptions::of(&PackOptions::default()),
+            schema: Schema::new([("a", ramjet_engine::format::ColumnType::Int64)]).unwrap(),
+            meta: Map::new(),
+            items: 0,
+            groups: vec![
+                GroupPlan {
+                    after: None,
+                    offset: None,
+                    first: String::new(),
+                    items: 0,
+                    hash: String::new()
+                };
+                n
+            ],
+        };
+        for groups in [1usize, 2, 5, 64, 1000] {
+            let p = plan_of(groups);
+            for tasks in [1u64, 2, 3, 7, 64, 1000, 5000] {
+                let mut next = 0;
+                for t in 0..tasks {
+                    let s = p.slice(tasks, t);
+                    assert_eq!(s.start, next, "{groups} groups, {tasks} tasks");
+                    for g in s.clone() {
+                        assert_eq!(
+                            owner(g, groups as u64, tasks),
+                            t,
+                            "group {g} of {groups}, {tasks} tasks"
+                        );
+                    }
+                    next = s.end;
+                }
+                assert_eq!(next, groups as u64);
+            }
+        }
+    }
 }
