@@ -568,11 +568,14 @@ fn plan_for(
 ) -> Result<(Plan, bool)> {
     let url = dst.url(PLAN_KEY);
     if let Some(p) = read_plan(dst, rt)? {
+        progress.finish_and_clear();
         p.check_run(&url, &src.display, opts.kind, &PlanOptions::of(opts))?;
         return Ok((p, false));
     }
     let layout = layout(src, rt, opts)?;
-    let made = make_plan(src, rt, &layout, opts, progress)?;
+    let made = make_plan(src, rt, &layout, opts, progress);
+    progress.finish_and_clear();
+    let made = made?;
     rt.block_on(dst.put(PLAN_KEY, made.to_bytes()))?;
     let stored = read_plan(dst, rt)?.ok_or_else(|| Error::NotFound { key: url.clone() })?;
     if stored.id != made.id {
@@ -639,7 +642,7 @@ pub fn pack_task(
     let source = Source::open(src)?;
     let store = open_dst(dst)?;
     let rt = runtime()?;
-    let (plan, planned) = plan_for(&source, &store, &rt, opts, &indicatif::ProgressBar::hidden())?;
+    let (plan, planned) = plan_for(&source, &store, &rt, opts, &crate::ui::count_bar("plan"))?;
     let layout = plan.layout()?;
     let groups = plan.slice(tasks, task);
     let label = format!("pack task {task}/{tasks}");
