@@ -39,29 +39,9 @@ RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/release/ramjet")
 SAMPLES_PER_PART = 10_000
 
 
-def upload(src, raw):
-    """Uploads DIR under `raw` once (a marker object says it is complete)."""
-    import boto3
-
-    bucket, prefix = raw.removeprefix("s3://").split("/", 1)
-    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-    marker = f"{prefix}/.uploaded"
-    try:
-        s3.head_object(Bucket=bucket, Key=marker)
-        return
-    except Exception:
-        pass
-    files = sorted(p for p in Path(src).rglob("*") if p.is_file())
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda p: s3.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(src)}"), files))
-    s3.put_object(Bucket=bucket, Key=marker, Body=b"")
-    print(f"uploaded {len(files)} files to {raw}", flush=True)
-
-
-def upload_classes(src, url, classes=100):
-    """The images of DIR as an image folder of `classes` classes under `url`, once."""
+def upload_once(url, files):
+    """Uploads `files` ((local path, key under `url`) pairs) once: a marker object says the
+    upload is complete."""
     import boto3
     from concurrent.futures import ThreadPoolExecutor
 
@@ -73,12 +53,22 @@ def upload_classes(src, url, classes=100):
         return
     except Exception:
         pass
-    files = sorted(p for p in Path(src).rglob("*") if p.is_file() and p.suffix == ".jpg")
     with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda ip: s3.upload_file(str(ip[1]), bucket, f"{prefix}/c{ip[0] % classes:03}/{ip[1].name}"),
-                    enumerate(files)))
+        list(ex.map(lambda pk: s3.upload_file(str(pk[0]), bucket, f"{prefix}/{pk[1]}"), files))
     s3.put_object(Bucket=bucket, Key=marker, Body=b"")
-    print(f"uploaded {len(files)} images in {classes} classes to {url}", flush=True)
+    print(f"uploaded {len(files)} files to {url}", flush=True)
+
+
+def upload(src, raw):
+    """DIR as it is, under `raw`."""
+    files = sorted(p for p in Path(src).rglob("*") if p.is_file())
+    upload_once(raw, [(p, p.relative_to(src)) for p in files])
+
+
+def upload_classes(src, url, classes=100):
+    """The images of DIR as an image folder of `classes` classes under `url`."""
+    files = sorted(p for p in Path(src).rglob("*") if p.is_file() and p.suffix == ".jpg")
+    upload_once(url, [(p, f"c{i % classes:03}/{p.name}") for i, p in enumerate(files)])
 
 
 def input_stats(src):

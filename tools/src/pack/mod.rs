@@ -65,17 +65,13 @@ impl SourceKind {
             .find(|k| k.name() == n)
     }
 
-    /// Guesses the layout of `src`: a file is JSONL, a folder with `images/` and `labels/` is
-    /// YOLO, any other folder an image folder.
-    pub fn detect(src: &Source, rt: &tokio::runtime::Runtime) -> Result<SourceKind> {
-        if src.file.is_some() {
-            return Ok(SourceKind::Jsonl);
-        }
-        let (dirs, _) = src.top(rt)?;
+    /// Guesses a folder's layout from its top-level folders: `images/` and `labels/` make it
+    /// YOLO, anything else an image folder. (A file is JSONL.)
+    pub fn detect(dirs: &[String]) -> SourceKind {
         if dirs.iter().any(|d| d == "images") && dirs.iter().any(|d| d == "labels") {
-            return Ok(SourceKind::Yolo);
+            return SourceKind::Yolo;
         }
-        Ok(SourceKind::Imagefolder)
+        SourceKind::Imagefolder
     }
 }
 
@@ -279,6 +275,7 @@ pub fn pack(src: &str, dst: &str, opts: &PackOptions, progress: &indicatif::Prog
         objects: Default::default(),
     };
     let groups = if layout.kind == SourceKind::Jsonl {
+        progress.set_length(source.file_len(&rt)?);
         pack_jsonl(&ctx, source.file_reader(&rt, 0)?, 0, None)?
     } else {
         pack_files(&ctx, None, 0, None)?
@@ -356,9 +353,16 @@ pub(crate) fn put_manifest(store: &Store, rt: &tokio::runtime::Runtime, manifest
 
 /// The layout of `src`: its kind (detected unless given), schema and metadata.
 pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) -> Result<Layout> {
-    let kind = match opts.kind {
-        Some(k) => k,
-        None => SourceKind::detect(src, rt)?,
+    // A folder's top level, listed once: it tells the layout and an image folder's classes.
+    let dirs = match src.file {
+        Some(_) => None,
+        None if opts.kind.is_some_and(|k| k != SourceKind::Imagefolder) => None,
+        None => Some(src.top(rt)?.0),
+    };
+    let kind = match (opts.kind, &dirs) {
+        (Some(k), _) => k,
+        (None, None) => SourceKind::Jsonl,
+        (None, Some(d)) => SourceKind::detect(d),
     };
     if opts.image_column.is_some() && kind != SourceKind::Jsonl {
         return Err(Error::invalid(
@@ -369,7 +373,10 @@ pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) ->
     let mut l = match kind {
         SourceKind::Jsonl => jsonl_layout(src, rt, opts)?,
         SourceKind::Yolo => yolo_layout(src, rt)?,
-        SourceKind::Imagefolder => imagefolder_layout(src, rt)?,
+        SourceKind::Imagefolder => imagefolder_layout(match dirs {
+            Some(d) => d,
+            None => src.top(rt)?.0,
+        })?,
     };
     if opts.jpeg_restarts && kind != SourceKind::Jsonl {
         l.meta.insert("jpeg_restart_px".into(), Json::from(JPEG_RESTART_PX));
@@ -911,21 +918,24 @@ fn yolo_layout(src: &Source, rt: &tokio::runtime::Runtime) -> Result<Layout> {
     })
 }
 
-/// An image folder's schema and metadata: its classes are the top-level folders, sorted.
-fn imagefolder_layout(src: &Source, rt: &tokio::runtime::Runtime) -> Result<Layout> {
-    let (classes, _) = src.top(rt)?;
-    let schema = Schema::new([
+/// An image folder's schema.
+pub(crate) fn imagefolder_schema() -> Result<Schema> {
+    Schema::new([
         ("image", ColumnType::Bytes),
         ("label", ColumnType::Int64),
         ("path", ColumnType::Str),
         ("width", ColumnType::Int64),
         ("height", ColumnType::Int64),
-    ])?;
+    ])
+}
+
+/// An image folder's schema and metadata: its classes are its top-level folders, sorted.
+fn imagefolder_layout(classes: Vec<String>) -> Result<Layout> {
     let mut meta = Map::new();
     meta.insert("classes".into(), Json::from(classes));
     Ok(Layout {
         kind: SourceKind::Imagefolder,
-        schema,
+        schema: imagefolder_schema()?,
         meta,
     })
 }

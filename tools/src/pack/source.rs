@@ -98,11 +98,6 @@ impl Source {
         })
     }
 
-    /// Whether the input is in an object store.
-    pub fn remote(&self) -> bool {
-        matches!(self.root, Root::Store(_))
-    }
-
     /// The name of `key` in messages: a path or a URL.
     pub fn name(&self, key: &str) -> String {
         match &self.root {
@@ -264,14 +259,6 @@ impl Source {
             }
         }
         Ok((dirs, files))
-    }
-
-    /// Whether the root holds folder `name`.
-    pub fn has_dir(&self, rt: &tokio::runtime::Runtime, name: &str) -> Result<bool> {
-        match &self.root {
-            Root::Local(d) => Ok(d.join(name).is_dir()),
-            Root::Store(_) => Ok(self.top(rt)?.0.iter().any(|d| d == name)),
-        }
     }
 
     /// The files under folder `under` (a key relative to the root), after key `after` when

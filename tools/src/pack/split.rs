@@ -952,7 +952,7 @@ fn check_stored(
 /// of `shard_samples` samples of 150 KB images, whose objects do not exist (merge them with
 /// `--no-check-shards`). Returns the source name the merge must be given.
 pub fn simulate(dir: &std::path::Path, parts: u64, samples: u64, shard_samples: u64) -> Result<String> {
-    use ramjet_engine::format::{shard_key, ColumnType};
+    use ramjet_engine::format::shard_key;
     const SOURCE: &str = "merge-sim";
     if parts == 0 || samples < parts || shard_samples == 0 {
         return Err(Error::invalid(
@@ -973,13 +973,7 @@ pub fn simulate(dir: &std::path::Path, parts: u64, samples: u64, shard_samples: 
             }
         })
         .collect();
-    let schema = Schema::new([
-        ("image", ColumnType::Bytes),
-        ("label", ColumnType::Int64),
-        ("path", ColumnType::Str),
-        ("width", ColumnType::Int64),
-        ("height", ColumnType::Int64),
-    ])?;
+    let schema = super::imagefolder_schema()?;
     let mut meta = Map::new();
     meta.insert("classes".into(), Json::from(vec!["class"]));
     let mut plan = Plan {
