@@ -18,8 +18,10 @@
 # its floor, and every PUT then fails with 500 InternalError ("No writable volumes"). Its
 # default floor is 1% of the whole disk (2.5 GB of a 252 GB disk), which a clean build plus the
 # venv can cross on a CI machine; `weed mini` cannot change it. So this runs `weed server` with
-# a fixed floor, RAMJET_S3_MIN_FREE (default 256MiB), and 256 MB volumes (the volume count is
-# free space / volume size, so small volumes leave room on a small disk). S3 credentials are
+# a fixed floor, RAMJET_S3_MIN_FREE (default 256MiB), and 256 MB volumes, at most 100 of them.
+# Volumes are not preallocated, so the count reserves no disk; left to SeaweedFS (`-volume.max=0`)
+# it is the free space at start / volume size, and a server started on a nearly full disk could
+# not grow the 7 volumes a collection takes at a time. S3 credentials are
 # the identity written to $dir/s3.json from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: a
 # wrong secret is refused.
 set -euo pipefail
@@ -80,7 +82,7 @@ JSON
   local p="$RAMJET_S3_PORT"
   setsid "${nsexec[@]}" "$weed" server -dir="$dir/data" -ip="$RAMJET_S3_HOST" -ip.bind="$RAMJET_S3_HOST" \
     -master.port=$((p + 1)) -master.volumeSizeLimitMB=256 \
-    -volume.port=$((p + 2)) -volume.max=0 -volume.minFreeSpace="${RAMJET_S3_MIN_FREE:-256MiB}" \
+    -volume.port=$((p + 2)) -volume.max=100 -volume.minFreeSpace="${RAMJET_S3_MIN_FREE:-256MiB}" \
     -filer -filer.port=$((p + 3)) \
     -s3 -s3.port="$p" -s3.config="$dir/s3.json" -s3.port.iceberg=0 -s3.port.lance=0 \
     >"$log" 2>&1 < /dev/null &

@@ -18,7 +18,10 @@ df -h "$RAMJET_ROOT" | sed 's/^/disk: /'
 
 # Step times, so that a slow step shows in the log.
 t0=$SECONDS
-step() { printf '\n== [%dm%02ds] %s\n' $(((SECONDS - t0) / 60)) $(((SECONDS - t0) % 60)) "$*"; }
+# Each step's line says the disk's free space too: a CI machine short of disk fails where it
+# runs out (the S3 server's volumes turn read-only under its floor), and this shows where.
+free_disk() { df -h --output=avail "$RAMJET_ROOT" 2>/dev/null | tail -n 1 | tr -d ' '; }
+step() { printf '\n== [%dm%02ds] %s (disk free %s)\n' $(((SECONDS - t0) / 60)) $(((SECONDS - t0) % 60)) "$*" "$(free_disk)"; }
 
 step "setup"
 tools/setup.sh
@@ -56,6 +59,7 @@ on_exit() {
   if [ "$rc" -ne 0 ]; then
     printf '\n== failed (exit %s): disk and S3 server state\n' "$rc"
     df -h "$RAMJET_ROOT" "${TMPDIR:-/tmp}" 2>/dev/null || true
+    du -sh "$RAMJET_ROOT/target" "$RAMJET_VENV" "$RAMJET_STATE"/* "${TMPDIR:-/tmp}"/pytest-of-* 2>/dev/null | sort -h | tail -n 8 || true
     grep -a -E '^[EF][0-9]{4}' "$RAMJET_STATE/s3-$RAMJET_S3_PORT/weed.log" 2>/dev/null | tail -n 15 || true
   fi
   tools/s3-server.sh stop >/dev/null
@@ -84,6 +88,15 @@ for want in "ran past its limit of 5 s" "watchdog::planted_hang_waits_forever" \
 done
 echo "planted hang: failed alone after 5 s with its stacks; the test beside it passed"
 
+step "device-check bundle from CI's debug builds (its dry run is the last step), then the Rust test executables freed"
+# The bundle takes the GPU test binaries it needs; the other test executables (1.6 GB) are not
+# used again (pytest needs target/debug/ramjet and the rlibs maturin links), and a CI machine
+# short of disk needs that room for the Python suite's datasets and the S3 server's volumes.
+ci="$RAMJET_STATE/ci"
+rm -rf "$ci" && mkdir -p "$ci"
+tools/device-check/build.sh --dev "$ci/devcheck"
+find target/debug/deps -maxdepth 1 -type f -perm -u+x ! -name '*.so' ! -name '*.rlib' ! -name '*.rmeta' ! -name '*.d' -delete
+
 step "python package (maturin develop, dev profile) and pytest"
 # The dev profile (dependencies at opt-level 2, ours at 1) reuses what the Rust steps above
 # built: 2 minutes here instead of 10 for a release build, which only the benchmarks need
@@ -97,8 +110,6 @@ RAMJET_BIN="$RAMJET_ROOT/target/debug/ramjet" "$RAMJET_VENV/bin/python" -m pytes
 
 step "examples: CNN training (device auto: a GPU when usable, else the CPU), 2-process torchrun (gloo)"
 py="$RAMJET_VENV/bin/python"
-ci="$RAMJET_STATE/ci"
-rm -rf "$ci" && mkdir -p "$ci"
 target/debug/ramjet synth "$ci/synth" --samples 400 >/dev/null
 url="s3://$RAMJET_S3_BUCKET/ci/synth-400-$(date +%s)"
 target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
@@ -119,11 +130,10 @@ RAMJET_BIN=target/debug/ramjet "$py" benches/python/bench_loader.py --images "$c
 step "two datasets alive in one process (quick mode: checks it runs; figures come from the full run)"
 RAMJET_BIN=target/debug/ramjet "$py" benches/python/two_datasets.py --quick --out "$ci/two_datasets.json" | tail -2
 
-step "device check, CPU dry run (tools/device-check: the bundle from CI's debug builds, run.py --cpu; it runs the GPU feed benchmark's quick mode on the CPU too)"
+step "device check, CPU dry run (tools/device-check: run.py --cpu on the bundle built above; it runs the GPU feed benchmark's quick mode on the CPU too)"
 # The GPU check is prepared here and run only where a GPU is lent (docs/gpu.md). Between those
 # rare runs this keeps the bundle's build and every step of run.py alive: steps that need a GPU
 # say "skipped: no GPU", the others run on the CPU, and summary.json keeps its one shape.
-tools/device-check/build.sh --dev "$ci/devcheck"
 "$py" tools/device-check/run.py --bundle "$ci/devcheck" --out "$ci/devcheck-out" --cpu --python "$py"
 "$py" - "$ci/devcheck-out/summary.json" <<'PY'
 import json, sys

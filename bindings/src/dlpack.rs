@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 use ramjet_cuda::dlpack::{check_requested_device, ConsumerStream, Device, Export, Shared};
 use ramjet_engine::buf::HostBuf;
+use ramjet_engine::format::array::Dtype;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -88,6 +89,8 @@ pub enum DType {
     F32,
     /// float64.
     F64,
+    /// An array column's element type.
+    Array(Dtype),
 }
 
 impl DType {
@@ -97,6 +100,13 @@ impl DType {
             DType::I64 => (0, 64),
             DType::F32 => (2, 32),
             DType::F64 => (2, 64),
+            // kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4.
+            DType::Array(d) => match d {
+                Dtype::I8 | Dtype::I16 | Dtype::I32 | Dtype::I64 => (0, 8 * d.size() as u8),
+                Dtype::U8 | Dtype::U16 | Dtype::U32 | Dtype::U64 => (1, 8 * d.size() as u8),
+                Dtype::F16 | Dtype::F32 | Dtype::F64 => (2, 8 * d.size() as u8),
+                Dtype::Bf16 => (4, 16),
+            },
         };
         DLDataType { code, bits, lanes: 1 }
     }
@@ -107,6 +117,7 @@ impl DType {
             DType::I64 => "int64",
             DType::F32 => "float32",
             DType::F64 => "float64",
+            DType::Array(d) => d.name(),
         }
     }
 }
@@ -123,6 +134,8 @@ pub enum Storage {
     F32(Vec<f32>),
     /// float64 values.
     F64(Vec<f64>),
+    /// Shared bytes (an array column's elements, or a value's slice of its shard).
+    Bytes(bytes::Bytes),
     /// A device buffer of ramjet's pool (the GPU decode's batches): exported to CUDA
     /// consumers, each ordered after the batch and fenced on its own stream.
     Cuda(Shared),
@@ -142,6 +155,7 @@ impl Storage {
             Storage::I64(v) => v.as_ptr() as *mut c_void,
             Storage::F32(v) => v.as_ptr() as *mut c_void,
             Storage::F64(v) => v.as_ptr() as *mut c_void,
+            Storage::Bytes(v) => v.as_ptr() as *mut c_void,
             Storage::Cuda(b) => b.addr() as *mut c_void,
         }
     }

@@ -129,7 +129,7 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("url", ds.manifest_url())?;
     d.set_item("version", &m.version)?;
     d.set_item("source", &m.packed_from)?;
-    let cols: Vec<(String, &str)> = m.schema.columns.iter().map(|c| (c.name.clone(), c.ty.name())).collect();
+    let cols: Vec<(String, String)> = m.schema.columns.iter().map(|c| (c.name.clone(), c.ty.name())).collect();
     d.set_item("schema", cols)?;
     d.set_item("shards", m.shard_count())?;
     d.set_item("samples", m.samples)?;
@@ -233,6 +233,12 @@ fn columns<'py>(py: Python<'py>, url: &str, names: Vec<String>, parallel: usize)
                 Value::Float64(x) => l.append(x)?,
                 Value::Str(t) | Value::Json(t) => l.append(t)?,
                 Value::Bytes(b) => l.append(pyo3::types::PyBytes::new(py, &b))?,
+                Value::Array(a) => {
+                    let shape = a.shape.iter().map(|&x| x as i64).collect();
+                    let data = aligned_bytes(&a.data);
+                    let t = dlpack::Tensor::new(dlpack::Storage::Bytes(data), shape, dlpack::DType::Array(a.dtype));
+                    l.append(Py::new(py, t)?)?
+                }
             }
         }
         d.set_item(name, l)?;
@@ -349,4 +355,11 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(session::loader_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(session::job_state, m)?)?;
     Ok(())
+}
+
+/// `data` copied into a buffer aligned for any element type (a tensor's storage).
+fn aligned_bytes(data: &[u8]) -> bytes::Bytes {
+    let mut b = ramjet_engine::buf::AlignedBuf::zeroed(data.len());
+    b.as_mut().copy_from_slice(data);
+    b.into_bytes()
 }

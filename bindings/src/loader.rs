@@ -12,7 +12,7 @@ use serde::Deserialize;
 use ramjet_engine::buf::{HostAlloc, HostPool};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::image::{OutType, Scratch};
-use ramjet_engine::loader::{Assembler, Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
+use ramjet_engine::loader::{ArrayBatch, Assembler, Batch, ColumnData, Loader as EngineLoader, LoaderConfig, Next};
 use ramjet_engine::stream::{StreamConfig, StreamState};
 use ramjet_engine::{Error, Opened, SampleReader};
 
@@ -237,6 +237,34 @@ fn image_tensor(
     tensor(py, Storage::Host(buf), shape, dt)
 }
 
+/// An array column's batch into `d`: `name` is one `(n, *shape)` tensor when every value has
+/// the same shape; ragged, `name` is the elements back to back, `{name}_offsets` (`n + 1`
+/// element offsets) and `{name}_shapes` (`(n, rank)`).
+fn set_array(py: Python<'_>, d: &Bound<'_, PyDict>, name: &str, a: ArrayBatch) -> PyResult<()> {
+    let dt = DType::Array(a.dtype);
+    match a.shape {
+        Some(shape) => {
+            let shape = shape.iter().map(|&x| x as i64).collect();
+            d.set_item(name, tensor(py, Storage::Bytes(a.data), shape, dt)?)?;
+        }
+        None => {
+            let elems = (a.data.len() / a.dtype.size()) as i64;
+            let n = a.offsets.len().saturating_sub(1) as i64;
+            d.set_item(name, tensor(py, Storage::Bytes(a.data), vec![elems], dt)?)?;
+            let k = a.offsets.len() as i64;
+            d.set_item(
+                format!("{name}_offsets"),
+                tensor(py, Storage::I64(a.offsets), vec![k], DType::I64)?,
+            )?;
+            d.set_item(
+                format!("{name}_shapes"),
+                tensor(py, Storage::I64(a.shapes), vec![n, a.rank as i64], DType::I64)?,
+            )?;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDict>, Bound<'_, PyDict>)> {
     let d = PyDict::new(py);
     let n = b.len() as i64;
@@ -267,6 +295,7 @@ pub(crate) fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDic
                     "a batch made for the GPU decode reached the host conversion (the GPU side finishes it first)",
                 ))
             }
+            ColumnData::Array(a) => set_array(py, &d, &name, a)?,
             ColumnData::Boxes { values, offsets } => {
                 let rows = (values.len() / 5) as i64;
                 d.set_item(&name, tensor(py, Storage::F32(values), vec![rows, 5], DType::F32)?)?;
@@ -465,28 +494,71 @@ impl Reader {
             }
         })?
         .map_err(to_py)?;
-        let d = PyDict::new(py);
-        for (name, col) in batch.columns {
-            match col {
-                ColumnData::Image {
-                    buf,
-                    height,
-                    width,
-                    out,
-                    ..
-                } => {
-                    d.set_item(&name, image_tensor(py, buf, vec![3, height as i64, width as i64], out)?)?;
-                }
-                ColumnData::Int64(v) => d.set_item(&name, v[0])?,
-                ColumnData::Float64(v) => d.set_item(&name, v[0])?,
-                ColumnData::Str(mut v) | ColumnData::Json(mut v) => d.set_item(&name, v.swap_remove(0))?,
-                ColumnData::Bytes(v) => d.set_item(&name, PyBytes::new(py, &v[0]))?,
-                ColumnData::Boxes { .. } => unreachable!("the reader's assembler parses no boxes"),
-                ColumnData::ImageSource(_) => unreachable!("the reader's assembler makes no GPU batches"),
-            }
-        }
-        d.set_item("_index", index)?;
-        d.set_item("_source", source)?;
-        Ok(d)
+        one_sample_dict(py, batch, source, index)
     }
+
+    /// Samples `indices` of source `source`, in the order asked, as dicts: each shard touched
+    /// is read once (from memory, the disk cache, or one whole-shard fetch), the fetches all at
+    /// once.
+    fn get_many<'py>(&self, py: Python<'py>, source: usize, indices: Vec<u64>) -> PyResult<Bound<'py, PyList>> {
+        let (state, assemblers) = (self.state.clone(), self.assemblers.clone());
+        let asked = indices.clone();
+        let batches = interruptible(py, move || {
+            let mut g = state.lock().expect("not poisoned");
+            let (st, scratch) = &mut *g;
+            let samples = st.get_many(source, &asked)?;
+            let a = assemblers
+                .get(source)
+                .ok_or_else(|| Error::invalid(format!("source {source}"), "no such source"))?;
+            samples
+                .into_iter()
+                .map(|s| {
+                    let url = st.shard_url(s.id.source, s.id.shard);
+                    a.one(0, s, url, scratch)
+                })
+                .collect::<ramjet_engine::Result<Vec<Batch>>>()
+        })?
+        .map_err(to_py)?;
+        let out = PyList::empty(py);
+        for (b, &i) in batches.into_iter().zip(&indices) {
+            out.append(one_sample_dict(py, b, source, i)?)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A one-sample batch as the sample's dict: an image as a `(3, H, W)` tensor, an array as a
+/// tensor of its own shape, scalars and text as Python values.
+fn one_sample_dict<'py>(py: Python<'py>, batch: Batch, source: usize, index: u64) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, col) in batch.columns {
+        match col {
+            ColumnData::Image {
+                buf,
+                height,
+                width,
+                out,
+                ..
+            } => {
+                d.set_item(&name, image_tensor(py, buf, vec![3, height as i64, width as i64], out)?)?;
+            }
+            ColumnData::Int64(v) => d.set_item(&name, v[0])?,
+            ColumnData::Float64(v) => d.set_item(&name, v[0])?,
+            ColumnData::Str(mut v) | ColumnData::Json(mut v) => d.set_item(&name, v.swap_remove(0))?,
+            ColumnData::Bytes(v) => d.set_item(&name, PyBytes::new(py, &v[0]))?,
+            ColumnData::Array(a) => {
+                // One value: its own shape (the batch's leading axis of 1 dropped).
+                let shape: Vec<i64> = match &a.shape {
+                    Some(s) => s[1..].iter().map(|&x| x as i64).collect(),
+                    None => a.shapes.clone(),
+                };
+                d.set_item(&name, tensor(py, Storage::Bytes(a.data), shape, DType::Array(a.dtype))?)?;
+            }
+            ColumnData::Boxes { .. } => unreachable!("the reader's assembler parses no boxes"),
+            ColumnData::ImageSource(_) => unreachable!("the reader's assembler makes no GPU batches"),
+        }
+    }
+    d.set_item("_index", index)?;
+    d.set_item("_source", source)?;
+    Ok(d)
 }

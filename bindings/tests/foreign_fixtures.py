@@ -38,6 +38,8 @@ COLUMNS = {
     "count": "str_int",
     "meta": "json",
     "arr": "ndarray:float32:2,3",
+    "vec": "ndarray:int16",
+    "free": "ndarray",
     "pil": "pil",
 }
 
@@ -57,6 +59,8 @@ def sample(i, path):
         "count": i * 3,
         "meta": {"i": i, "tags": ["a", str(i)]},
         "arr": np.arange(6, dtype=np.float32).reshape(2, 3) * i,
+        "vec": np.arange(i % 4 + 1, dtype=np.int16) - 3 * i,
+        "free": (np.arange((i % 3 + 1) * 2, dtype=np.uint16) * 300 + i).reshape(i % 3 + 1, 2),
         "pil": thumb,
     }
 
@@ -65,12 +69,20 @@ def b64(b):
     return {"b64": base64.b64encode(b).decode()}
 
 
+def array(a):
+    """An array as ramjet must yield it: dtype, shape and row-major elements."""
+    a = np.asarray(a)
+    return {"dtype": a.dtype.name, "shape": list(a.shape), "b64": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
+
+
 expected_mds = []
 for i, p in enumerate(files):
     s = sample(i, p)
     e = {}
     for col, enc in COLUMNS.items():
-        if enc in ("jpeg", "png", "bytes", "pil") or enc.startswith("ndarray"):
+        if enc.startswith("ndarray"):
+            e[col] = array(s[col])
+        elif enc in ("jpeg", "png", "bytes", "pil"):
             e[col] = b64(mds_encode(enc, s[col]))
         elif enc == "json":
             e[col] = s[col]
@@ -90,6 +102,23 @@ for name, comp in (("mds-plain", None), ("mds-zstd", "zstd"), ("mds-gz", "gz")):
 with MDSWriter(out=str(out / "mds-pkl"), columns={"x": "pkl", "label": "int"}) as w:
     w.write({"x": {"a": 1}, "label": 1})
 
+def npy_array(i):
+    """Sample i's .npy member: 2-D float32 of i % 3 + 1 rows, every third one in Fortran order
+    and every fourth one big-endian (ramjet yields them all row-major, little-endian)."""
+    a = np.arange((i % 3 + 1) * 3, dtype=np.float32).reshape(i % 3 + 1, 3) / 4 + i
+    if i % 3 == 2:
+        a = np.asfortranarray(a)
+    if i % 4 == 3:
+        a = a.astype(">f4")
+    return a
+
+
+def npy_member(i):
+    buf = io.BytesIO()
+    np.save(buf, npy_array(i))
+    return buf.getvalue()
+
+
 expected_wds = []
 for name, ext in (("wds", "tar"), ("wds-gz", "tar.gz")):
     (out / name).mkdir(parents=True)
@@ -103,10 +132,12 @@ for name, ext in (("wds", "tar"), ("wds-gz", "tar.gz")):
                     "jpg": p.read_bytes(),
                     "cls": str(i % 5).encode(),
                     "json": json.dumps({"i": i}).encode(),
+                    "npy": npy_member(i),
                 }
                 w.write(s)
                 if name == "wds":
-                    expected_wds.append({"__key__": s["__key__"], **{k: b64(v) for k, v in s.items() if k != "__key__"}})
+                    e = {k: b64(v) for k, v in s.items() if k not in ("__key__", "npy")}
+                    expected_wds.append({"__key__": s["__key__"], **e, "npy": array(npy_array(i).astype("<f4"))})
     (out / name / "shards.txt").write_text(
         "".join(f"train-{s:03d}.{ext}\n" for s in range((n + per - 1) // per))
     )

@@ -65,14 +65,29 @@ def rows(url, **kw):
     ds = ramjet.StreamingDataset(url, image_size=None, batch_size=4, shuffle=False, cache_limit=None, **kw)
     out = []
     for b in ds:
-        n = len(next(iter(b.values())))
+        n = len(b["_index"])
         for i in range(n):
             r = {}
             for k, v in b.items():
-                x = v[i]
-                r[k] = x.item() if isinstance(x, torch.Tensor) else x
+                if k.endswith(("_offsets", "_shapes")) and k.rsplit("_", 1)[0] in b:
+                    continue
+                if f"{k}_offsets" in b:  # a ragged array column: this value's slice, reshaped
+                    o = b[f"{k}_offsets"]
+                    x = v[o[i] : o[i + 1]].reshape(b[f"{k}_shapes"][i].tolist())
+                else:
+                    x = v[i]
+                r[k] = x.item() if isinstance(x, torch.Tensor) and x.dim() == 0 else x
             out.append(r)
     return out
+
+
+def same_array(got, want):
+    """A yielded tensor against the writer's array: dtype, shape and every byte."""
+    assert isinstance(got, torch.Tensor), type(got)
+    assert str(got.dtype) == f"torch.{want['dtype']}", (got.dtype, want["dtype"])
+    assert list(got.shape) == want["shape"], (list(got.shape), want["shape"])
+    assert got.contiguous().numpy().tobytes() == base64.b64decode(want["b64"])
+    return True
 
 
 def expect(v):
@@ -91,6 +106,9 @@ def assert_mds_rows(got, want):
     assert len(got) == N
     for i, (g, w) in enumerate(zip(got, want)):
         for col, v in w.items():
+            if isinstance(v, dict) and "dtype" in v:
+                assert same_array(g[col], v), (i, col)
+                continue
             v = expect(v)
             if col == "meta":
                 assert json.loads(g[col]) == v, (i, col)
@@ -105,6 +123,7 @@ def assert_wds_rows(got, want):
     for g, w in zip(got, want):
         for ext in ("jpg", "cls", "json"):
             assert g[ext] == expect(w[ext]), (w["__key__"], ext)
+        assert same_array(g["npy"], w["npy"]), w["__key__"]
 
 
 @pytest.mark.parametrize("shape", MDS_SHAPES)

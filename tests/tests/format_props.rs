@@ -3,6 +3,7 @@
 //! yielded and never a panic.
 
 use proptest::prelude::*;
+use ramjet_engine::format::array::{Array, ArraySpec, Dims, DTYPES};
 use ramjet_engine::format::{
     verify_shard_bytes, ColumnType, Schema, ShardBuilder, ShardExpect, ShardReader, ShardView, Value, ValueRef,
 };
@@ -14,7 +15,36 @@ fn column_type() -> impl Strategy<Value = ColumnType> {
         Just(ColumnType::Int64),
         Just(ColumnType::Float64),
         Just(ColumnType::Json),
+        Just(ColumnType::Array(ArraySpec::parse("int32[?]").unwrap())),
+        Just(ColumnType::Array(ArraySpec::parse("float32[?,3]").unwrap())),
+        Just(ColumnType::Array(ArraySpec::parse("bfloat16[2,2]").unwrap())),
+        Just(ColumnType::Array(ArraySpec::parse("any[*]").unwrap())),
     ]
+}
+
+/// An array of `spec`: its declared dtype (any when free), its fixed axes, 0..5 on free ones.
+fn array(spec: ArraySpec) -> BoxedStrategy<Value> {
+    let dtype = match spec.dtype {
+        Some(d) => Just(d).boxed(),
+        None => proptest::sample::select(DTYPES.to_vec()).boxed(),
+    };
+    let shape = match spec.dims {
+        Dims::Any => proptest::collection::vec(0u64..4, 0..3).boxed(),
+        Dims::Rank { rank, dims } => (0..rank as usize)
+            .map(|i| match Dims::axis(&dims, i) {
+                Some(n) => Just(n).boxed(),
+                None => (0u64..5).boxed(),
+            })
+            .collect::<Vec<_>>()
+            .boxed(),
+    };
+    (dtype, shape)
+        .prop_flat_map(|(d, shape)| {
+            let n = shape.iter().product::<u64>() as usize * d.size();
+            (Just(d), Just(shape), proptest::collection::vec(any::<u8>(), n))
+        })
+        .prop_map(|(d, shape, data)| Value::Array(Array::new(d, shape, data).unwrap()))
+        .boxed()
 }
 
 fn value(ty: ColumnType) -> BoxedStrategy<Value> {
@@ -33,6 +63,7 @@ fn value(ty: ColumnType) -> BoxedStrategy<Value> {
         ]
         .prop_map(Value::Json)
         .boxed(),
+        ColumnType::Array(spec) => array(spec),
     }
 }
 

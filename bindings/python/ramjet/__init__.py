@@ -192,6 +192,56 @@ class Stream(Source):
         warnings.warn("ramjet.Stream is renamed ramjet.Source", DeprecationWarning, stacklevel=3)
 
 
+def _positions(index: Any, n: int) -> Tuple[List[int], bool]:
+    """NumPy-style ``index`` into ``n`` samples as positions, in the order asked, and whether it
+    was one integer: an integer (negative counts from the end), a slice, a sequence, array or
+    tensor of integers, or a boolean mask of length ``n``. An index out of range is an
+    ``IndexError`` naming it."""
+
+    def one(i: Any) -> int:
+        j = int(i)
+        if j != i and not isinstance(i, bool):
+            raise TypeError(f"index {i!r} is not an integer")
+        k = j + n if j < 0 else j
+        if not 0 <= k < n:
+            raise IndexError(f"index {j} is out of range for a dataset of {n} samples")
+        return k
+
+    if isinstance(index, slice):
+        return list(range(*index.indices(n))), False
+    if hasattr(index, "tolist"):  # a NumPy array or a torch tensor
+        dtype = str(getattr(index, "dtype", ""))
+        shape = tuple(getattr(index, "shape", ()))
+        if len(shape) == 0:
+            if "bool" in dtype:
+                raise TypeError("a boolean scalar is not an index")
+            return [one(index.item())], True
+        if len(shape) != 1:
+            raise IndexError(f"an index array of shape {shape}: one axis is indexed")
+        if "bool" in dtype:
+            return _mask(index.tolist(), n), False
+        if "int" not in dtype:
+            raise TypeError(f"an index array of dtype {dtype}: integers or booleans index")
+        return [one(i) for i in index.tolist()], False
+    if isinstance(index, (list, tuple)):
+        if index and all(isinstance(i, bool) for i in index):
+            return _mask(list(index), n), False
+        if any(isinstance(i, bool) for i in index):
+            raise TypeError("an index list mixes booleans and integers")
+        return [one(i) for i in index], False
+    if isinstance(index, bool):
+        raise TypeError("a boolean is not an index")
+    if hasattr(index, "__index__"):
+        return [one(index.__index__())], True
+    raise TypeError(f"index {index!r}: an integer, a slice, a sequence of integers or a boolean mask")
+
+
+def _mask(mask: List[bool], n: int) -> List[int]:
+    if len(mask) != n:
+        raise IndexError(f"a boolean mask of {len(mask)} for a dataset of {n} samples")
+    return [i for i, m in enumerate(mask) if m]
+
+
 def _to_array(t: Tensor) -> Any:
     if torch is not None:
         return torch.from_dlpack(t)
@@ -366,6 +416,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._copy_stream: Any = None  # the host-to-device copies' CUDA stream (device="cuda")
         self._in_flight: List[Any] = []  # (copy event, host batch) until the copy completes
         self._lengths: Dict[Any, Tuple[int, int]] = {}
+        self._first_len: Optional[int] = None  # samples of the first source (indexing)
 
     # ----- topology -------------------------------------------------------------------
 
@@ -600,14 +651,21 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         n = self.samples_per_rank
         return n // self.batch_size if self._drop_last else -(-n // self.batch_size)
 
-    def __getitem__(self, index: int) -> Dict[str, Any]:
-        """Sample ``index`` of the first dataset, decoded with the evaluation transform."""
+    def __getitem__(self, index: Any) -> Any:
+        """Samples of the first dataset, decoded with the evaluation transform, by NumPy-style
+        ``index``: an integer (negative counts from the end) gives one sample's dict; a slice, a
+        sequence, array or tensor of integers, or a boolean mask gives a list of them in the
+        order asked. Each shard touched is read once per call (fetched whole when not local, all
+        at once). Out of range: ``IndexError``."""
         self._after_fork()
         if self._reader is None:
             self._reader = _ramjet.Reader(self._config())
-        if index < 0:
-            raise IndexError(index)
-        return _with_aliases(_convert(self._reader.get(0, int(index)), self.device))
+        if getattr(self, "_first_len", None) is None:
+            self._first_len = int(inspect(self.streams[0].remote)["samples"])
+        at, scalar = _positions(index, self._first_len)
+        if scalar:
+            return _with_aliases(_convert(self._reader.get(0, at[0]), self.device))
+        return [_with_aliases(_convert(d, self.device)) for d in self._reader.get_many(0, at)]
 
     def metrics(self) -> Dict[str, float]:
         """Counters of the running loader: origin and cache bytes, hit rate, batch wait."""
@@ -665,12 +723,15 @@ class Reader:
             self._pid = os.getpid()
         return self._native
 
-    def get(self, index: int) -> Dict[str, Any]:
+    def get(self, index: Any) -> Any:
         """Sample ``index``, decoded (images as ``(3, H, W)`` tensors when ``image_size`` is set,
-        else every column as stored)."""
-        if index < 0:
-            raise IndexError(index)
-        return _with_aliases(_convert(self._reader().get(0, int(index)), self.device))
+        else every column as stored). NumPy-style indexing as ``StreamingDataset[...]``: an
+        integer gives one dict, a slice, integers or a boolean mask a list in the order asked,
+        each shard touched read once per call."""
+        at, scalar = _positions(index, len(self))
+        if scalar:
+            return _with_aliases(_convert(self._reader().get(0, at[0]), self.device))
+        return [_with_aliases(_convert(d, self.device)) for d in self._reader().get_many(0, at)]
 
     def get_bytes(self, index: int, column: str) -> bytes:
         """Column ``column`` of sample ``index``, a ``bytes`` column, undecoded."""
@@ -687,7 +748,7 @@ class Reader:
             self._len = int(inspect(self.url)["samples"])
         return self._len
 
-    def __getitem__(self, index: int) -> Dict[str, Any]:
+    def __getitem__(self, index: Any) -> Any:
         return self.get(index)
 
     def __getstate__(self) -> Dict[str, Any]:

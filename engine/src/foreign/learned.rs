@@ -8,8 +8,9 @@ use super::scan::index_into;
 use crate::format::Manifest;
 use crate::{Error, Result, Store};
 
-/// Bumped when what a learned manifest holds changes: older ones are then learned again.
-const LEARNED_VERSION: u32 = 1;
+/// Bumped when what a learned manifest holds changes: older ones are then learned again (2:
+/// MDS `ndarray` columns and WebDataset `.npy` members became array columns).
+const LEARNED_VERSION: u32 = 2;
 
 /// Whether `url` names a foreign dataset itself rather than a ramjet manifest or prefix: an MDS
 /// `index.json`, a tar or a brace pattern of tars, or a shard-list `.txt`.

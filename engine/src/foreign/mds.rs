@@ -5,6 +5,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::{compression_name, ForeignColumn};
 use crate::error::{Error, Invalid, Location, Result};
+use crate::format::array::{Array, ArraySpec, Dims, Dtype};
 use crate::format::{ColumnType, Schema, Value};
 
 /// MDS encodings refused: unpickling is code execution.
@@ -14,7 +15,8 @@ pub const REFUSED: &[&str] = &["pkl"];
 ///
 /// | MDS | ramjet |
 /// |---|---|
-/// | `bytes`, `jpeg`, `png`, `pil`, `ndarray...`, `jpeg_array`, `list[...]` | `bytes` (the MDS bytes as stored) |
+/// | `bytes`, `jpeg`, `png`, `pil`, `jpeg_array`, `list[...]` | `bytes` (the MDS bytes as stored) |
+/// | `ndarray`, `ndarray:DTYPE`, `ndarray:DTYPE:D0,D1,...` | an array: `any[*]`, `DTYPE[*]`, `DTYPE[D0,D1,...]` |
 /// | `str`, `str_decimal` | `str` |
 /// | `int`, `int8`..`int64`, `uint8`..`uint64`, `str_int` | `int64` |
 /// | `float16`, `float32`, `float64`, `str_float` | `float64` |
@@ -22,8 +24,10 @@ pub const REFUSED: &[&str] = &["pkl"];
 pub fn column_type(encoding: &str) -> std::result::Result<ColumnType, Invalid> {
     let name = encoding.split(':').next().unwrap_or(encoding);
     Ok(match name {
-        "bytes" | "jpeg" | "png" | "pil" | "ndarray" | "jpeg_array" | "jpegarray" | "list[pil]"
-        | "list[jpeg]" | "list[png]" => ColumnType::Bytes,
+        "bytes" | "jpeg" | "png" | "pil" | "jpeg_array" | "jpegarray" | "list[pil]" | "list[jpeg]" | "list[png]" => {
+            ColumnType::Bytes
+        }
+        "ndarray" => ColumnType::Array(ndarray_spec(encoding)?),
         "str" | "str_decimal" => ColumnType::Str,
         "int" | "int8" | "int16" | "int32" | "int64" | "uint8" | "uint16" | "uint32" | "uint64" | "str_int" => {
             ColumnType::Int64
@@ -35,6 +39,100 @@ pub fn column_type(encoding: &str) -> std::result::Result<ColumnType, Invalid> {
         }
         other => return Err(Invalid::from(format!("MDS encoding {other:?} is not known to ramjet"))),
     })
+}
+
+/// MosaicML's element types by their code in a dynamic-dtype `ndarray` value.
+const NDARRAY_DTYPES: [(u8, Dtype); 11] = [
+    (8, Dtype::U8),
+    (9, Dtype::I8),
+    (16, Dtype::U16),
+    (17, Dtype::I16),
+    (18, Dtype::F16),
+    (32, Dtype::U32),
+    (33, Dtype::I32),
+    (34, Dtype::F32),
+    (64, Dtype::U64),
+    (65, Dtype::I64),
+    (66, Dtype::F64),
+];
+
+/// The array an `ndarray[:DTYPE[:D0,D1,...]]` encoding declares.
+fn ndarray_spec(encoding: &str) -> std::result::Result<ArraySpec, Invalid> {
+    let mut parts = encoding.split(':').skip(1);
+    let dtype = match parts.next() {
+        None | Some("") => None,
+        Some(d) => Some(
+            NDARRAY_DTYPES
+                .iter()
+                .map(|&(_, t)| t)
+                .find(|t| t.name() == d)
+                .ok_or_else(|| Invalid::from(format!("ndarray dtype {d:?} is not one MosaicML writes")))?,
+        ),
+    };
+    let dims = match parts.next() {
+        None => Dims::Any,
+        Some(shape) => {
+            let axes: Vec<u64> = shape
+                .split(',')
+                .map(|x| x.trim().parse::<u64>().map_err(|_| format!("ndarray shape {shape:?}")))
+                .collect::<std::result::Result<_, _>>()?;
+            let text = format!(
+                "{}[{}]",
+                dtype.map_or("any", Dtype::name),
+                axes.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+            );
+            return if parts.next().is_some() {
+                Err(Invalid::from(format!(
+                    "encoding {encoding:?} has more than dtype and shape"
+                )))
+            } else {
+                ArraySpec::parse(&text)
+            };
+        }
+    };
+    Ok(ArraySpec { dtype, dims })
+}
+
+/// An `ndarray` value as MosaicML writes it: `[dtype code]` unless the encoding fixes the
+/// dtype, `[ndim << 2 | shape width][shape]` unless it fixes the shape, then the elements.
+fn ndarray_value(spec: &ArraySpec, b: &[u8]) -> std::result::Result<Array, Invalid> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> std::result::Result<&[u8], Invalid> {
+        let s = b
+            .get(at..at + n)
+            .ok_or_else(|| Invalid::from(format!("an ndarray value of {} bytes ends in its header", b.len())))?;
+        at += n;
+        Ok(s)
+    };
+    let dtype = match spec.dtype {
+        Some(d) => d,
+        None => {
+            let code = take(1)?[0];
+            NDARRAY_DTYPES
+                .iter()
+                .find(|(c, _)| *c == code)
+                .map(|&(_, d)| d)
+                .ok_or_else(|| Invalid::from(format!("unknown ndarray dtype code {code}")))?
+        }
+    };
+    let shape = match spec.fixed_shape() {
+        Some(s) => s,
+        None => {
+            let byte = take(1)?[0];
+            let (ndim, width) = ((byte >> 2) as usize, 1usize << (byte & 3));
+            let raw = take(ndim * width)?;
+            raw.chunks(width)
+                .map(|c| {
+                    let mut x = [0u8; 8];
+                    x[..width].copy_from_slice(c);
+                    u64::from_le_bytes(x)
+                })
+                .collect()
+        }
+    };
+    let data = b[at..].to_vec();
+    spec.check(dtype, &shape)?;
+    Array::new(dtype, shape, data)
 }
 
 /// The fixed size of a scalar encoding (others: as `index.json` says).
@@ -195,6 +293,7 @@ fn value(encoding: &str, b: &[u8]) -> std::result::Result<Value, Invalid> {
         }
     }
     Ok(match column_type(encoding)? {
+        ColumnType::Array(spec) => Value::Array(ndarray_value(&spec, b)?),
         ColumnType::Bytes => Value::Bytes(b.to_vec()),
         ColumnType::Str => Value::Str(text(b)?.to_owned()),
         ColumnType::Json => {

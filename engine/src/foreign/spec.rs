@@ -62,7 +62,7 @@ impl ForeignSpec {
     pub fn may_hold_jpeg(&self, column: &ForeignColumn) -> bool {
         match self.format {
             ForeignFormat::Mds => column.encoding == "jpeg" || column.encoding == "bytes",
-            ForeignFormat::Wds => column.encoding != wds::KEY_COLUMN,
+            ForeignFormat::Wds => column.encoding != wds::KEY_COLUMN && column.encoding != wds::NPY_EXT,
         }
     }
 }

@@ -30,7 +30,11 @@ fn a_decompression_past_its_bound_is_refused_not_allocated() {
 fn pickled_columns_are_refused_by_name() {
     let e = mds::column_type("pkl").unwrap_err();
     assert!(e.contains("arbitrary code"), "{e}");
-    assert_eq!(mds::column_type("ndarray:uint8:2,2").unwrap(), ColumnType::Bytes);
+    assert_eq!(mds::column_type("ndarray:uint8:2,2").unwrap().name(), "uint8[2,2]");
+    assert_eq!(mds::column_type("ndarray:int16").unwrap().name(), "int16[*]");
+    assert_eq!(mds::column_type("ndarray").unwrap().name(), "any[*]");
+    assert!(mds::column_type("ndarray:complex64").is_err());
+    assert_eq!(mds::column_type("jpeg_array").unwrap(), ColumnType::Bytes);
     assert_eq!(mds::column_type("str_int").unwrap(), ColumnType::Int64);
 }
 

@@ -2,6 +2,8 @@
 
 use super::ForeignColumn;
 use crate::error::{Error, Location, Result};
+use crate::format::array::ArraySpec;
+use crate::format::npy::parse_npy;
 use crate::format::{ColumnType, Schema, Value};
 
 /// The column holding each sample's key.
@@ -261,8 +263,8 @@ fn group(members: Vec<Member>, at: &dyn Fn(u64) -> Location) -> Result<Vec<TarSa
     Ok(out)
 }
 
-/// The columns of samples with these extensions: `__key__`, then one `bytes` column per
-/// extension, sorted.
+/// The columns of samples with these extensions: `__key__`, then one column per extension,
+/// sorted: `any[*]` arrays for `.npy` members, `bytes` for the others.
 pub fn columns(exts: &std::collections::BTreeSet<String>) -> Result<(Vec<ForeignColumn>, Schema)> {
     let mut cols = vec![ForeignColumn {
         name: KEY_COLUMN.into(),
@@ -276,10 +278,18 @@ pub fn columns(exts: &std::collections::BTreeSet<String>) -> Result<(Vec<Foreign
             encoding: e.clone(),
             size: None,
         });
-        schema.push((e.clone(), ColumnType::Bytes));
+        let ty = if e == NPY_EXT {
+            ColumnType::Array(ArraySpec::parse("any[*]").expect("valid"))
+        } else {
+            ColumnType::Bytes
+        };
+        schema.push((e.clone(), ty));
     }
     Ok((cols, Schema::new(schema)?))
 }
+
+/// The extension whose members are read as arrays.
+pub const NPY_EXT: &str = "npy";
 
 /// One sample's columns as ramjet values: its key, then each extension's member bytes. A
 /// sample without one of the dataset's extensions, or with another, is an error.
@@ -299,7 +309,18 @@ pub fn sample_values(cols: &[ForeignColumn], s: &TarSample, tar: &[u8], at: &Loc
                 ),
             ));
         };
-        out.push(Value::Bytes(tar[r.clone()].to_vec()));
+        let bytes = &tar[r.clone()];
+        if c.encoding == NPY_EXT {
+            let a = parse_npy(bytes).map_err(|reason| {
+                Error::corrupt(
+                    at.clone(),
+                    format!("sample {:?}: member {:?}: {reason}", s.key, c.encoding),
+                )
+            })?;
+            out.push(Value::Array(a));
+            continue;
+        }
+        out.push(Value::Bytes(bytes.to_vec()));
     }
     if let Some((e, _)) = s.members.iter().find(|(e, _)| !cols.iter().any(|c| c.encoding == *e)) {
         return Err(Error::corrupt(

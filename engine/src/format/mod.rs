@@ -1,8 +1,10 @@
 //! Shard layout, manifest and checksums: writers and readers. `docs/format.md` describes
 //! every byte.
 
+pub mod array;
 mod checksum;
 mod manifest;
+pub mod npy;
 mod schema;
 mod shard;
 mod table;

@@ -1,18 +1,21 @@
 //! Typed schema of a dataset and the byte encoding of one sample (a "record").
 //!
 //! A record is the sample's columns in schema order, with no padding:
-//! `int64` and `float64` are 8 bytes little-endian; `bytes`, `str` and `json` are a `u64`
-//! little-endian length followed by that many bytes. `str` and `json` are UTF-8, and `json`
-//! holds one complete JSON value. See `docs/format.md`.
+//! `int64` and `float64` are 8 bytes little-endian; `bytes`, `str`, `json` and arrays are a
+//! `u64` little-endian length followed by that many bytes. `str` and `json` are UTF-8, and
+//! `json` holds one complete JSON value; an array is its dtype, shape and elements
+//! ([`super::array`]). See `docs/format.md`.
 
 use crate::error::Invalid;
 use serde::{Deserialize, Serialize};
 
+use super::array::{Array, ArrayRef, ArraySpec};
+
 use crate::error::{Error, Location, Result};
 
-/// The type of one column.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+/// The type of one column. In schema JSON, its name: `bytes`, `str`, `int64`, `float64`,
+/// `json`, or an array's `DTYPE[DIMS]` (`int32[?]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ColumnType {
     /// Opaque bytes (an encoded image, a tensor blob).
     Bytes,
@@ -24,18 +27,56 @@ pub enum ColumnType {
     Float64,
     /// One JSON value stored as UTF-8 text.
     Json,
+    /// Typed arrays of this element type and shape.
+    Array(ArraySpec),
 }
 
 impl ColumnType {
     /// Name used in schema JSON and messages.
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            ColumnType::Bytes => "bytes",
-            ColumnType::Str => "str",
-            ColumnType::Int64 => "int64",
-            ColumnType::Float64 => "float64",
-            ColumnType::Json => "json",
+            ColumnType::Bytes => "bytes".into(),
+            ColumnType::Str => "str".into(),
+            ColumnType::Int64 => "int64".into(),
+            ColumnType::Float64 => "float64".into(),
+            ColumnType::Json => "json".into(),
+            ColumnType::Array(a) => a.text(),
         }
+    }
+
+    /// The type called `name` (as [`ColumnType::name`] writes it).
+    pub fn parse(name: &str) -> std::result::Result<ColumnType, Invalid> {
+        Ok(match name {
+            "bytes" => ColumnType::Bytes,
+            "str" => ColumnType::Str,
+            "int64" => ColumnType::Int64,
+            "float64" => ColumnType::Float64,
+            "json" => ColumnType::Json,
+            a if a.contains('[') => ColumnType::Array(ArraySpec::parse(a)?),
+            other => {
+                return Err(Invalid::from(format!(
+                    "unknown column type {other:?} (bytes, str, int64, float64, json, or an array: DTYPE[DIMS] such as int32[?])"
+                )))
+            }
+        })
+    }
+
+    /// Whether a value is stored as a `u64` length and that many bytes.
+    pub fn is_variable(self) -> bool {
+        !matches!(self, ColumnType::Int64 | ColumnType::Float64)
+    }
+}
+
+impl Serialize for ColumnType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for ColumnType {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ColumnType::parse(&s).map_err(serde::de::Error::custom)
     }
 }
 
@@ -152,6 +193,8 @@ pub enum Value {
     Float64(f64),
     /// For [`ColumnType::Json`]: JSON text.
     Json(String),
+    /// For [`ColumnType::Array`].
+    Array(Array),
 }
 
 impl Value {
@@ -163,6 +206,10 @@ impl Value {
             Value::Int64(_) => ColumnType::Int64,
             Value::Float64(_) => ColumnType::Float64,
             Value::Json(_) => ColumnType::Json,
+            Value::Array(a) => ColumnType::Array(ArraySpec {
+                dtype: Some(a.dtype),
+                dims: super::array::Dims::Any,
+            }),
         }
     }
 
@@ -174,6 +221,7 @@ impl Value {
             Value::Int64(v) => ValueRef::Int64(*v),
             Value::Float64(v) => ValueRef::Float64(*v),
             Value::Json(s) => ValueRef::Json(s),
+            Value::Array(a) => ValueRef::Array(a.as_array_ref()),
         }
     }
 }
@@ -191,6 +239,8 @@ pub enum ValueRef<'a> {
     Float64(f64),
     /// Json column (text; parse with serde_json when needed).
     Json(&'a str),
+    /// Array column, checked against its declaration.
+    Array(ArrayRef<'a>),
 }
 
 impl ValueRef<'_> {
@@ -202,6 +252,7 @@ impl ValueRef<'_> {
             ValueRef::Int64(v) => Value::Int64(v),
             ValueRef::Float64(v) => Value::Float64(v),
             ValueRef::Json(s) => Value::Json(s.to_owned()),
+            ValueRef::Array(a) => Value::Array(a.to_owned_array()),
         }
     }
 }
@@ -214,6 +265,7 @@ pub fn encoded_len(values: &[Value]) -> u64 {
             Value::Int64(_) | Value::Float64(_) => 8,
             Value::Bytes(b) => 8 + b.len() as u64,
             Value::Str(s) | Value::Json(s) => 8 + s.len() as u64,
+            Value::Array(a) => 8 + a.encoded_len(),
         })
         .sum()
 }
@@ -233,6 +285,11 @@ pub fn encode_record(schema: &Schema, values: &[Value], what: &str, out: &mut Ve
         ));
     }
     for (col, v) in schema.columns.iter().zip(values) {
+        if let (Value::Array(a), ColumnType::Array(spec)) = (v, col.ty) {
+            spec.check(a.dtype, &a.shape)
+                .map_err(|r| Error::invalid(what, format!("column {:?}: {r}", col.name)))?;
+            continue;
+        }
         if v.column_type() != col.ty {
             return Err(Error::invalid(
                 what,
@@ -256,6 +313,10 @@ pub fn encode_record(schema: &Schema, values: &[Value], what: &str, out: &mut Ve
             Value::Float64(x) => out.extend_from_slice(&x.to_le_bytes()),
             Value::Bytes(b) => put_var(out, b),
             Value::Str(s) | Value::Json(s) => put_var(out, s.as_bytes()),
+            Value::Array(a) => {
+                out.extend_from_slice(&a.encoded_len().to_le_bytes());
+                a.encode(out);
+            }
         }
     }
     Ok(())
@@ -292,7 +353,7 @@ pub fn decode_record<'a>(schema: &Schema, rec: &'a [u8], at: &Location) -> Resul
                 out.push(ValueRef::Float64(f64::from_le_bytes(take8(pos)?)));
                 pos += 8;
             }
-            ColumnType::Bytes | ColumnType::Str | ColumnType::Json => {
+            ColumnType::Bytes | ColumnType::Str | ColumnType::Json | ColumnType::Array(_) => {
                 let len = u64::from_le_bytes(take8(pos)?);
                 pos += 8;
                 let end = usize::try_from(len)
@@ -313,6 +374,9 @@ pub fn decode_record<'a>(schema: &Schema, rec: &'a [u8], at: &Location) -> Resul
                 pos = end;
                 out.push(match col.ty {
                     ColumnType::Bytes => ValueRef::Bytes(raw),
+                    ColumnType::Array(spec) => ValueRef::Array(
+                        ArrayRef::parse(raw, &spec).map_err(|r| bad(pos, format!("column {:?}: {r}", col.name)))?,
+                    ),
                     ty => {
                         let s = std::str::from_utf8(raw)
                             .map_err(|e| bad(pos, format!("column {:?} is not UTF-8: {e}", col.name)))?;

@@ -30,8 +30,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 
+use crate::buf::AlignedBuf;
 use crate::buf::HostPool;
 use crate::error::{Error, Location, Result};
+use crate::format::array::{ArrayRef, Dims, Dtype};
 use crate::format::{ColumnType, Schema, ValueRef};
 use crate::image::gpu_batch::{self, DecodeMode, Planner, SourceBatch};
 use crate::image::route::{Decoders as GpuDecoders, Path};
@@ -171,6 +173,8 @@ pub enum ColumnData {
     /// Images for the GPU path: planned, the CPU's share decoded, the rest still encoded
     /// (with [`LoaderConfig::gpu_decoders`]).
     ImageSource(Box<SourceBatch>),
+    /// Typed arrays of one column (see [`ArrayBatch`]).
+    Array(ArrayBatch),
     /// YOLO boxes: `values` is `(M, 5)` row-major `[class, cx, cy, w, h]`; sample `i` owns
     /// rows `offsets[i]..offsets[i + 1]`.
     Boxes {
@@ -179,6 +183,101 @@ pub enum ColumnData {
         /// `n + 1` row offsets.
         offsets: Vec<i64>,
     },
+}
+
+/// One array column of a batch. When every value has the same shape, `data` is one tensor of
+/// shape `(n, *shape)`; otherwise (ragged) it is every value's elements back to back,
+/// `offsets` says where each starts (in elements, `n + 1` of them) and `shapes` gives each
+/// value's shape (`n` rows of `rank`).
+#[derive(Debug)]
+pub struct ArrayBatch {
+    /// Element type of every value.
+    pub dtype: Dtype,
+    /// Elements, little-endian, row-major, in a buffer aligned to 4 KiB.
+    pub data: Bytes,
+    /// `(n, *shape)` when every value has the same shape; `None` when ragged.
+    pub shape: Option<Vec<u64>>,
+    /// Ragged: `n + 1` element offsets.
+    pub offsets: Vec<i64>,
+    /// Ragged: each value's shape, `n * rank` row-major.
+    pub shapes: Vec<i64>,
+    /// Number of axes of every value.
+    pub rank: usize,
+}
+
+impl ArrayBatch {
+    /// A batch of no values of a column of type `ty` (an array column).
+    pub fn empty(ty: ColumnType) -> ArrayBatch {
+        let ColumnType::Array(spec) = ty else {
+            unreachable!("an array column")
+        };
+        let fixed = spec.fixed_shape();
+        let rank = match spec.dims {
+            Dims::Any => 1,
+            Dims::Rank { rank, .. } => rank as usize,
+        };
+        ArrayBatch {
+            dtype: spec.dtype.unwrap_or(Dtype::U8),
+            data: Bytes::new(),
+            shape: fixed
+                .as_ref()
+                .map(|f| std::iter::once(0).chain(f.iter().copied()).collect()),
+            offsets: if fixed.is_some() { Vec::new() } else { vec![0] },
+            shapes: Vec::new(),
+            rank,
+        }
+    }
+
+    /// The batch of `values` (at least one), named `what` in errors: every value must have the
+    /// same dtype and rank.
+    pub fn gather(values: &[ArrayRef<'_>], what: &str) -> std::result::Result<ArrayBatch, Invalid> {
+        let first = values.first().ok_or("an array batch of no values")?;
+        let (dtype, rank) = (first.dtype, first.rank());
+        let mut total = 0usize;
+        let mut same = true;
+        for (k, v) in values.iter().enumerate() {
+            if v.dtype != dtype {
+                return Err(Invalid::from(format!(
+                    "{what}: the batch mixes dtypes ({} at value 0, {} at value {k}); a batch needs one",
+                    dtype.name(),
+                    v.dtype.name()
+                )));
+            }
+            if v.rank() != rank {
+                return Err(Invalid::from(format!(
+                    "{what}: the batch mixes ranks ({rank} at value 0, {} at value {k}); declare the column's rank",
+                    v.rank()
+                )));
+            }
+            same &= (0..rank).all(|a| v.dim(a) == first.dim(a));
+            total += v.data.len();
+        }
+        let mut buf = AlignedBuf::zeroed(total);
+        let out = buf.as_mut();
+        let (mut at, mut offsets, mut shapes) = (0usize, Vec::new(), Vec::new());
+        if !same {
+            offsets.reserve(values.len() + 1);
+            offsets.push(0);
+            shapes.reserve(values.len() * rank);
+        }
+        for v in values {
+            out[at..at + v.data.len()].copy_from_slice(v.data);
+            at += v.data.len();
+            if !same {
+                offsets.push((at / dtype.size()) as i64);
+                shapes.extend((0..rank).map(|a| v.dim(a) as i64));
+            }
+        }
+        let shape = same.then(|| std::iter::once(values.len() as u64).chain(first.shape()).collect());
+        Ok(ArrayBatch {
+            dtype,
+            data: buf.into_bytes(),
+            shape,
+            offsets,
+            shapes,
+            rank,
+        })
+    }
 }
 
 /// A sample left out of a batch because its image did not decode.
@@ -1216,6 +1315,20 @@ fn column_data(
         ColumnType::Float64 => ColumnData::Float64(it.map(|(_, v)| as_f64(v)).collect()),
         ColumnType::Str => ColumnData::Str(it.map(|(_, v)| as_text(v)).collect()),
         ColumnType::Json => ColumnData::Json(it.map(|(_, v)| as_text(v)).collect()),
+        ColumnType::Array(_) => {
+            let values: Vec<ArrayRef<'_>> = rows
+                .iter()
+                .map(|(_, v)| match v[ci] {
+                    ValueRef::Array(a) => a,
+                    _ => unreachable!("array column"),
+                })
+                .collect();
+            if values.is_empty() {
+                return Ok(ColumnData::Array(ArrayBatch::empty(col.ty)));
+            }
+            let what = format!("column {:?} of {}", col.name, job.urls[rows[0].0]);
+            ColumnData::Array(ArrayBatch::gather(&values, &what).map_err(|r| Error::invalid(what, r))?)
+        }
         ColumnType::Bytes => ColumnData::Bytes(
             it.map(|(i, v)| {
                 let ValueRef::Bytes(b) = v else {
@@ -1263,4 +1376,41 @@ pub fn parse_boxes(text: &str, out: &mut Vec<f32>) -> std::result::Result<(), In
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod array_batch_tests {
+    use super::*;
+    use crate::format::array::{Array, Dtype};
+
+    fn arr(dtype: Dtype, shape: Vec<u64>) -> Array {
+        let n = shape.iter().product::<u64>() as usize * dtype.size();
+        Array::new(dtype, shape, (0..n).map(|x| x as u8).collect()).unwrap()
+    }
+
+    #[test]
+    fn one_shape_is_one_tensor_and_ragged_values_keep_offsets_and_shapes() {
+        let (a, b) = (arr(Dtype::I32, vec![2, 3]), arr(Dtype::I32, vec![2, 3]));
+        let g = ArrayBatch::gather(&[a.as_array_ref(), b.as_array_ref()], "c").unwrap();
+        assert_eq!(g.shape, Some(vec![2, 2, 3]));
+        assert_eq!(&g.data[..24], &a.data[..]);
+        assert_eq!(g.data.as_ptr() as usize % 64, 0);
+        let c = arr(Dtype::I32, vec![1, 3]);
+        let g = ArrayBatch::gather(&[a.as_array_ref(), c.as_array_ref()], "c").unwrap();
+        assert_eq!((g.shape, g.offsets, g.shapes), (None, vec![0, 6, 9], vec![2, 3, 1, 3]));
+        assert_eq!(&g.data[24..36], &c.data[..]);
+    }
+
+    #[test]
+    fn a_batch_mixing_dtypes_or_ranks_is_refused_naming_the_column() {
+        let (a, b) = (arr(Dtype::I32, vec![2]), arr(Dtype::F32, vec![2]));
+        let e = ArrayBatch::gather(&[a.as_array_ref(), b.as_array_ref()], "column \"x\"").unwrap_err();
+        assert!(
+            e.to_string().contains("column \"x\"") && e.to_string().contains("float32"),
+            "{e}"
+        );
+        let c = arr(Dtype::I32, vec![1, 2]);
+        let e = ArrayBatch::gather(&[a.as_array_ref(), c.as_array_ref()], "column \"x\"").unwrap_err();
+        assert!(e.to_string().contains("ranks"), "{e}");
+    }
 }

@@ -107,6 +107,75 @@ impl SampleReader {
         })
     }
 
+    /// Samples `indices` of source `source`, in the order asked (repeats allowed): what is held
+    /// in memory or in the disk cache is read there; the rest is fetched one whole shard per
+    /// shard touched, all shards at once (at most `shards_in_flight_max` in flight), each
+    /// checked against the manifest, and kept in memory within the resident budget. An index
+    /// past the end is an error naming it, before anything is fetched.
+    pub fn get_many(&self, source: usize, indices: &[u64]) -> Result<Vec<Sample>> {
+        let located: Vec<(SampleRef, Arc<crate::format::Schema>)> = indices
+            .iter()
+            .map(|&g| self.locate(source, g).map(|(id, src)| (id, src.schema.clone())))
+            .collect::<Result<_>>()?;
+        let mut records: Vec<Option<Bytes>> = Vec::with_capacity(located.len());
+        let mut missing: std::collections::BTreeMap<u32, Vec<(usize, u64)>> = Default::default();
+        for (k, (id, _)) in located.iter().enumerate() {
+            let rec = self.read_local(*id)?;
+            if rec.is_none() {
+                missing.entry(id.shard).or_default().push((k, id.index as u64));
+            }
+            records.push(rec);
+        }
+        if !missing.is_empty() {
+            let (shared, slots) = (self.shared.clone(), self.loads.clone());
+            let fetched = self.rt.block_on(async move {
+                let jobs = missing.into_iter().map(|(shard, wanted)| {
+                    let (shared, slots) = (shared.clone(), slots.clone());
+                    async move {
+                        let _slot = slots.acquire_owned().await.expect("semaphore open");
+                        let got = fetch_shard(shared.clone(), source, shard as usize).await;
+                        (shard, wanted, got)
+                    }
+                });
+                futures::future::join_all(jobs).await
+            });
+            let max = self.shared.cfg.resident_bytes_max;
+            for (shard, wanted, got) in fetched {
+                let url = self.shared.sources[source].shard_url(shard as usize);
+                let bytes = got?;
+                let view = crate::format::ShardView::parse(&bytes, &url)?;
+                for (k, i) in wanted {
+                    records[k] = Some(bytes.slice_ref(view.record(i)?));
+                }
+                if bytes.len() as u64 <= max {
+                    let header = view.header().clone();
+                    let live = Live {
+                        bytes,
+                        header,
+                        uses_left: 0,
+                    };
+                    self.resident
+                        .lock()
+                        .expect("not poisoned")
+                        .insert((source as u32, shard), live, max);
+                }
+            }
+        }
+        Ok(located
+            .into_iter()
+            .zip(indices)
+            .zip(records)
+            .map(|(((id, schema), &global_index), record)| Sample {
+                epoch: 0,
+                position: 0,
+                id,
+                global_index,
+                record: record.expect("every record read or fetched"),
+                schema,
+            })
+            .collect())
+    }
+
     /// [`SampleReader::get`] when the sample is local (a shard held in memory or in the disk cache):
     /// `Ok(None)` when reading it would need the network. It never waits on I/O beyond a
     /// local read, so a caller may run it inline.

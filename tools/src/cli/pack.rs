@@ -41,6 +41,12 @@ pub struct Args {
     /// or a URL such as s3://bucket/key): each is fetched and stored as the image's bytes.
     #[arg(long)]
     pub image_column: Option<String>,
+    /// A JSONL column's type, NAME:TYPE, instead of the first line's (repeatable): an array
+    /// type reads JSON lists of numbers, or strings naming .npy files (FILE.npz#NAME for an
+    /// .npz member), e.g. tokens:int32[?], emb:float32[768], boxes:float32[?,4]
+    /// (docs/format.md, "Array columns").
+    #[arg(long = "column", value_name = "NAME:TYPE")]
+    pub column_types: Vec<String>,
     /// Inputs in a group, the unit a split pack divides (the same value gives the same shards
     /// whatever the number of tasks).
     #[arg(long, default_value_t = GROUP_ITEMS_DEFAULT)]
@@ -74,6 +80,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         jpeg_restarts: a.jpeg_restarts,
         group_items: a.group_size,
         image_column: a.image_column.clone(),
+        column_types: a.column_types.clone(),
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(a.threads.unwrap_or(0))

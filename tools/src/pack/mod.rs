@@ -27,6 +27,7 @@ use bytes::Bytes;
 use rayon::prelude::*;
 use serde_json::{Map, Value as Json};
 
+use ramjet_engine::format::array::Array;
 use ramjet_engine::format::{
     columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value,
     MANIFEST_NAME, SHARD_TABLE_AUTO_MIN,
@@ -100,6 +101,10 @@ pub struct PackOptions {
     /// A JSONL column whose values name image objects (a key relative to the JSONL's folder, a
     /// path, or a URL): each is fetched and stored in its place as the image's bytes.
     pub image_column: Option<String>,
+    /// JSONL columns whose type is given rather than taken from the first line, as
+    /// `NAME:TYPE` (`tokens:int32[?]`, `emb:float32[768]`): an array type reads JSON lists of
+    /// numbers (nested for more axes).
+    pub column_types: Vec<String>,
 }
 
 pub use ramjet_engine::image::turbo::JPEG_RESTART_PX;
@@ -136,6 +141,7 @@ impl Default for PackOptions {
             jpeg_restarts: false,
             group_items: GROUP_ITEMS_DEFAULT,
             image_column: None,
+            column_types: Vec::new(),
         }
     }
 }
@@ -364,6 +370,12 @@ pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) ->
         (None, None) => SourceKind::Jsonl,
         (None, Some(d)) => SourceKind::detect(d),
     };
+    if !opts.column_types.is_empty() && kind != SourceKind::Jsonl {
+        return Err(Error::invalid(
+            "--column",
+            "only a JSONL input's column types can be given",
+        ));
+    }
     if opts.image_column.is_some() && kind != SourceKind::Jsonl {
         return Err(Error::invalid(
             "--image-column",
@@ -955,6 +967,7 @@ fn jsonl_layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) 
             return Err(Error::invalid(&src.display, "no JSON objects found"));
         }
     };
+    let schema = with_column_types(schema, &opts.column_types, &src.display)?;
     let schema = match &opts.image_column {
         None => schema,
         Some(c) => {
@@ -994,6 +1007,98 @@ fn jsonl_layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) 
         schema,
         meta,
     })
+}
+
+/// `schema` with the types `--column NAME:TYPE` gives: each name must be a column of the
+/// first line (`what` names the input).
+fn with_column_types(schema: Schema, given: &[String], what: &str) -> Result<Schema> {
+    let mut cols: Vec<(String, ColumnType)> = schema.columns.iter().map(|c| (c.name.clone(), c.ty)).collect();
+    for g in given {
+        let (name, ty) = g
+            .split_once(':')
+            .ok_or_else(|| Error::invalid("--column", format!("{g:?} is not NAME:TYPE (e.g. tokens:int32[?])")))?;
+        let ty = ColumnType::parse(ty).map_err(|r| Error::invalid("--column", format!("{g:?}: {r}")))?;
+        if let ColumnType::Array(a) = ty {
+            if a.dtype.is_none() {
+                return Err(Error::invalid(
+                    "--column",
+                    format!("{g:?}: a packed array column needs a dtype"),
+                ));
+            }
+        }
+        match cols.iter_mut().find(|(n, _)| n == name) {
+            Some(c) => c.1 = ty,
+            None => {
+                return Err(Error::invalid(
+                    "--column",
+                    format!("no column {name:?} in {what} ({})", schema.describe()),
+                ))
+            }
+        }
+    }
+    Schema::new(cols)
+}
+
+/// A JSON value (a number, or nested lists of numbers) as an array of `spec`'s dtype, checked
+/// against its shape.
+fn json_array(v: &Json, spec: &ramjet_engine::format::array::ArraySpec) -> std::result::Result<Array, String> {
+    use ramjet_engine::format::array::{Dims, Num};
+    let dtype = spec.dtype.expect("a packed array column has a dtype");
+    // The shape from the first element at each depth; every list must agree.
+    let mut shape = Vec::new();
+    let mut at = v;
+    while let Json::Array(items) = at {
+        shape.push(items.len() as u64);
+        match items.first() {
+            Some(first) => at = first,
+            None => break,
+        }
+    }
+    if let Dims::Rank { rank, dims } = spec.dims {
+        // An empty list of a deeper column: the missing axes are as declared (zero when free).
+        while shape.len() < rank as usize && shape.last() == Some(&0) {
+            shape.push(Dims::axis(&dims, shape.len()).unwrap_or(0));
+        }
+    }
+    let mut data =
+        Vec::with_capacity(ramjet_engine::format::array::elements(&shape).unwrap_or(0) as usize * dtype.size());
+    fn walk(
+        v: &Json,
+        depth: usize,
+        shape: &[u64],
+        dtype: ramjet_engine::format::array::Dtype,
+        out: &mut Vec<u8>,
+    ) -> std::result::Result<(), String> {
+        if depth == shape.len() {
+            let n = match v {
+                Json::Number(n) => {
+                    if let Some(i) = n.as_i64() {
+                        Num::I(i)
+                    } else if let Some(u) = n.as_u64() {
+                        Num::U(u)
+                    } else {
+                        Num::F(n.as_f64().ok_or("a number out of range")?)
+                    }
+                }
+                other => return Err(format!("{other} is not a number")),
+            };
+            return dtype.push(n, out).map_err(|e| e.to_string());
+        }
+        match v {
+            Json::Array(items) if items.len() as u64 == shape[depth] => {
+                items.iter().try_for_each(|x| walk(x, depth + 1, shape, dtype, out))
+            }
+            Json::Array(items) => Err(format!(
+                "a ragged list: axis {depth} is {} long here, {} in the first",
+                items.len(),
+                shape[depth]
+            )),
+            other => Err(format!("{other} where axis {depth} expects a list")),
+        }
+    }
+    walk(v, 0, &shape, dtype, &mut data)?;
+    spec.check(dtype, &shape).map_err(|e| e.to_string())?;
+    Array::new(dtype, shape, data).map_err(|e| e.to_string())
 }
 
 /// JSONL input read and parsed together (in parallel) before it is packed in line order.
@@ -1064,6 +1169,11 @@ pub(crate) fn pack_jsonl(
                 if let Some(ic) = image_col {
                     fetch_images(ctx, ic, &lines, &mut rows, &what);
                 }
+                for (ac, col) in schema.columns.iter().enumerate() {
+                    if let ColumnType::Array(spec) = col.ty {
+                        fetch_arrays(ctx, ac, &col.name, &spec, &lines, &mut rows, &what);
+                    }
+                }
                 for ((n, _), r) in lines.iter().zip(rows) {
                     let g = (*n as u64 - 1) / gi;
                     let (vals, size) = match r {
@@ -1116,6 +1226,68 @@ pub(crate) fn pack_jsonl(
         out.entry(g).or_default().shards.push(info);
     }
     Ok(out)
+}
+
+/// For array column `ac`: reads the `.npy` file (or `FILE.npz#NAME` member) each good row's
+/// string names ([`IMAGE_ROWS_AT_ONCE`] rows at a time) into its array, which must have the
+/// column's dtype and fit its shape; a file that cannot be read or does not fit makes the row an
+/// error naming the line, the column and the file.
+fn fetch_arrays(
+    ctx: &Ctx,
+    ac: usize,
+    column: &str,
+    spec: &ramjet_engine::format::array::ArraySpec,
+    lines: &[(usize, String)],
+    rows: &mut [Result<(Vec<Value>, u64)>],
+    what: &(dyn Fn(usize) -> String + Sync),
+) {
+    use ramjet_engine::format::npy::{npz_member, parse_npy};
+    for (ls, rs) in lines
+        .chunks(IMAGE_ROWS_AT_ONCE)
+        .zip(rows.chunks_mut(IMAGE_ROWS_AT_ONCE))
+    {
+        let named: Vec<Option<String>> = rs
+            .iter()
+            .map(|r| match r {
+                Ok((v, _)) => match &v[ac] {
+                    Value::Str(s) => Some(s.clone()),
+                    _ => None,
+                },
+                Err(_) => None,
+            })
+            .collect();
+        if named.iter().all(Option::is_none) {
+            continue;
+        }
+        let files: Vec<String> = named
+            .iter()
+            .flatten()
+            .map(|n| n.split('#').next().unwrap_or(n).to_owned())
+            .collect();
+        let mut got = ctx.src.fetch_refs(ctx.rt, &files).into_iter();
+        for (((n, _), r), name) in ls.iter().zip(rs.iter_mut()).zip(&named) {
+            let Some(name) = name else { continue };
+            let bytes = got.next().expect("one fetch per name");
+            let Ok((vals, size)) = r else { continue };
+            let at = || format!("{}: column {column:?} ({}): file {name}", what(*n), spec.text());
+            let array = bytes.map_err(|e| reason_of(&e)).and_then(|b| {
+                let npy = match name.split_once('#') {
+                    Some((_, member)) => npz_member(&b, member).map_err(|e| e.to_string())?,
+                    None => b.to_vec(),
+                };
+                let a = parse_npy(&npy).map_err(|e| e.to_string())?;
+                spec.check(a.dtype, &a.shape).map_err(|e| e.to_string())?;
+                Ok(a)
+            });
+            match array {
+                Ok(a) => {
+                    vals[ac] = Value::Array(a);
+                    *size = ramjet_engine::format::encoded_len(vals);
+                }
+                Err(why) => *r = Err(Error::invalid(at(), why)),
+            }
+        }
+    }
 }
 
 /// With `--image-column`: fetches the image each good row names ([`IMAGE_ROWS_AT_ONCE`] rows
@@ -1247,9 +1419,15 @@ fn jsonl_row(
             (ColumnType::Float64, Json::Number(n)) => Value::Float64(n.as_f64().expect("f64")),
             (ColumnType::Str, Json::String(s)) => Value::Str(s.clone()),
             (ColumnType::Json, v) if json_type(v) == ColumnType::Json => Value::Json(v.to_string()),
+            // A string names a .npy file (or `FILE.npz#NAME`), read after the line is parsed.
+            (ColumnType::Array(_), Json::String(s)) => Value::Str(s.clone()),
+            (ColumnType::Array(spec), v) => Value::Array(
+                json_array(v, &spec)
+                    .map_err(|r| Error::invalid(what, format!("column {:?} ({}): {r}", c.name, c.ty.name())))?,
+            ),
             _ => {
                 let ty = if image_col == Some(i) {
-                    "a string naming an image"
+                    "a string naming an image".to_owned()
                 } else {
                     c.ty.name()
                 };

@@ -64,6 +64,9 @@ pub struct PlanOptions {
     /// `--image-column`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_column: Option<String>,
+    /// `--column`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub column_types: Vec<String>,
 }
 
 impl PlanOptions {
@@ -74,6 +77,7 @@ impl PlanOptions {
             jpeg_restarts: o.jpeg_restarts,
             skip_bad: o.skip_bad,
             image_column: o.image_column.clone(),
+            column_types: o.column_types.clone(),
         }
     }
 }
@@ -200,6 +204,13 @@ impl Plan {
                 "--image-column",
                 format!("{:?}", p.image_column),
                 format!("{:?}", o.image_column),
+            );
+        }
+        if p.column_types != o.column_types {
+            return differ(
+                "--column",
+                format!("{:?}", p.column_types),
+                format!("{:?}", o.column_types),
             );
         }
         Ok(())
