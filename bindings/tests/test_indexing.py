@@ -84,6 +84,8 @@ def test_every_form_gives_the_samples_asked_in_order(packed, index, want):
         (np.array([True, False]), IndexError),
         (np.zeros((2, 2), dtype=np.int64), IndexError),
         (1.5, TypeError),
+        (3.0, TypeError),
+        ([1, 2.0], TypeError),
         ("3", TypeError),
         ([True, 1], TypeError),
         (np.array([0.5]), TypeError),

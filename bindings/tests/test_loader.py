@@ -615,8 +615,10 @@ def test_the_public_reader_reads_what_the_dataset_holds_and_reopens_in_a_forked_
         assert set(a) == set(b)
         assert torch.equal(a["image"], b["image"]), i
         assert r[i]["path"] == f"images/{i:06d}.jpg"
+    # NumPy-style: -1 is the last sample; one past the end is an IndexError.
+    assert r.get(-1)["path"] == r.get(len(r) - 1)["path"]
     with pytest.raises(IndexError):
-        r.get(-1)
+        r.get(len(r))
     parent_native = r._native
     rd, wr = os.pipe()
     pid = os.fork()

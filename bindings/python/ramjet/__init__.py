@@ -199,9 +199,9 @@ def _positions(index: Any, n: int) -> Tuple[List[int], bool]:
     ``IndexError`` naming it."""
 
     def one(i: Any) -> int:
-        j = int(i)
-        if j != i and not isinstance(i, bool):
+        if isinstance(i, bool) or not hasattr(i, "__index__"):
             raise TypeError(f"index {i!r} is not an integer")
+        j = i.__index__()
         k = j + n if j < 0 else j
         if not 0 <= k < n:
             raise IndexError(f"index {j} is out of range for a dataset of {n} samples")
