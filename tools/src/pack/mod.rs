@@ -1229,9 +1229,9 @@ pub(crate) fn pack_jsonl(
 }
 
 /// For array column `ac`: reads the `.npy` file (or `FILE.npz#NAME` member) each good row's
-/// string names ([`IMAGE_ROWS_AT_ONCE`] rows at a time) into its array, which must have the
-/// column's dtype and fit its shape; a file that cannot be read or does not fit makes the row an
-/// error naming the line, the column and the file.
+/// string names into its array, which must have the column's dtype and fit its shape; a file
+/// that cannot be read or does not fit makes the row an error naming the line, the column and
+/// the file.
 fn fetch_arrays(
     ctx: &Ctx,
     ac: usize,
@@ -1242,6 +1242,33 @@ fn fetch_arrays(
     what: &(dyn Fn(usize) -> String + Sync),
 ) {
     use ramjet_engine::format::npy::{npz_member, parse_npy};
+    let file = |name: &str| name.split('#').next().unwrap_or(name).to_owned();
+    fetch_named(ctx, ac, lines, rows, file, |n, name, bytes| {
+        let at = || format!("{}: column {column:?} ({}): file {name}", what(n), spec.text());
+        let array = bytes.map_err(|e| reason_of(&e)).and_then(|b| {
+            let npy = match name.split_once('#') {
+                Some((_, member)) => npz_member(&b, member).map_err(|e| e.to_string())?,
+                None => b,
+            };
+            let a = parse_npy(&npy).map_err(|e| e.to_string())?;
+            spec.check(a.dtype, &a.shape).map_err(|e| e.to_string())?;
+            Ok(a)
+        });
+        array.map(Value::Array).map_err(|why| Error::invalid(at(), why))
+    });
+}
+
+/// For column `c`: fetches what each good row's string names ([`IMAGE_ROWS_AT_ONCE`] rows at a
+/// time, in order; `file` maps a name to the object fetched), and puts `make(line, name,
+/// bytes)` in its place, or makes the row that error.
+fn fetch_named(
+    ctx: &Ctx,
+    c: usize,
+    lines: &[(usize, String)],
+    rows: &mut [Result<(Vec<Value>, u64)>],
+    file: impl Fn(&str) -> String,
+    make: impl Fn(usize, &str, Result<Vec<u8>>) -> Result<Value>,
+) {
     for (ls, rs) in lines
         .chunks(IMAGE_ROWS_AT_ONCE)
         .zip(rows.chunks_mut(IMAGE_ROWS_AT_ONCE))
@@ -1249,7 +1276,7 @@ fn fetch_arrays(
         let named: Vec<Option<String>> = rs
             .iter()
             .map(|r| match r {
-                Ok((v, _)) => match &v[ac] {
+                Ok((v, _)) => match &v[c] {
                     Value::Str(s) => Some(s.clone()),
                     _ => None,
                 },
@@ -1259,32 +1286,18 @@ fn fetch_arrays(
         if named.iter().all(Option::is_none) {
             continue;
         }
-        let files: Vec<String> = named
-            .iter()
-            .flatten()
-            .map(|n| n.split('#').next().unwrap_or(n).to_owned())
-            .collect();
+        let files: Vec<String> = named.iter().flatten().map(|n| file(n)).collect();
         let mut got = ctx.src.fetch_refs(ctx.rt, &files).into_iter();
         for (((n, _), r), name) in ls.iter().zip(rs.iter_mut()).zip(&named) {
             let Some(name) = name else { continue };
             let bytes = got.next().expect("one fetch per name");
             let Ok((vals, size)) = r else { continue };
-            let at = || format!("{}: column {column:?} ({}): file {name}", what(*n), spec.text());
-            let array = bytes.map_err(|e| reason_of(&e)).and_then(|b| {
-                let npy = match name.split_once('#') {
-                    Some((_, member)) => npz_member(&b, member).map_err(|e| e.to_string())?,
-                    None => b.to_vec(),
-                };
-                let a = parse_npy(&npy).map_err(|e| e.to_string())?;
-                spec.check(a.dtype, &a.shape).map_err(|e| e.to_string())?;
-                Ok(a)
-            });
-            match array {
-                Ok(a) => {
-                    vals[ac] = Value::Array(a);
+            match make(*n, name, bytes) {
+                Ok(v) => {
+                    vals[c] = v;
                     *size = ramjet_engine::format::encoded_len(vals);
                 }
-                Err(why) => *r = Err(Error::invalid(at(), why)),
+                Err(e) => *r = Err(e),
             }
         }
     }
@@ -1300,42 +1313,16 @@ fn fetch_images(
     rows: &mut [Result<(Vec<Value>, u64)>],
     what: &(dyn Fn(usize) -> String + Sync),
 ) {
-    for (ls, rs) in lines
-        .chunks(IMAGE_ROWS_AT_ONCE)
-        .zip(rows.chunks_mut(IMAGE_ROWS_AT_ONCE))
-    {
-        let names: Vec<String> = rs
-            .iter()
-            .map(|r| match r {
-                Ok((v, _)) => match &v[ic] {
-                    Value::Str(s) => s.clone(),
-                    _ => String::new(),
-                },
-                Err(_) => String::new(),
-            })
-            .collect();
-        let got = ctx.src.fetch_refs(ctx.rt, &names);
-        for (((n, _), r), (name, bytes)) in ls.iter().zip(rs.iter_mut()).zip(names.iter().zip(got)) {
-            let Ok((vals, size)) = r else { continue };
-            let checked = bytes.and_then(|b| match probe(&b) {
-                Ok(_) => Ok(b),
-                Err(why) => Err(Error::invalid(format!("{}: image {name}", what(*n)), why.to_string())),
-            });
-            match checked {
-                Ok(b) => {
-                    vals[ic] = Value::Bytes(b);
-                    *size = ramjet_engine::format::encoded_len(vals);
-                }
-                Err(e) => {
-                    let e = match e {
-                        Error::InvalidInput { .. } => e,
-                        other => Error::invalid(format!("{}: image {name}", what(*n)), reason_of(&other)),
-                    };
-                    *r = Err(e);
-                }
-            }
-        }
-    }
+    fetch_named(ctx, ic, lines, rows, str::to_owned, |n, name, bytes| {
+        let checked = bytes.and_then(|b| match probe(&b) {
+            Ok(_) => Ok(b),
+            Err(why) => Err(Error::invalid(format!("{}: image {name}", what(n)), why.to_string())),
+        });
+        checked.map(Value::Bytes).map_err(|e| match e {
+            Error::InvalidInput { .. } => e,
+            other => Error::invalid(format!("{}: image {name}", what(n)), reason_of(&other)),
+        })
+    });
 }
 
 /// The next lines of a JSONL input, about [`JSONL_CHUNK_BYTES`] of them and at most
