@@ -128,6 +128,8 @@ pub enum Storage {
     Host(HostBuf),
     /// uint8 values.
     U8(Vec<u8>),
+    /// int32 values.
+    I32(Vec<i32>),
     /// int64 values.
     I64(Vec<i64>),
     /// float32 values.
@@ -152,6 +154,7 @@ impl Storage {
         match self {
             Storage::Host(b) => b.as_ptr() as *mut c_void,
             Storage::U8(v) => v.as_ptr() as *mut c_void,
+            Storage::I32(v) => v.as_ptr() as *mut c_void,
             Storage::I64(v) => v.as_ptr() as *mut c_void,
             Storage::F32(v) => v.as_ptr() as *mut c_void,
             Storage::F64(v) => v.as_ptr() as *mut c_void,

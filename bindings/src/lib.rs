@@ -15,6 +15,7 @@ mod dlpack;
 mod gpu_decode;
 mod loader;
 mod session;
+mod tokens;
 
 // mimalloc keeps freed memory mapped for reuse: with the system allocator each decoded image's
 // buffers were fresh pages, faulted in again image after image (docs/dependencies.md).
@@ -351,6 +352,10 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loader::init, m)?)?;
     m.add_function(wrap_pyfunction!(loader::loader_defaults, m)?)?;
     m.add_class::<session::Session>()?;
+    m.add_class::<tokens::TokenStream>()?;
+    m.add_function(wrap_pyfunction!(tokens::token_job_state, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::token_resume_check, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::token_options_check, m)?)?;
     m.add_function(wrap_pyfunction!(session::loader_options, m)?)?;
     m.add_function(wrap_pyfunction!(session::loader_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(session::job_state, m)?)?;

@@ -78,7 +78,7 @@ pub(crate) fn parse(config: &str) -> PyResult<ConfigJson> {
 }
 
 impl ConfigJson {
-    fn stream(&self) -> StreamConfig {
+    pub(crate) fn stream(&self) -> StreamConfig {
         let mut sc = self.loader.stream.clone();
         sc.provider = self
             .daemon

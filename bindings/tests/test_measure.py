@@ -153,8 +153,11 @@ def test_a_ramjet_window_holds_one_epochs_decodes_and_leaves_nothing_behind(tmp_
                  ["pack", str(tmp_path / "synth"), str(tmp_path / "packed"), "--shard-size", "1MiB"]):
         out = subprocess.run([cli, *args], capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
+    # The run-on is the prefetch queue's depth: pinned here, so each epoch's run-on is the same
+    # (tuned, it follows the machine's speed and can differ from one epoch to the next).
     ds = ramjet.StreamingDataset(str(tmp_path / "packed"), local=None, batch_size=8, shuffle=True, seed=0,
-                                 image_size=64, augment="train", boxes_column=None)
+                                 image_size=64, augment="train", boxes_column=None, prefetch_batches=2,
+                                 num_threads=2)
 
     def decoded():
         return int(ds.metrics()["images_decoded"])
@@ -165,7 +168,7 @@ def test_a_ramjet_window_holds_one_epochs_decodes_and_leaves_nothing_behind(tmp_
 
     ds.set_epoch(0)
     assert sum(b["image"].shape[0] for b in ds) == n
-    measure.run_on_end(ds)
+    measure.run_on_end(ds, quiet_s=0.3)
     # The run-on this is about: past the epoch's last image, the next epoch's first batches.
     assert decoded() - n >= 8, decoded()
     measure.wait_idle()
@@ -175,7 +178,7 @@ def test_a_ramjet_window_holds_one_epochs_decodes_and_leaves_nothing_behind(tmp_
         with measure.Meter() as m:
             got = sum(b["image"].shape[0] for b in ds)
             loop_end = time.perf_counter()
-            m.end = measure.run_on_end(ds)
+            m.end = measure.run_on_end(ds, quiet_s=0.3)
             at_end = decoded()
             measure.wait_idle()
         # One epoch's decodes, all of them done when run_on_end returned.

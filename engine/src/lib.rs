@@ -25,6 +25,7 @@ pub mod size;
 pub mod stall;
 pub mod store;
 pub mod stream;
+pub mod tokens;
 pub mod tune;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};

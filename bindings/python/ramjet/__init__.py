@@ -66,6 +66,7 @@ __all__ = [
     "Stream",
     "StreamingDataset",
     "Tensor",
+    "TokenDataset",
     "__version__",
     "columns",
     "freeze",
@@ -754,4 +755,241 @@ class Reader:
     def __getstate__(self) -> Dict[str, Any]:
         s = self.__dict__.copy()
         s["_native"] = None
+        return s
+
+
+class TokenDataset(_Base):  # type: ignore[misc,valid-type]
+    """Fixed-length token windows for causal language-model training, from datasets whose
+    samples are documents of tokens (an integer array column, e.g. ``tokens: uint16[]`` as
+    ``ramjet pack --tokenizer`` writes it, or a MosaicML ``tokens`` bytes column with
+    ``token_dtype``).
+
+    The documents of an epoch, in its global order (shuffled at document level, mixed by
+    proportion like :class:`StreamingDataset`'s samples), are concatenated with ``eos`` after
+    each and cut into windows of ``seq_len + 1`` tokens; each batch is a dict:
+
+    - ``tokens``: ``(B, seq_len + 1)``; ``input_ids`` and ``labels`` are its views
+      ``tokens[:, :-1]`` and ``tokens[:, 1:]`` (no copy);
+    - ``lengths``: ``(B,)`` real tokens of each row (``seq_len + 1`` except a padded last window);
+    - ``window``: ``(B,)`` each row's window index in the epoch;
+    - with ``boundaries=True``: ``position_ids`` (each input token's offset in its document,
+      restarting at 0 after every ``eos``) and ``segment_ids`` (its document's index in the row,
+      -1 on padding), ``(B, seq_len)`` each, for attention that stays inside documents.
+
+    The windows are the same for any world size and worker count (window ``k`` is always the
+    same tokens; the job's consumers take them in turn) and :meth:`state_dict` names a position
+    inside a document, so a job resumes exactly, also on another world size.
+
+    Args:
+        remote: dataset URL, or a list of URLs or :class:`Source` objects to mix.
+        local: node-local cache directory; ``None`` streams without a cache.
+        seq_len: tokens a row feeds the model.
+        batch_size: windows per batch.
+        column: the token column.
+        eos: token appended after every document; ``"auto"`` (default) takes the one
+            ``ramjet pack --tokenizer`` recorded in the first dataset's metadata, else none;
+            ``None``: nothing appended.
+        pad: pad the epoch's last, partial window with this token instead of dropping it.
+        boundaries: also yield ``position_ids`` and ``segment_ids``.
+        dtype: ``"int64"`` (default) or ``"int32"``.
+        token_dtype: the element type of a ``bytes`` token column (``"int32"``, ``"uint16"``...).
+        shuffle, shuffle_algo, seed, shuffle_window, shuffle_block, partitions, cache_limit:
+            the document order and cache, as for :class:`StreamingDataset`.
+        prefetch_batches: batches cut ahead on ramjet's own thread.
+        rank / world_size: override the topology (default: torch.distributed when
+            initialised, else ``RANK``/``WORLD_SIZE``).
+        daemon: the host daemon's socket (default as for :class:`StreamingDataset`).
+
+    Cutting runs on a Rust thread of its own, so iterate the dataset directly
+    (``num_workers=0``); inside DataLoader workers each worker is a consumer of its own, and
+    :meth:`state_dict` must then be taken in the workers (it raises in the trainer).
+    """
+
+    def __init__(
+        self,
+        remote: Union[str, Source, Sequence[Union[str, Source]]],
+        local: Optional[str] = None,
+        *,
+        seq_len: int = 2048,
+        batch_size: int = 8,
+        column: str = "tokens",
+        eos: Union[int, str, None] = "auto",
+        pad: Optional[int] = None,
+        boundaries: bool = False,
+        dtype: str = "int64",
+        token_dtype: Optional[str] = None,
+        shuffle: bool = True,
+        shuffle_algo: str = "shard_block",
+        seed: int = 0,
+        shuffle_window: int = 4,
+        shuffle_block: int = 1,
+        partitions: int = 1,
+        cache_limit: Union[int, str, None] = "64GiB",
+        prefetch_batches: int = 4,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        daemon: Optional[str] = None,
+    ) -> None:
+        if isinstance(remote, (str, Source)):
+            remote = [remote]
+        streams = [s if isinstance(s, Source) else Source(str(s)) for s in remote]
+        options: Dict[str, Any] = {
+            "remote": [s._arg() for s in streams],
+            "shuffle": shuffle,
+            "shuffle_algo": shuffle_algo,
+            "seed": seed,
+            "shuffle_window": shuffle_window,
+            "shuffle_block": shuffle_block,
+            "partitions": partitions,
+            "cache_limit": cache_limit,
+            "image_size": None,
+            "rank": rank,
+            "world_size": world_size,
+        }
+        if local is not None:
+            options["local"] = os.fspath(local)
+        config, rank, world_size, _, _, _ = _ramjet.loader_options(options)
+        if eos == "auto":
+            meta = json.loads(inspect(streams[0].remote).get("meta_json") or "{}")
+            tok = meta.get("tokenizer") if isinstance(meta, dict) else None
+            eos = tok.get("eos") if isinstance(tok, dict) else None
+        elif isinstance(eos, str):
+            raise InvalidInputError(f'eos={eos!r}: give a token id, None, or "auto"')
+        for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("eos", eos), ("pad", pad),
+                        ("prefetch_batches", prefetch_batches)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise InvalidInputError(f"{name}={v!r}: must be an integer")
+        self.streams = streams
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.eos = eos
+        self._tokens = {
+            "column": column,
+            "seq_len": seq_len,
+            "eos": eos,
+            "pad": pad,
+            "boundaries": bool(boundaries),
+            "dtype": dtype,
+            "bytes_dtype": token_dtype,
+            "batch_size": batch_size,
+            "prefetch_batches": prefetch_batches,
+        }
+        self._base: Dict[str, Any] = json.loads(config)
+        self._rank_override = (rank, world_size)
+        self._daemon = daemon
+        self._epoch = 0
+        self._resume: Optional[Dict[str, Any]] = None
+        self._stream: Any = None  # the running native stream (this process's)
+        self._pid = os.getpid()
+        # Options are checked by the engine now, not at the first batch.
+        _ramjet.token_options_check(json.dumps(self._tokens))
+
+    _topology = StreamingDataset._topology
+
+    def _config(self) -> str:
+        cfg = dict(self._base, topology=self._topology())
+        daemon = self._daemon or _daemon_socket or os.environ.get("RAMJET_SOCKET")
+        if daemon:
+            cfg["daemon"] = daemon
+        return json.dumps({"loader": cfg, "tokens": self._tokens, "epoch": self._epoch, "resume": self._resume})
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        if os.getpid() != self._pid:
+            # A forked worker: the parent's native stream (if any) is parked, never dropped here.
+            if self._stream is not None:
+                _inherited.append(self._stream)
+            self._stream = None
+            self._pid = os.getpid()
+        # Opened here, not at the first next(): a consumer that takes no batch still has its
+        # position (its first window located) for state_dict.
+        self._stream = _ramjet.TokenStream(self._config())
+        return self._batches(self._stream)
+
+    def _batches(self, stream: Any) -> Iterator[Dict[str, Any]]:
+        while True:
+            got = stream.next_batch()
+            if got is None:
+                break
+            yield self._convert(got)
+        # The epoch is over for this consumer: the next iteration reads the next one.
+        self._epoch += 1
+        self._resume = None
+
+    def _convert(self, got: Dict[str, Any]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for k, v in got.items():
+            if isinstance(v, Tensor):
+                out[k] = torch.from_dlpack(v) if torch is not None else _to_array(v)
+            else:
+                out[k] = v
+        t = out["tokens"]
+        out["input_ids"] = t[:, :-1]
+        out["labels"] = t[:, 1:]
+        if "positions" in out:
+            out["position_ids"] = out.pop("positions")[:, :-1]
+            out["segment_ids"] = out.pop("segments")[:, :-1]
+        return out
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next iteration reads; a loaded state of another epoch is dropped."""
+        if self._resume is not None and self._resume.get("epoch") != epoch:
+            self._resume = None
+        self._epoch = int(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads (or is reading)."""
+        return self._epoch
+
+    def _consumer_state(self) -> str:
+        if self._stream is None:
+            raise InvalidInputError("state_dict(): this dataset has not been iterated yet in this process")
+        return self._stream.state()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The job's position after the last batch each consumer yielded: the first window not
+        yet delivered (its document and the offset inside it) and the windows delivered past it.
+        Under torch.distributed every rank calls it at the same step (it gathers the ranks'
+        states). Before any iteration it is the loaded state, or the current epoch's start."""
+        if self._stream is None:
+            if self._resume is not None:
+                return dict(self._resume)
+            return {"kind": "tokens", "epoch": self._epoch, "fresh": True}
+        if torch is not None and torch.utils.data.get_worker_info() is not None:
+            return {"kind": "tokens-consumer", "state": json.loads(self._consumer_state())}
+        states = [self._consumer_state()]
+        world = self._topology()["world"]
+        if world > 1:
+            if torch is None or not torch.distributed.is_initialized():
+                raise InvalidInputError("state_dict with world_size > 1 needs torch.distributed to gather the ranks' states")
+            gathered: List[Optional[str]] = [None] * world
+            torch.distributed.all_gather_object(gathered, states[0])
+            states = [s for s in gathered if s is not None]
+        return json.loads(_ramjet.token_job_state(states))
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continues from a :meth:`state_dict`: the next iteration yields the rest of its epoch
+        (with any world size). A state that is not one raises :class:`InvalidInputError`."""
+        if not isinstance(state, dict):
+            raise InvalidInputError(f"load_state_dict: a state is a dict, not {type(state).__name__}")
+        if state.get("fresh") is True and state.get("kind") == "tokens":
+            self._resume = None
+            self._epoch = int(state.get("epoch", 0))
+            return
+        checked = json.loads(_ramjet.token_resume_check(json.dumps(state, default=_jsonable)))
+        self._resume = checked
+        self._epoch = int(checked["epoch"])
+
+    def combine_states(self, states: Sequence[str]) -> Dict[str, Any]:
+        """The job's state from every consumer's own (``consumer_state()`` of each)."""
+        return json.loads(_ramjet.token_job_state(list(states)))
+
+    def consumer_state(self) -> str:
+        """This consumer's own position (JSON text), to combine with the others' by
+        :meth:`combine_states` (for jobs without torch.distributed)."""
+        return self._consumer_state()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        s = self.__dict__.copy()
+        s["_stream"] = None
         return s

@@ -165,6 +165,51 @@ class StreamingDataset:
     def metrics(self) -> Dict[str, float]:
         """Counters of the running loader."""
 
+class TokenDataset:
+    """Fixed-length token windows for causal language models; see docs/python.md, "Token streams"."""
+
+    seq_len: int
+    batch_size: int
+    eos: Optional[int]
+    def __init__(
+        self,
+        remote: Union[str, Source, Sequence[Union[str, Source]]],
+        local: Optional[str] = None,
+        *,
+        seq_len: int = 2048,
+        batch_size: int = 8,
+        column: str = "tokens",
+        eos: Union[int, str, None] = "auto",
+        pad: Optional[int] = None,
+        boundaries: bool = False,
+        dtype: str = "int64",
+        token_dtype: Optional[str] = None,
+        shuffle: bool = True,
+        shuffle_algo: str = "shard_block",
+        seed: int = 0,
+        shuffle_window: int = 4,
+        shuffle_block: int = 1,
+        partitions: int = 1,
+        cache_limit: Union[int, str, None] = "64GiB",
+        prefetch_batches: int = 4,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        daemon: Optional[str] = None,
+    ) -> None: ...
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        """Batches of the current epoch's windows: ``tokens``, ``input_ids``, ``labels``,
+        ``lengths``, ``window`` (and ``position_ids``, ``segment_ids`` with boundaries)."""
+    def set_epoch(self, epoch: int) -> None: ...
+    @property
+    def epoch(self) -> int: ...
+    def state_dict(self) -> Dict[str, Any]:
+        """The job's position: the first window not delivered, inside its document."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def consumer_state(self) -> str:
+        """This consumer's own position (JSON), for :meth:`combine_states`."""
+    def combine_states(self, states: Sequence[str]) -> Dict[str, Any]:
+        """The job's state from every consumer's own."""
+
 def init(
     cache_dir: Optional[str] = None,
     *,

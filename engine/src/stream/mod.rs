@@ -256,6 +256,11 @@ pub struct Sample {
 }
 
 impl Sample {
+    /// The schema of the sample's dataset.
+    pub fn schema(&self) -> &Arc<Schema> {
+        &self.schema
+    }
+
     /// The sample's columns.
     pub fn values(&self) -> Result<Vec<ValueRef<'_>>> {
         decode_record(
@@ -497,6 +502,12 @@ impl Stream {
     /// runtime thread turns this off: the copies then finish on their own.
     pub fn wait_inserts_on_drop(&mut self, wait: bool) {
         self.wait_inserts_on_drop = wait;
+    }
+
+    /// The manifest versions of the sources, in order (what a saved position is checked
+    /// against).
+    pub fn versions(&self) -> Vec<String> {
+        self.shared.shapes.iter().map(|s| s.version.clone()).collect()
     }
 
     /// This consumer's position, to save.

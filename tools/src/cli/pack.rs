@@ -47,6 +47,15 @@ pub struct Args {
     /// (docs/format.md, "Array columns").
     #[arg(long = "column", value_name = "NAME:TYPE")]
     pub column_types: Vec<String>,
+    /// A Hugging Face tokenizer.json (a local file): the JSONL's --text-column is tokenized
+    /// in parallel and stored as a `tokens` array column in its place (uint16 ids for a
+    /// vocabulary of at most 65,536, else uint32); the manifest's meta.tokenizer records the
+    /// file's checksum and its end-of-document token (docs/python.md, "Token streams").
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<String>,
+    /// The JSONL column --tokenizer reads.
+    #[arg(long, default_value = "text", requires = "tokenizer")]
+    pub text_column: String,
     /// Inputs in a group, the unit a split pack divides (the same value gives the same shards
     /// whatever the number of tasks).
     #[arg(long, default_value_t = GROUP_ITEMS_DEFAULT)]
@@ -81,6 +90,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         group_items: a.group_size,
         image_column: a.image_column.clone(),
         column_types: a.column_types.clone(),
+        tokenizer: a.tokenizer.clone(),
+        text_column: a.text_column.clone(),
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(a.threads.unwrap_or(0))

@@ -18,6 +18,7 @@
 
 pub mod source;
 pub mod split;
+pub mod tokens;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -105,6 +106,12 @@ pub struct PackOptions {
     /// `NAME:TYPE` (`tokens:int32[?]`, `emb:float32[768]`): an array type reads JSON lists of
     /// numbers (nested for more axes).
     pub column_types: Vec<String>,
+    /// A Hugging Face `tokenizer.json` (a local file): the JSONL column `text_column` is
+    /// tokenized and stored as a `tokens` array column in its place (`uint16[?]` for a
+    /// vocabulary of at most 65,536 ids, else `uint32[?]`).
+    pub tokenizer: Option<String>,
+    /// The column `tokenizer` reads.
+    pub text_column: String,
 }
 
 pub use ramjet_engine::image::turbo::JPEG_RESTART_PX;
@@ -142,6 +149,8 @@ impl Default for PackOptions {
             group_items: GROUP_ITEMS_DEFAULT,
             image_column: None,
             column_types: Vec::new(),
+            tokenizer: None,
+            text_column: "text".into(),
         }
     }
 }
@@ -374,6 +383,12 @@ pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) ->
         return Err(Error::invalid(
             "--column",
             "only a JSONL input's column types can be given",
+        ));
+    }
+    if opts.tokenizer.is_some() && kind != SourceKind::Jsonl {
+        return Err(Error::invalid(
+            "--tokenizer",
+            "tokenizes a JSONL input's text column only",
         ));
     }
     if opts.image_column.is_some() && kind != SourceKind::Jsonl {
@@ -1002,6 +1017,15 @@ fn jsonl_layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) 
     if let Some(c) = &opts.image_column {
         meta.insert("image_column".into(), Json::from(c.as_str()));
     }
+    let schema = match &opts.tokenizer {
+        None => schema,
+        Some(path) => {
+            let tok = tokens::Tok::load(path)?;
+            let (schema, info) = tokens::tokenized_schema(&schema, &opts.text_column, &tok, &src.display)?;
+            meta.insert("tokenizer".into(), info);
+            schema
+        }
+    };
     Ok(Layout {
         kind: SourceKind::Jsonl,
         schema,
@@ -1122,6 +1146,9 @@ pub(crate) fn pack_jsonl(
 ) -> Result<BTreeMap<u64, GroupOut>> {
     let gi = ctx.opts.group_items;
     let schema = &ctx.layout.schema;
+    // With --tokenizer, lines are parsed with the text column they hold, then tokenized.
+    let tokenize = tokens::Tokenize::of(ctx)?;
+    let input_schema = tokenize.as_ref().map_or(schema, |t| &t.input);
     let image_col = ctx.opts.image_column.as_ref().and_then(|c| schema.index_of(c));
     let display = &ctx.src.display;
     let io = |e: std::io::Error| Error::io(display, e);
@@ -1165,7 +1192,10 @@ pub(crate) fn pack_jsonl(
                 }
                 let lines: Vec<(usize, String)> = lines.into_iter().filter(|(_, l)| !l.trim().is_empty()).collect();
                 let what = |n: usize| format!("{display}:{n}");
-                let mut rows = parse_rows(&lines, schema, image_col, &what);
+                let mut rows = parse_rows(&lines, input_schema, image_col, &what);
+                if let Some(t) = &tokenize {
+                    t.apply(&lines, &mut rows, &what);
+                }
                 if let Some(ic) = image_col {
                     fetch_images(ctx, ic, &lines, &mut rows, &what);
                 }

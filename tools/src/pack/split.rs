@@ -67,6 +67,9 @@ pub struct PlanOptions {
     /// `--column`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub column_types: Vec<String>,
+    /// `--text-column`, with `--tokenizer` (whose file the plan's layout names by checksum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_column: Option<String>,
 }
 
 impl PlanOptions {
@@ -78,6 +81,7 @@ impl PlanOptions {
             skip_bad: o.skip_bad,
             image_column: o.image_column.clone(),
             column_types: o.column_types.clone(),
+            text_column: o.tokenizer.as_ref().map(|_| o.text_column.clone()),
         }
     }
 }
@@ -204,6 +208,13 @@ impl Plan {
                 "--image-column",
                 format!("{:?}", p.image_column),
                 format!("{:?}", o.image_column),
+            );
+        }
+        if p.text_column != o.text_column {
+            return differ(
+                "--tokenizer's --text-column",
+                format!("{:?}", p.text_column),
+                format!("{:?}", o.text_column),
             );
         }
         if p.column_types != o.column_types {
