@@ -108,13 +108,14 @@ RAMJET_BENCH_PYTHON="$(tools/bench-venv.sh)"
 export RAMJET_BENCH_PYTHON
 RAMJET_BIN="$RAMJET_ROOT/target/debug/ramjet" "$RAMJET_VENV/bin/python" -m pytest -q bindings/tests
 
-step "examples: CNN training (device auto: a GPU when usable, else the CPU), 2-process torchrun (gloo)"
+step "examples: CNN training (device auto: a GPU when usable, else the CPU), 2-process torchrun (gloo), a small GPT on token windows"
 py="$RAMJET_VENV/bin/python"
 target/debug/ramjet synth "$ci/synth" --samples 400 >/dev/null
 url="s3://$RAMJET_S3_BUCKET/ci/synth-400-$(date +%s)"
 target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
 "$py" examples/train_cnn.py --remote "$url" --steps 200
 "$RAMJET_VENV/bin/torchrun" --nproc_per_node 2 examples/ddp_train.py --remote "$url" --epochs 2 2>&1 | grep -v "^W.*torch/distributed"
+"$py" examples/train_lm.py --remote "s3://$RAMJET_S3_BUCKET/ci/lm" --steps 150 2>&1 | grep -v "^$"
 
 step "examples: Ultralytics YOLO streamed from S3 (train + val, offline), and the YOLO P2/P3 bench in quick mode"
 RAMJET_BIN=target/debug/ramjet "$py" examples/yolo_streaming.py --epochs 1 --imgsz 96 --workers 1

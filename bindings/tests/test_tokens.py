@@ -355,3 +355,32 @@ def bench_python():
         py = subprocess.run(["bash", str(ROOT / "tools/bench-venv.sh")], capture_output=True, text=True,
                             check=True).stdout.strip()
     return py
+
+
+def test_a_split_tokenizer_pack_equals_one_pack_and_every_task_must_tokenize(corpus, tmp_path):
+    _, docs, tok_path = corpus
+    with open(tmp_path / "d.jsonl", "w") as f:
+        for i, t in enumerate(docs[:120]):
+            f.write(json.dumps({"id": i, "text": t}) + "\n")
+    common = ["--tokenizer", str(tok_path), "--shard-size", "8KiB", "--group-size", "40"]
+    one = run("pack", str(tmp_path / "d.jsonl"), str(tmp_path / "one"), *common)
+    split = str(tmp_path / "split")
+    for t in ("0", "1", "2"):
+        run("pack", str(tmp_path / "d.jsonl"), split, *common, "--tasks", "3", "--task", t)
+    merged = run("pack", str(tmp_path / "d.jsonl"), split, *common, "--tasks", "3", "--merge")
+    version = [line for line in one.splitlines() if "manifest version" in line]
+    assert version and version[0] in merged
+    # A task of a plan made with --tokenizer, run without it, or with another file: refused.
+    split = str(tmp_path / "split2")
+    run("pack", str(tmp_path / "d.jsonl"), split, *common, "--tasks", "3", "--plan")
+    out = fails("pack", str(tmp_path / "d.jsonl"), split, "--shard-size", "8KiB", "--group-size", "40",
+                "--tasks", "3", "--task", "1")
+    assert "no --tokenizer" in out
+    # Another tokenizer file than the plan's is refused by its checksum.
+    other = tmp_path / "other.json"
+    tok = Tokenizer.from_file(str(tok_path))
+    tok.add_special_tokens(["<|pad|>"])
+    tok.save(str(other))
+    out = fails("pack", str(tmp_path / "d.jsonl"), split, "--tokenizer", str(other), "--shard-size", "8KiB",
+                "--group-size", "40", "--tasks", "3", "--task", "1")
+    assert "checksum" in out

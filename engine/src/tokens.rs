@@ -970,16 +970,20 @@ fn push_token(out: &mut TokenData, v: i64) {
 /// Appends little-endian `dtype` elements to `out`; the first value out of range (negative, or
 /// above the output type) is the error.
 fn convert(dtype: Dtype, src: &[u8], out: &mut TokenData) -> std::result::Result<(), i128> {
+    // A check pass, then a widening pass: both vectorize (a per-element push with its range
+    // check did not), and the check folds away where every value fits (uint16 into int32).
     macro_rules! run {
         ($t:ty, $n:literal, $o:expr, $ot:ty) => {{
-            $o.reserve(src.len() / $n);
-            for c in src.chunks_exact($n) {
-                let v = <$t>::from_le_bytes(c.try_into().expect("chunk size"));
-                match <$ot>::try_from(v) {
-                    Ok(x) if x >= 0 => $o.push(x),
-                    _ => return Err(v as i128),
-                }
+            let vals = src
+                .chunks_exact($n)
+                .map(|c| <$t>::from_le_bytes(c.try_into().expect("chunk size")));
+            if let Some(bad) = vals
+                .clone()
+                .find(|&v| !((v as i128) >= 0 && (v as i128) <= <$ot>::MAX as i128))
+            {
+                return Err(bad as i128);
             }
+            $o.extend(vals.map(|v| v as $ot));
         }};
     }
     macro_rules! each {

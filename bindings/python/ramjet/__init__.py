@@ -972,6 +972,11 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
         (with any world size). A state that is not one raises :class:`InvalidInputError`."""
         if not isinstance(state, dict):
             raise InvalidInputError(f"load_state_dict: a state is a dict, not {type(state).__name__}")
+        if state.get("kind") == "tokens-consumer":
+            raise InvalidInputError(
+                "load_state_dict: this is one DataLoader worker's token state, which does not restore alone: "
+                "combine every consumer's with combine_states() (a job state), or iterate without workers"
+            )
         if state.get("fresh") is True and state.get("kind") == "tokens":
             self._resume = None
             self._epoch = int(state.get("epoch", 0))
@@ -980,9 +985,12 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
         self._resume = checked
         self._epoch = int(checked["epoch"])
 
-    def combine_states(self, states: Sequence[str]) -> Dict[str, Any]:
-        """The job's state from every consumer's own (``consumer_state()`` of each)."""
-        return json.loads(_ramjet.token_job_state(list(states)))
+    def combine_states(self, states: Sequence[Union[str, Dict[str, Any]]]) -> Dict[str, Any]:
+        """The job's state from every consumer's own: ``consumer_state()`` of each, or the
+        ``state_dict()`` of each DataLoader worker."""
+        texts = [json.dumps(s["state"]) if isinstance(s, dict) and s.get("kind") == "tokens-consumer"
+                 else s if isinstance(s, str) else json.dumps(s) for s in states]
+        return json.loads(_ramjet.token_job_state(texts))
 
     def consumer_state(self) -> str:
         """This consumer's own position (JSON text), to combine with the others' by

@@ -1204,7 +1204,7 @@ pub(crate) fn pack_jsonl(
                         fetch_arrays(ctx, ac, &col.name, &spec, &lines, &mut rows, &what);
                     }
                 }
-                for ((n, _), r) in lines.iter().zip(rows) {
+                for ((n, line), r) in lines.iter().zip(rows) {
                     let g = (*n as u64 - 1) / gi;
                     let (vals, size) = match r {
                         Ok(v) => v,
@@ -1234,7 +1234,8 @@ pub(crate) fn pack_jsonl(
                         .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
                         .push(&vals, &what(*n))?;
                     acc += size;
-                    *read_bytes.entry(g).or_default() += size;
+                    // Tokenized, a row is smaller than its text: the input is the line.
+                    *read_bytes.entry(g).or_default() += if tokenize.is_some() { line.len() as u64 } else { size };
                 }
             }
             if let Some(last) = builder.take() {

@@ -211,11 +211,11 @@ impl Plan {
             );
         }
         if p.text_column != o.text_column {
-            return differ(
-                "--tokenizer's --text-column",
-                format!("{:?}", p.text_column),
-                format!("{:?}", o.text_column),
-            );
+            let say = |t: &Option<String>| match t {
+                Some(c) => format!("--tokenizer of text column {c:?}"),
+                None => "no --tokenizer".to_owned(),
+            };
+            return differ("tokenizing", say(&p.text_column), say(&o.text_column));
         }
         if p.column_types != o.column_types {
             return differ(
