@@ -801,8 +801,10 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
         daemon: the host daemon's socket (default as for :class:`StreamingDataset`).
 
     Cutting runs on a Rust thread of its own, so iterate the dataset directly
-    (``num_workers=0``); inside DataLoader workers each worker is a consumer of its own, and
-    :meth:`state_dict` must then be taken in the workers (it raises in the trainer).
+    (``num_workers=0``). Inside DataLoader workers each worker is a consumer of its own: its
+    :meth:`state_dict` (taken in the worker) is its own position, and :meth:`combine_states` of
+    every worker's gives the job's. The trainer process's copy of the dataset has not iterated
+    and knows no position.
     """
 
     def __init__(
