@@ -280,15 +280,14 @@ impl TokenState {
         }
         let cs = c_n as u64;
         let base = &first.base;
-        let progress = base.progress();
-        // The first window of the deal not delivered: R[i*].
-        let open = states
+        // The first window of the deal not delivered is R[i*], i* the smallest next index
+        // (`delivered * C + c`); its owner knows where it starts. With no window there, every
+        // later one is missing too: the epoch is over.
+        let owner = states
             .iter()
-            .filter(|s| s.next.is_some())
-            .map(|s| (s.delivered.saturating_mul(cs).saturating_add(s.consumer as u64), s))
-            .min_by_key(|(i, _)| *i);
-        let Some((i_star, owner)) = open else {
-            // Every consumer has gone through the epoch: the next one starts.
+            .min_by_key(|s| s.delivered.saturating_mul(cs).saturating_add(s.consumer as u64))
+            .expect("at least one state");
+        let Some(start) = owner.next else {
             return Ok(TokenResume {
                 epoch: base.epoch + 1,
                 start: WindowStart {
@@ -300,23 +299,19 @@ impl TokenState {
                 ..base.clone()
             });
         };
-        let start = owner.next.expect("filtered on next");
-        let window = progress.remaining_at(i_star);
-        if start.window != window {
+        // The window deal is the sample deal's (`EpochProgress::advance`), over an order with
+        // no known end.
+        let mut delivered = vec![0; c_n];
+        for s in states {
+            delivered[s.consumer] = s.delivered;
+        }
+        let EpochProgress { consumed, ahead, .. } = base.progress().advance(u64::MAX, &delivered);
+        if start.window != consumed {
             return bad(format!(
-                "consumer {}'s next window is {}, but the deal's first open one is {window}",
+                "consumer {}'s next window is {}, but the deal's first open one is {consumed}",
                 owner.consumer, start.window
             ));
         }
-        let mut ahead: Vec<u64> = base.ahead.iter().copied().filter(|&a| a > window).collect();
-        for s in states {
-            let c = s.consumer as u64;
-            let from = if c > i_star { 0 } else { (i_star - c) / cs + 1 };
-            for k in from..s.delivered {
-                ahead.push(progress.remaining_at(k * cs + c));
-            }
-        }
-        ahead.sort_unstable();
         if ahead.len() > AHEAD_MAX {
             return bad(format!(
                 "{} windows delivered ahead of the slowest consumer (at most {AHEAD_MAX})",

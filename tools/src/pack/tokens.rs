@@ -212,24 +212,12 @@ impl Tokenize {
         if texts.is_empty() {
             return;
         }
-        let encoded = self.tok.tokenizer.encode_batch_fast(texts, false);
-        let mut encoded = match encoded {
+        let mut encoded = match self.tok.tokenizer.encode_batch_fast(texts.clone(), false) {
             Ok(e) => e.into_iter().map(Ok).collect::<Vec<_>>(),
-            // The batch failed as a whole: each row is tried alone, so the error names its line.
-            Err(_) => rows
+            // The batch failed as a whole: each text is tried alone, so the error names its line.
+            Err(_) => texts
                 .iter()
-                .filter_map(|r| match r {
-                    Ok((v, _)) => match &v[c] {
-                        Value::Str(s) => Some(
-                            self.tok
-                                .tokenizer
-                                .encode_fast(s.as_str(), false)
-                                .map_err(|e| e.to_string()),
-                        ),
-                        _ => None,
-                    },
-                    Err(_) => None,
-                })
+                .map(|t| self.tok.tokenizer.encode_fast(*t, false).map_err(|e| e.to_string()))
                 .collect(),
         }
         .into_iter();
