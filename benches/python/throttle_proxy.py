@@ -3,7 +3,10 @@
 make more than `--rps` requests start within one second is answered `503 SlowDown` (S3's XML
 error body) at once, and never reaches the server. `--delay-ms` adds latency to every request
 that is forwarded. Counts go to `--stats` (JSON, rewritten every 0.2 s and at exit):
-requests, forwarded, throttled, and the per-second series.
+requests, forwarded, throttled, the most forwarded requests in flight at once
+(`max_in_flight`; with `--part-bytes N`, `max_parts_in_flight` counts only ranged GETs of at least
+64 KiB that start at a multiple of N: the parts of whole shards a stream fetches with ranged GETs of
+N bytes, not its reads of samples or headers), and the per-second series.
 
     throttle_proxy.py --listen 127.0.0.1:0 --upstream 127.0.0.1:8333 --rps 40 --stats FILE
 
@@ -26,6 +29,10 @@ class Counts:
         self.requests = 0
         self.forwarded = 0
         self.throttled = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.parts_in_flight = 0
+        self.max_parts_in_flight = 0
         self.started = collections.deque()
         self.series = collections.defaultdict(lambda: [0, 0])
         self.t0 = time.monotonic()
@@ -47,7 +54,20 @@ class Counts:
 
     def doc(self):
         return {"requests": self.requests, "forwarded": self.forwarded, "throttled": self.throttled,
+                "max_in_flight": self.max_in_flight, "max_parts_in_flight": self.max_parts_in_flight,
                 "series": [[s, f, t] for s, (f, t) in sorted(self.series.items())]}
+
+
+def is_part(first, headers, part_bytes):
+    """A ranged GET of at least 64 KiB starting at a multiple of `part_bytes`."""
+    r = headers.get("range", "")
+    if not part_bytes or not first.startswith("GET ") or not r.startswith("bytes="):
+        return False
+    lo, _, hi = r[6:].partition("-")
+    try:
+        return int(lo) % part_bytes == 0 and int(hi) - int(lo) + 1 >= 64 << 10
+    except ValueError:
+        return False
 
 
 async def read_head(reader):
@@ -99,18 +119,27 @@ async def serve(client_r, client_w, a, counts):
                                + f"Content-Length: {len(SLOWDOWN)}\r\n\r\n".encode() + SLOWDOWN)
                 await client_w.drain()
                 continue
-            if a.delay_ms:
-                await asyncio.sleep(a.delay_ms / 1000)
-            if up_w is None:
-                host, port = a.upstream.rsplit(":", 1)
-                up_r, up_w = await asyncio.open_connection(host, int(port))
-            up_w.write(head + body)
-            await up_w.drain()
-            rhead, rfirst, rheaders = await read_head(up_r)
-            client_w.write(rhead)
-            if not first.startswith("HEAD "):
-                await relay_body(up_r, client_w, rheaders)
-            await client_w.drain()
+            part = is_part(first, headers, a.part_bytes)
+            counts.in_flight += 1
+            counts.parts_in_flight += part
+            counts.max_in_flight = max(counts.max_in_flight, counts.in_flight)
+            counts.max_parts_in_flight = max(counts.max_parts_in_flight, counts.parts_in_flight)
+            try:
+                if a.delay_ms:
+                    await asyncio.sleep(a.delay_ms / 1000)
+                if up_w is None:
+                    host, port = a.upstream.rsplit(":", 1)
+                    up_r, up_w = await asyncio.open_connection(host, int(port))
+                up_w.write(head + body)
+                await up_w.drain()
+                rhead, rfirst, rheaders = await read_head(up_r)
+                client_w.write(rhead)
+                if not first.startswith("HEAD "):
+                    await relay_body(up_r, client_w, rheaders)
+                await client_w.drain()
+            finally:
+                counts.in_flight -= 1
+                counts.parts_in_flight -= part
             if rheaders.get("connection", "").lower() == "close":
                 up_w.close()
                 up_r = up_w = None
@@ -128,6 +157,7 @@ async def main():
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--rps", type=float, default=1e9)
     ap.add_argument("--delay-ms", type=float, default=0.0)
+    ap.add_argument("--part-bytes", type=int, default=0, help="count ranged GETs of whole shards' parts of this size")
     ap.add_argument("--stats", required=True)
     a = ap.parse_args()
     counts = Counts()

@@ -16,13 +16,15 @@ documentation builds a language-model loader:
   mosaicml: an MDS of pre-cut windows (llm-foundry's `concat_tokens`: each sample one window
             of 2,049 tokens as int32 bytes), `StreamingDataset(shuffle=True)` in a DataLoader.
 
-Each contender reads one whole epoch in a fresh process per round (interpreter and imports not
-timed: the clock starts at the loader's creation, so the loader's start-up is in it), their
-order rotating round by round. Reported: medians of windows/s and CPU seconds per 1,000
-windows (the process and its DataLoader workers, from the loader's creation), every round's ratios ramjet/peer.
+Each contender reads `--epochs` (2) epochs in a fresh process per round, their order rotating
+round by round. Two figures each: the first epoch (the clock starts at the loader's creation,
+after the interpreter and the imports, so the loader's start-up and a fresh process's first
+allocations are in it) and the last epoch (steady state: what every later epoch of a training
+job costs). Reported for both: medians of windows/s and CPU seconds per 1,000 windows (the
+process and its DataLoader workers), every round's ratios ramjet/peer.
 
     .ramjet/bench-venv/bin/python benches/python/token_windows.py [--tokens 120e6] [--rounds 5]
-        [--workers 0] [--out F]
+        [--workers 0] [--epochs 2] [--out F] [--plot PNG]
 """
 
 import argparse
@@ -114,35 +116,40 @@ def _lit_doc(i, data):
     yield torch.from_numpy(np.append(d, np.int32(EOS)))
 
 
-def one(name, data, workers):
-    """Reads one epoch with contender `name`; prints {windows, wall_s, cpu_s}."""
+def one(name, data, workers, epochs):
+    """Reads `epochs` epochs with contender `name` in this process; prints one JSON line with
+    each epoch's {windows, wall_s, cpu_s} (the first from the loader's creation on)."""
     import torch
 
     def cpu():
         r, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
 
-    t0, cpu0 = time.perf_counter(), cpu()
-    n = 0
+    # The contender's modules are imported before the clock starts (the docstring's rule).
     if name == "ramjet":
         import ramjet
-
-        ds = ramjet.TokenDataset(str(data / "ramjet"), seq_len=SEQ, batch_size=BATCH, eos=EOS, dtype="int32")
-        for b in ds:
-            x, y = b["input_ids"], b["labels"]
-            n += x.shape[0]
     elif name == "litdata":
         from litdata import StreamingDataLoader, StreamingDataset
         from litdata.streaming.item_loader import TokensLoader
-
-        ds = StreamingDataset(input_dir=str(data / "litdata"), item_loader=TokensLoader(block_size=SEQ + 1),
-                              shuffle=True, drop_last=True)
-        for b in StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers):
-            x, y = b[:, :-1], b[:, 1:]
-            n += x.shape[0]
     else:
         import numpy as np
         from streaming import StreamingDataset
+    t0, cpu0 = time.perf_counter(), cpu()
+    if name == "ramjet":
+        loader = ramjet.TokenDataset(str(data / "ramjet"), seq_len=SEQ, batch_size=BATCH, eos=EOS, dtype="int32")
+
+        def batches():
+            for b in loader:
+                yield b["input_ids"], b["labels"]
+    elif name == "litdata":
+        ds = StreamingDataset(input_dir=str(data / "litdata"), item_loader=TokensLoader(block_size=SEQ + 1),
+                              shuffle=True, drop_last=True)
+        loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
+
+        def batches():
+            for b in loader:
+                yield b[:, :-1], b[:, 1:]
+    else:
 
         class Windows(StreamingDataset):
             def __getitem__(self, i):
@@ -150,14 +157,23 @@ def one(name, data, workers):
                 return torch.from_numpy(np.frombuffer(s["tokens"], dtype=np.int32).copy())
 
         ds = Windows(local=str(data / "mosaicml"), shuffle=True, batch_size=BATCH)
-        for b in torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=workers):
-            x, y = b[:, :-1], b[:, 1:]
+        loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=workers)
+
+        def batches():
+            for b in loader:
+                yield b[:, :-1], b[:, 1:]
+    out = []
+    for _ in range(epochs):
+        n = 0
+        for x, y in batches():
             n += x.shape[0]
-    wall = time.perf_counter() - t0
-    del ds
-    # CPU from the loader's creation on (imports left out, as from the wall clock); DataLoader
-    # workers are counted once they have exited.
-    print(json.dumps({"windows": n, "wall_s": wall, "cpu_s": cpu() - cpu0, "cpu_total_s": cpu()}))
+        t, c = time.perf_counter(), cpu()
+        # CPU from the loader's creation (then the epoch's start) on, imports left out as from
+        # the wall clock; DataLoader workers are counted once they have exited.
+        out.append({"windows": n, "wall_s": t - t0, "cpu_s": c - cpu0})
+        t0, cpu0 = t, c
+    del loader
+    print(json.dumps({"epochs": out, "cpu_total_s": cpu()}))
 
 
 def main():
@@ -166,21 +182,25 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers of the peers")
     ap.add_argument("--data", default=str(ROOT / ".ramjet/bench/tokens"))
+    ap.add_argument("--epochs", type=int, default=2,
+                    help="epochs each contender reads in its process: the first (a fresh process, the "
+                         "loader's start-up in it) and the last (steady state) are reported")
     ap.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write every measurement here as JSON")
     ap.add_argument("--plot", help="draw windows/s and CPU per 1,000 windows, round by round, into this PNG")
     a = ap.parse_args()
     data = Path(a.data)
     if a.one:
-        one(a.one, data, a.workers)
+        one(a.one, data, a.workers, max(1, a.epochs))
         return
     build(data, int(a.tokens))
-    rounds = measure.Rounds("windows")
+    epochs = max(1, a.epochs)
+    first, steady = measure.Rounds("windows"), measure.Rounds("windows")
     for r in range(a.rounds):
         for c in measure.order(list(CONTENDERS), r):
             before, t = measure.proc_stat(), time.perf_counter()
             out = subprocess.run([sys.executable, __file__, "--one", c, "--data", str(data), "--workers",
-                                  str(a.workers)], capture_output=True, text=True)
+                                  str(a.workers), "--epochs", str(epochs)], capture_output=True, text=True)
             if out.returncode != 0:
                 sys.exit(f"{c}: {out.stderr[-3000:]}")
             after = measure.proc_stat()
@@ -188,40 +208,48 @@ def main():
             steal = measure.steal_share(before, after)
             # The whole process's CPU (its imports too) is its own, not other load.
             others = measure.others_share(before, after, m["cpu_total_s"], time.perf_counter() - t)
-            rounds.add(r, c, wall_s=m["wall_s"], units=m["windows"], cpu_s=m["cpu_s"], steal=steal, others=others)
-        print(rounds.line(r), flush=True)
+            e0, last = m["epochs"][0], m["epochs"][-1]
+            first.add(r, c, wall_s=e0["wall_s"], units=e0["windows"], cpu_s=e0["cpu_s"], steal=steal, others=others)
+            steady.add(r, c, wall_s=last["wall_s"], units=last["windows"], cpu_s=last["cpu_s"], steal=steal,
+                       others=others)
+        print(f"first epoch  {first.line(r)}", flush=True)
+        print(f"steady state {steady.line(r)}", flush=True)
     out = {"tokens": int(a.tokens), "seq_len": SEQ, "batch": BATCH, "workers": a.workers, "rounds": a.rounds,
-           "flagged_rounds": rounds.flagged()}
-    for c in CONTENDERS:
-        out[c] = rounds.summary(c)
-    for p in ("litdata", "mosaicml"):
-        ratios = rounds.ratios("ramjet", p)
-        out[f"ramjet_over_{p}"] = [round(x, 2) for x in ratios]
-        print(f"ramjet/{p} windows/s per round: {', '.join(f'{x:.2f}' for x in ratios)}")
-    for c in CONTENDERS:
-        print(f"{c}: {rounds.median(c):.0f} windows/s, {rounds.median(c, 'cpu_per_1000'):.3f} CPU s/1000 windows")
+           "epochs": epochs}
+    for label, rounds in (("first_epoch", first), ("steady_state", steady)):
+        part = {"flagged_rounds": rounds.flagged()}
+        for c in CONTENDERS:
+            part[c] = rounds.summary(c)
+        for p in ("litdata", "mosaicml"):
+            ratios = rounds.ratios("ramjet", p)
+            part[f"ramjet_over_{p}"] = [round(x, 2) for x in ratios]
+            print(f"{label}: ramjet/{p} windows/s per round: {', '.join(f'{x:.2f}' for x in ratios)}")
+        for c in CONTENDERS:
+            print(f"{label}: {c}: {rounds.median(c):.0f} windows/s, "
+                  f"{rounds.median(c, 'cpu_per_1000'):.3f} CPU s/1000 windows")
+        out[label] = {**part, "rows": rounds.rows}
     if a.out:
-        Path(a.out).write_text(json.dumps({**out, "rows": rounds.rows}, indent=1))
+        Path(a.out).write_text(json.dumps(out, indent=1))
     if a.plot:
-        plot(rounds, a.plot, int(a.tokens))
+        plot(first, steady, a.plot, int(a.tokens))
 
 
-def plot(rounds, path, tokens):
+def plot(first, steady, path, tokens):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for c, colour in zip(CONTENDERS, ("tab:red", "tab:blue", "tab:green")):
-        rows = sorted(rounds.of(c), key=lambda row: row["round"])
-        xs = [row["round"] for row in rows]
-        ax1.plot(xs, [row["rate"] for row in rows], "o-", color=colour, label=c)
-        ax2.plot(xs, [row["cpu_per_1000"] for row in rows], "o-", color=colour, label=c)
-    ax1.set(title=f"windows/s (seq_len {SEQ}, batch {BATCH}, {tokens / 1e6:.0f}M tokens, warm)", xlabel="round",
-            yscale="log")
-    ax2.set(title="CPU s per 1,000 windows", xlabel="round", yscale="log")
-    ax1.legend()
+        for ax, rounds, key in ((axes[0], first, "rate"), (axes[1], steady, "rate"), (axes[2], steady, "cpu_per_1000")):
+            rows = sorted(rounds.of(c), key=lambda row: row["round"])
+            ax.plot([row["round"] for row in rows], [row[key] for row in rows], "o-", color=colour, label=c)
+    axes[0].set(title=f"first epoch, fresh process: windows/s\n(seq_len {SEQ}, batch {BATCH}, {tokens / 1e6:.0f}M tokens)",
+                xlabel="round", yscale="log")
+    axes[1].set(title="steady state (next epoch, same process): windows/s", xlabel="round", yscale="log")
+    axes[2].set(title="steady state: CPU s per 1,000 windows", xlabel="round", yscale="log")
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

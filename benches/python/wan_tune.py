@@ -81,7 +81,7 @@ def main():
                     raise SystemExit(f"{name}: ramjet stream failed: {p.stderr[-2000:]}")
                 m = measure.stream_json(p.stdout)
                 x = {"round": r, "contender": name, "wall_s": wall,
-                     "tune": {k: v for k, v in m.items() if k.startswith("tune_origin")}}
+                     "tune": {k: v for k, v in m.items() if k.startswith(("tune_origin", "tune_shards"))}}
                 rows.append(x)
                 print(f"round {r} {name}: {wall:.2f} s {x['tune'] if name == 'tuned' else ''}", flush=True)
     finally:

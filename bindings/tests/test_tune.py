@@ -129,17 +129,19 @@ def s3_ready():
         pytest.fail("the local S3 server is not configured: run tools/test.sh")
 
 
-def stream_through(proxy_rps, url, tmp_path, name, extra_env):
+def stream_through(proxy_rps, url, tmp_path, name, extra_env, range_size="256KiB", delay_ms=0, part_bytes=0):
     """`ramjet stream` of `url` through a fresh throttling proxy: (exit code, stderr, its
     metrics, the proxy's counts)."""
     stats = tmp_path / f"proxy-{name}.json"
     upstream = os.environ["AWS_ENDPOINT_URL"].split("://", 1)[1].rstrip("/")
     proxy = subprocess.Popen([sys.executable, str(ROOT / "benches/python/throttle_proxy.py"), "--upstream", upstream,
-                              "--rps", str(proxy_rps), "--stats", str(stats)], stdout=subprocess.PIPE, text=True)
+                              "--rps", str(proxy_rps), "--delay-ms", str(delay_ms), "--part-bytes", str(part_bytes),
+                              "--stats", str(stats)],
+                             stdout=subprocess.PIPE, text=True)
     try:
         addr = proxy.stdout.readline().split()[1]
         env = dict(os.environ, AWS_ENDPOINT_URL=f"http://{addr}", RAMJET_PRECONNECT="0", **extra_env)
-        r = subprocess.run([RAMJET, "stream", url, "--range-size", "256KiB", "--shuffle", "none", "--json"],
+        r = subprocess.run([RAMJET, "stream", url, "--range-size", range_size, "--shuffle", "none", "--json"],
                            env=env, capture_output=True, text=True, timeout=240)
     finally:
         proxy.terminate()
@@ -167,3 +169,31 @@ def test_a_throttling_origin_is_followed_without_an_error(tmp_path):
     share_f = fixed["throttled"] / fixed["requests"]
     # Today's settings send every retry on its own: a larger share of its requests bounce.
     assert share < share_f, (tuned, fixed, err_f[-500:])
+
+
+@pytest.mark.timeout(300)
+def test_the_prefetcher_keeps_as_many_shards_in_flight_as_the_origin_allows(tmp_path):
+    """Shards in flight follow the origin's limit: pinned at 12 requests, with one ranged GET a
+    shard, the stream keeps 13 shards in flight (the limit and one to spare) and the origin sees
+    far more than 4 requests at once; with the fixed settings, 4 shards and a few requests."""
+    s3_ready()
+    run("synth", str(tmp_path / "synth"), "--samples", "300")
+    url = f"s3://{BUCKET}/pytest-tune/{uuid.uuid4().hex[:8]}"
+    run("pack", str(tmp_path / "synth"), url, "--shard-size", "256KiB")
+    # 50 ms a request: shards finish slowly enough that the stream's requests pile up.
+    code, err, m, pinned = stream_through(1e6, url, tmp_path, "pinned", {"RAMJET_ORIGIN_REQUESTS": "12"},
+                                          range_size="1MiB", delay_ms=50, part_bytes=1 << 20)
+    assert code == 0, err
+    assert m["samples"] == 300, m
+    assert m["tune_shards_in_flight"] == 13, m
+    assert m["tune_shards_in_flight_reason"] == "the origin control allows more requests in flight", m
+    code_f, err_f, m_f, fixed = stream_through(1e6, url, tmp_path, "fixed", {"RAMJET_ORIGIN_TUNE": "off"},
+                                               range_size="1MiB", delay_ms=50, part_bytes=1 << 20)
+    assert code_f == 0, err_f
+    assert m_f["samples"] == 300, m_f
+    assert m_f["tune_shards_in_flight"] == 4 and m_f["tune_shards_in_flight_reason"] == "fixed: no origin control", m_f
+    # The origin's own count of shard GETs at once (the first samples' small reads left out):
+    # up to the pinned 12, and the fixed settings' 4.
+    print("shard GETs in flight at most", pinned["max_parts_in_flight"], fixed["max_parts_in_flight"])
+    assert 9 <= pinned["max_parts_in_flight"] <= 12, (pinned, fixed)
+    assert fixed["max_parts_in_flight"] <= 4, (pinned, fixed)

@@ -517,6 +517,25 @@ pub fn shares(budget: u64, floor: u64, waits: &[f64]) -> Vec<u64> {
     out
 }
 
+/// Whole shards a stream keeps in flight so that its ranged GETs can fill the origin's
+/// `limit` with one to spare (the controller only raises a limit its requests use):
+/// `ceil((limit + 1) / ranges)`, where `ranges` is the ranged GETs one shard of `shard_bytes`
+/// makes at once (`ceil(shard_bytes / range_bytes)`, at most `ranges_max`). Never below
+/// `floor` (the fixed setting), never above `cap` (the shards' bytes the prefetch budget holds).
+pub fn shards_in_flight(
+    limit: usize,
+    shard_bytes: u64,
+    range_bytes: u64,
+    ranges_max: usize,
+    floor: usize,
+    cap: usize,
+) -> usize {
+    let ranges = shard_bytes
+        .div_ceil(range_bytes.max(1))
+        .clamp(1, ranges_max.max(1) as u64) as usize;
+    (limit + 1).div_ceil(ranges).clamp(floor.max(1), cap.max(floor).max(1))
+}
+
 /// The batches a loader prepares ahead: enough to cover one fetch at the consumer's rate
 /// (`rate` batches/s × `fetch_s`, with a margin of half again), plus one, no fewer than `min`
 /// and no more than what `mem_bytes` holds at `batch_bytes` a batch.
@@ -657,6 +676,11 @@ impl Origin {
             started: Instant::now(),
             first_byte: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Bulk requests allowed in flight now (the controller's limit, or the user's pin).
+    pub fn requests_limit(&self) -> usize {
+        self.tune.lock().expect("origin tune lock").limit()
     }
 
     /// The ranged GET size for whole shards now ([`OriginTune::range_bytes`]).
@@ -1010,5 +1034,21 @@ mod tests {
         assert_eq!(prefetch_batches(f64::NAN, 1.0, 1 << 20, 100 << 20, 2), 2);
         // A slow consumer on a fast link needs little.
         assert_eq!(prefetch_batches(1.0, 0.01, 1 << 20, 100 << 20, 2), 2);
+    }
+
+    #[test]
+    fn shards_in_flight_fill_the_origin_limit_with_one_to_spare() {
+        let mib = 1u64 << 20;
+        // 16 MiB shards in one 32 MiB range each: a limit of 9 wants 10 shards.
+        assert_eq!(shards_in_flight(9, 16 * mib, 32 * mib, 4, 4, 32), 10);
+        // Ranges of 8 MiB: two a shard, so 5.
+        assert_eq!(shards_in_flight(9, 16 * mib, 8 * mib, 4, 4, 32), 5);
+        // A limit the fixed setting covers keeps the fixed setting.
+        assert_eq!(shards_in_flight(4, 256 * mib, 32 * mib, 4, 4, 32), 4);
+        // The prefetch budget caps it; a cap under the floor leaves the floor.
+        assert_eq!(shards_in_flight(64, 16 * mib, 32 * mib, 4, 4, 12), 12);
+        assert_eq!(shards_in_flight(64, 16 * mib, 32 * mib, 4, 4, 2), 4);
+        // Nonsense sizes still give at least one.
+        assert_eq!(shards_in_flight(0, 0, 0, 0, 0, 0), 1);
     }
 }

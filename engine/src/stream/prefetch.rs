@@ -189,22 +189,21 @@ async fn shard_epoch(
     gate: Option<Gate>,
 ) -> bool {
     let epoch = plan.epoch;
-    let in_flight = shared.cfg.shards_in_flight_max.max(1);
+    let mut in_flight = InFlight::new(shared);
     let (sh, uses) = (shared.clone(), ShardUses::new(plan.clone()));
     let mut start_fetches = Some(move || {
-        stream::iter(uses)
-            .map(move |u| {
-                let shared = sh.clone();
-                async move {
-                    let ((s, shard), n) = u?;
-                    Ok((
-                        (s, shard),
-                        n,
-                        fetch_shard_from(shared, s as usize, shard as usize).await,
-                    ))
-                }
-            })
-            .buffered(in_flight)
+        let fetches = uses.map(move |u| {
+            let shared = sh.clone();
+            async move {
+                let ((s, shard), n) = u?;
+                Ok((
+                    (s, shard),
+                    n,
+                    fetch_shard_from(shared, s as usize, shard as usize).await,
+                ))
+            }
+        });
+        buffered_by(fetches, move || in_flight.width())
     });
     let mut fetched = None;
     // The first samples, one by one, while the first whole shards download.
@@ -264,6 +263,115 @@ async fn shard_epoch(
         }
     }
     true
+}
+
+/// How many whole shards the prefetcher keeps in flight: `shards_in_flight_max` (the fixed
+/// setting), raised while the origin's control allows more requests than those shards make
+/// ([`crate::tune::shards_in_flight`]), within the prefetch budget (each shard in flight holds
+/// its bytes: at most half of `prefetch_bytes_max` in flight). Fixed without an origin control
+/// (local stores, `RAMJET_ORIGIN_TUNE=off`) and behind a host daemon (its own control paces
+/// the host's fetches).
+struct InFlight {
+    shared: Arc<Shared>,
+    origins: Vec<Arc<crate::tune::Origin>>,
+    shard_bytes: u64,
+    cap: usize,
+    last: usize,
+}
+
+impl InFlight {
+    fn new(shared: &Arc<Shared>) -> InFlight {
+        let cfg = &shared.cfg;
+        let mut origins: Vec<Arc<crate::tune::Origin>> = Vec::new();
+        if cfg.provider.is_none() {
+            for s in &shared.sources {
+                if let Some(o) = s.ds.store().origin() {
+                    if !origins.iter().any(|x| Arc::ptr_eq(x, &o)) {
+                        origins.push(o);
+                    }
+                }
+            }
+        }
+        let (bytes, shards) = shared.sources.iter().fold((0u64, 0u64), |(b, n), s| {
+            (b + s.ds.manifest().bytes, n + s.ds.manifest().shard_count() as u64)
+        });
+        let shard_bytes = bytes.checked_div(shards).unwrap_or(1).max(1);
+        let cap = (cfg.prefetch_bytes_max / 2 / shard_bytes).clamp(1, SHARDS_IN_FLIGHT_CAP as u64) as usize;
+        InFlight {
+            shared: shared.clone(),
+            origins,
+            shard_bytes,
+            cap,
+            last: 0,
+        }
+    }
+
+    /// The shards to keep in flight now; a change shows in metrics (`tune_shards_in_flight`).
+    fn width(&mut self) -> usize {
+        let cfg = &self.shared.cfg;
+        let floor = cfg.shards_in_flight_max.max(1);
+        let (n, why) = match self
+            .origins
+            .iter()
+            .map(|o| {
+                let range = if cfg.range_pinned {
+                    cfg.range_bytes
+                } else {
+                    o.range_bytes(cfg.range_bytes)
+                };
+                crate::tune::shards_in_flight(
+                    o.requests_limit(),
+                    self.shard_bytes,
+                    range,
+                    cfg.ranges_in_flight_max,
+                    floor,
+                    self.cap,
+                )
+            })
+            .max()
+        {
+            Some(n) if n >= self.cap && n > floor => (n, "the prefetch budget's share for shards in flight"),
+            Some(n) if n > floor => (n, "the origin control allows more requests in flight"),
+            Some(n) => (n, "the fixed setting covers the origin's limit"),
+            None if cfg.provider.is_some() => (floor, "fixed: the host daemon paces the host's fetches"),
+            None => (floor, "fixed: no origin control"),
+        };
+        if n != self.last {
+            self.last = n;
+            let m = &self.shared.metrics;
+            m.set_tune("shards_in_flight", n as u64);
+            m.set_tune("shards_in_flight_reason", why);
+        }
+        n
+    }
+}
+
+/// Most whole shards one stream keeps in flight, whatever the origin allows.
+const SHARDS_IN_FLIGHT_CAP: usize = 64;
+
+/// `futures`' `buffered` (the futures of `items` run at once, their outputs in order), with
+/// the number run at once asked of `width` before each pull, so it can change while the
+/// stream runs. A wider `width` shows at the next poll: after a future ends.
+fn buffered_by<I, F>(
+    mut items: I,
+    mut width: impl FnMut() -> usize + Unpin,
+) -> impl futures::Stream<Item = F::Output> + Unpin
+where
+    I: Iterator<Item = F> + Unpin,
+    F: std::future::Future,
+{
+    let mut running = futures::stream::FuturesOrdered::new();
+    let mut drained = false;
+    stream::poll_fn(move |cx| {
+        while !drained && running.len() < width().max(1) {
+            match items.next() {
+                Some(f) => running.push_back(f),
+                None => drained = true,
+            }
+        }
+        // Empty only once `items` is drained: the end.
+        running.poll_next_unpin(cx)
+    })
 }
 
 /// One epoch of the global shuffle: batches of samples read one by one, several in flight,
@@ -591,5 +699,48 @@ fn gate_open(gate: &Option<tokio::sync::watch::Receiver<bool>>, deadline: tokio:
     match gate {
         None => true,
         Some(g) => *g.borrow() || g.has_changed().is_err() || tokio::time::Instant::now() >= deadline,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::buffered_by;
+    use futures::StreamExt;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+
+    /// The futures run at most `width` at once, `width` read anew as they end, and their
+    /// outputs come in order.
+    #[tokio::test]
+    async fn buffered_by_follows_its_width_and_keeps_the_order() {
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let width = Arc::new(AtomicUsize::new(2));
+        let (r, m) = (running.clone(), most.clone());
+        let items = (0..40u64).map(move |i| {
+            let (r, m) = (r.clone(), m.clone());
+            async move {
+                let now = r.fetch_add(1, SeqCst) + 1;
+                m.fetch_max(now, SeqCst);
+                // Later items end sooner: the order must still hold.
+                tokio::time::sleep(std::time::Duration::from_millis(20 - i % 20)).await;
+                r.fetch_sub(1, SeqCst);
+                i
+            }
+        });
+        let w = width.clone();
+        let mut s = buffered_by(items, move || w.load(SeqCst));
+        let mut out = Vec::new();
+        while let Some(i) = s.next().await {
+            if i == 9 {
+                assert_eq!(most.swap(0, SeqCst), 2);
+                width.store(6, SeqCst);
+            }
+            out.push(i);
+        }
+        assert_eq!(out, (0..40).collect::<Vec<_>>());
+        assert_eq!(most.load(SeqCst), 6);
+        // Nothing to run: the end at once, however wide.
+        let mut empty = buffered_by(std::iter::empty::<std::future::Ready<u8>>(), || 0);
+        assert_eq!(empty.next().await, None);
     }
 }
