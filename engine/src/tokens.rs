@@ -404,7 +404,9 @@ struct Doc {
 }
 
 enum Msg {
-    Batch(Box<TokenBatch>),
+    /// A batch whose tokens are still to be copied out of their records (`pieces`), which the
+    /// consumer's thread does ([`materialize`]): the token thread only walks and cuts.
+    Batch(Box<TokenBatch>, Vec<Piece>),
     /// The epoch's end for this consumer, and its state there.
     End(TokenState),
     Failed(Error),
@@ -413,6 +415,9 @@ enum Msg {
 /// One consumer's windows of a token job, in batches, prepared ahead on a thread of its own.
 pub struct TokenStream {
     rx: mpsc::Receiver<Msg>,
+    /// For [`materialize`]: the column (errors name it) and the output type.
+    column: String,
+    dtype: TokenDtype,
     /// The state before any batch (this consumer's first window located).
     initial: Option<TokenState>,
     last: Option<TokenState>,
@@ -500,8 +505,8 @@ impl TokenStream {
             .name("ramjet-tokens".into())
             .spawn(move || loop {
                 match cutter.batch() {
-                    Ok(Some(b)) => {
-                        if tx.send(Msg::Batch(Box::new(b))).is_err() {
+                    Ok(Some((b, pieces))) => {
+                        if tx.send(Msg::Batch(Box::new(b), pieces)).is_err() {
                             return;
                         }
                     }
@@ -518,6 +523,8 @@ impl TokenStream {
             .map_err(|e| Error::io("spawning the token thread", e))?;
         Ok(TokenStream {
             rx,
+            column: cfg.tokens.column.clone(),
+            dtype: cfg.tokens.dtype,
             initial: Some(initial),
             last: None,
             ended: false,
@@ -531,10 +538,17 @@ impl TokenStream {
             return Ok(None);
         }
         match self.rx.recv_timeout(wait) {
-            Ok(Msg::Batch(b)) => {
-                self.last = Some(b.state.clone());
-                Ok(Some(*b))
-            }
+            Ok(Msg::Batch(mut b, pieces)) => match materialize(&pieces, self.dtype, &self.column) {
+                Ok(tokens) => {
+                    b.tokens = tokens;
+                    self.last = Some(b.state.clone());
+                    Ok(Some(*b))
+                }
+                Err(e) => {
+                    self.ended = true;
+                    Err(Some(e))
+                }
+            },
             Ok(Msg::End(state)) => {
                 self.last = Some(state);
                 self.ended = true;
@@ -610,7 +624,10 @@ struct Cutter {
 /// Rows of a batch being filled.
 struct Rows {
     windows: Vec<u64>,
-    tokens: TokenData,
+    /// The rows' tokens, to be copied on the consumer's thread.
+    pieces: Vec<Piece>,
+    /// Tokens in `pieces`.
+    planned: usize,
     lengths: Vec<i32>,
     positions: Option<Vec<i32>>,
     segments: Option<Vec<i32>>,
@@ -829,25 +846,20 @@ impl Cutter {
             let real_to = to.min(n);
             if from < real_to {
                 let size = d.dtype.size();
-                let bytes =
-                    &d.sample.record[d.data.start + from as usize * size..d.data.start + real_to as usize * size];
-                convert(d.dtype, bytes, &mut rows.tokens).map_err(|v| {
-                    Error::corrupt(
-                        crate::Location::sample(format!("source {}", d.sample.id.source), d.sample.global_index),
-                        format!(
-                            "column {:?}: token {v} is not in 0..={} ({:?})",
-                            self.opts.column,
-                            self.opts.dtype.max(),
-                            self.opts.dtype
-                        ),
-                    )
-                })?;
+                rows.push(Piece::Tokens {
+                    rec: d.sample.record.clone(),
+                    at: d.data.start + from as usize * size,
+                    n: (real_to - from) as usize,
+                    dtype: d.dtype,
+                    source: d.sample.id.source,
+                    sample: d.sample.global_index,
+                });
             }
             if to > n {
-                push_token(
-                    &mut rows.tokens,
-                    self.opts.eos.expect("a token past the document is its eos"),
-                );
+                rows.push(Piece::Fill {
+                    v: self.opts.eos.expect("a token past the document is its eos"),
+                    n: 1,
+                });
             }
             if let (Some(p), Some(s)) = (&mut rows.positions, &mut rows.segments) {
                 if self.fill > 0 && from == 0 {
@@ -868,15 +880,13 @@ impl Cutter {
     }
 
     /// The next batch of this consumer's windows, `None` after the epoch's last.
-    fn batch(&mut self) -> Result<Option<TokenBatch>> {
+    fn batch(&mut self) -> Result<Option<(TokenBatch, Vec<Piece>)>> {
         let width = self.opts.seq_len + 1;
         let b = self.opts.batch_size;
         let mut rows = Rows {
             windows: Vec::with_capacity(b),
-            tokens: match self.opts.dtype {
-                TokenDtype::Int32 => TokenData::I32(Vec::with_capacity(b * width)),
-                TokenDtype::Int64 => TokenData::I64(Vec::with_capacity(b * width)),
-            },
+            pieces: Vec::with_capacity(b * 8),
+            planned: 0,
             lengths: Vec::with_capacity(b),
             positions: self.opts.boundaries.then(|| Vec::with_capacity(b * width)),
             segments: self.opts.boundaries.then(|| Vec::with_capacity(b * width)),
@@ -887,9 +897,10 @@ impl Cutter {
                 if self.fill > 0 && self.mine {
                     if let Some(pad) = self.opts.pad {
                         let real = self.fill;
-                        for _ in real..width {
-                            push_token(&mut rows.tokens, pad);
-                        }
+                        rows.push(Piece::Fill {
+                            v: pad,
+                            n: width - real,
+                        });
                         if let (Some(p), Some(s)) = (&mut rows.positions, &mut rows.segments) {
                             p.extend(std::iter::repeat_n(0, width - real));
                             s.extend(std::iter::repeat_n(-1, width - real));
@@ -899,7 +910,7 @@ impl Cutter {
                         self.delivered += 1;
                     } else {
                         let keep = rows.windows.len() * width;
-                        truncate(&mut rows, keep);
+                        rows.truncate(keep);
                     }
                 }
                 self.fill = 0;
@@ -928,38 +939,110 @@ impl Cutter {
             return Ok(None);
         }
         let docs_read = std::mem::take(&mut self.docs_read);
-        Ok(Some(TokenBatch {
+        let empty = match self.opts.dtype {
+            TokenDtype::Int32 => TokenData::I32(Vec::new()),
+            TokenDtype::Int64 => TokenData::I64(Vec::new()),
+        };
+        let batch = TokenBatch {
             epoch: self.base.epoch,
             windows: rows.windows,
-            tokens: rows.tokens,
+            tokens: empty,
             lengths: rows.lengths,
             positions: rows.positions,
             segments: rows.segments,
             state: self.state(next),
             docs_read,
-        }))
+        };
+        Ok(Some((batch, rows.pieces)))
     }
 }
 
-/// Drops the tokens of a partial row.
-fn truncate(rows: &mut Rows, len: usize) {
-    match &mut rows.tokens {
-        TokenData::I32(v) => v.truncate(len),
-        TokenData::I64(v) => v.truncate(len),
-    }
-    if let Some(p) = &mut rows.positions {
-        p.truncate(len);
-    }
-    if let Some(s) = &mut rows.segments {
-        s.truncate(len);
+/// A run of a batch's tokens: cut on the token thread, copied (widened, range-checked) on the
+/// consumer's thread by [`materialize`].
+enum Piece {
+    /// `n` tokens of `dtype`, little-endian, at byte `at` of the record of sample `sample` of
+    /// source `source`.
+    Tokens {
+        rec: bytes::Bytes,
+        at: usize,
+        n: usize,
+        dtype: Dtype,
+        source: u32,
+        sample: u64,
+    },
+    /// `n` tokens `v` (an end-of-document token, padding).
+    Fill { v: i64, n: usize },
+}
+
+impl Piece {
+    fn len(&self) -> usize {
+        match self {
+            Piece::Tokens { n, .. } | Piece::Fill { n, .. } => *n,
+        }
     }
 }
 
-fn push_token(out: &mut TokenData, v: i64) {
-    match out {
-        TokenData::I32(o) => o.push(v as i32),
-        TokenData::I64(o) => o.push(v),
+impl Rows {
+    fn push(&mut self, p: Piece) {
+        self.planned += p.len();
+        self.pieces.push(p);
     }
+
+    /// Drops every token past the first `len` (a partial row).
+    fn truncate(&mut self, len: usize) {
+        while self.planned > len {
+            let over = self.planned - len;
+            let last = self.pieces.last_mut().expect("tokens are in pieces");
+            let n = last.len();
+            if n <= over {
+                self.pieces.pop();
+                self.planned -= n;
+            } else {
+                match last {
+                    Piece::Tokens { n, .. } | Piece::Fill { n, .. } => *n -= over,
+                }
+                self.planned -= over;
+            }
+        }
+        if let Some(p) = &mut self.positions {
+            p.truncate(len);
+        }
+        if let Some(s) = &mut self.segments {
+            s.truncate(len);
+        }
+    }
+}
+
+/// A batch's tokens, copied out of their records into one buffer of the output type; a token
+/// out of the type's range (negative, or too large) is an error naming its sample and column.
+fn materialize(pieces: &[Piece], dtype: TokenDtype, column: &str) -> Result<TokenData> {
+    let total = pieces.iter().map(Piece::len).sum();
+    let mut out = match dtype {
+        TokenDtype::Int32 => TokenData::I32(Vec::with_capacity(total)),
+        TokenDtype::Int64 => TokenData::I64(Vec::with_capacity(total)),
+    };
+    for p in pieces {
+        match p {
+            Piece::Tokens {
+                rec,
+                at,
+                n,
+                dtype: d,
+                source,
+                sample,
+            } => convert(*d, &rec[*at..*at + n * d.size()], &mut out).map_err(|v| {
+                Error::corrupt(
+                    crate::Location::sample(format!("source {source}"), *sample),
+                    format!("column {column:?}: token {v} is not in 0..={} ({dtype:?})", dtype.max()),
+                )
+            })?,
+            Piece::Fill { v, n } => match &mut out {
+                TokenData::I32(o) => o.extend(std::iter::repeat_n(*v as i32, *n)),
+                TokenData::I64(o) => o.extend(std::iter::repeat_n(*v, *n)),
+            },
+        }
+    }
+    Ok(out)
 }
 
 /// Appends little-endian `dtype` elements to `out`; the first value out of range (negative, or

@@ -314,3 +314,67 @@ fn a_finished_job_moves_to_the_next_epoch_and_bad_states_are_refused() {
     st2.consumer = 1;
     assert!(TokenState::combine(&[state, st2]).is_err());
 }
+
+/// A token the output type cannot hold is an error naming its sample and column, raised by
+/// the batch that holds it (the batches before it are whole), and the stream's state stays
+/// after the last batch delivered.
+#[test]
+fn a_token_out_of_the_output_range_fails_its_batch_naming_the_sample() {
+    let dir = std::env::temp_dir().join(format!("ramjet-token-range-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut jsonl = String::new();
+    for d in 0..40u64 {
+        // Document 30 holds a token past int32 (packed as int64, read as int32).
+        let bad = if d == 30 { ", 4294967296" } else { "" };
+        jsonl.push_str(&format!("{{\"tokens\": [{}, {}{bad}]}}\n", d + 1, d + 2));
+    }
+    let src = dir.join("docs.jsonl");
+    std::fs::write(&src, jsonl).unwrap();
+    let dst = dir.join("packed");
+    ramjet_ok(&[
+        "pack",
+        src.to_str().unwrap(),
+        dst.to_str().unwrap(),
+        "--column",
+        "tokens:int64[]",
+    ]);
+    let mut s = TokenStream::open(TokenConfig {
+        stream: StreamConfig::new(dst.to_str().unwrap()),
+        tokens: TokenOptions {
+            seq_len: 3,
+            eos: Some(0),
+            batch_size: 2,
+            dtype: TokenDtype::Int32,
+            ..Default::default()
+        },
+        epoch: 0,
+        resume: None,
+    })
+    .unwrap();
+    let (mut good, mut last) = (0, None);
+    let err = loop {
+        match s.next_batch() {
+            Ok(Some(b)) => {
+                assert_eq!(b.tokens.len(), b.windows.len() * 4, "whole rows");
+                good += 1;
+                last = Some(b.state.clone());
+            }
+            Ok(None) => panic!("the epoch ended without the bad token's error"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert!(good > 0, "the batches before the bad token were delivered");
+    assert!(
+        err.contains("4294967296") && err.contains("\"tokens\"") && err.contains("sample"),
+        "{err}"
+    );
+    let st = serde_json::to_string(&s.state()).unwrap();
+    assert_eq!(
+        st,
+        serde_json::to_string(&last.unwrap()).unwrap(),
+        "the state stays after the last batch"
+    );
+    assert!(s.next_batch().unwrap().is_none(), "a failed stream ends");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,7 +14,10 @@ pub use manifest::{
     validate_key, ColumnsInfo, Manifest, ShardInfo, ShardList, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, MANIFEST_NAME,
     MANIFEST_VERSION, MANIFEST_VERSION_FOREIGN, MANIFEST_VERSION_TABLE,
 };
-pub use schema::{decode_record, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef, COLUMNS_MAX};
+pub use schema::{
+    decode_record, decode_record_at, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef,
+    COLUMNS_MAX,
+};
 pub use shard::{
     check_footer, sample_checksum, shard_checksum, verify_shard_bytes, BuiltShard, Header, IndexEntry, Problem, ReadAt,
     ShardBuilder, ShardExpect, ShardHasher, ShardReader, ShardView, FOOTER_LEN, FOOTER_MAGIC, FORMAT_VERSION,

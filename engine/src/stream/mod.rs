@@ -57,7 +57,7 @@ use tokio::sync::mpsc;
 
 use crate::cache::CacheConfig;
 use crate::error::{Error, Location, Result};
-use crate::format::{decode_record, Schema, ValueRef};
+use crate::format::{decode_record_at, Schema, ValueRef};
 use crate::metrics::Metrics;
 use crate::order::{EpochProgress, OrderCursor, OrderSpec, SampleRef, Shuffle, Topology, Weight, ORDER_VERSION};
 use crate::provider::ShardProvider;
@@ -263,11 +263,9 @@ impl Sample {
 
     /// The sample's columns.
     pub fn values(&self) -> Result<Vec<ValueRef<'_>>> {
-        decode_record(
-            &self.schema,
-            &self.record,
-            &Location::sample(format!("source {}", self.id.source), self.global_index),
-        )
+        decode_record_at(&self.schema, &self.record, || {
+            Location::sample(format!("source {}", self.id.source), self.global_index)
+        })
     }
 }
 
