@@ -431,20 +431,7 @@ impl Stream {
         let rt = crate::rt::handle()?;
         let (start, skip, audit_resume) = starting_point(&cfg, &shared.shapes)?;
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
-        let avg_shard = shared
-            .sources
-            .iter()
-            .map(|s| s.ds.manifest().bytes)
-            .sum::<u64>()
-            .checked_div(
-                shared
-                    .sources
-                    .iter()
-                    .map(|s| s.ds.manifest().shard_count() as u64)
-                    .sum::<u64>(),
-            )
-            .unwrap_or(1)
-            .max(1);
+        let avg_shard = shared.avg_shard_bytes();
         let ahead = (cfg.prefetch_bytes_max / avg_shard).clamp(1, 64) as usize;
         let (tx, rx) = mpsc::channel(ahead);
         // With a host daemon every byte goes through it (and its cluster-wide singleflight).

@@ -292,10 +292,7 @@ impl InFlight {
                 }
             }
         }
-        let (bytes, shards) = shared.sources.iter().fold((0u64, 0u64), |(b, n), s| {
-            (b + s.ds.manifest().bytes, n + s.ds.manifest().shard_count() as u64)
-        });
-        let shard_bytes = bytes.checked_div(shards).unwrap_or(1).max(1);
+        let shard_bytes = shared.avg_shard_bytes();
         let cap = (cfg.prefetch_bytes_max / 2 / shard_bytes).clamp(1, SHARDS_IN_FLIGHT_CAP as u64) as usize;
         InFlight {
             shared: shared.clone(),

@@ -155,6 +155,15 @@ impl Shared {
         }))
     }
 
+    /// The sources' bytes per shard, on average (at least 1): what a shard in flight or in
+    /// the prefetch channel holds.
+    pub(super) fn avg_shard_bytes(&self) -> u64 {
+        let (bytes, shards) = self.sources.iter().fold((0u64, 0u64), |(b, n), s| {
+            (b + s.ds.manifest().bytes, n + s.ds.manifest().shard_count() as u64)
+        });
+        bytes.checked_div(shards).unwrap_or(1).max(1)
+    }
+
     /// Waits (at most a minute: a stuck disk does not hang the caller) for the cache copies
     /// already handed to the background, so a shard fetched here is in the cache for the next
     /// reader. Call it from a thread that is not one of the runtime's.
