@@ -10,7 +10,8 @@
 //!   origin's requests in flight; a loader's decode jobs and batches ahead).
 //! - [`shares`]: a host budget (decode threads, prefetch memory) split among the ranks of a
 //!   host by demand.
-//! - [`prefetch_batches`]: the prefetch depth that covers a fetch at the consumer's rate.
+//! - [`prefetch_batches`], [`shards_ahead`]: the prefetch depths (a loader's batches, a
+//!   stream's whole shards) that cover a fetch at the consumer's rate.
 //!
 //! Each is a plain state machine over the times and sizes it is given, so the unit tests below
 //! drive them with simulated links and origins (convergence, backoff, the oscillation band).
@@ -536,6 +537,22 @@ pub fn shards_in_flight(
     (limit + 1).div_ceil(ranges).clamp(floor.max(1), cap.max(floor).max(1))
 }
 
+/// Whole shards a stream holds ahead of its consumer (in flight and delivered, not yet taken):
+/// enough to cover one shard's fetch at the consumer's pace (`fetch_s / consume_s` shards, with
+/// a margin of half again), plus one; never below `floor` (the shards kept in flight), never
+/// above `cap` (the prefetch budget in shards). `consume_s` is the consumer's busy time a
+/// shard (its waits for data left out). `floor + 1` until both are measured.
+pub fn shards_ahead(fetch_s: f64, consume_s: f64, floor: usize, cap: usize) -> usize {
+    let floor = floor.max(1);
+    let cap = cap.max(floor);
+    let ok = |x: f64| x.is_finite() && x > 0.0;
+    if !ok(fetch_s) || !ok(consume_s) {
+        return (floor + 1).min(cap);
+    }
+    let need = (fetch_s / consume_s * 1.5).ceil().min(cap as f64) as usize + 1;
+    need.clamp(floor, cap)
+}
+
 /// The batches a loader prepares ahead: enough to cover one fetch at the consumer's rate
 /// (`rate` batches/s × `fetch_s`, with a margin of half again), plus one, no fewer than `min`
 /// and no more than what `mem_bytes` holds at `batch_bytes` a batch.
@@ -968,6 +985,21 @@ mod tests {
         assert_eq!(measured(80, 100e6).range_bytes(8 << 20), 32 << 20);
         // Very far: capped.
         assert_eq!(measured(300, 200e6).range_bytes(8 << 20), RANGE_BYTES_MAX);
+    }
+
+    #[test]
+    fn shards_ahead_cover_one_fetch_at_the_consumers_pace() {
+        // Nothing measured yet: one past the shards in flight.
+        assert_eq!(shards_ahead(0.0, 0.0, 4, 32), 5);
+        assert_eq!(shards_ahead(0.5, f64::NAN, 4, 32), 5);
+        // A local store: a shard reads in 20 ms, the consumer takes 0.5 s over it: the floor.
+        assert_eq!(shards_ahead(0.02, 0.5, 4, 32), 4);
+        // A far origin: 2 s a shard against 0.1 s of use: 30 + 1, within the budget.
+        assert_eq!(shards_ahead(2.0, 0.1, 4, 32), 31);
+        assert_eq!(shards_ahead(2.0, 0.05, 4, 32), 32, "the prefetch budget caps it");
+        // A budget under the floor leaves the floor (the shards in flight hold their bytes).
+        assert_eq!(shards_ahead(2.0, 0.05, 4, 2), 4);
+        assert_eq!(shards_ahead(1e300, 1e-300, 1, 8), 8, "no overflow");
     }
 
     #[test]

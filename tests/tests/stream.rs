@@ -1053,3 +1053,50 @@ fn a_download_lock_held_past_its_limit_is_gone_around_not_waited_on_forever() {
     );
     drop(held);
 }
+
+/// Issue 45, item 3: the whole shards held ahead of a slow consumer cover a fetch at its pace,
+/// not the whole prefetch budget. 120 shards of one sample each on the local S3 server, read
+/// through a disk cache (each fetch counts a miss when it is made, so `cache_misses` minus the
+/// samples taken is how far the prefetcher got ahead), the consumer taking 40 ms a sample.
+/// Tuned: a fetch takes milliseconds, so the shards in flight cover it; fixed (the budget
+/// filled, as before): the prefetcher runs dozens of shards ahead.
+#[test]
+fn a_slow_consumer_holds_the_shards_that_cover_a_fetch_not_the_whole_budget() {
+    s3();
+    let url = once_per_run("stream-one-sample-shards", || {
+        let url = s3_prefix("one-sample-shards");
+        ramjet_ok(&[
+            "pack",
+            synth_dataset(120).to_str().unwrap(),
+            &url,
+            "--shard-size",
+            "64KiB",
+        ]);
+        url
+    });
+    let ahead_after = |tuned: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = StreamConfig::new(&url);
+        c.order.shuffle = Shuffle::None;
+        c.cache = Some(CacheConfig::new(dir.path(), 1 << 30));
+        c.prefetch_tuned = tuned;
+        let mut s = Stream::open(c).unwrap();
+        for _ in 0..20 {
+            s.next_sample().unwrap().expect("a sample");
+            std::thread::sleep(Duration::from_millis(40));
+        }
+        let m = s.metrics();
+        (m.cache_misses.saturating_sub(20), m.tune)
+    };
+    let (tuned, t) = ahead_after(true);
+    let (fixed, f) = ahead_after(false);
+    let peak = t["tune_shards_ahead_peak"].as_u64().unwrap();
+    let why = t["tune_shards_ahead_reason"].as_str().unwrap();
+    eprintln!("shards fetched ahead after 20 samples: tuned {tuned} (peak held {peak}), fixed {fixed}");
+    assert!(
+        tuned <= 16 && peak <= 16,
+        "tuned: {tuned} shards fetched ahead, peak {peak} ({why})"
+    );
+    assert!(fixed >= 48, "fixed: only {fixed} shards ahead: {f:?}");
+    assert_eq!(f["tune_shards_ahead"], serde_json::json!(64), "{f:?}");
+}

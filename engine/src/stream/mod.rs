@@ -33,6 +33,7 @@
 //! sources, the cache, the chain, the counters), `reader` (random access, [`SampleReader`]),
 //! `state` (what a consumer saves and resumes from); this file holds the consumer.
 
+mod ahead;
 mod fetch;
 mod plan;
 mod prefetch;
@@ -89,8 +90,13 @@ pub struct StreamConfig {
     pub topology: Topology,
     /// Node-local cache; `None` streams from the origin only.
     pub cache: Option<CacheConfig>,
-    /// Bytes of shards fetched ahead of the consumer.
+    /// Bytes of shards fetched ahead of the consumer: the budget. Within it, the shards held
+    /// ahead (in flight and waiting) cover one shard's fetch at the consumer's pace
+    /// ([`crate::tune::shards_ahead`]), unless `prefetch_tuned` is false.
     pub prefetch_bytes_max: u64,
+    /// Size the shards ahead from rates (the default); false (or `RAMJET_PREFETCH_TUNE=off`)
+    /// fills the whole budget, as before.
+    pub prefetch_tuned: bool,
     /// Whole shards are fetched as parallel ranged GETs of this size: the start value, which
     /// the origin control's rule then sets ([`crate::tune::OriginTune::range_bytes`]), unless
     /// `range_pinned`.
@@ -218,6 +224,7 @@ impl Default for StreamConfig {
             topology: Topology::default(),
             cache: None,
             prefetch_bytes_max: 512 << 20,
+            prefetch_tuned: true,
             // Per-request overhead dominated on the local S3 server (4 MiB ranges were half as
             // fast as whole-object GETs); 32 MiB keeps two parallel ranges per 64 MiB shard.
             // Lower it for high-latency links, where more ranges in flight win.
@@ -319,6 +326,8 @@ enum Msg {
         bytes: Result<Bytes>,
         /// Where it came from (the reader's wait for it is charged there: `crate::stall`).
         from: crate::stall::WaitOn,
+        /// Its place among the shards ahead (`ahead`), given back when the consumer takes it.
+        place: Option<crate::tune::Permit>,
     },
     /// The prefetcher cannot go on (the order could not be computed: a shard table block
     /// could not be read or failed its check).
@@ -431,8 +440,7 @@ impl Stream {
         let rt = crate::rt::handle()?;
         let (start, skip, audit_resume) = starting_point(&cfg, &shared.shapes)?;
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
-        let avg_shard = shared.avg_shard_bytes();
-        let ahead = (cfg.prefetch_bytes_max / avg_shard).clamp(1, 64) as usize;
+        let ahead = shared.ahead.cap();
         let (tx, rx) = mpsc::channel(ahead);
         // With a host daemon every byte goes through it (and its cluster-wide singleflight).
         let ranged = if cfg.provider.is_some() || per_sample {
@@ -560,8 +568,16 @@ impl Stream {
                     .extend(samples.into_iter().map(|(position, r)| ((epoch, position), r)));
             }
             Msg::Failed(e) => return Err(e),
-            Msg::Shard { key, uses, bytes, .. } => {
+            Msg::Shard {
+                key,
+                uses,
+                bytes,
+                place,
+                ..
+            } => {
+                drop(place);
                 let bytes = bytes?;
+                self.shared.ahead.taken();
                 if let Some(live) = self.live.get_mut(&key) {
                     // The shard is used again in a later group of the order while still held.
                     live.uses_left += uses;

@@ -192,18 +192,27 @@ async fn shard_epoch(
     let mut in_flight = InFlight::new(shared);
     let (sh, uses) = (shared.clone(), ShardUses::new(plan.clone()));
     let mut start_fetches = Some(move || {
-        let fetches = uses.map(move |u| {
-            let shared = sh.clone();
-            async move {
-                let ((s, shard), n) = u?;
-                Ok((
-                    (s, shard),
-                    n,
-                    fetch_shard_from(shared, s as usize, shard as usize).await,
-                ))
-            }
-        });
-        buffered_by(fetches, move || in_flight.width())
+        // Each fetch takes a place among the shards ahead before it starts (in order: `then`
+        // runs one at a time), and hands it on with its shard to the consumer.
+        let sh2 = sh.clone();
+        let fetches = stream::iter(uses)
+            .then(move |u| {
+                let shared = sh.clone();
+                async move { (u, shared.ahead.acquire().await) }
+            })
+            .map(move |(u, place)| {
+                let shared = sh2.clone();
+                async move {
+                    let ((s, shard), n) = u?;
+                    let t = std::time::Instant::now();
+                    let res = fetch_shard_from(shared.clone(), s as usize, shard as usize).await;
+                    if res.is_ok() {
+                        shared.ahead.fetched(t.elapsed());
+                    }
+                    Ok(((s, shard), n, res, place))
+                }
+            });
+        buffered_by(Box::pin(fetches), move || in_flight.width())
     });
     let mut fetched = None;
     // The first samples, one by one, while the first whole shards download.
@@ -233,7 +242,7 @@ async fn shard_epoch(
             None => fetched.next().await,
         };
         let Some(item) = item else { break };
-        let ((s, sh), mut uses, res) = match item {
+        let ((s, sh), mut uses, res, place) = match item {
             Ok(x) => x,
             Err(e) => {
                 let _ = tx.send(Msg::Failed(e)).await;
@@ -257,6 +266,7 @@ async fn shard_epoch(
             uses,
             bytes,
             from,
+            place,
         };
         if tx.send(msg).await.is_err() || failed {
             return false;
@@ -348,25 +358,33 @@ const SHARDS_IN_FLIGHT_CAP: usize = 64;
 
 /// `futures`' `buffered` (the futures of `items` run at once, their outputs in order), with
 /// the number run at once asked of `width` before each pull, so it can change while the
-/// stream runs. A wider `width` shows at the next poll: after a future ends.
+/// stream runs. A wider `width` shows at the next poll: after a future ends, or when `items`
+/// yields one that was not ready (a fetch waiting for its place ahead).
 fn buffered_by<I, F>(
     mut items: I,
     mut width: impl FnMut() -> usize + Unpin,
 ) -> impl futures::Stream<Item = F::Output> + Unpin
 where
-    I: Iterator<Item = F> + Unpin,
+    I: futures::Stream<Item = F> + Unpin,
     F: std::future::Future,
 {
     let mut running = futures::stream::FuturesOrdered::new();
     let mut drained = false;
     stream::poll_fn(move |cx| {
         while !drained && running.len() < width().max(1) {
-            match items.next() {
-                Some(f) => running.push_back(f),
-                None => drained = true,
+            match items.poll_next_unpin(cx) {
+                std::task::Poll::Ready(Some(f)) => running.push_back(f),
+                std::task::Poll::Ready(None) => drained = true,
+                std::task::Poll::Pending => break,
             }
         }
-        // Empty only once `items` is drained: the end.
+        if running.is_empty() {
+            // The end once `items` is drained; else `items` wakes this task.
+            return match drained {
+                true => std::task::Poll::Ready(None),
+                false => std::task::Poll::Pending,
+            };
+        }
         running.poll_next_unpin(cx)
     })
 }
@@ -453,7 +471,7 @@ async fn sample_epoch(shared: &Arc<Shared>, plan: &Arc<EpochPlan>, tx: &mpsc::Se
                     return false;
                 }
                 Some(Ok(((s, sh), Err(e)))) => {
-                    let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e), from: WaitOn::Origin }).await;
+                    let _ = tx.send(Msg::Shard { key: (epoch, s, sh), uses: 0, bytes: Err(e), from: WaitOn::Origin, place: None }).await;
                     return false;
                 }
             },
@@ -713,7 +731,7 @@ mod tests {
         let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let width = Arc::new(AtomicUsize::new(2));
         let (r, m) = (running.clone(), most.clone());
-        let items = (0..40u64).map(move |i| {
+        let items = futures::stream::iter(0..40u64).map(move |i| {
             let (r, m) = (r.clone(), m.clone());
             async move {
                 let now = r.fetch_add(1, SeqCst) + 1;
@@ -737,7 +755,7 @@ mod tests {
         assert_eq!(out, (0..40).collect::<Vec<_>>());
         assert_eq!(most.load(SeqCst), 6);
         // Nothing to run: the end at once, however wide.
-        let mut empty = buffered_by(std::iter::empty::<std::future::Ready<u8>>(), || 0);
+        let mut empty = buffered_by(futures::stream::empty::<std::future::Ready<u8>>(), || 0);
         assert_eq!(empty.next().await, None);
     }
 }

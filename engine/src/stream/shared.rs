@@ -39,6 +39,22 @@ impl Source {
     }
 }
 
+/// The sources' bytes per shard, on average (at least 1).
+fn avg_shard_bytes(sources: &[Source]) -> u64 {
+    let (bytes, shards) = sources.iter().fold((0u64, 0u64), |(b, n), s| {
+        (b + s.ds.manifest().bytes, n + s.ds.manifest().shard_count() as u64)
+    });
+    bytes.checked_div(shards).unwrap_or(1).max(1)
+}
+
+/// The sources' samples per shard, on average (at least 1).
+fn avg_shard_samples(sources: &[Source]) -> f64 {
+    let (samples, shards) = sources.iter().fold((0u64, 0u64), |(b, n), s| {
+        (b + s.ds.manifest().samples, n + s.ds.manifest().shard_count() as u64)
+    });
+    (samples as f64 / shards.max(1) as f64).max(1.0)
+}
+
 /// Unit of the pending-insert budget (a semaphore permit per MiB).
 pub(super) const INSERT_PERMIT_BYTES: u64 = 1 << 20;
 
@@ -67,6 +83,8 @@ pub struct Shared {
     /// Shards whose samples read one at a time from the origin are tied to the manifest
     /// (`fetch::vouch`).
     pub(super) vouched: std::sync::Mutex<fetch::Vouched>,
+    /// Whole shards held ahead of the consumer, sized from rates.
+    pub(super) ahead: super::ahead::Ahead,
 }
 
 impl Shared {
@@ -137,7 +155,16 @@ impl Shared {
             .map(|s| s.ds.manifest().samples.saturating_mul(INDEX_ENTRY_LEN))
             .fold(0u64, u64::saturating_add);
         let indexes = (index_bytes <= cfg.index_bytes_max).then(Default::default);
+        let ahead = super::ahead::Ahead::new(
+            cfg.prefetch_bytes_max,
+            avg_shard_bytes(&sources),
+            avg_shard_samples(&sources),
+            cfg.shards_in_flight_max,
+            cfg.prefetch_tuned && super::ahead::tuned_by_env(),
+            metrics.clone(),
+        );
         Ok(Arc::new(Shared {
+            ahead,
             indexes,
             vouched: Default::default(),
             chain,
@@ -158,10 +185,7 @@ impl Shared {
     /// The sources' bytes per shard, on average (at least 1): what a shard in flight or in
     /// the prefetch channel holds.
     pub(super) fn avg_shard_bytes(&self) -> u64 {
-        let (bytes, shards) = self.sources.iter().fold((0u64, 0u64), |(b, n), s| {
-            (b + s.ds.manifest().bytes, n + s.ds.manifest().shard_count() as u64)
-        });
-        bytes.checked_div(shards).unwrap_or(1).max(1)
+        avg_shard_bytes(&self.sources)
     }
 
     /// Waits (at most a minute: a stuck disk does not hang the caller) for the cache copies
