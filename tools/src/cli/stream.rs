@@ -89,7 +89,7 @@ pub struct StreamArgs {
     index_bytes: u64,
     /// Whole shards are fetched as parallel ranged GETs of this size (default: 32 MiB to
     /// start, then the origin control's rule: four round trips of one request's bandwidth,
-    /// 16-64 MiB). Given, it pins the size.
+    /// 8 or 16 MiB to 64 MiB). Given, it pins the size.
     #[arg(long, value_parser = parse_size)]
     range_size: Option<u64>,
     /// Write one line per sample: epoch position stream shard index global_index record_bytes.
