@@ -73,9 +73,8 @@ impl Ahead {
         metrics: Arc<Metrics>,
     ) -> Ahead {
         let cap = (prefetch_bytes_max / shard_bytes.max(1)).clamp(1, CHANNEL_DEPTH_MAX) as usize;
-        let off = !tuned;
         let ahead = Ahead {
-            limit: (!off).then(|| Limit::new(cap)),
+            limit: tuned.then(|| Limit::new(cap)),
             cap,
             metrics,
             pace: Mutex::new(Pace {
@@ -84,14 +83,14 @@ impl Ahead {
                 ..Default::default()
             }),
         };
-        if off {
+        if tuned {
+            ahead.resize(&mut ahead.pace.lock().expect("pace lock"));
+        } else {
             ahead.metrics.set_tune("shards_ahead", cap as u64);
             ahead.metrics.set_tune(
                 "shards_ahead_reason",
-                "fixed: RAMJET_PREFETCH_TUNE=off (the prefetch budget)",
+                "fixed (RAMJET_PREFETCH_TUNE=off or prefetch_tuned false): the prefetch budget",
             );
-        } else {
-            ahead.resize(&mut ahead.pace.lock().expect("pace lock"));
         }
         ahead
     }

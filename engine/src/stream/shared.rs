@@ -39,20 +39,16 @@ impl Source {
     }
 }
 
-/// The sources' bytes per shard, on average (at least 1).
-fn avg_shard_bytes(sources: &[Source]) -> u64 {
-    let (bytes, shards) = sources.iter().fold((0u64, 0u64), |(b, n), s| {
-        (b + s.ds.manifest().bytes, n + s.ds.manifest().shard_count() as u64)
+/// The sources' bytes and samples per shard, on average (each at least 1).
+fn shard_averages(sources: &[Source]) -> (u64, f64) {
+    let (bytes, samples, shards) = sources.iter().fold((0u64, 0u64, 0u64), |(b, k, n), s| {
+        let m = s.ds.manifest();
+        (b + m.bytes, k + m.samples, n + m.shard_count() as u64)
     });
-    bytes.checked_div(shards).unwrap_or(1).max(1)
-}
-
-/// The sources' samples per shard, on average (at least 1).
-fn avg_shard_samples(sources: &[Source]) -> f64 {
-    let (samples, shards) = sources.iter().fold((0u64, 0u64), |(b, n), s| {
-        (b + s.ds.manifest().samples, n + s.ds.manifest().shard_count() as u64)
-    });
-    (samples as f64 / shards.max(1) as f64).max(1.0)
+    (
+        bytes.checked_div(shards).unwrap_or(1).max(1),
+        (samples as f64 / shards.max(1) as f64).max(1.0),
+    )
 }
 
 /// Unit of the pending-insert budget (a semaphore permit per MiB).
@@ -155,10 +151,11 @@ impl Shared {
             .map(|s| s.ds.manifest().samples.saturating_mul(INDEX_ENTRY_LEN))
             .fold(0u64, u64::saturating_add);
         let indexes = (index_bytes <= cfg.index_bytes_max).then(Default::default);
+        let (shard_bytes, shard_samples) = shard_averages(&sources);
         let ahead = super::ahead::Ahead::new(
             cfg.prefetch_bytes_max,
-            avg_shard_bytes(&sources),
-            avg_shard_samples(&sources),
+            shard_bytes,
+            shard_samples,
             cfg.shards_in_flight_max,
             cfg.prefetch_tuned && super::ahead::tuned_by_env(),
             metrics.clone(),
@@ -185,7 +182,7 @@ impl Shared {
     /// The sources' bytes per shard, on average (at least 1): what a shard in flight or in
     /// the prefetch channel holds.
     pub(super) fn avg_shard_bytes(&self) -> u64 {
-        avg_shard_bytes(&self.sources)
+        shard_averages(&self.sources).0
     }
 
     /// Waits (at most a minute: a stuck disk does not hang the caller) for the cache copies
