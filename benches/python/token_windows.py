@@ -9,7 +9,13 @@ windows of 2,049 int32 tokens (inputs and targets shifted by one), one process, 
 documentation builds a language-model loader:
 
   ramjet:   `ramjet pack` of the documents (`tokens: uint16[]`), `TokenDataset(seq_len=2048,
-            eos=50256, dtype="int32")`; windows cut at read time, iterated directly.
+            eos=50256, dtype="int32")`; windows cut at read time, iterated directly. Alone:
+            each process reads the shard files into its own memory.
+  ramjet-serve: the same with the host's daemon running (`ramjet serve`, its own cache
+            folder, started before the rounds and warmed by one unmeasured process), as a
+            training host runs it: shards read again get sealed in-memory copies, which each
+            new process maps instead of copying. The daemon's CPU during a process is added to
+            that process's first epoch.
   litdata:  `litdata.optimize(..., item_loader=TokensLoader())` of the documents (int32, the
             end-of-document id appended), `StreamingDataset(item_loader=TokensLoader(block_size=2049),
             shuffle=True)` in a `StreamingDataLoader`.
@@ -46,7 +52,8 @@ RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/release/ramjet")
 SEQ = 2048
 BATCH = 8
 EOS = 50256
-CONTENDERS = ("ramjet", "litdata", "mosaicml")
+CONTENDERS = ("ramjet", "ramjet-serve", "litdata", "mosaicml")
+PEERS = ("litdata", "mosaicml")
 
 
 def docs(tokens, seed=0):
@@ -126,7 +133,7 @@ def one(name, data, workers, epochs):
         return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
 
     # The contender's modules are imported before the clock starts (the docstring's rule).
-    if name == "ramjet":
+    if name.startswith("ramjet"):
         import ramjet
     elif name == "litdata":
         from litdata import StreamingDataLoader, StreamingDataset
@@ -135,7 +142,7 @@ def one(name, data, workers, epochs):
         import numpy as np
         from streaming import StreamingDataset
     t0, cpu0 = time.perf_counter(), cpu()
-    if name == "ramjet":
+    if name.startswith("ramjet"):
         loader = ramjet.TokenDataset(str(data / "ramjet"), seq_len=SEQ, batch_size=BATCH, eos=EOS, dtype="int32")
 
         def batches():
@@ -176,6 +183,62 @@ def one(name, data, workers, epochs):
     print(json.dumps({"epochs": out, "cpu_total_s": cpu()}))
 
 
+def one_process(name, data, workers, epochs, env=None):
+    """Runs contender `name` in a fresh process: its JSON line (`one`)."""
+    out = subprocess.run([sys.executable, __file__, "--one", name, "--data", str(data), "--workers", str(workers),
+                          "--epochs", str(epochs)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        sys.exit(f"{name}: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class Serve:
+    """`ramjet serve` for the ramjet-serve contender: its own socket and cache folder (under
+    the data folder, emptied first), an HTTP port for /stats."""
+
+    def __init__(self, data):
+        import socket
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="serve-", dir=data))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.http = f"127.0.0.1:{s.getsockname()[1]}"
+        self.sock = self.dir / "d.sock"
+        self.proc = subprocess.Popen([RAMJET, "serve", "--socket", str(self.sock), "--cache-dir", str(self.dir / "cache"),
+                                      "--http", self.http], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.monotonic()
+        while not self.sock.exists():
+            if self.proc.poll() is not None or time.monotonic() - t0 > 30:
+                self.stop()
+                sys.exit("ramjet serve did not start")
+            time.sleep(0.05)
+
+    def cpu_s(self):
+        f = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    def one(self, data, workers, epochs):
+        """One ramjet reader through the daemon: its JSON line and the daemon's CPU meanwhile."""
+        c0 = self.cpu_s()
+        m = one_process("ramjet-serve", data, workers, epochs, env=dict(os.environ, RAMJET_SOCKET=str(self.sock)))
+        return m, self.cpu_s() - c0
+
+    def stats(self):
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.http}/stats", timeout=10) as r:
+            return json.loads(r.read().decode())
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=float, default=120e6)
@@ -196,34 +259,47 @@ def main():
     build(data, int(a.tokens))
     epochs = max(1, a.epochs)
     first, steady = measure.Rounds("windows"), measure.Rounds("windows")
-    for r in range(a.rounds):
-        for c in measure.order(list(CONTENDERS), r):
-            before, t = measure.proc_stat(), time.perf_counter()
-            out = subprocess.run([sys.executable, __file__, "--one", c, "--data", str(data), "--workers",
-                                  str(a.workers), "--epochs", str(epochs)], capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"{c}: {out.stderr[-3000:]}")
-            after = measure.proc_stat()
-            m = json.loads(out.stdout.strip().splitlines()[-1])
-            steal = measure.steal_share(before, after)
-            # The whole process's CPU (its imports too) is its own, not other load.
-            others = measure.others_share(before, after, m["cpu_total_s"], time.perf_counter() - t)
-            e0, last = m["epochs"][0], m["epochs"][-1]
-            first.add(r, c, wall_s=e0["wall_s"], units=e0["windows"], cpu_s=e0["cpu_s"], steal=steal, others=others)
-            steady.add(r, c, wall_s=last["wall_s"], units=last["windows"], cpu_s=last["cpu_s"], steal=steal,
-                       others=others)
-        print(f"first epoch  {first.line(r)}", flush=True)
-        print(f"steady state {steady.line(r)}", flush=True)
+    serve = Serve(data)
+    try:
+        # The daemon's warm-up: one unmeasured reader (its second epoch asks for every shard
+        # again, and the daemon keeps sealed copies of them).
+        serve.one(data, a.workers, 2)
+        warm = serve.stats()
+        print(f"ramjet serve warmed: {warm['shared_copies']} sealed copies", flush=True)
+        for r in range(a.rounds):
+            for c in measure.order(list(CONTENDERS), r):
+                before, t = measure.proc_stat(), time.perf_counter()
+                if c == "ramjet-serve":
+                    m, daemon_cpu = serve.one(data, a.workers, epochs)
+                else:
+                    m, daemon_cpu = one_process(c, data, a.workers, epochs), 0.0
+                after = measure.proc_stat()
+                steal = measure.steal_share(before, after)
+                # The whole process's CPU (its imports too) is its own, not other load.
+                others = measure.others_share(before, after, m["cpu_total_s"] + daemon_cpu, time.perf_counter() - t)
+                e0, last = m["epochs"][0], m["epochs"][-1]
+                first.add(r, c, wall_s=e0["wall_s"], units=e0["windows"], cpu_s=e0["cpu_s"] + daemon_cpu, steal=steal,
+                          others=others)
+                steady.add(r, c, wall_s=last["wall_s"], units=last["windows"], cpu_s=last["cpu_s"], steal=steal,
+                           others=others)
+            print(f"first epoch  {first.line(r)}", flush=True)
+            print(f"steady state {steady.line(r)}", flush=True)
+        served = serve.stats()
+    finally:
+        serve.stop()
     out = {"tokens": int(a.tokens), "seq_len": SEQ, "batch": BATCH, "workers": a.workers, "rounds": a.rounds,
-           "epochs": epochs}
+           "epochs": epochs, "serve": {k: served[k] for k in ("shared_copies", "shared_hits", "reads")}}
+    print(f"ramjet serve: {served['shared_copies']} sealed copies, {served['shared_hits']} requests mapped them",
+          flush=True)
     for label, rounds in (("first_epoch", first), ("steady_state", steady)):
         part = {"flagged_rounds": rounds.flagged()}
         for c in CONTENDERS:
             part[c] = rounds.summary(c)
-        for p in ("litdata", "mosaicml"):
-            ratios = rounds.ratios("ramjet", p)
-            part[f"ramjet_over_{p}"] = [round(x, 2) for x in ratios]
-            print(f"{label}: ramjet/{p} windows/s per round: {', '.join(f'{x:.2f}' for x in ratios)}")
+        for ours in ("ramjet", "ramjet-serve"):
+            for p in PEERS:
+                ratios = rounds.ratios(ours, p)
+                part[f"{ours.replace('-', '_')}_over_{p}"] = [round(x, 2) for x in ratios]
+                print(f"{label}: {ours}/{p} windows/s per round: {', '.join(f'{x:.2f}' for x in ratios)}")
         for c in CONTENDERS:
             print(f"{label}: {c}: {rounds.median(c):.0f} windows/s, "
                   f"{rounds.median(c, 'cpu_per_1000'):.3f} CPU s/1000 windows")
@@ -241,7 +317,7 @@ def plot(first, steady, path, tokens):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for c, colour in zip(CONTENDERS, ("tab:red", "tab:blue", "tab:green")):
+    for c, colour in zip(CONTENDERS, ("tab:red", "tab:orange", "tab:blue", "tab:green")):
         for ax, rounds, key in ((axes[0], first, "rate"), (axes[1], steady, "rate"), (axes[2], steady, "cpu_per_1000")):
             rows = sorted(rounds.of(c), key=lambda row: row["round"])
             ax.plot([row["round"] for row in rows], [row[key] for row in rows], "o-", color=colour, label=c)

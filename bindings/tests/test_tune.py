@@ -63,20 +63,28 @@ def free_port():
         return s.getsockname()[1]
 
 
+def serve(tmp_path, *args):
+    """`ramjet serve` with its socket, cache and HTTP port under `tmp_path`, once its socket is
+    up: (process, socket path, HTTP address)."""
+    sock, http = tmp_path / "d.sock", f"127.0.0.1:{free_port()}"
+    daemon = subprocess.Popen(
+        [RAMJET, "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "cache"), "--http", http, *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not sock.exists():
+        if daemon.poll() is not None or time.monotonic() - t0 > 30:
+            daemon.kill()
+            pytest.fail(f"the daemon did not start: {daemon.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    return daemon, sock, http
+
+
 @pytest.mark.timeout(180)
 def test_ranks_share_the_hosts_decode_and_memory_budgets(tmp_path):
     run("synth", str(tmp_path / "synth"), "--samples", "64")
     run("pack", str(tmp_path / "synth"), str(tmp_path / "packed"), "--shard-size", "200KiB")
-    sock, http = tmp_path / "d.sock", f"127.0.0.1:{free_port()}"
-    daemon = subprocess.Popen(
-        [RAMJET, "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "cache"), "--http", http,
-         "--decode-threads", "2", "--host-memory", "64MiB"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    daemon, sock, http = serve(tmp_path, "--decode-threads", "2", "--host-memory", "64MiB")
     try:
-        t0 = time.monotonic()
-        while not sock.exists():
-            assert time.monotonic() - t0 < 30, "the daemon did not start"
-            time.sleep(0.05)
         env = dict(os.environ, RAMJET_SOCKET=str(sock))
         # Two ranks tuned by the host; a third pins both values.
         specs = [{"rank": 0, "world": 2, "kw": {}}, {"rank": 1, "world": 2, "kw": {}},
@@ -122,6 +130,44 @@ def test_ranks_share_the_hosts_decode_and_memory_budgets(tmp_path):
     pinned = outs[2]["tune"]
     assert pinned["tune_decode_threads"] == 3 and pinned["tune_decode_threads_reason"] == "pinned by the user", pinned
     assert pinned["tune_prefetch_batches"] == 5 and pinned["tune_prefetch_batches_reason"] == "pinned by the user", pinned
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shared", ["64MiB", "600KiB"])
+def test_a_lone_trainer_reading_again_maps_the_daemons_sealed_copy(tmp_path, shared):
+    """One consumer at a time on the host, each a fresh process (`ramjet stream --daemon`)
+    reading the whole dataset through `ramjet serve`. The first hands out the cache files (each loader copies its own);
+    a shard asked for again within `--shared-shards` bytes gets a sealed copy, which the next
+    process maps (shared hits). A pass over more than `--shared-shards` makes none."""
+    run("synth", str(tmp_path / "synth"), "--samples", "192")
+    run("pack", str(tmp_path / "synth"), str(tmp_path / "packed"), "--shard-size", "200KiB")
+    man = json.loads((tmp_path / "packed/manifest.json").read_text())
+    shards, total = len(man["shards"]), sum(s["bytes"] for s in man["shards"])
+    assert shards >= 8 and total > 2 * (600 << 10), (shards, total)
+    daemon, sock, http = serve(tmp_path, "--shared-shards", shared)
+    try:
+        after = []
+        for i in range(3):
+            if i and shared == "600KiB":
+                # A consumer heard from within 6 s counts as live, and two live consumers get
+                # shared copies whatever they read: the last one must have gone quiet.
+                time.sleep(6.5)
+            m = json.loads(run("stream", str(tmp_path / "packed"), "--daemon", str(sock), "--shuffle", "none", "--json"))
+            assert m["samples"] == 192 and m["daemon_failures"] == 0, m
+            doc = http_get(http, "/stats")
+            after.append((doc["shared_copies"], doc["shared_hits"], sum(doc["reads"].values())))
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=20)
+    assert after[0][2] == shards, after  # every shard came through the daemon, once
+    assert after[0][:2] == (0, 0), after  # the first pass: the cache files, no copies
+    if shared == "64MiB":
+        # The second pass: every shard asked for again, copied once; the third maps the copies.
+        assert after[1][0] == shards and after[1][1] == 0, after
+        assert after[2][0] == shards and after[2][1] >= shards, after
+    else:
+        # Each shard comes back after the whole dataset (more than 600 KiB) was handed out.
+        assert after[2][:2] == (0, 0), after
 
 
 def s3_ready():

@@ -80,11 +80,20 @@ pub(super) async fn local_conn(inner: &Arc<Inner>, s: UnixStream) -> std::io::Re
 /// other process can change it under it), N copies into fresh pages. A sealed memfd can never
 /// change, so every rank maps the same pages instead: one copy on the host. Each rank still
 /// verifies what it maps.
+///
+/// A lone consumer gets one too when it reads a shard again that was handed out within the
+/// last `max` bytes (`seen`): another epoch, or a trainer restarted on the host, whose working
+/// set the copies can hold. Its next read then maps pages that already exist instead of
+/// copying into fresh ones. A single pass over a dataset larger than `max` makes no copies.
 pub(super) struct SharedShards {
     map: std::collections::HashMap<ShardId, (File, u64, u64)>,
     bytes: u64,
     max: u64,
     tick: u64,
+    /// Shards handed out without a copy, oldest first, at most `max` bytes of them.
+    seen: std::collections::VecDeque<(ShardId, u64)>,
+    seen_ids: std::collections::HashSet<ShardId>,
+    seen_bytes: u64,
 }
 
 impl SharedShards {
@@ -94,7 +103,31 @@ impl SharedShards {
             bytes: 0,
             max,
             tick: 0,
+            seen: Default::default(),
+            seen_ids: Default::default(),
+            seen_bytes: 0,
         }
+    }
+
+    /// Whether a request for shard `id` (`n` bytes) should get the shared copy: one exists,
+    /// several consumers are live, or the shard was handed out lately (a re-read). A shard
+    /// handed out without a copy is remembered for the next request.
+    fn wanted(&mut self, id: ShardId, n: u64, consumers: usize) -> bool {
+        if self.max == 0 || n > self.max {
+            return false;
+        }
+        if self.map.contains_key(&id) || consumers >= 2 || self.seen_ids.contains(&id) {
+            return true;
+        }
+        self.seen.push_back((id, n));
+        self.seen_ids.insert(id);
+        self.seen_bytes += n;
+        while self.seen_bytes > self.max {
+            let Some((old, b)) = self.seen.pop_front() else { break };
+            self.seen_ids.remove(&old);
+            self.seen_bytes -= b;
+        }
+        false
     }
 
     fn get(&mut self, id: ShardId) -> Option<std::io::Result<File>> {
@@ -168,19 +201,21 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 match r {
                     Ok((body, src, n)) => {
                         let id = ShardId { checksum, bytes };
+                        // Several consumers on this host, or a shard read again: one sealed copy
+                        // they all map.
+                        let live = inner.jobs.live();
+                        let share = matches!(body, Body::File(_))
+                            && inner.shared.lock().expect("shared lock").wanted(id, n, live);
                         let (_pinned, file) = match body {
-                            // Several consumers on this host: one sealed copy they all map.
-                            Body::File(f) if inner.jobs.live() >= 2 && inner.cfg.shared_shard_bytes > 0 => {
-                                match shared_copy(inner, id, &f, n).await {
-                                    Ok(file) => (Some(f), file),
-                                    Err(e) => {
-                                        inner.stats.failures.fetch_add(1, Ordering::Relaxed);
-                                        let message = format!("shared copy of shard {checksum:016x}: {e}");
-                                        wire::write_msg(&mut s, &Msg::Fail { message }).await?;
-                                        continue;
-                                    }
+                            Body::File(f) if share => match shared_copy(inner, id, &f, n).await {
+                                Ok(file) => (Some(f), file),
+                                Err(e) => {
+                                    inner.stats.failures.fetch_add(1, Ordering::Relaxed);
+                                    let message = format!("shared copy of shard {checksum:016x}: {e}");
+                                    wire::write_msg(&mut s, &Msg::Fail { message }).await?;
+                                    continue;
                                 }
-                            }
+                            },
                             Body::File(f) => match f.hand_out() {
                                 Ok(file) => (Some(f), file),
                                 Err(e) => {
@@ -273,4 +308,37 @@ pub(super) async fn send_frame_with_fd(s: &UnixStream, frame: &[u8], file: &File
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(i: u64) -> ShardId {
+        ShardId {
+            checksum: i,
+            bytes: 100,
+        }
+    }
+
+    #[test]
+    fn a_shard_asked_for_again_within_the_budget_is_shared_and_a_longer_pass_is_not() {
+        let mut s = SharedShards::new(300);
+        // A lone consumer's first pass: nothing shared, each shard remembered.
+        assert!(!s.wanted(id(1), 100, 1));
+        assert!(!s.wanted(id(2), 100, 1));
+        // Asked for again within 300 bytes of shards handed out: shared.
+        assert!(s.wanted(id(1), 100, 1));
+        // Two more push shard 1 out of the last 300 bytes (1, 2, 3, 4: 400).
+        assert!(!s.wanted(id(3), 100, 1));
+        assert!(!s.wanted(id(4), 100, 1));
+        assert!(!s.wanted(id(1), 100, 1));
+        // Several consumers: always; a held copy: always; larger than the budget, or none: never.
+        assert!(s.wanted(id(9), 100, 2));
+        let f = tempfile::tempfile().expect("temp file");
+        s.insert(id(7), &f, 100);
+        assert!(s.wanted(id(7), 100, 1));
+        assert!(!s.wanted(id(8), 301, 3));
+        assert!(!SharedShards::new(0).wanted(id(1), 1, 3));
+    }
 }
