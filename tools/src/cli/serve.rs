@@ -59,8 +59,9 @@ pub struct ServeArgs {
     /// 16 GiB.
     #[arg(long, value_parser = parse_size)]
     host_memory: Option<u64>,
-    /// Bytes of sealed in-memory shard copies kept for the host's consumers to map while two or
-    /// more read (each shard copied out of the cache once for all of them; 0: never).
+    /// Bytes of sealed in-memory shard copies kept for the host's consumers to map, made while
+    /// two or more read or for a shard asked for again within this many bytes handed out (each
+    /// shard copied out of the cache once for all of them; 0: never).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     shared_shards: u64,
     /// Connections served at once in each class (local loaders, authenticated peers, HTTP):
