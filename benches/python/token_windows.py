@@ -193,8 +193,8 @@ def one_process(name, data, workers, epochs, env=None):
 
 
 class Serve:
-    """`ramjet serve` for the ramjet-serve contender: its own socket and cache folder (under
-    the data folder, emptied first), an HTTP port for /stats."""
+    """`ramjet serve` for the ramjet-serve contender: its socket and cache in a fresh folder
+    under the data folder (removed at the end), an HTTP port for /stats."""
 
     def __init__(self, data):
         import socket
