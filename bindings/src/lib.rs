@@ -49,6 +49,12 @@ create_exception!(
 create_exception!(ramjet, AuthError, RamjetError, "Credentials were refused.");
 create_exception!(
     ramjet,
+    LocalError,
+    RamjetError,
+    "A local file or socket (the node cache, a local dataset, the host daemon) failed."
+);
+create_exception!(
+    ramjet,
     InvalidInputError,
     RamjetError,
     "An argument, URL, manifest or input file is not acceptable."
@@ -60,7 +66,8 @@ fn to_py(e: Error) -> PyErr {
     match e {
         Error::NotFound { .. } => NotFoundError::new_err(msg),
         Error::Corrupt { .. } | Error::Truncated { .. } | Error::SchemaMismatch { .. } => CorruptError::new_err(msg),
-        Error::Origin { .. } | Error::Io { .. } => OriginError::new_err(msg),
+        Error::Origin { .. } => OriginError::new_err(msg),
+        Error::Io { .. } => LocalError::new_err(msg),
         Error::Auth { .. } => AuthError::new_err(msg),
         Error::Internal { .. } => RamjetError::new_err(msg),
         _ => InvalidInputError::new_err(msg),
@@ -163,6 +170,36 @@ fn verify<'py>(py: Python<'py>, url: &str, parallel: usize) -> PyResult<Bound<'p
 }
 
 fn no_progress(_bytes: u64) {}
+
+/// This process's place in its job, `(rank, world, local_rank, local_world)`, from the
+/// arguments `rank` / `world_size`, torch.distributed's `(rank, world)` when initialised
+/// (`dist`), and the launcher's environment, each checked alike: a bad value or a contradiction
+/// is an `InvalidInputError` naming both sources (`ramjet_engine::launch`).
+#[pyfunction]
+#[pyo3(signature = (rank = None, world_size = None, dist = None))]
+fn launch(
+    rank: Option<i64>,
+    world_size: Option<i64>,
+    dist: Option<(i64, i64)>,
+) -> PyResult<(usize, usize, usize, usize)> {
+    let count = |v: i64, what: &str| {
+        usize::try_from(v).map_err(|_| InvalidInputError::new_err(format!("{what}: must be at least 0, not {v}")))
+    };
+    let given = ramjet_engine::launch::Given {
+        rank: rank.map(|r| count(r, "rank")).transpose()?,
+        world: world_size.map(|w| count(w, "world_size")).transpose()?,
+        dist: dist
+            .map(|(r, w)| {
+                Ok::<_, PyErr>((
+                    count(r, "torch.distributed rank")?,
+                    count(w, "torch.distributed world size")?,
+                ))
+            })
+            .transpose()?,
+    };
+    let l = ramjet_engine::launch::resolve_env(&given).map_err(to_py)?;
+    Ok((l.rank, l.world, l.local_rank, l.local_world))
+}
 
 /// What this process can use of the GPU path: whether the CUDA driver loads, how many GPUs it
 /// sees (or why none), and where each CUDA user library was found (or why not), searching
@@ -334,8 +371,10 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CorruptError", py.get_type::<CorruptError>())?;
     m.add("OriginError", py.get_type::<OriginError>())?;
     m.add("AuthError", py.get_type::<AuthError>())?;
+    m.add("LocalError", py.get_type::<LocalError>())?;
     m.add("InvalidInputError", py.get_type::<InvalidInputError>())?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(launch, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(columns, m)?)?;

@@ -266,6 +266,11 @@ impl Session {
                 })?;
                 match next {
                     Next::Batch(b) => b,
+                    Next::EpochEnd(mut end) => {
+                        held(&self.epochs).on_epoch_end(&mut end);
+                        *held(&self.ended) = true;
+                        return Ok(None);
+                    }
                     _ => {
                         *held(&self.ended) = true;
                         return Ok(None);
@@ -279,7 +284,7 @@ impl Session {
                 *held(&self.ended) = true;
                 return Ok(None);
             }
-            Step::YieldLast => *held(&self.ended) = true,
+            Step::YieldLast | Step::End => *held(&self.ended) = true,
             Step::Yield => {}
         }
         let t = std::time::Instant::now();

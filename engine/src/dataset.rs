@@ -11,6 +11,33 @@ use crate::format::{
 use crate::metrics::Metrics;
 use crate::store::{DatasetUrl, Store};
 
+/// The error for shard `bytes` shorter than the manifest's `info` says: a complete shard of its
+/// own (the object was replaced by another, smaller one) is "not the manifest's"; anything
+/// else is [`Error::Truncated`].
+fn short_object(url: &str, bytes: &[u8], info: &ShardInfo) -> Error {
+    match ShardView::parse(bytes, url) {
+        Ok(v) => Error::corrupt(
+            crate::Location::object(url),
+            format!(
+                "holds a complete shard of {} bytes and {} samples, not the manifest's ({} bytes, {} samples): the object was replaced",
+                bytes.len(),
+                v.samples(),
+                info.bytes,
+                info.samples
+            ),
+        ),
+        Err(_) => Error::Truncated {
+            object: url.to_owned(),
+            expected: info.bytes,
+            actual: bytes.len() as u64,
+        },
+    }
+}
+
+/// Claimed object sizes up to this are allocated without asking the object's real size first
+/// (a larger claim costs one HEAD: [`Dataset::fetch_shard_parallel`]).
+pub const SIZE_CLAIM_UNCHECKED_MAX: u64 = 256 << 20;
+
 /// A dataset's shard table in its store, read a range at a time.
 #[derive(Debug, Clone)]
 struct StoreTable {
@@ -389,6 +416,7 @@ impl Dataset {
         let info = &self.manifest.shard(i)?;
         // A foreign shard is fetched as stored, then transcoded (`as_ramjet_shard`).
         let stored_bytes = info.foreign.as_ref().map_or(info.bytes, |f| f.bytes);
+        self.check_claimed_size(&info.key, stored_bytes).await?;
         let part = range_bytes.max(1 << 16);
         let mut attempt = 0;
         loop {
@@ -398,7 +426,18 @@ impl Dataset {
             // SAFETY: every range's bytes are written by `get_range_into`, which fails unless it
             // filled its whole slice; the ranges cover [0, bytes), so on success every byte was
             // written, and on failure the buffer is dropped unread.
-            let mut buf = unsafe { crate::buf::BufPool::global().take(stored_bytes as usize) };
+            let buf = usize::try_from(stored_bytes)
+                .ok()
+                .and_then(|n| unsafe { crate::buf::BufPool::global().try_take(n) });
+            let Some(mut buf) = buf else {
+                return Err(Error::io(
+                    self.store.url(&info.key),
+                    std::io::Error::new(
+                        std::io::ErrorKind::OutOfMemory,
+                        format!("no memory for the shard's {stored_bytes} bytes"),
+                    ),
+                ));
+            };
             // The checksum is computed as the bytes arrive, while they are in the CPU's cache,
             // as far as they arrive in order (all of a shard fetched as one range); the rest
             // is hashed when every range is in.
@@ -420,10 +459,21 @@ impl Dataset {
                 ));
             }
             let requests = gets.len() as u64;
-            futures::stream::iter(gets)
+            let got = futures::stream::iter(gets)
                 .buffer_unordered(in_flight.max(1))
                 .try_collect::<()>()
-                .await?;
+                .await;
+            if let Err(Error::Truncated { actual, .. }) = &got {
+                // Shorter than the manifest says: torn, or replaced by another (valid) shard.
+                if info.foreign.is_none() && *actual < stored_bytes {
+                    let url = self.store.url(&info.key);
+                    return Err(match self.store.get_at_most(&info.key, stored_bytes).await {
+                        Ok(Ok(b)) => short_object(&url, &b, info),
+                        _ => got.expect_err("matched an error"),
+                    });
+                }
+            }
+            got?;
             Metrics::add(&metrics.origin_requests, requests);
             Metrics::add(&metrics.origin_bytes, stored_bytes);
             let bytes = buf.into_bytes();
@@ -444,6 +494,25 @@ impl Dataset {
         }
     }
 
+    /// A claimed object size above [`SIZE_CLAIM_UNCHECKED_MAX`] is checked against the object
+    /// itself (one HEAD) before a buffer that large is allocated: a manifest is a claim, and a
+    /// re-hashed one can say 16 GiB for a 1 MB object. A size that differs is an error naming
+    /// both sizes ("not the manifest's object"); a smaller claim is allocated as it is (the
+    /// ranged GETs then find any difference).
+    async fn check_claimed_size(&self, key: &str, claimed: u64) -> Result<()> {
+        if claimed <= SIZE_CLAIM_UNCHECKED_MAX {
+            return Ok(());
+        }
+        let real = self.store.size(key).await?;
+        if real != claimed {
+            return Err(Error::corrupt(
+                crate::Location::object(self.store.url(key)),
+                format!("the object is {real} bytes, the manifest says {claimed}: not the manifest's object"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks shard `i`'s bytes against the manifest: size, structure, whole-shard checksum
     /// (footer and manifest) and schema.
     pub fn check_shard(&self, i: usize, bytes: &[u8]) -> Result<()> {
@@ -456,11 +525,7 @@ impl Dataset {
         let info = &self.manifest.shard(i)?;
         let url = self.store.url(&info.key);
         if (bytes.len() as u64) < info.bytes {
-            return Err(Error::Truncated {
-                object: url,
-                expected: info.bytes,
-                actual: bytes.len() as u64,
-            });
+            return Err(short_object(&url, bytes, info));
         }
         let view = ShardView::parse(bytes, &url)?;
         let expect = info.checksum_u64();

@@ -15,6 +15,7 @@ pub mod foreign;
 pub mod format;
 pub mod image;
 pub mod io;
+pub mod launch;
 pub mod loader;
 pub mod metrics;
 pub mod order;
@@ -30,7 +31,7 @@ pub mod tune;
 
 pub use dataset::{Dataset, ShardProblem, VerifyReport};
 pub use error::{Error, Invalid, Location, Result};
-pub use loader::{Batch, ColumnData, Loader, LoaderConfig, Next, OnCorrupt};
+pub use loader::{Batch, ColumnData, EpochEnd, Loader, LoaderConfig, Next, OnCorrupt};
 pub use provider::{Fetched, FetchedFrom, Heartbeat, HostGrant, ShardProvider, ShardRequest};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
-pub use stream::{Opened, Sample, SampleReader, SourceConfig, Stream, StreamConfig, StreamState};
+pub use stream::{Item, Opened, Sample, SampleReader, SourceConfig, Stream, StreamConfig, StreamState};

@@ -204,20 +204,19 @@ impl Default for Topology {
 }
 
 impl Topology {
-    /// Rank and world from `RANK` / `WORLD_SIZE`, host-local rank and size from `LOCAL_RANK` /
-    /// `LOCAL_WORLD_SIZE` (as torchrun sets them), one worker.
-    pub fn from_env() -> Topology {
-        let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
-        let world = get("WORLD_SIZE").unwrap_or(1).max(1);
-        let local_world = get("LOCAL_WORLD_SIZE").unwrap_or(1).max(1);
-        Topology {
-            rank: get("RANK").unwrap_or(0).min(world - 1),
-            world,
+    /// Rank and world from the launcher's environment (torchrun's variables, or Slurm's in an
+    /// `srun` step), one worker; a bad or contradictory value is an error naming it
+    /// ([`crate::launch`]).
+    pub fn from_env() -> Result<Topology> {
+        let l = crate::launch::resolve_env(&crate::launch::Given::default())?;
+        Ok(Topology {
+            rank: l.rank,
+            world: l.world,
             worker: 0,
             workers: 1,
-            local_rank: get("LOCAL_RANK").unwrap_or(0).min(local_world - 1),
-            local_world,
-        }
+            local_rank: l.local_rank,
+            local_world: l.local_world,
+        })
     }
 
     /// Refuses a topology no job can have, naming the field: no ranks or workers, a rank or

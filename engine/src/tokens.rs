@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use crate::format::array::Dtype;
 use crate::format::{ColumnType, ValueRef};
 use crate::order::{EpochProgress, OrderSpec, Tail, Topology, ORDER_VERSION};
-use crate::stream::{ResumePoint, Sample, Stream, StreamConfig};
+use crate::stream::{Opened, ResumePoint, Sample, Stream, StreamConfig};
 use crate::{Error, Result};
 
 /// Longest window (`seq_len`) a stream cuts.
@@ -399,6 +399,8 @@ struct Doc {
     /// Byte range of its tokens in the record.
     data: std::ops::Range<usize>,
     dtype: Dtype,
+    /// The largest id its source's tokenizer gives (`meta.tokenizer.max_id`), if recorded.
+    vocab_max: Option<u64>,
     /// Tokens of the document, the end-of-document one included.
     len: u64,
 }
@@ -431,9 +433,6 @@ impl TokenStream {
         cfg.stream.check()?;
         let topo = cfg.stream.topology;
         let epoch = cfg.resume.as_ref().map_or(cfg.epoch, |r| r.epoch);
-        if let Some(r) = &cfg.resume {
-            r.check(&cfg.tokens)?;
-        }
         let mut sc = cfg.stream.clone();
         sc.topology = Topology {
             rank: 0,
@@ -458,7 +457,12 @@ impl TokenStream {
             audit: Default::default(),
         });
         let order = sc.order;
+        // The stream checks the state's sources first (a state of another dataset is named as
+        // such, not by the eos it happened to be saved with), then the state's windows.
         let stream = Stream::open(sc)?;
+        if let Some(r) = &cfg.resume {
+            r.check(&cfg.tokens)?;
+        }
         let base = cfg.resume.clone().unwrap_or_else(|| TokenResume {
             kind: "tokens".into(),
             order_version: ORDER_VERSION,
@@ -495,6 +499,7 @@ impl TokenStream {
             delivered: 0,
             docs_read: 0,
             columns: Vec::new(),
+            vocab_maxes: Vec::new(),
             exhausted: false,
         };
         // The first window of this consumer is located before the stream is handed out, so
@@ -618,6 +623,8 @@ struct Cutter {
     /// Per source: the token column's index and element type (`None` for a bytes column
     /// read with `bytes_dtype`).
     columns: Vec<Option<(usize, Option<Dtype>)>>,
+    /// Per source: the largest id its tokenizer gives, when recorded (looked up with its column).
+    vocab_maxes: Vec<Option<u64>>,
     exhausted: bool,
 }
 
@@ -696,6 +703,7 @@ impl Cutter {
         let where_ = || format!("source {source}, sample {}", sample.global_index);
         if self.columns.len() <= source {
             self.columns.resize(source + 1, None);
+            self.vocab_maxes.resize(source + 1, None);
         }
         if self.columns[source].is_none() {
             let schema = sample.schema();
@@ -747,6 +755,8 @@ impl Cutter {
                 }
             };
             self.columns[source] = Some(kind);
+            self.vocab_maxes[source] = vocab_max(self.stream.dataset(source), &self.opts.column);
+            self.check_fill_tokens(source, kind.1.or(self.bytes_dtype))?;
         }
         let (col, _) = self.columns[source].expect("set above");
         let values = sample.values()?;
@@ -786,10 +796,12 @@ impl Cutter {
         let start = data.as_ptr() as usize - base;
         let n = (data.len() / dtype.size()) as u64;
         let len = n + self.opts.eos.is_some() as u64;
+        let vocab_max = self.vocab_maxes[source];
         Ok(Doc {
             position: sample.position,
             data: start..start + data.len(),
             dtype,
+            vocab_max,
             len,
             sample,
         })
@@ -851,6 +863,7 @@ impl Cutter {
                     at: d.data.start + from as usize * size,
                     n: (real_to - from) as usize,
                     dtype: d.dtype,
+                    vocab_max: d.vocab_max,
                     source: d.sample.id.source,
                     sample: d.sample.global_index,
                 });
@@ -967,6 +980,8 @@ enum Piece {
         at: usize,
         n: usize,
         dtype: Dtype,
+        /// The largest id the source's tokenizer gives, when recorded.
+        vocab_max: Option<u64>,
         source: u32,
         sample: u64,
     },
@@ -1028,14 +1043,24 @@ fn materialize(pieces: &[Piece], dtype: TokenDtype, column: &str) -> Result<Toke
                 at,
                 n,
                 dtype: d,
+                vocab_max,
                 source,
                 sample,
-            } => convert(*d, &rec[*at..*at + n * d.size()], &mut out).map_err(|v| {
-                Error::corrupt(
-                    crate::Location::sample(format!("source {source}"), *sample),
-                    format!("column {column:?}: token {v} is not in 0..={} ({dtype:?})", dtype.max()),
-                )
-            })?,
+            } => {
+                let max = vocab_max.map_or(dtype.max() as i128, |m| (m as i128).min(dtype.max() as i128));
+                convert(*d, &rec[*at..*at + n * d.size()], max, &mut out).map_err(|v| {
+                    let why = match vocab_max {
+                        Some(m) if (*m as i128) < dtype.max() as i128 => {
+                            format!("the tokenizer's largest id, {m}, recorded by pack --tokenizer")
+                        }
+                        _ => format!("{dtype:?}"),
+                    };
+                    Error::corrupt(
+                        crate::Location::sample(format!("source {source}"), *sample),
+                        format!("column {column:?}: token {v} is not in 0..={max} ({why})"),
+                    )
+                })?
+            }
             Piece::Fill { v, n } => match &mut out {
                 TokenData::I32(o) => o.extend(std::iter::repeat_n(*v as i32, *n)),
                 TokenData::I64(o) => o.extend(std::iter::repeat_n(*v, *n)),
@@ -1045,9 +1070,50 @@ fn materialize(pieces: &[Piece], dtype: TokenDtype, column: &str) -> Result<Toke
     Ok(out)
 }
 
+impl Cutter {
+    /// `eos` and `pad` must be ids source `source`'s documents can hold: at most its tokenizer's
+    /// largest id when recorded, else the column's element type's largest (a uint16 column's
+    /// eos of 2**40 is an id no embedding of its vocabulary has).
+    fn check_fill_tokens(&self, source: usize, dtype: Option<Dtype>) -> Result<()> {
+        let (bound, why) = match (self.vocab_maxes[source], dtype) {
+            (Some(m), _) => (m as i128, "its tokenizer's largest id, recorded by pack --tokenizer"),
+            (None, Some(d)) => (int_max(d), "the largest its token column's element type holds"),
+            (None, None) => return Ok(()),
+        };
+        for (what, v) in [("eos", self.opts.eos), ("pad", self.opts.pad)] {
+            if let Some(v) = v.filter(|&v| v as i128 > bound) {
+                return Err(Error::invalid(
+                    what,
+                    format!("token {v} is above {bound}, {why} (source {source})"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The largest value of the integer type `d`.
+fn int_max(d: Dtype) -> i128 {
+    let bits = d.size() as u32 * 8;
+    match d {
+        Dtype::I8 | Dtype::I16 | Dtype::I32 | Dtype::I64 => (1i128 << (bits - 1)) - 1,
+        _ => (1i128 << bits) - 1,
+    }
+}
+
+/// The largest token id `ds`'s tokenizer gives, when `ramjet pack --tokenizer` recorded it for
+/// `column` (`meta.tokenizer.max_id`): every id read must be at most this.
+fn vocab_max(ds: &crate::Dataset, column: &str) -> Option<u64> {
+    let t = ds.manifest().meta.get("tokenizer")?;
+    if t.get("column").and_then(|c| c.as_str()) != Some(column) {
+        return None;
+    }
+    t.get("max_id")?.as_u64()
+}
+
 /// Appends little-endian `dtype` elements to `out`; the first value out of range (negative, or
-/// above the output type) is the error.
-fn convert(dtype: Dtype, src: &[u8], out: &mut TokenData) -> std::result::Result<(), i128> {
+/// above `max`, at most the output type's largest) is the error.
+fn convert(dtype: Dtype, src: &[u8], max: i128, out: &mut TokenData) -> std::result::Result<(), i128> {
     // A check pass, then a widening pass: both vectorize (a per-element push with its range
     // check did not), and the check folds away where every value fits (uint16 into int32).
     macro_rules! run {
@@ -1057,7 +1123,7 @@ fn convert(dtype: Dtype, src: &[u8], out: &mut TokenData) -> std::result::Result
                 .map(|c| <$t>::from_le_bytes(c.try_into().expect("chunk size")));
             if let Some(bad) = vals
                 .clone()
-                .find(|&v| !((v as i128) >= 0 && (v as i128) <= <$ot>::MAX as i128))
+                .find(|&v| !((v as i128) >= 0 && (v as i128) <= max.min(<$ot>::MAX as i128)))
             {
                 return Err(bad as i128);
             }
@@ -1084,4 +1150,40 @@ fn convert(dtype: Dtype, src: &[u8], out: &mut TokenData) -> std::result::Result
         TokenData::I64(o) => each!(o, i64),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(ids: &[u16], vocab_max: Option<u64>) -> Piece {
+        let rec: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Piece::Tokens {
+            rec: bytes::Bytes::from(rec),
+            at: 0,
+            n: ids.len(),
+            dtype: Dtype::U16,
+            vocab_max,
+            source: 0,
+            sample: 7,
+        }
+    }
+
+    /// Regression: a token id past the tokenizer's recorded vocabulary (a shard written with ids
+    /// cut to 16 bits, or tampered) was read as a valid token. It is a `CorruptError` naming the
+    /// sample and the bound; within the bound, the ids are read as they are.
+    #[test]
+    fn a_token_above_the_recorded_vocabulary_is_corrupt_naming_the_bound() {
+        let got = materialize(&[piece(&[1, 300, 65_535], None)], TokenDtype::Int64, "tokens").unwrap();
+        assert!(matches!(got, TokenData::I64(v) if v == [1, 300, 65_535]));
+        let ok = materialize(&[piece(&[1, 300], Some(300))], TokenDtype::Int32, "tokens").unwrap();
+        assert!(matches!(ok, TokenData::I32(v) if v == [1, 300]));
+        let e = materialize(&[piece(&[1, 301], Some(300))], TokenDtype::Int64, "tokens")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("token 301") && e.contains("0..=300") && e.contains("sample 7"),
+            "{e}"
+        );
+    }
 }

@@ -72,7 +72,7 @@ impl Drop for Node {
 impl Node {
     fn stats(&self) -> serde_json::Value {
         let mut s = std::net::TcpStream::connect(&self.http).expect("stats port");
-        write!(s, "GET /stats HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
+        write!(s, "GET /stats HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n").unwrap();
         let mut r = String::new();
         s.read_to_string(&mut r).unwrap();
         serde_json::from_str(r.split_once("\r\n\r\n").unwrap().1).unwrap()
@@ -731,7 +731,7 @@ fn the_http_port_cannot_freeze_the_ring() {
     for path in ["/freeze", "/unfreeze"] {
         let r = http(
             &a.http,
-            &format!("POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"),
+            &format!("POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"),
         );
         assert!(r.starts_with("HTTP/1.1 405"), "{path}: {r}");
     }
@@ -1065,6 +1065,54 @@ fn stats_wait(hosts: &[&str], timeout_s: &str) -> std::process::Output {
         .args(hosts)
         .output()
         .expect("run ramjet stats --wait")
+}
+
+/// Regression: each `/ready` request handshook afresh with every member, so unauthenticated
+/// requests amplified into handshakes (100 concurrent ones from 10 addresses made a peer refuse
+/// 42,419, and the daemon's real fetches then failed). Now `/ready` answers from the last
+/// background probe: 100 requests from 10 concurrent clients all answer 200, and the peer sees
+/// a handful of handshakes (one a probe period), not one a request.
+#[test]
+fn concurrent_ready_requests_cost_the_peers_one_probe_a_period_not_a_handshake_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(2, 50);
+    let origin = s3().endpoint.clone();
+    let key = [("RAMJET_API_KEY", "a-key-of-at-least-16-bytes")];
+    let a = start_node(dir.path(), &members[0], &members, &origin, &key);
+    let b = start_node(dir.path(), &members[1], &members, &origin, &key);
+    let handshakes = || {
+        let r = http(
+            &b.http,
+            "GET /stats HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n",
+        );
+        let body = r.split_once("\r\n\r\n").expect("an HTTP answer").1.to_owned();
+        u(&serde_json::from_str::<serde_json::Value>(&body).unwrap()["handshakes"])
+    };
+    let before = handshakes();
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..10)
+        .map(|_| {
+            let addr = a.http.clone();
+            std::thread::spawn(move || {
+                (0..10)
+                    .map(|_| http(&addr, "GET /ready HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"))
+                    .filter(|r| r.starts_with("HTTP/1.1 200"))
+                    .count()
+            })
+        })
+        .collect();
+    let ok: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    let secs = t0.elapsed().as_secs_f64();
+    let made = handshakes() - before;
+    assert!(ok >= 90, "{ok} of 100 /ready requests answered 200");
+    // One handshake a probe period (2 s), plus the real traffic's none.
+    let most = (secs / 2.0).ceil() as u64 + 2;
+    assert!(
+        made <= most,
+        "{made} handshakes at the peer for 100 /ready requests in {secs:.1} s (at most {most})"
+    );
+    let (ok, doc) = ready(&a);
+    assert!(ok, "{doc}");
 }
 
 /// `/ready` and `ramjet stats --wait` (what the Slurm launcher waits on): a member that is not
@@ -1427,7 +1475,7 @@ fn a_stuck_daemon_costs_a_loader_its_request_timeout_and_nothing_else() {
 fn get_ok(addr: &str, path: &str) -> String {
     let r = http(
         addr,
-        &format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"),
+        &format!("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"),
     );
     assert!(r.starts_with("HTTP/1.1 200"), "{addr}{path}: {r}");
     r.split_once("\r\n\r\n").unwrap().1.to_owned()

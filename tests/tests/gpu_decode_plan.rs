@@ -208,7 +208,7 @@ fn all_batches(
     loop {
         match l.next_batch(std::time::Duration::from_secs(60)).unwrap() {
             Next::Batch(b) => out.push(*b),
-            Next::End => break,
+            Next::End | Next::EpochEnd(_) => break,
             Next::Pending => panic!("no batch in 60 s"),
         }
     }

@@ -55,6 +55,7 @@ fn run_loader(cfg: LoaderConfig, step: Duration) -> serde_json::Value {
             Next::Batch(_) => batches += 1,
             Next::Pending => panic!("no batch within 60 s"),
             Next::End => break,
+            Next::EpochEnd(e) => panic!("epoch {} ended with no batch", e.epoch),
         }
         std::thread::sleep(step);
     }

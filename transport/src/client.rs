@@ -89,13 +89,31 @@ pub fn daemon_timeout() -> Duration {
     )
 }
 
+/// How often a daemon marked down is probed, and how long a probe waits for its answer.
+pub const DAEMON_PROBE_EVERY: Duration = Duration::from_secs(1);
+
 /// A blocking client of the host daemon. Connections are pooled; every method may be called
 /// from many threads.
+///
+/// A daemon that does not answer a request within the timeout, or whose socket refuses, is
+/// marked down at once: every later request fails without waiting (so the loader reads that
+/// shard from its cache or the origin at their own speed), while one background thread pings
+/// the daemon every [`DAEMON_PROBE_EVERY`], each ping waiting at most as long. The first answer
+/// marks it up again: requests return to the daemon within about two probe periods of it
+/// answering (`docs/robustness.md`). A stopped daemon costs one timeout, not one per shard.
 #[derive(Debug)]
 pub struct DaemonClient {
     socket: PathBuf,
     idle: Mutex<Vec<UnixStream>>,
     timeout: Duration,
+    down: std::sync::Arc<Mutex<Option<Down>>>,
+}
+
+/// Why and since when the daemon is marked down.
+#[derive(Debug, Clone)]
+struct Down {
+    since: std::time::Instant,
+    why: String,
 }
 
 impl DaemonClient {
@@ -105,6 +123,51 @@ impl DaemonClient {
             socket: socket.into(),
             idle: Mutex::new(Vec::new()),
             timeout: daemon_timeout(),
+            down: Default::default(),
+        }
+    }
+
+    /// Whether the daemon is marked down now (a request timed out or was refused, and no probe
+    /// has been answered since).
+    pub fn marked_down(&self) -> bool {
+        self.down.lock().expect("down lock").is_some()
+    }
+
+    /// Fails at once while the daemon is marked down, naming it and why.
+    fn check_up(&self, what: &str) -> Result<()> {
+        match &*self.down.lock().expect("down lock") {
+            None => Ok(()),
+            Some(d) => Err(self.err(
+                what,
+                std::io::Error::other(format!(
+                    "marked down {:.1} s ago ({}); read elsewhere until it answers a probe again",
+                    d.since.elapsed().as_secs_f64(),
+                    d.why
+                )),
+            )),
+        }
+    }
+
+    /// A transport failure of a request (not the daemon's own `Fail`): marks the daemon down
+    /// and starts the probe, once.
+    fn mark_down(&self, e: &std::io::Error) {
+        let mut down = self.down.lock().expect("down lock");
+        if down.is_some() {
+            return;
+        }
+        tracing::warn!(socket = %self.socket.display(), error = %e, "host daemon marked down; probing it every second");
+        *down = Some(Down {
+            since: std::time::Instant::now(),
+            why: e.to_string(),
+        });
+        self.idle.lock().expect("pool lock").clear();
+        let (flag, socket) = (std::sync::Arc::downgrade(&self.down), self.socket.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ramjet-daemon-probe".into())
+            .spawn(move || probe_until_up(&flag, &socket));
+        if spawned.is_err() {
+            // No thread to probe with: the next request tries the daemon again.
+            *down = None;
         }
     }
 
@@ -149,8 +212,17 @@ impl DaemonClient {
         Error::io(format!("host daemon at {} ({what})", self.socket.display()), e)
     }
 
-    /// Sends one message and reads the reply with any descriptor that came with it.
+    /// Sends one message and reads the reply with any descriptor that came with it; a
+    /// transport failure marks the daemon down.
     fn call(&self, m: &Msg) -> std::io::Result<(Msg, Option<File>)> {
+        let r = self.call_once(m);
+        if let Err(e) = &r {
+            self.mark_down(e);
+        }
+        r
+    }
+
+    fn call_once(&self, m: &Msg) -> std::io::Result<(Msg, Option<File>)> {
         let mut c = self.conn()?;
         c.write_all(&wire::encode(m))?;
         let mut buf = Vec::with_capacity(256);
@@ -261,9 +333,30 @@ impl FreezeLease {
     }
 }
 
+/// Pings the daemon at `socket` every [`DAEMON_PROBE_EVERY`] until it answers (then clears the
+/// mark) or its client is gone.
+fn probe_until_up(down: &std::sync::Weak<Mutex<Option<Down>>>, socket: &Path) {
+    loop {
+        std::thread::sleep(DAEMON_PROBE_EVERY);
+        let Some(flag) = down.upgrade() else { return };
+        let answered = connect_checked(socket).and_then(|mut c| {
+            c.set_read_timeout(Some(DAEMON_PROBE_EVERY))?;
+            c.set_write_timeout(Some(DAEMON_PROBE_EVERY))?;
+            call_on(&mut c, &Msg::Ping)
+        });
+        // Any answer is a daemon at work (one that predates Ping answers Fail).
+        if answered.is_ok() {
+            tracing::info!(socket = %socket.display(), "host daemon answers again");
+            *flag.lock().expect("down lock") = None;
+            return;
+        }
+    }
+}
+
 impl ShardProvider for DaemonClient {
     fn fetch(&self, req: &ShardRequest<'_>) -> Result<Fetched> {
         let what = format!("{} shard {}", req.manifest_url, req.shard);
+        self.check_up(&what)?;
         let get = Msg::Get {
             manifest_url: req.manifest_url.to_owned(),
             shard: req.shard,
@@ -290,6 +383,7 @@ impl ShardProvider for DaemonClient {
     }
 
     fn heartbeat(&self, beat: &ramjet_engine::Heartbeat) -> Result<Option<ramjet_engine::HostGrant>> {
+        self.check_up("heartbeat")?;
         match self
             .call(&Msg::Heartbeat(beat.clone()))
             .map_err(|e| self.err("heartbeat", e))?
@@ -347,6 +441,64 @@ pub fn ensure_daemon(socket: &Path, cache: CacheConfig) -> Result<HostDaemon> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// Regression: a daemon that stopped answering cost every request the full timeout (a
+    /// SIGSTOPped daemon: 15 shards, 82 s at a 10 s timeout). A real socket whose server reads
+    /// but never answers: the first request waits its timeout and marks the daemon down, the
+    /// next fails at once; once the server answers pings, the probe marks it up again.
+    #[test]
+    fn a_daemon_that_stops_answering_costs_one_timeout_and_is_probed_back() {
+        use std::io::Read;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("d.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let answer = std::sync::Arc::new(AtomicBool::new(false));
+        let a = answer.clone();
+        std::thread::spawn(move || {
+            for c in listener.incoming() {
+                let Ok(mut c) = c else { return };
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = c.read(&mut buf) {
+                        if n == 0 {
+                            return;
+                        }
+                        if a.load(Ordering::SeqCst) {
+                            let _ = c.write_all(&wire::encode(&Msg::Ok));
+                        }
+                    }
+                });
+            }
+        });
+        let client = DaemonClient::new(&sock).with_timeout(Duration::from_millis(500));
+        let corrupt = Msg::Corrupt { checksum: 1, bytes: 2 };
+        let t = std::time::Instant::now();
+        assert!(client.call(&corrupt).is_err());
+        assert!(
+            t.elapsed() >= Duration::from_millis(450),
+            "the first request waits its timeout"
+        );
+        assert!(client.marked_down());
+        let t = std::time::Instant::now();
+        let e = client.check_up("shard 3").unwrap_err().to_string();
+        assert!(e.contains("marked down") && e.contains("shard 3"), "{e}");
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "a request while down fails at once"
+        );
+        answer.store(true, Ordering::SeqCst);
+        let t = std::time::Instant::now();
+        while client.marked_down() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the probe never marked the daemon up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(matches!(client.call(&corrupt), Ok((Msg::Ok, None))));
+    }
 
     /// Regression: the default socket was `/tmp/ramjet-<uid>.sock`, in a directory any user may
     /// write, so another user could create it first and serve it.

@@ -98,6 +98,11 @@ pub fn exposition(d: &StatsDoc, jobs: &[JobView]) -> String {
             d.auth_refused,
         ),
         (
+            "handshakes",
+            "Peer connections that completed the handshake.",
+            d.handshakes,
+        ),
+        (
             "requests_refused",
             "Requests refused by validation.",
             d.requests_refused,

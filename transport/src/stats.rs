@@ -25,6 +25,8 @@ pub struct Stats {
     pub failures: AtomicU64,
     /// Peer connections refused by the handshake (no key, wrong key, bad protocol).
     pub auth_refused: AtomicU64,
+    /// Peer connections that completed the handshake.
+    pub handshakes: AtomicU64,
     /// Requests refused: unknown manifest, bad URL, shard not in the manifest.
     pub requests_refused: AtomicU64,
     /// Shards served to peers.
@@ -58,6 +60,7 @@ impl Default for Stats {
             singleflight_timeouts: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             auth_refused: AtomicU64::new(0),
+            handshakes: AtomicU64::new(0),
             requests_refused: AtomicU64::new(0),
             peer_served: AtomicU64::new(0),
             peer_served_bytes: AtomicU64::new(0),
@@ -145,8 +148,8 @@ pub struct ReadyDoc {
     pub members: Vec<String>,
     /// This daemon is a member and every other member completed an authenticated handshake.
     pub ready: bool,
-    /// Every other member: `null` when it completed the handshake just now, else why it did
-    /// not (connection refused, timed out, a different key).
+    /// Every other member: `null` when it completed the handshake in the last probe (at most a
+    /// few seconds ago), else why it did not (connection refused, timed out, a different key).
     pub peers: BTreeMap<String, Option<String>>,
     /// Why not ready, in words (empty when ready).
     pub problems: Vec<String>,
@@ -181,6 +184,9 @@ pub struct StatsDoc {
     pub failures: u64,
     /// Refused peer connections.
     pub auth_refused: u64,
+    /// Peer connections that completed the handshake.
+    #[serde(default)]
+    pub handshakes: u64,
     /// Refused requests.
     pub requests_refused: u64,
     /// Shards served to peers.
@@ -245,6 +251,7 @@ impl StatsDoc {
         self.singleflight_timeouts = s.singleflight_timeouts.load(Relaxed);
         self.failures = s.failures.load(Relaxed);
         self.auth_refused = s.auth_refused.load(Relaxed);
+        self.handshakes = s.handshakes.load(Relaxed);
         self.requests_refused = s.requests_refused.load(Relaxed);
         self.peer_served = s.peer_served.load(Relaxed);
         self.peer_served_bytes = s.peer_served_bytes.load(Relaxed);

@@ -89,7 +89,9 @@ pub enum Msg {
     Freeze,
     /// Local only: release one freeze.
     Unfreeze,
-    /// Acknowledges `Freeze`, `Unfreeze` or `Corrupt`.
+    /// Local only: is the daemon answering? (A loader's probe of a daemon it marked down.)
+    Ping,
+    /// Acknowledges `Freeze`, `Unfreeze`, `Corrupt` or `Ping`.
     Ok,
     /// Requester → owner, then owner → requester: the sender's RDMA queue pair (feature
     /// `rdma`). An owner without RDMA answers `Fail`.
@@ -200,7 +202,11 @@ pub fn parse_frame(buf: &[u8]) -> std::io::Result<Option<(Msg, usize)>> {
 
 /// The shared secret of a cluster (`RAMJET_API_KEY`).
 #[derive(Clone)]
-pub struct ApiKey(hmac::Key);
+pub struct ApiKey(hmac::Key, usize);
+
+/// The shortest secret (blanks at either end not counted) a daemon takes for a port off
+/// loopback: a key of one letter, or a space, is guessed at once.
+pub const API_KEY_BYTES_MIN: usize = 16;
 
 impl std::fmt::Debug for ApiKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -211,7 +217,16 @@ impl std::fmt::Debug for ApiKey {
 impl ApiKey {
     /// A key from its secret text.
     pub fn new(secret: &str) -> ApiKey {
-        ApiKey(hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes()))
+        ApiKey(
+            hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes()),
+            secret.trim().len(),
+        )
+    }
+
+    /// Whether the secret is long enough to guard a port others can reach: at least
+    /// [`API_KEY_BYTES_MIN`] bytes that are not all blanks.
+    pub fn strong(&self) -> bool {
+        self.1 >= API_KEY_BYTES_MIN
     }
 
     /// From `RAMJET_API_KEY`, if set and non-empty.

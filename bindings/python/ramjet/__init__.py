@@ -31,6 +31,7 @@ from ramjet._ramjet import (
     CorruptError,
     Error,
     InvalidInputError,
+    LocalError,
     NotFoundError,
     OriginError,
     Tensor,
@@ -59,6 +60,7 @@ __all__ = [
     "CorruptError",
     "Error",
     "InvalidInputError",
+    "LocalError",
     "NotFoundError",
     "OriginError",
     "Reader",
@@ -195,8 +197,8 @@ class Stream(Source):
 
 def _positions(index: Any, n: int) -> Tuple[List[int], bool]:
     """NumPy-style ``index`` into ``n`` samples as positions, in the order asked, and whether it
-    was one integer: an integer (negative counts from the end), a slice, a sequence, array or
-    tensor of integers, or a boolean mask of length ``n``. An index out of range is an
+    was one integer: an integer (negative counts from the end), a slice, a ``range``, a
+    sequence, array or tensor of integers, or a boolean mask of length ``n``. An index out of range is an
     ``IndexError`` naming it."""
 
     def one(i: Any) -> int:
@@ -224,6 +226,8 @@ def _positions(index: Any, n: int) -> Tuple[List[int], bool]:
         if "int" not in dtype:
             raise TypeError(f"an index array of dtype {dtype}: integers or booleans index")
         return [one(i) for i in index.tolist()], False
+    if isinstance(index, range):
+        return [one(i) for i in index], False
     if isinstance(index, (list, tuple)):
         if index and all(isinstance(i, bool) for i in index):
             return _mask(list(index), n), False
@@ -282,12 +286,18 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-def _distributed() -> Tuple[int, int]:
+def _dist() -> Optional[Tuple[int, int]]:
+    """torch.distributed's (rank, world size) when it is initialised."""
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    return min(rank, max(world, 1) - 1), max(world, 1)
+    return None
+
+
+def _launch(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int, int, int]:
+    """(rank, world, local_rank, local_world) from the arguments, torch.distributed and the
+    launcher's environment (RANK/WORLD_SIZE/LOCAL_*, Slurm's in an srun step), each checked
+    alike by the engine: a bad value or a contradiction raises InvalidInputError naming both."""
+    return _ramjet.launch(rank, world_size, _dist())
 
 
 class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
@@ -337,7 +347,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             (default): images are decoded and augmented on the CPU and copied. The GPU path
             has run only against a fake nvJPEG so far (docs/gpu.md), hence not the default.
         rank / world_size: override the topology (default: torch.distributed when
-            initialised, else ``RANK``/``WORLD_SIZE``).
+            initialised, else ``RANK``/``WORLD_SIZE``, else Slurm's ``SLURM_PROCID`` /
+            ``SLURM_NTASKS`` inside an ``srun`` step). Each source is checked: a value that is
+            not a count, a rank past its world, or two sources that disagree raise
+            :class:`InvalidInputError` naming both. Both arguments together override the job;
+            one alone must fit the job's other.
         daemon: the host daemon's socket (default: the one :func:`init` connected to, else
             ``RAMJET_SOCKET``, else none: this process reads shards itself).
         device: where batches are yielded: ``"cpu"`` (default), ``"cuda"`` (GPU
@@ -422,18 +436,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     # ----- topology -------------------------------------------------------------------
 
     def _topology(self) -> Dict[str, int]:
-        rank, world = self._rank_override
-        if rank is None or world is None:
-            r, w = _distributed()
-            rank = r if rank is None else rank
-            world = w if world is None else world
+        rank, world, local_rank, local_world = _launch(*self._rank_override)
         worker, workers = 0, 1
         if torch is not None:
             info = torch.utils.data.get_worker_info()
             if info is not None:
                 worker, workers = info.id, info.num_workers
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        local_rank = min(int(os.environ.get("LOCAL_RANK", "0")), max(local_world, 1) - 1)
         return {
             "rank": int(rank),
             "world": int(world),
@@ -797,7 +805,11 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
             the document order and cache, as for :class:`StreamingDataset`.
         prefetch_batches: batches cut ahead on ramjet's own thread.
         rank / world_size: override the topology (default: torch.distributed when
-            initialised, else ``RANK``/``WORLD_SIZE``).
+            initialised, else ``RANK``/``WORLD_SIZE``, else Slurm's ``SLURM_PROCID`` /
+            ``SLURM_NTASKS`` inside an ``srun`` step). Each source is checked: a value that is
+            not a count, a rank past its world, or two sources that disagree raise
+            :class:`InvalidInputError` naming both. Both arguments together override the job;
+            one alone must fit the job's other.
         daemon: the host daemon's socket (default as for :class:`StreamingDataset`).
 
     Cutting runs on a Rust thread of its own, so iterate the dataset directly

@@ -37,12 +37,22 @@ impl AlignedBuf {
     /// The caller must write all of `[0, len)` before the buffer is read through `as_ref`,
     /// `as_mut` or `into_bytes`, or drop it unread.
     pub unsafe fn uninit(len: usize) -> AlignedBuf {
-        let cap = len.div_ceil(IO_ALIGN).max(1) * IO_ALIGN;
-        let layout = Layout::from_size_align(cap, IO_ALIGN).expect("valid layout");
+        // SAFETY: forwarded to our caller.
+        unsafe { Self::try_uninit(len) }.unwrap_or_else(|| panic!("allocation of {len} bytes failed"))
+    }
+
+    /// [`AlignedBuf::uninit`], or `None` when the memory cannot be had (a size past the
+    /// address space, or an allocator that says no: an address-space limit, a cgroup): a size
+    /// that comes from outside (a manifest's claim) must fail as an error, never abort.
+    ///
+    /// # Safety
+    /// As [`AlignedBuf::uninit`].
+    pub unsafe fn try_uninit(len: usize) -> Option<AlignedBuf> {
+        let cap = len.div_ceil(IO_ALIGN).max(1).checked_mul(IO_ALIGN)?;
+        let layout = Layout::from_size_align(cap, IO_ALIGN).ok()?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc(layout) };
-        assert!(!ptr.is_null(), "allocation of {cap} bytes failed");
-        AlignedBuf { ptr, len, cap }
+        (!ptr.is_null()).then_some(AlignedBuf { ptr, len, cap })
     }
 
     /// The whole capacity, for I/O that works in aligned units.
@@ -114,6 +124,15 @@ impl BufPool {
     /// # Safety
     /// As [`AlignedBuf::uninit`]: write all of `[0, len)` before reading it.
     pub unsafe fn take(&'static self, len: usize) -> PooledBuf {
+        // SAFETY: forwarded to our caller.
+        unsafe { self.try_take(len) }.unwrap_or_else(|| panic!("allocation of {len} bytes failed"))
+    }
+
+    /// [`BufPool::take`], or `None` when a new buffer's memory cannot be had.
+    ///
+    /// # Safety
+    /// As [`AlignedBuf::uninit`]: write all of `[0, len)` before reading it.
+    pub unsafe fn try_take(&'static self, len: usize) -> Option<PooledBuf> {
         let reused = {
             let mut free = self.free.lock().expect("pool lock");
             // Smallest free buffer that fits without wasting more than half of it.
@@ -132,12 +151,12 @@ impl BufPool {
                 b
             }
             // SAFETY: forwarded to our caller.
-            None => unsafe { AlignedBuf::uninit(len) },
+            None => unsafe { AlignedBuf::try_uninit(len) }?,
         };
-        PooledBuf {
+        Some(PooledBuf {
             buf: Some(buf),
             pool: self,
-        }
+        })
     }
 
     fn give_back(&self, b: AlignedBuf) {

@@ -17,6 +17,9 @@
 //!   process leaves a complete file or a temp file; temp files of dead processes are removed
 //!   when a cache is opened. Nothing is fsynced: a file torn by a power loss fails the hash
 //!   of its next read (below) and is fetched again.
+//! - **Self-healing layout.** A directory of the layout that disappears under a running process
+//!   (someone deleted the cache) is made again by the next operation that needs it, with one
+//!   warning; the shards that were in it are misses and fetched again.
 //! - **Verified.** Every read hashes the whole shard and compares it with the checksum in its
 //!   name; a mismatch deletes the file and reports a miss, so a damaged shard is re-fetched and
 //!   never served.
@@ -119,10 +122,7 @@ pub struct FetchGuard(#[allow(dead_code)] FileLock);
 impl Cache {
     /// Opens (creating) the cache directory and removes temp files of dead writers.
     pub fn open(cfg: CacheConfig, io: Arc<dyn CacheIo>, metrics: Arc<Metrics>) -> Result<Cache> {
-        for sub in ["shards", "tmp", "fetch"] {
-            let d = cfg.dir.join(sub);
-            fs::create_dir_all(&d).map_err(|e| Error::io(d.display(), e))?;
-        }
+        make_layout(&cfg.dir)?;
         let c = Cache {
             cfg,
             io,
@@ -149,9 +149,28 @@ impl Cache {
         self.cfg.dir.join("shards").join(id.file_name())
     }
 
+    /// Runs `op`; when it fails because a directory of the layout is gone, makes the layout
+    /// again and runs it once more (see the module docs, "Self-healing layout").
+    fn healing<T>(&self, op: impl Fn() -> std::io::Result<T>) -> std::io::Result<T> {
+        match op() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let missing = ["shards", "tmp", "fetch"]
+                    .iter()
+                    .any(|d| !self.cfg.dir.join(d).is_dir());
+                if !missing {
+                    return Err(e);
+                }
+                tracing::warn!(dir = %self.cfg.dir.display(), "the cache directory disappeared; made again (its shards are fetched again)");
+                make_layout(&self.cfg.dir).map_err(|e| std::io::Error::other(e.to_string()))?;
+                op()
+            }
+            r => r,
+        }
+    }
+
     fn admission_lock(&self) -> Result<FileLock> {
         let p = self.cfg.dir.join("lock");
-        FileLock::acquire(&p, true, true, true)
+        self.healing(|| FileLock::acquire(&p, true, true, true))
             .map_err(|e| Error::io(p.display(), e))?
             .ok_or_else(|| Error::io(p.display(), std::io::Error::other("lock not granted")))
     }
@@ -160,7 +179,7 @@ impl Cache {
     /// others wait and then read it from the cache.
     pub fn fetch_lock(&self, id: ShardId) -> Result<FetchGuard> {
         let p = self.cfg.dir.join("fetch").join(format!("{}.lock", id.file_name()));
-        FileLock::acquire(&p, true, true, true)
+        self.healing(|| FileLock::acquire(&p, true, true, true))
             .map_err(|e| Error::io(p.display(), e))?
             .map(FetchGuard)
             .ok_or_else(|| Error::io(p.display(), std::io::Error::other("lock not granted")))
@@ -170,7 +189,8 @@ impl Cache {
     /// caller polls, so a runtime thread never sleeps in `flock`).
     pub fn try_fetch_lock(&self, id: ShardId) -> Result<Option<FetchGuard>> {
         let p = self.cfg.dir.join("fetch").join(format!("{}.lock", id.file_name()));
-        Ok(FileLock::acquire(&p, true, false, true)
+        Ok(self
+            .healing(|| FileLock::acquire(&p, true, false, true))
             .map_err(|e| Error::io(p.display(), e))?
             .map(FetchGuard))
     }
@@ -254,7 +274,11 @@ impl Cache {
     fn temp_bytes(&self) -> Result<u64> {
         let d = self.cfg.dir.join("tmp");
         let mut n = 0;
-        for e in fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?.flatten() {
+        for e in self
+            .healing(|| fs::read_dir(&d))
+            .map_err(|e| Error::io(d.display(), e))?
+            .flatten()
+        {
             n += e.metadata().map(|m| m.len()).unwrap_or(0);
         }
         Ok(n)
@@ -263,7 +287,11 @@ impl Cache {
     fn entries(&self) -> Result<Vec<Entry>> {
         let d = self.cfg.dir.join("shards");
         let mut out = Vec::new();
-        for e in fs::read_dir(&d).map_err(|e| Error::io(d.display(), e))?.flatten() {
+        for e in self
+            .healing(|| fs::read_dir(&d))
+            .map_err(|e| Error::io(d.display(), e))?
+            .flatten()
+        {
             let name = e.file_name().to_string_lossy().into_owned();
             let (Some(id), Ok(m)) = (ShardId::parse(&name), e.metadata()) else {
                 continue;
@@ -312,13 +340,19 @@ impl Cache {
             // rename too: a scan reads `shards/` then `tmp/`, and a rename between the two
             // would hide the shard from both (a test with four processes admitting at once saw
             // the budget overshot by half a shard that way).
-            if let Err(e) = self.io.write_file(&tmp, data.clone()) {
+            if let Err(e) = self.healing(|| self.io.write_file(&tmp, data.clone())) {
                 let _ = fs::remove_file(&tmp);
                 Metrics::add(&self.metrics.cache_rejects, 1);
                 tracing::warn!(path = %tmp.display(), error = %e, "cache write failed; shard not cached");
                 return Ok(false);
             }
-            fs::rename(&tmp, &dest).map_err(|e| Error::io(dest.display(), e))?;
+            if let Err(e) = self.healing(|| fs::rename(&tmp, &dest)) {
+                // The cache is a copy: a shard it cannot keep is read from memory all the same.
+                let _ = fs::remove_file(&tmp);
+                Metrics::add(&self.metrics.cache_rejects, 1);
+                tracing::warn!(path = %dest.display(), error = %e, "cache rename failed; shard not cached");
+                return Ok(false);
+            }
         }
         Metrics::add(&self.metrics.cache_inserts, 1);
         Ok(true)
@@ -376,6 +410,15 @@ pub struct CachedShard {
 
 /// Deletes the corrupt copy at `path`; whoever's delete succeeds counts it and warns, naming
 /// the file (every way a corrupt copy leaves the cache goes through here).
+/// Makes the cache's layout under `dir` (what is there already is kept).
+fn make_layout(dir: &Path) -> Result<()> {
+    for sub in ["shards", "tmp", "fetch"] {
+        let d = dir.join(sub);
+        fs::create_dir_all(&d).map_err(|e| Error::io(d.display(), e))?;
+    }
+    Ok(())
+}
+
 fn delete_corrupt(path: &Path, metrics: &Metrics) {
     if fs::remove_file(path).is_ok() {
         Metrics::add(&metrics.cache_corrupt, 1);
@@ -570,6 +613,27 @@ mod tests {
             Err(e) => println!("SKIPPED io_uring cache path: unavailable here: {e}"),
         }
         v
+    }
+
+    /// Regression: deleting the cache directory under a running loader failed its reads with
+    /// an i/o error on `fetch/<shard>.lock` (reported as an origin error), and a daemon whose
+    /// cache directory was deleted never cached again. The next operation makes the layout again.
+    #[test]
+    fn a_cache_directory_deleted_under_a_running_cache_is_made_again() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("cache");
+        let c = cache(&root, 1 << 20, Arc::new(io::PreadIo));
+        let (id, data) = shard(7, 4);
+        assert!(c.insert(id, &data).unwrap());
+        fs::remove_dir_all(&root).unwrap();
+        assert!(c.get(id).unwrap().is_none(), "its shards are misses");
+        let _lock = c.fetch_lock(id).unwrap();
+        assert!(c.try_fetch_lock(shard(8, 2).0).unwrap().is_some());
+        assert!(c.insert(id, &data).unwrap(), "admitted again");
+        assert_eq!(&c.get(id).unwrap().unwrap()[..], &data[..]);
+        fs::remove_dir_all(root.join("shards")).unwrap();
+        assert_eq!(c.usage().unwrap(), 0);
+        assert!(root.join("shards").is_dir());
     }
 
     #[test]

@@ -26,12 +26,14 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+mod bounded;
 mod faulty;
 mod hash;
 mod pread;
 mod uring;
 
 pub use crate::buf::IO_ALIGN;
+pub use bounded::{read_file_bounded, read_file_bounded_async};
 pub use faulty::{Faults, FaultyIo};
 pub use pread::PreadIo;
 pub use uring::{io_threads, own_ring_on_this_thread, UringIo};

@@ -49,6 +49,9 @@ pub enum Step {
     /// It belongs to the next epoch (a consumer resumed with nothing left of its epoch): keep
     /// it for the next iteration, and end this one now.
     Defer,
+    /// Nothing to yield: the epoch ended without a batch for this consumer
+    /// ([`super::Next::EpochEnd`]), so the iteration ends now.
+    End,
 }
 
 impl Epochs {
@@ -114,6 +117,18 @@ impl Epochs {
             return Step::YieldLast;
         }
         Step::Yield
+    }
+
+    /// The running loader's epoch `end.epoch` ended with no batch for this consumer: the
+    /// iteration ends, and the next one reads the epoch after it, from its start.
+    pub fn on_epoch_end(&mut self, end: &mut super::EpochEnd) -> Step {
+        let topology = self.running.map(|(_, t)| t);
+        self.state = end.state.take().or(self.state.take());
+        self.resume = None;
+        self.resume_consumer = None;
+        self.epoch = end.epoch + 1;
+        self.running = topology.map(|t| (self.epoch, t));
+        Step::End
     }
 
     /// This consumer's state after the last batch it yielded, if any.
@@ -343,6 +358,25 @@ mod tests {
             "the running loader is in epoch 1 now"
         );
         assert_eq!(e.on_batch(&mut b), Step::Yield);
+    }
+
+    #[test]
+    fn an_epoch_that_ends_without_a_batch_ends_the_iteration_and_moves_to_the_next_epoch() {
+        let mut e = Epochs::new();
+        let topo = Topology::default();
+        e.start(&mut StreamConfig::default());
+        let mut end = super::super::EpochEnd {
+            epoch: 0,
+            state: Some(state(0, 0)),
+        };
+        assert_eq!(e.on_epoch_end(&mut end), Step::End);
+        assert_eq!(e.epoch(), 1, "the next iteration reads epoch 1");
+        assert!(!e.needs_start(&topo), "in the same loader");
+        assert_eq!(
+            e.consumer_state().unwrap().base.epoch,
+            0,
+            "the epoch's end is the state to save"
+        );
     }
 
     #[test]

@@ -17,9 +17,11 @@
 //! within its share of the host's memory budget; values the user set stay.
 //!
 //! A batch never spans two epochs: the last batch of an epoch may be short (or dropped with
-//! `drop_last`) and carries `end_of_epoch`. Each batch carries the stream's state after its
-//! last sample, so a consumer that saves the state of the last batch it used resumes exactly
-//! after it.
+//! `drop_last`) and carries `end_of_epoch`. An epoch that ends with no batch for this consumer
+//! (a share of no samples, or one shorter than a batch under `drop_last`) is handed out as
+//! [`Next::EpochEnd`], so the consumer's epoch ends instead of waiting for a batch that never
+//! comes. Each batch carries the stream's state after its last sample, so a consumer that
+//! saves the state of the last batch it used resumes exactly after it.
 
 use crate::error::Invalid;
 use std::collections::BTreeMap;
@@ -40,7 +42,7 @@ use crate::image::route::{Decoders as GpuDecoders, Path};
 use crate::image::{process, ImageSpec, OutType, SampleRng, Scratch, Slot};
 use crate::metrics::Metrics;
 use crate::stall::{self, ConsumerClock, Timeline, WaitOn};
-use crate::stream::{FirstGate, Opened, Sample, Stream, StreamConfig, StreamState};
+use crate::stream::{FirstGate, Item, Opened, Sample, Stream, StreamConfig, StreamState};
 use crate::tune::{Limit, Permit};
 
 pub use crate::buf::HostBuf;
@@ -337,12 +339,28 @@ struct Job {
     end_of_epoch: bool,
 }
 
-/// A finished batch by sequence number, with the permit that counts it as ahead of the
-/// consumer, and its way through the loader (for the consumer's wait: [`crate::stall`]).
-type Done = (u64, Result<Batch>, Option<Permit>, Option<Timeline>);
+/// The end of an epoch that gave this consumer no batch (see [`Next::EpochEnd`]).
+#[derive(Debug, Clone)]
+pub struct EpochEnd {
+    /// The epoch that ended.
+    pub epoch: u64,
+    /// The stream's state at its end.
+    pub state: Option<StreamState>,
+}
+
+/// What the reader hands to the consumer, in sequence.
+enum Out {
+    Batch(Batch),
+    EpochEnd(EpochEnd),
+}
+
+/// A finished batch (or an epoch's end) by sequence number, with the permit that counts it as
+/// ahead of the consumer, and its way through the loader (for the consumer's wait:
+/// [`crate::stall`]).
+type Done = (u64, Result<Out>, Option<Permit>, Option<Timeline>);
 
 /// A finished batch waiting for its turn ([`Done`] without its sequence number).
-type Waiting = (Result<Batch>, Option<Permit>, Option<Timeline>);
+type Waiting = (Result<Out>, Option<Permit>, Option<Timeline>);
 
 /// Batch assembly (decode, augment, collate into pooled buffers): the one implementation,
 /// used by the loader for whole batches on the decode pool and by random access (the Python
@@ -434,6 +452,9 @@ pub struct Loader {
 pub enum Next {
     /// A batch.
     Batch(Box<Batch>),
+    /// This consumer's epoch ended without a batch (nothing to read in it, or only a short
+    /// batch that `drop_last` dropped): the epoch's iteration is over, with no batch to yield.
+    EpochEnd(Box<EpochEnd>),
     /// No batch within the timeout; ask again.
     Pending,
     /// The stream ended (its `epochs` ran out).
@@ -669,19 +690,18 @@ impl Loader {
                 self.clock
                     .delivered(std::time::Instant::now(), tl.as_ref(), &self.metrics);
                 return match r {
-                    Ok(b) => {
+                    Ok(Out::EpochEnd(e)) => {
+                        consumer_at(&self.metrics, e.epoch, e.state.as_ref());
+                        Ok(Next::EpochEnd(Box::new(e)))
+                    }
+                    Ok(Out::Batch(b)) => {
                         if let Some(t) = self.started.take() {
                             tracing::debug!(ms = t.elapsed().as_secs_f64() * 1e3, "loader: first batch handed out");
                         }
                         // Counted on delivery, not on decode: the reader runs ahead into the
                         // next epoch, and its skips belong to batches not yet handed out.
                         Metrics::add(&self.metrics.samples_skipped, b.skipped.len() as u64);
-                        let m = &self.metrics;
-                        m.consumer_epoch.store(b.epoch, Ordering::Relaxed);
-                        if let Some(st) = &b.state {
-                            m.consumer_position.store(st.delivered, Ordering::Relaxed);
-                            m.consumer_epoch_len.store(st.len, Ordering::Relaxed);
-                        }
+                        consumer_at(&self.metrics, b.epoch, b.state.as_ref());
                         Ok(Next::Batch(Box::new(b)))
                     }
                     Err(e) => {
@@ -760,6 +780,8 @@ async fn read_loop(
     // This batch's read: when it began, and the reader's waits on each source until then.
     let mut read_start = std::time::Instant::now();
     let mut blocked_before = stall::read_waits(&ctx.metrics);
+    // The last epoch whose end went to the consumer (on a batch, or as an EpochEnd).
+    let mut ended: Option<u64> = None;
     loop {
         if stop.load(Ordering::Relaxed) {
             return;
@@ -768,8 +790,17 @@ async fn read_loop(
             panic!("injected reader panic after {read} samples");
         }
         read += 1;
-        let s = match stream.next_sample_async().await {
-            Ok(Some(s)) => s,
+        let s = match stream.next_item_async().await {
+            Ok(Some(Item::Sample(s))) => s,
+            Ok(Some(Item::EmptyEpoch { epoch })) => {
+                let end = EpochEnd {
+                    epoch,
+                    state: stream.state(),
+                };
+                hand_epoch_end(end, &mut seq, next, &permits, done, &mut first_gate).await;
+                ended = Some(epoch);
+                continue;
+            }
             Ok(None) => return,
             Err(e) => {
                 let _ = done.send((seq, Err(e), None, None));
@@ -793,7 +824,19 @@ async fn read_loop(
         let after = stall::read_waits(&ctx.metrics);
         let timeline = Timeline::read(read_start, std::time::Instant::now(), blocked_before, after);
         if samples.len() < bs && ctx.cfg.drop_last {
+            // A share shorter than one batch: the epoch still ends, with no batch.
+            if end_of_epoch && ended != Some(epoch) {
+                let end = EpochEnd {
+                    epoch,
+                    state: Some(state),
+                };
+                hand_epoch_end(end, &mut seq, next, &permits, done, &mut first_gate).await;
+                ended = Some(epoch);
+            }
             continue;
+        }
+        if end_of_epoch {
+            ended = Some(epoch);
         }
         let job = Job {
             seq,
@@ -831,6 +874,36 @@ async fn read_loop(
         read_start = std::time::Instant::now();
         blocked_before = stall::read_waits(&ctx.metrics);
     }
+}
+
+/// Records where the consumer is after what it was just handed: the epoch, its position and
+/// the epoch's length (the heartbeat and `metrics()` report them).
+fn consumer_at(m: &Metrics, epoch: u64, state: Option<&StreamState>) {
+    m.consumer_epoch.store(epoch, Ordering::Relaxed);
+    if let Some(st) = state {
+        m.consumer_position.store(st.delivered, Ordering::Relaxed);
+        m.consumer_epoch_len.store(st.len, Ordering::Relaxed);
+    }
+}
+
+/// Hands the consumer the end of an epoch that gave it no batch, in sequence, holding an
+/// `ahead` permit like a batch (so a run of empty epochs waits for the consumer instead of
+/// spinning). It opens the first-batch gate: there is no first batch to wait for.
+async fn hand_epoch_end(
+    end: EpochEnd,
+    seq: &mut u64,
+    next: &AtomicU64,
+    permits: &Permits,
+    done: &Sender<Done>,
+    first_gate: &mut Option<FirstGate>,
+) {
+    if let Some(g) = first_gate.take() {
+        g.open();
+    }
+    let ahead = permits.ahead.acquire().await;
+    let _ = done.send((*seq, Ok(Out::EpochEnd(end)), Some(ahead), None));
+    *seq += 1;
+    next.store(*seq, Ordering::SeqCst);
 }
 
 /// The loader's tuner: its bounds and what it measures (see [`crate::tune`]).
@@ -990,7 +1063,7 @@ fn decode_and_send(
     if let Some(g) = gate {
         g.open();
     }
-    let _ = done.send((seq, r, Some(ahead), Some(timeline)));
+    let _ = done.send((seq, r.map(Out::Batch), Some(ahead), Some(timeline)));
 }
 
 thread_local! {

@@ -339,10 +339,17 @@ pub fn real(name: &str, v: &Arg, lo: f64, hi: f64, lo_open: bool) -> Result<f64>
     };
     let above = if lo_open { lo < f } else { lo <= f };
     if !f.is_finite() || !above || f > hi {
+        // An open end prints as one (f64::MAX is 309 digits).
+        let end = |x: f64| match x {
+            x if x >= f64::MAX => "inf".to_owned(),
+            x if x <= -f64::MAX => "-inf".to_owned(),
+            x => x.to_string(),
+        };
+        let close = if hi >= f64::MAX { ")" } else { "]" };
         let interval = if lo_open {
-            format!("({lo}, {hi}]")
+            format!("({}, {}{close}", end(lo), end(hi))
         } else {
-            format!("[{lo}, {hi}]")
+            format!("[{}, {}{close}", end(lo), end(hi))
         };
         return bad(name, format!("must be a finite number in {interval}, not {v}"));
     }

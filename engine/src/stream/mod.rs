@@ -246,6 +246,18 @@ impl Default for StreamConfig {
     }
 }
 
+/// What [`Stream::next_item_async`] delivers.
+#[derive(Debug, Clone)]
+pub enum Item {
+    /// A sample.
+    Sample(Sample),
+    /// `epoch` has nothing (left) for this consumer and is over: [`Stream::state`] is its end.
+    EmptyEpoch {
+        /// The epoch.
+        epoch: u64,
+    },
+}
+
 /// One delivered sample.
 #[derive(Debug, Clone)]
 pub struct Sample {
@@ -608,6 +620,20 @@ impl Stream {
     /// [`Stream::next_sample`] for an async caller on the process runtime.
     pub async fn next_sample_async(&mut self) -> Result<Option<Sample>> {
         loop {
+            match self.next_item_async().await? {
+                Some(Item::Sample(s)) => return Ok(Some(s)),
+                Some(Item::EmptyEpoch { .. }) => continue,
+                None => return Ok(None),
+            }
+        }
+    }
+
+    /// The next sample, or the end of an epoch that has nothing (left) for this consumer;
+    /// `Ok(None)` after the last epoch. A consumer that cuts epochs into batches needs the
+    /// second: an epoch with no sample for it (more consumers than samples, a resume at the
+    /// end of its share) must end, and a stream of such epochs (`epochs: None`) must not spin.
+    pub async fn next_item_async(&mut self) -> Result<Option<Item>> {
+        loop {
             let exhausted = self.plan.as_ref().is_none_or(|p| self.cursor >= p.count());
             if !exhausted {
                 break;
@@ -619,7 +645,11 @@ impl Stream {
                 };
                 self.cursor = p.skip;
                 self.order_cursor = Some(p.order.cursor());
+                let (epoch, empty) = (p.epoch, p.skip >= p.count());
                 self.plan = Some(p);
+                if empty {
+                    return Ok(Some(Item::EmptyEpoch { epoch }));
+                }
                 continue;
             }
             if !self.recv().await? {
@@ -658,14 +688,14 @@ impl Stream {
         Metrics::add(&m.samples, 1);
         Metrics::add(&m.sample_bytes, record.len() as u64);
         let src = &self.shared.sources[id.source as usize];
-        Ok(Some(Sample {
+        Ok(Some(Item::Sample(Sample {
             epoch: plan.epoch,
             position,
             id,
             global_index: src.ds.manifest().shard_start(id.shard as usize)? + id.index as u64,
             record,
             schema: src.schema.clone(),
-        }))
+        })))
     }
 }
 

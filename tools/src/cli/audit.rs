@@ -49,7 +49,7 @@ enum Saved {
 /// Python `state_dict()` (`{"resume": "<json>"}` or a worker's `{"consumer": "<json>"}`), a
 /// job's resume JSON, or a consumer's state.
 fn read_saved(p: &std::path::Path) -> anyhow::Result<Saved> {
-    let text = std::fs::read(p).with_context(|| format!("read {}", p.display()))?;
+    let text = ramjet_engine::io::read_file_bounded(p, 1 << 30)?;
     let v: serde_json::Value = serde_json::from_slice(&text).with_context(|| format!("{}: not JSON", p.display()))?;
     let inner = |field: &str| -> anyhow::Result<Option<serde_json::Value>> {
         match v.get(field) {

@@ -48,8 +48,8 @@ pub struct Args {
     #[arg(long = "column", value_name = "NAME:TYPE")]
     pub column_types: Vec<String>,
     /// A Hugging Face tokenizer.json (a local file): the JSONL's --text-column is tokenized
-    /// in parallel and stored as a `tokens` array column in its place (uint16 ids for a
-    /// vocabulary of at most 65,536, else uint32); the manifest's meta.tokenizer records the
+    /// in parallel and stored as a `tokens` array column in its place (uint16 ids when its
+    /// largest id is at most 65,535, else uint32); the manifest's meta.tokenizer records the
     /// file's checksum and its end-of-document token (docs/python.md, "Token streams").
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<String>,

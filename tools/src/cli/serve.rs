@@ -187,10 +187,11 @@ pub fn serve_cmd(a: ServeArgs) -> anyhow::Result<ExitCode> {
     );
     if let Some(at) = d.http_addr() {
         // The page's URL: with the read credential when this port asks for one.
-        let host = if at.ip().is_unspecified() {
-            hostname().unwrap_or_else(|| "localhost".into())
-        } else {
-            at.ip().to_string()
+        let host = match at.ip() {
+            ip if ip.is_unspecified() => hostname().unwrap_or_else(|| "localhost".into()),
+            // An IPv6 address goes in brackets in a URL (RFC 3986).
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
         };
         let guarded = !at.ip().is_loopback() && key.is_some();
         let q = key

@@ -127,6 +127,12 @@ fn wait_ready(hosts: &[String], timeout: std::time::Duration) -> anyhow::Result<
     }
 }
 
+/// The most bytes `ramjet stats` reads of one answer (a 1,000-member `/cluster` is a few MB).
+const STATS_RESPONSE_BYTES_MAX: u64 = 64 << 20;
+
+/// The longest `ramjet stats` waits for one whole answer.
+const STATS_RESPONSE_TIME_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// GET over plain HTTP/1.1 (the daemons' stats port): the status code and body.
 fn http_get_any(host: &str, path: &str) -> anyhow::Result<(u16, String)> {
     use std::io::{Read, Write};
@@ -143,10 +149,31 @@ fn http_get_any(host: &str, path: &str) -> anyhow::Result<(u16, String)> {
         .unwrap_or_default();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nhost: {sock}\r\n{auth}connection: close\r\n\r\n"
     )?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
+    // Bounded in bytes and in time: a hostile or broken server can neither fill this
+    // process's memory (it buffered 1.86 GB in 4 s) nor trickle a byte every 29 s forever.
+    let deadline = std::time::Instant::now() + STATS_RESPONSE_TIME_MAX;
+    let mut raw = Vec::new();
+    let mut chunk = [0u8; 64 << 10];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        anyhow::ensure!(
+            !left.is_zero(),
+            "{addr}{path}: no complete answer within {STATS_RESPONSE_TIME_MAX:?}"
+        );
+        s.set_read_timeout(Some(left.min(std::time::Duration::from_secs(30))))?;
+        let n = s.read(&mut chunk).with_context(|| format!("read {addr}{path}"))?;
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&chunk[..n]);
+        anyhow::ensure!(
+            raw.len() as u64 <= STATS_RESPONSE_BYTES_MAX,
+            "{addr}{path}: the answer is larger than {STATS_RESPONSE_BYTES_MAX} bytes; refused"
+        );
+    }
+    let resp = String::from_utf8(raw).with_context(|| format!("{addr}{path}: the answer is not UTF-8"))?;
     let (head, body) = resp.split_once("\r\n\r\n").context("malformed HTTP response")?;
     let code = head
         .split_whitespace()

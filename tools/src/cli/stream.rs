@@ -145,19 +145,22 @@ fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
 /// The stream's configuration from the command's arguments (the topology from the
 /// environment where the arguments leave it out).
 fn stream_config(a: &StreamArgs) -> anyhow::Result<StreamConfig> {
-    let env_topo = Topology::from_env();
-    let world = a.world.unwrap_or(env_topo.world);
+    // Arguments and the environment are checked alike, a contradiction named (launch.rs).
+    let given = ramjet_engine::launch::Given {
+        rank: a.rank,
+        world: a.world,
+        dist: None,
+    };
+    let l = ramjet_engine::launch::resolve_env(&given)?;
     let topology = Topology {
-        rank: a.rank.unwrap_or(env_topo.rank),
-        world,
+        rank: l.rank,
+        world: l.world,
         worker: a.worker,
         workers: a.workers,
-        ..env_topo
+        local_rank: l.local_rank,
+        local_world: l.local_world,
     };
-    anyhow::ensure!(
-        topology.rank < world && a.worker < a.workers,
-        "rank/worker out of range"
-    );
+    topology.check()?;
     let mut cfg = StreamConfig::new(a.urls[0].clone());
     cfg.sources = a
         .urls
@@ -213,8 +216,7 @@ pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
     let mut out_len = 0u64;
     if a.resume {
         let p = a.state.as_ref().context("--resume needs --state")?;
-        let saved: SavedState =
-            serde_json::from_slice(&std::fs::read(p).with_context(|| format!("read {}", p.display()))?)?;
+        let saved: SavedState = serde_json::from_slice(&ramjet_engine::io::read_file_bounded(p, 256 << 20)?)?;
         cfg.resume = Some(StreamState::job_progress(std::slice::from_ref(&saved.state))?);
         out_len = saved.out_len;
     }

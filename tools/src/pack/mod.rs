@@ -107,8 +107,8 @@ pub struct PackOptions {
     /// numbers (nested for more axes).
     pub column_types: Vec<String>,
     /// A Hugging Face `tokenizer.json` (a local file): the JSONL column `text_column` is
-    /// tokenized and stored as a `tokens` array column in its place (`uint16[?]` for a
-    /// vocabulary of at most 65,536 ids, else `uint32[?]`).
+    /// tokenized and stored as a `tokens` array column in its place (`uint16[?]` when the
+    /// tokenizer's largest id is at most 65,535, else `uint32[?]`).
     pub tokenizer: Option<String>,
     /// The column `tokenizer` reads.
     pub text_column: String,

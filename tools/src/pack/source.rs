@@ -20,6 +20,11 @@ use ramjet_engine::{Error, Result, Store};
 /// Whole objects a worker fetches at once from an object store (each worker builds one shard).
 pub const FETCH_IN_FLIGHT: usize = 32;
 
+/// The most bytes one local input file (an image, a `.npy`, a label file) may hold: a path a
+/// row names may be `/dev/zero`, a FIFO or a huge file, and is read only when it is a regular
+/// file of at most this size ([`ramjet_engine::io::read_file_bounded`]).
+pub const INPUT_FILE_BYTES_MAX: u64 = 4 << 30;
+
 /// The root of a pack's input.
 #[derive(Clone)]
 pub enum Root {
@@ -109,10 +114,7 @@ impl Source {
     /// Reads one input whole.
     pub fn read(&self, rt: &tokio::runtime::Runtime, key: &str) -> Result<Vec<u8>> {
         match &self.root {
-            Root::Local(d) => {
-                let p = d.join(key);
-                fs::read(&p).map_err(|e| Error::io(p.display(), e))
-            }
+            Root::Local(d) => ramjet_engine::io::read_file_bounded(&d.join(key), INPUT_FILE_BYTES_MAX),
             Root::Store(s) => Ok(Vec::from(rt.block_on(s.get(key))?)),
         }
     }
@@ -201,7 +203,7 @@ impl Source {
     }
 
     async fn fetch_ref(&self, name: &str) -> Result<Vec<u8>> {
-        let local = |p: PathBuf| async move { tokio::fs::read(&p).await.map_err(|e| Error::io(p.display(), e)) };
+        let local = |p: PathBuf| ramjet_engine::io::read_file_bounded_async(p, INPUT_FILE_BYTES_MAX);
         if name.is_empty() {
             return Err(Error::invalid("image", "no image named (an empty string)"));
         }

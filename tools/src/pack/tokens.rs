@@ -36,8 +36,11 @@ pub struct Tok {
     pub file: String,
     /// XXH3-64 of its file, 16 hex digits.
     pub checksum: String,
-    /// Ids it can give (added tokens included).
+    /// Entries of its vocabulary (added tokens included).
     pub vocab: usize,
+    /// The largest id it can give (added tokens included): what the ids' element type must
+    /// hold. Ids need not be dense, so this can be far above `vocab`.
+    pub max_id: u32,
     /// Its end-of-document token and id, if it has one of [`EOS_NAMES`].
     pub eos: Option<(String, u32)>,
 }
@@ -45,13 +48,16 @@ pub struct Tok {
 impl Tok {
     /// Loads `path` (a local `tokenizer.json`).
     pub fn load(path: &str) -> Result<Tok> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(format!("--tokenizer {path}"), e))?;
+        // A tokenizer.json is megabytes; a path naming a device or a FIFO is refused.
+        let bytes = ramjet_engine::io::read_file_bounded(std::path::Path::new(path), 1 << 30)
+            .map_err(|e| Error::invalid(format!("--tokenizer {path}"), e.to_string()))?;
         let tokenizer = Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::invalid(format!("--tokenizer {path}"), format!("not a tokenizer.json: {e}")))?;
         let vocab = tokenizer.get_vocab_size(true);
         if vocab == 0 {
             return Err(Error::invalid(format!("--tokenizer {path}"), "its vocabulary is empty"));
         }
+        let max_id = tokenizer.get_vocab(true).into_values().max().unwrap_or(0);
         let eos = EOS_NAMES
             .iter()
             .find_map(|n| tokenizer.token_to_id(n).map(|id| ((*n).to_owned(), id)));
@@ -60,13 +66,14 @@ impl Tok {
             file: path.rsplit('/').next().unwrap_or(path).to_owned(),
             checksum: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)),
             vocab,
+            max_id,
             eos,
         })
     }
 
-    /// The element type its ids are stored in: the narrowest that holds every id.
+    /// The element type its ids are stored in: the narrowest that holds its largest id.
     pub fn dtype(&self) -> Dtype {
-        if self.vocab <= 1 << 16 {
+        if self.max_id <= u16::MAX as u32 {
             Dtype::U16
         } else {
             Dtype::U32
@@ -116,6 +123,7 @@ pub fn tokenized_schema(input: &Schema, text_column: &str, tok: &Tok, display: &
     info.insert("file".into(), Json::from(tok.file.clone()));
     info.insert("checksum".into(), Json::from(tok.checksum.clone()));
     info.insert("vocab_size".into(), Json::from(tok.vocab));
+    info.insert("max_id".into(), Json::from(tok.max_id));
     info.insert("text_column".into(), Json::from(text_column));
     info.insert("column".into(), Json::from(TOKENS_COLUMN));
     info.insert("dtype".into(), Json::from(tok.dtype().name()));
@@ -229,6 +237,17 @@ impl Tokenize {
             match encoded.next().expect("one encoding a text") {
                 Ok(e) => {
                     let ids = e.get_ids();
+                    // Every id fits the dtype chosen from the largest (checked, never wrapped).
+                    if let Some(&bad) = ids.iter().find(|&&x| x > self.tok.max_id) {
+                        *r = Err(Error::invalid(
+                            what(*n),
+                            format!(
+                                "--tokenizer gave id {bad}, above its vocabulary's largest, {}",
+                                self.tok.max_id
+                            ),
+                        ));
+                        continue;
+                    }
                     let mut data = Vec::with_capacity(ids.len() * self.dtype.size());
                     match self.dtype {
                         Dtype::U16 => ids

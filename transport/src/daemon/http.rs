@@ -22,8 +22,9 @@ type Resp = hyper::Response<http_body_util::Full<Bytes>>;
 
 /// Serves the HTTP port (see the module docs). Read-only: the ring is frozen and unfrozen over
 /// the Unix socket, which only this user can reach. `/ready` answers 200 when this daemon is a
-/// member and has just completed an authenticated handshake with every other member, else
-/// 503; both with a [`ReadyDoc`](crate::ReadyDoc).
+/// member and completed an authenticated handshake with every other member in its last probe
+/// (at most a few seconds old: `super::ready`), else 503; both with a
+/// [`ReadyDoc`](crate::ReadyDoc).
 pub(super) async fn serve_http(inner: Arc<Inner>, l: TcpListener) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     loop {
@@ -85,11 +86,37 @@ fn valid(inner: &Inner, token: &str) -> bool {
     inner.cfg.api_key.as_ref().is_some_and(|k| k.check_http_token(token))
 }
 
+/// Whether the request reads (`GET`, or `HEAD`: the same answer without its body, which hyper
+/// leaves out).
+fn reads<B>(req: &hyper::Request<B>) -> bool {
+    matches!(*req.method(), hyper::Method::GET | hyper::Method::HEAD)
+}
+
+/// Whether `Host` names this daemon by address: an IP literal (with or without a port) or
+/// `localhost`. On a port without a credential this is what stops DNS rebinding: a page on
+/// `evil.example` that rebinds its name to 127.0.0.1 sends `Host: evil.example`, and gets
+/// nothing. A request without `Host` (HTTP/1.0) is refused too.
+fn host_is_an_address<B>(req: &hyper::Request<B>) -> bool {
+    let Some(h) = req.headers().get(hyper::header::HOST).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let h = h.trim();
+    if h.parse::<std::net::SocketAddr>().is_ok() || h.parse::<std::net::IpAddr>().is_ok() {
+        return true;
+    }
+    let name = h
+        .rsplit_once(':')
+        .map_or(h, |(n, port)| if port.parse::<u16>().is_ok() { n } else { h });
+    let name = name.trim_start_matches('[').trim_end_matches(']');
+    name.parse::<std::net::IpAddr>().is_ok() || name.eq_ignore_ascii_case("localhost")
+}
+
 async fn route<B>(inner: &Arc<Inner>, req: &hyper::Request<B>) -> Resp {
-    use hyper::{Method, StatusCode};
+    use hyper::StatusCode;
     let path = req.uri().path();
-    if req.method() == Method::GET && path == "/ready" {
-        let d = inner.ready_doc().await;
+    if reads(req) && path == "/ready" {
+        let wait = inner.link.peer_timeout + Duration::from_secs(1);
+        let d = inner.readiness.answer(&inner.me, wait).await;
         let status = if d.ready {
             StatusCode::OK
         } else {
@@ -101,8 +128,17 @@ async fn route<B>(inner: &Arc<Inner>, req: &hyper::Request<B>) -> Resp {
             serde_json::to_string_pretty(&d).expect("json"),
         );
     }
-    if req.method() == Method::GET && path == "/health" {
+    if reads(req) && path == "/health" {
         return response(StatusCode::OK, "text/plain", "ok\n".into());
+    }
+    if !guarded(inner) && !host_is_an_address(req) {
+        return response(
+            StatusCode::FORBIDDEN,
+            "text/plain",
+            "403: on a port without a credential only a Host that is an IP address or localhost is \
+             served (a guard against DNS rebinding); open the dashboard by its address\n"
+                .into(),
+        );
     }
     if guarded(inner) {
         // A browser opens the printed URL with `?token=`: the cookie is set, and the token
@@ -132,7 +168,7 @@ async fn route<B>(inner: &Arc<Inner>, req: &hyper::Request<B>) -> Resp {
                 .expect("valid response");
         }
     }
-    if req.method() == Method::GET && path == "/cluster" {
+    if reads(req) && path == "/cluster" {
         let d = inner.cluster().await;
         return response(
             StatusCode::OK,
@@ -145,7 +181,8 @@ async fn route<B>(inner: &Arc<Inner>, req: &hyper::Request<B>) -> Resp {
 
 pub(super) fn http_route<B>(inner: &Inner, req: &hyper::Request<B>) -> Resp {
     use hyper::{Method, StatusCode};
-    let (status, ctype, body) = match (req.method(), req.uri().path()) {
+    let method = if reads(req) { &Method::GET } else { req.method() };
+    let (status, ctype, body) = match (method, req.uri().path()) {
         (&Method::GET, "/stats") => (
             StatusCode::OK,
             "application/json",

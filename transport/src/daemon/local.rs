@@ -264,6 +264,7 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 };
                 wire::write_msg(&mut s, &reply).await?;
             }
+            Msg::Ping => wire::write_msg(&mut s, &Msg::Ok).await?,
             Msg::Freeze => {
                 inner.membership.write().expect("membership lock").freeze();
                 *held += 1;

@@ -28,6 +28,7 @@ mod http;
 mod jobs;
 mod local;
 mod peers;
+mod ready;
 mod validate;
 
 use budget::{Budget, Class, Permit};
@@ -94,6 +95,8 @@ struct Inner {
     transport: Box<dyn PeerTransport>,
     /// Peer link settings, for the readiness probe's handshakes.
     link: LinkConfig,
+    /// `/ready`'s last probe of the members (`ready`).
+    readiness: ready::Readiness,
     /// The device this owner writes shards from, when it runs the RDMA transport.
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
@@ -204,6 +207,15 @@ impl Daemon {
                     ),
                 ));
             }
+            if !a.ip().is_loopback() && cfg.api_key.as_ref().is_some_and(|k| !k.strong()) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "refusing to listen for peers on {a} with a weak RAMJET_API_KEY: it must hold at least {} bytes that are not blanks (for example `openssl rand -hex 32`)",
+                        crate::wire::API_KEY_BYTES_MIN
+                    ),
+                ));
+            }
         }
         let rt = ramjet_engine::rt::handle().map_err(std::io::Error::other)?;
         let metrics = Arc::new(Metrics::default());
@@ -260,6 +272,7 @@ impl Daemon {
             peers: Mutex::default(),
             transport,
             link,
+            readiness: Default::default(),
             #[cfg(feature = "rdma")]
             rdma,
             started: Instant::now(),
@@ -285,6 +298,7 @@ impl Daemon {
             inner.spawn(serve_http(inner.clone(), l));
         }
         inner.spawn(cluster::sample_rates(inner.clone()));
+        inner.spawn(ready::probe_members(inner.clone()));
         if let Some(f) = inner.cfg.peers_file.clone() {
             inner.spawn(watch_members(inner.clone(), f));
         }
@@ -462,10 +476,10 @@ impl Inner {
 }
 
 impl Inner {
-    /// `/ready`: this daemon is in its own member list, and every other member completes an
-    /// authenticated handshake now (all at once, each within the peer timeout). A member that
-    /// does not is named with the reason. The probe leaves the peers' health in `/stats` as
-    /// the fetches set it.
+    /// The readiness probe (run by `ready::probe_members`, never by a request): this daemon is
+    /// in its own member list, and every other member completes an authenticated handshake now
+    /// (all at once, each within the peer timeout). A member that does not is named with the
+    /// reason. The probe leaves the peers' health in `/stats` as the fetches set it.
     async fn ready_doc(self: &Arc<Self>) -> ReadyDoc {
         let (ring_version, members) = {
             let m = self.membership.read().expect("membership lock");

@@ -49,7 +49,9 @@ pub(super) async fn serve_peers(inner: Arc<Inner>, l: TcpListener) {
 /// connection failed.
 async fn handshake(inner: &Inner, s: &mut TcpStream, from: SocketAddr) -> std::io::Result<Option<wire::Session>> {
     let hs = tokio::time::timeout(inner.cfg.handshake_timeout, wire::accept(s, inner.cfg.api_key.as_ref())).await;
-    if !matches!(hs, Ok(Ok(_))) {
+    if matches!(hs, Ok(Ok(_))) {
+        inner.stats.handshakes.fetch_add(1, Ordering::Relaxed);
+    } else {
         inner.stats.auth_refused.fetch_add(1, Ordering::Relaxed);
     }
     match hs {

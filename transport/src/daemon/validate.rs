@@ -36,8 +36,20 @@ impl Inner {
         if path.split('/').any(|seg| seg == ".." || seg == ".") || !names_dataset {
             return bad("not a manifest path (path traversal, or neither .json nor a foreign source)");
         }
-        if !self.cfg.allow_prefixes.is_empty() && !self.cfg.allow_prefixes.iter().any(|p| url_under(manifest_url, p)) {
-            return bad("outside the allowed prefixes");
+        if !self.cfg.allow_prefixes.is_empty() {
+            // A local path is judged by where it really is: a symbolic link inside an allowed
+            // folder must not serve what lies outside it.
+            let real = match real_file_url(manifest_url) {
+                Ok(u) => u,
+                Err(why) => return bad(&why),
+            };
+            let under = |p: &String| {
+                let p = real_file_url(p).unwrap_or_else(|_| p.clone());
+                url_under(&real, &p)
+            };
+            if !self.cfg.allow_prefixes.iter().any(under) {
+                return bad("outside the allowed prefixes (symbolic links resolved)");
+            }
         }
         let (mut ds, fresh) = self.dataset(manifest_url, false).await?;
         let matches = |ds: &Dataset| {
@@ -130,4 +142,18 @@ impl Inner {
     pub(super) fn datasets_open(&self) -> usize {
         self.datasets.lock().expect("datasets lock").len()
     }
+}
+
+/// `url` with its path resolved when it is a `file://` URL (symbolic links followed, as
+/// `realpath` does); any other URL as it is. A local path that cannot be resolved (missing) is
+/// an error saying so.
+fn real_file_url(url: &str) -> Result<String, String> {
+    let Some(path) = url.strip_prefix("file://") else {
+        return Ok(url.to_owned());
+    };
+    let real = std::fs::canonicalize(path).map_err(|e| format!("cannot resolve {path}: {e}"))?;
+    let real = real
+        .to_str()
+        .ok_or_else(|| format!("{} is not UTF-8", real.display()))?;
+    Ok(format!("file://{real}"))
 }
