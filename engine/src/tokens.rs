@@ -756,7 +756,7 @@ impl Cutter {
             };
             self.columns[source] = Some(kind);
             self.vocab_maxes[source] = vocab_max(self.stream.dataset(source), &self.opts.column);
-            self.check_fill_tokens(source, kind.1.or(self.bytes_dtype))?;
+            self.check_eos(source, kind.1.or(self.bytes_dtype))?;
         }
         let (col, _) = self.columns[source].expect("set above");
         let values = sample.values()?;
@@ -1071,24 +1071,24 @@ fn materialize(pieces: &[Piece], dtype: TokenDtype, column: &str) -> Result<Toke
 }
 
 impl Cutter {
-    /// `eos` and `pad` must be ids source `source`'s documents can hold: at most its tokenizer's
-    /// largest id when recorded, else the column's element type's largest (a uint16 column's
-    /// eos of 2**40 is an id no embedding of its vocabulary has).
-    fn check_fill_tokens(&self, source: usize, dtype: Option<Dtype>) -> Result<()> {
+    /// `eos` must be an id source `source`'s documents can hold: at most its tokenizer's largest
+    /// id when recorded, else the column's element type's largest (a uint16 column's eos of
+    /// 2**40 is an id no embedding of its vocabulary has). `pad` is not held to it: it fills
+    /// only the positions `lengths` marks as padding, and is often chosen outside the
+    /// vocabulary on purpose.
+    fn check_eos(&self, source: usize, dtype: Option<Dtype>) -> Result<()> {
         let (bound, why) = match (self.vocab_maxes[source], dtype) {
             (Some(m), _) => (m as i128, "its tokenizer's largest id, recorded by pack --tokenizer"),
             (None, Some(d)) => (int_max(d), "the largest its token column's element type holds"),
             (None, None) => return Ok(()),
         };
-        for (what, v) in [("eos", self.opts.eos), ("pad", self.opts.pad)] {
-            if let Some(v) = v.filter(|&v| v as i128 > bound) {
-                return Err(Error::invalid(
-                    what,
-                    format!("token {v} is above {bound}, {why} (source {source})"),
-                ));
-            }
+        match self.opts.eos.filter(|&v| v as i128 > bound) {
+            Some(v) => Err(Error::invalid(
+                "eos",
+                format!("token {v} is above {bound}, {why} (source {source})"),
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 

@@ -174,13 +174,22 @@ pub struct Daemon {
     http_addr: Option<SocketAddr>,
 }
 
+/// The most bytes a members file may hold (a 10,000-member ring is a few hundred KB).
+const MEMBERS_FILE_BYTES_MAX: u64 = 16 << 20;
+
+/// The text of the members file `f`: a regular file of at most [`MEMBERS_FILE_BYTES_MAX`].
+fn members_text(f: &Path) -> std::io::Result<String> {
+    let b = ramjet_engine::io::read_file_bounded(f, MEMBERS_FILE_BYTES_MAX).map_err(std::io::Error::other)?;
+    String::from_utf8(b)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {e}", f.display())))
+}
+
 /// The ring's members at start: `--peers-file` when given (it is watched afterwards), else
 /// `--peers`, else this daemon alone.
 fn first_members(cfg: &DaemonConfig, me: &String) -> std::io::Result<Vec<String>> {
     let mut members = cfg.peers.clone();
     if let Some(f) = &cfg.peers_file {
-        let text = std::fs::read_to_string(f)?;
-        members = read_members(&text).map_err(std::io::Error::other)?;
+        members = read_members(&members_text(f)?).map_err(std::io::Error::other)?;
     }
     if members.is_empty() {
         members.push(me.clone());
@@ -515,7 +524,8 @@ async fn watch_members(inner: Arc<Inner>, path: PathBuf) {
     let mut last = String::new();
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let Ok(text) = tokio::fs::read_to_string(&path).await else {
+        let p = path.clone();
+        let Ok(Ok(text)) = tokio::task::spawn_blocking(move || members_text(&p)).await else {
             continue;
         };
         if text == last {
