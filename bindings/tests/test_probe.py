@@ -363,9 +363,9 @@ def test_a_token_state_of_another_dataset_is_refused_naming_the_sources(tmp_path
 
 def test_a_weak_key_is_refused_off_loopback(tmp_path):
     sock = tmp_path / "w.sock"
-    for key in (" ", "a", "short-key"):
+    for key, port in ((" ", "--listen"), ("a", "--listen"), ("short-key", "--listen"), ("a", "--http")):
         env = dict(os.environ, RAMJET_API_KEY=key)
-        out = fails("serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "c"), "--listen", "0.0.0.0:0",
+        out = fails("serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "c"), port, "0.0.0.0:0",
                     env=env, timeout=60)
         assert "weak RAMJET_API_KEY" in out and "16 bytes" in out, out
 

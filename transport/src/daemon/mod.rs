@@ -216,11 +216,18 @@ impl Daemon {
                     ),
                 ));
             }
-            if !a.ip().is_loopback() && cfg.api_key.as_ref().is_some_and(|k| !k.strong()) {
+        }
+        // A key that guards a port others can reach (peers, or the HTTP credential) must be
+        // one nobody guesses.
+        for (what, a) in [("peers", cfg.listen), ("HTTP", cfg.http)] {
+            let Some(a) = a.filter(|a| !a.ip().is_loopback()) else {
+                continue;
+            };
+            if cfg.api_key.as_ref().is_some_and(|k| !k.strong()) {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
                     format!(
-                        "refusing to listen for peers on {a} with a weak RAMJET_API_KEY: it must hold at least {} bytes that are not blanks (for example `openssl rand -hex 32`)",
+                        "refusing to serve {what} on {a} with a weak RAMJET_API_KEY: it must hold at least {} bytes that are not blanks (for example `openssl rand -hex 32`)",
                         crate::wire::API_KEY_BYTES_MIN
                     ),
                 ));
