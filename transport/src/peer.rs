@@ -190,7 +190,12 @@ impl TcpTransport {
         let n = get.bytes as usize;
         // SAFETY: every byte of the buffer is written by the reads below before it is used;
         // a short read returns an error and the buffer is dropped unread.
-        let mut buf = unsafe { ramjet_engine::buf::BufPool::global().take(n) };
+        let Some(mut buf) = (unsafe { ramjet_engine::buf::BufPool::global().try_take(n) }) else {
+            return Err(Error::Internal(format!(
+                "no memory for {} ({n} bytes) from peer {peer}",
+                get.what
+            )));
+        };
         let dst = buf.as_mut_slice();
         let mut off = 0;
         let limit = self.cfg.transfer_deadline(get.bytes);

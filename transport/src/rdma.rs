@@ -382,7 +382,12 @@ impl RdmaTransport {
         let n = get.bytes as usize;
         // SAFETY: the owner writes every byte of the buffer before it replies `data`; on any
         // other reply the buffer is dropped unread.
-        let mut buf = unsafe { ramjet_engine::buf::BufPool::global().take(n) };
+        let Some(mut buf) = (unsafe { ramjet_engine::buf::BufPool::global().try_take(n) }) else {
+            return Err(Error::Internal(format!(
+                "no memory for {} ({n} bytes) from peer {peer}",
+                get.what
+            )));
+        };
         let dst = buf.as_mut_slice();
         // SAFETY: `buf` outlives the region: the region is dropped below, before the buffer is
         // returned or dropped, and the owner is done writing once it has replied.

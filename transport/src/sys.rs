@@ -207,7 +207,12 @@ pub fn read_private(f: &File, len: u64) -> io::Result<Bytes> {
     }
     let n = usize::try_from(len).map_err(|_| io::Error::other("shard larger than memory"))?;
     // SAFETY: read_exact_at fills all of [0, n) or fails, and then the buffer is dropped unread.
-    let mut buf = unsafe { ramjet_engine::buf::BufPool::global().take(n) };
+    let mut buf = unsafe { ramjet_engine::buf::BufPool::global().try_take(n) }.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::OutOfMemory,
+            format!("no memory for a shard of {len} bytes"),
+        )
+    })?;
     f.read_exact_at(buf.as_mut_slice(), 0).map_err(|e| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
             io::Error::new(io::ErrorKind::UnexpectedEof, "the file was truncated while being read")

@@ -34,6 +34,15 @@ mod uring;
 
 pub use crate::buf::IO_ALIGN;
 pub use bounded::{read_file_bounded, read_file_bounded_async};
+
+/// The error for a buffer of `len` bytes that could not be had (an address-space limit, a
+/// cgroup): a size that comes from a file must fail as an error, never abort the process.
+pub(crate) fn no_memory(len: usize) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::OutOfMemory,
+        format!("no memory for a buffer of {len} bytes"),
+    )
+}
 pub use faulty::{Faults, FaultyIo};
 pub use pread::PreadIo;
 pub use uring::{io_threads, own_ring_on_this_thread, UringIo};

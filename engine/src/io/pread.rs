@@ -8,7 +8,7 @@ use std::path::Path;
 use bytes::Bytes;
 
 use super::hash::ChunkHasher;
-use super::{CacheIo, IO_CHUNK_BYTES};
+use super::{no_memory, CacheIo, IO_CHUNK_BYTES};
 use crate::buf::BufPool;
 
 /// `pread`/`pwrite`, buffered through the page cache.
@@ -23,7 +23,7 @@ impl CacheIo for PreadIo {
         let f = File::open(path)?;
         let len = f.metadata()?.len() as usize;
         // SAFETY: read_exact_at fills all of [0, len) or fails, and the buffer is dropped unread.
-        let mut buf = unsafe { BufPool::global().take(len) };
+        let mut buf = unsafe { BufPool::global().try_take(len) }.ok_or_else(|| no_memory(len))?;
         let mut h = ChunkHasher::new(len, hash_skip_tail);
         let dst = buf.as_mut_slice();
         let mut off = 0;

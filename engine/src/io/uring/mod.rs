@@ -284,7 +284,7 @@ impl CacheIo for UringIo {
         let len = f.metadata()?.len() as usize;
         // SAFETY: every byte of [0, len) is written by the reads below, each checked to be
         // complete; on any error the buffer is dropped unread (or leaked, if the ring is stuck).
-        let out = unsafe { BufPool::global().take(len) };
+        let out = unsafe { BufPool::global().try_take(len) }.ok_or_else(|| super::no_memory(len))?;
         let hasher = ChunkHasher::new(len, hash_skip_tail);
         // The job owns the file, the destination and the hasher, and hands them back.
         let (out, hasher) = self.on_ring(path, move |ring| read_on_ring(ring, f, direct, len, out, hasher))?;
