@@ -133,6 +133,12 @@ fn agree(a: &RankWorld, b: &RankWorld) -> Result<()> {
     Ok(())
 }
 
+/// Whether this process runs in an `srun` step (`SLURM_STEP_ID` set): only then do Slurm's
+/// task variables describe this process rather than the allocation.
+fn in_srun_step(env: &dyn Fn(&str) -> Option<String>) -> bool {
+    env("SLURM_STEP_ID").is_some_and(|v| !v.trim().is_empty())
+}
+
 /// The job as the launcher's environment states it: torchrun's variables, else Slurm's inside
 /// an `srun` step (`SLURM_STEP_ID` set: a batch script's own environment names the allocation,
 /// not this process). When both are set with the same world size (one task per rank, as
@@ -140,8 +146,7 @@ fn agree(a: &RankWorld, b: &RankWorld) -> Result<()> {
 /// per node, torchrun's world larger) is not a contradiction.
 pub fn env_job(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<RankWorld>> {
     let torchrun = pair(env, "RANK", "WORLD_SIZE")?;
-    let in_step = env("SLURM_STEP_ID").is_some_and(|v| !v.trim().is_empty());
-    let slurm = if in_step {
+    let slurm = if in_srun_step(env) {
         pair(env, "SLURM_PROCID", "SLURM_NTASKS")?
     } else {
         None
@@ -167,7 +172,7 @@ fn local(env: &dyn Fn(&str) -> Option<String>, world: usize) -> Result<(usize, u
         ),
         (None, Some(w)) => (0, w, ("LOCAL_RANK", "LOCAL_WORLD_SIZE")),
         (None, None) => match (count(env, "SLURM_LOCALID")?, tasks_per_node(env)?) {
-            (Some(r), Some(w)) if env("SLURM_STEP_ID").is_some() => (r, w, ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")),
+            (Some(r), Some(w)) if in_srun_step(env) => (r, w, ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")),
             _ => (0, 1, ("LOCAL_RANK", "LOCAL_WORLD_SIZE")),
         },
     };

@@ -204,21 +204,6 @@ impl Default for Topology {
 }
 
 impl Topology {
-    /// Rank and world from the launcher's environment (torchrun's variables, or Slurm's in an
-    /// `srun` step), one worker; a bad or contradictory value is an error naming it
-    /// ([`crate::launch`]).
-    pub fn from_env() -> Result<Topology> {
-        let l = crate::launch::resolve_env(&crate::launch::Given::default())?;
-        Ok(Topology {
-            rank: l.rank,
-            world: l.world,
-            worker: 0,
-            workers: 1,
-            local_rank: l.local_rank,
-            local_world: l.local_world,
-        })
-    }
-
     /// Refuses a topology no job can have, naming the field: no ranks or workers, a rank or
     /// worker past its count (which would read another consumer's samples twice), or counts
     /// whose product overflows.
