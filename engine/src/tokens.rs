@@ -305,7 +305,9 @@ impl TokenState {
         for s in states {
             delivered[s.consumer] = s.delivered;
         }
-        let EpochProgress { consumed, ahead, .. } = base.progress().advance(u64::MAX, &delivered);
+        let EpochProgress { consumed, ahead, .. } =
+            base.progress()
+                .advance(u64::MAX, &delivered, &crate::order::DealRule::strided(delivered.len()));
         if start.window != consumed {
             return bad(format!(
                 "consumer {}'s next window is {}, but the deal's first open one is {consumed}",

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use ramjet_engine::order::{
-    effective_len, global_order, EpochOrder, EpochProgress, OrderSpec, Perm, SampleRef, Shuffle, SourceShape, Tail,
-    Weight,
+    effective_len, global_order, DealRule, EpochOrder, EpochProgress, OrderSpec, Perm, SampleRef, Shuffle, SourceShape,
+    Tail, Weight,
 };
 
 fn shuffles() -> impl Strategy<Value = Shuffle> {
@@ -19,6 +19,19 @@ fn shuffles() -> impl Strategy<Value = Shuffle> {
         (1usize..6, 1u64..5).prop_map(|(w, b)| Shuffle::ShardBlock {
             window_shards: w,
             block_samples: b,
+        }),
+    ]
+}
+
+/// A job's deal: position by position round 1 to 8 consumers, or node-affine over 2 to 4
+/// nodes of 1 to 3 consumers each, with 1 to 3 partitions a node.
+fn rules() -> impl Strategy<Value = DealRule> {
+    prop_oneof![
+        (1usize..9).prop_map(DealRule::strided),
+        (2u64..5, 1u64..4, 1u64..4).prop_map(|(nodes, per, w)| DealRule {
+            consumers: nodes * per,
+            nodes,
+            partitions: nodes * w,
         }),
     ]
 }
@@ -101,17 +114,18 @@ proptest! {
     /// count, and reassembling the consumers' samples by position gives the one global order.
     #[test]
     fn every_position_dealt_exactly_once(
-        st in streams(), shuffle in shuffles(), consumers in 1usize..9, tail_i in 0usize..3, seed in any::<u64>(),
+        st in streams(), shuffle in shuffles(), rule in rules(), tail_i in 0usize..3, seed in any::<u64>(),
     ) {
         let tail = [Tail::Uneven, Tail::DropLast, Tail::PadRepeat][tail_i];
-        let spec = OrderSpec { seed, shuffle, partitions: 2, tail };
+        let spec = OrderSpec { seed, shuffle, partitions: rule.partitions as usize, tail };
         let order = Arc::new(EpochOrder::new(&st, &spec, 1).unwrap());
         prop_assume!(!order.is_empty());
-        let len = effective_len(order.len(), consumers as u64, tail);
+        let consumers = rule.consumers as usize;
+        let len = effective_len(order.len(), &rule, tail);
         let g = global_order(&st, &spec, 1).unwrap();
         let mut hit = vec![0u32; len as usize];
         for c in 0..consumers {
-            let deal = EpochProgress::default().deal(len, c, consumers);
+            let deal = EpochProgress::default().deal(len, c, &rule);
             let mut cur = order.cursor();
             for k in 0..deal.len() {
                 let p = deal.position(k);
@@ -127,26 +141,27 @@ proptest! {
     /// delivered exactly once overall.
     #[test]
     fn resume_across_world_sizes_delivers_the_rest_once(
-        len in 0u64..400, c1 in 1usize..8, c2 in 1usize..8, c3 in 1usize..8,
+        len in 0u64..400, r1 in rules(), r2 in rules(), r3 in rules(),
         f1 in prop::collection::vec(0u64..100, 8), f2 in prop::collection::vec(0u64..100, 8),
     ) {
         let mut delivered = vec![0u32; len as usize];
         let mut progress = EpochProgress::default();
-        for (cs, frac) in [(c1, &f1), (c2, &f2)] {
+        for (rule, frac) in [(r1, &f1), (r2, &f2)] {
             let mut counts = Vec::new();
-            for (c, f) in frac.iter().enumerate().take(cs) {
-                let deal = progress.deal(len, c, cs);
+            let frac: Vec<u64> = (0..rule.consumers as usize).map(|c| frac[c % frac.len()]).collect();
+            for (c, f) in frac.iter().enumerate() {
+                let deal = progress.deal(len, c, &rule);
                 let n = deal.len() * f / 100;
                 for k in 0..n {
                     delivered[deal.position(k) as usize] += 1;
                 }
                 counts.push(n);
             }
-            progress = progress.advance(len, &counts);
+            progress = progress.advance(len, &counts, &rule);
             prop_assert!(progress.validate(len).is_ok());
         }
-        for c in 0..c3 {
-            let deal = progress.deal(len, c, c3);
+        for c in 0..r3.consumers as usize {
+            let deal = progress.deal(len, c, &r3);
             for k in 0..deal.len() {
                 delivered[deal.position(k) as usize] += 1;
             }

@@ -293,6 +293,38 @@ def _dist() -> Optional[Tuple[int, int]]:
     return None
 
 
+_strided_warned: set = set()
+
+
+def _warn_strided(order: Dict[str, Any], topo: Dict[str, int]) -> None:
+    """Warns once a job when several nodes cannot each read only their share (docs/order.md,
+    "Dealing the order to consumers"): the data is the same, every node reads all of it."""
+    world, local = topo["world"], max(1, topo["local_world"])
+    if world <= 1 or local >= world:
+        return
+    parts = int(order.get("partitions", 1))
+    nodes = world // local if world % local == 0 else 1
+    block = order.get("shuffle", {}).get("kind") == "shard_block"
+    if nodes > 1 and block and parts % nodes == 0:
+        return
+    key = (world, local, parts, block)
+    if key in _strided_warned:
+        return
+    _strided_warned.add(key)
+    why = (
+        f"world_size {world} is not a multiple of LOCAL_WORLD_SIZE {local}"
+        if nodes <= 1
+        else "the shuffle has no partitions"
+        if not block
+        else f"the {nodes} nodes do not divide partitions={parts}"
+    )
+    warnings.warn(
+        f"ramjet: every node reads the whole dataset each epoch because {why}; set partitions to a "
+        f"multiple of the node count so each node reads only its share (the order is the same either way)",
+        stacklevel=3,
+    )
+
+
 def _launch(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int, int, int]:
     """(rank, world, local_rank, local_world) from the arguments, torch.distributed and the
     launcher's environment (RANK/WORLD_SIZE/LOCAL_*, Slurm's in an srun step), each checked
@@ -375,7 +407,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         shuffle_window: int = 4,
         shuffle_block: int = 1,
         partitions: int = 1,
-        tail: str = "uneven",
+        tail: Optional[str] = None,
         drop_last: bool = False,
         cache_limit: Union[int, str, None] = "64GiB",
         image_size: Union[int, Tuple[int, int], None] = 224,
@@ -400,6 +432,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         device: str = "cpu",
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "daemon", "device", "__class__")}
+        # No tail given: every sample once on one rank; under several ranks, every rank the same
+        # number of batches (pad, as DistributedSampler does), so DDP never waits at the end.
+        self._tail_default = tail is None
+        options["tail"] = "uneven" if tail is None else tail
         if isinstance(remote, (str, Source)):
             remote = [remote]
         streams = [s if isinstance(s, Source) else Source(str(s)) for s in remote]
@@ -454,6 +490,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     def _config(self, **extra: Any) -> str:
         topo = self._topology()
         cfg = dict(self._base, topology=topo, **extra)
+        if self._tail_default and topo["world"] > 1:
+            cfg["order"] = dict(cfg["order"], tail="pad_repeat")
+        _warn_strided(cfg["order"], topo)
         daemon = self._daemon or _daemon_socket or os.environ.get("RAMJET_SOCKET")
         if daemon:
             cfg["daemon"] = daemon

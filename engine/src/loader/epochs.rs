@@ -295,6 +295,7 @@ mod tests {
             order: OrderSpec::default(),
             consumer: 0,
             consumers: 1,
+            nodes: 1,
             base: EpochProgress {
                 epoch,
                 consumed: 0,

@@ -451,6 +451,9 @@ impl Stream {
         let shared = Shared::open(&cfg)?;
         let rt = crate::rt::handle()?;
         let (start, skip, audit_resume) = starting_point(&cfg, &shared.shapes)?;
+        if let Some(why) = crate::order::DealRule::why_strided(&cfg.order, &cfg.topology) {
+            tracing::warn!("every node reads the whole dataset each epoch because {why}");
+        }
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
         let ahead = shared.ahead.cap();
         let (tx, rx) = mpsc::channel(ahead);
@@ -524,6 +527,7 @@ impl Stream {
             order: self.shared.cfg.order,
             consumer: self.shared.cfg.topology.consumer(),
             consumers: self.shared.cfg.topology.consumers(),
+            nodes: crate::order::DealRule::for_job(&self.shared.cfg.order, &self.shared.cfg.topology).nodes,
             base: plan.base.clone(),
             len: plan.len,
             delivered: self.cursor as u64,
@@ -726,6 +730,7 @@ mod tests {
             order: OrderSpec::default(),
             consumer,
             consumers,
+            nodes: 1,
             base: EpochProgress::default(),
             len: 10,
             delivered,

@@ -6,7 +6,7 @@ use super::shared::Shared;
 use crate::error::Result;
 use crate::order::effective_len;
 use crate::order::EpochProgress;
-use crate::order::{Deal, EpochOrder};
+use crate::order::{Deal, DealRule, EpochOrder};
 use std::sync::Arc;
 
 /// One epoch as dealt to this consumer.
@@ -31,11 +31,12 @@ impl EpochPlan {
 pub(super) fn plan_epoch(shared: &Shared, epoch: u64, base: EpochProgress, skip: usize) -> Result<EpochPlan> {
     let order = Arc::new(EpochOrder::new(&shared.shapes, &shared.cfg.order, epoch)?);
     let topo = shared.cfg.topology;
-    let len = effective_len(order.len(), topo.consumers() as u64, shared.cfg.order.tail);
+    let rule = DealRule::for_job(&shared.cfg.order, &topo);
+    let len = effective_len(order.len(), &rule, shared.cfg.order.tail);
     let deal = if order.is_empty() {
-        EpochProgress::default().deal(0, 0, 1)
+        Deal::empty()
     } else {
-        base.deal(len, topo.consumer(), topo.consumers())
+        base.deal(len, topo.consumer(), &rule)
     };
     Ok(EpochPlan {
         epoch,

@@ -5,6 +5,7 @@ use crate::dataset::Dataset;
 use crate::error::Error;
 use crate::error::Result;
 use crate::order::effective_len;
+use crate::order::DealRule;
 use crate::order::EpochProgress;
 use crate::order::OrderSpec;
 use crate::order::SampleRef;
@@ -17,10 +18,9 @@ use std::sync::Arc;
 pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
     let shapes = source_shapes(cfg).await?;
     let n = checked_epoch_positions(&shapes)?;
-    let consumers = cfg.topology.consumers() as u64;
-    let len = effective_len(n, consumers, cfg.order.tail);
-    let c = cfg.topology.consumer() as u64;
-    let mine = if len > c { (len - c).div_ceil(consumers) } else { 0 };
+    let rule = DealRule::for_job(&cfg.order, &cfg.topology);
+    let len = effective_len(n, &rule, cfg.order.tail);
+    let mine = EpochProgress::default().deal(len, cfg.topology.consumer(), &rule).len();
     Ok((len, mine))
 }
 
@@ -79,6 +79,10 @@ pub struct StreamState {
     pub consumer: usize,
     /// Consumers in the job.
     pub consumers: usize,
+    /// Nodes the job's positions were dealt across ([`DealRule`]; 1, position by position,
+    /// in a state saved before the field existed).
+    #[serde(default = "one_node")]
+    pub nodes: u64,
     /// The progress the current epoch's positions were dealt from.
     pub base: EpochProgress,
     /// Length of the current epoch's order (tail-adjusted).
@@ -92,6 +96,26 @@ pub struct StreamState {
     /// Count and digest of the samples this consumer delivered since `base`.
     #[serde(default)]
     pub audit: Audit,
+}
+
+fn one_node() -> u64 {
+    1
+}
+
+impl StreamState {
+    /// The rule this consumer's positions were dealt by.
+    pub fn rule(&self) -> DealRule {
+        let strided = DealRule::strided(self.consumers);
+        if self.nodes > 1 {
+            DealRule {
+                nodes: self.nodes,
+                partitions: self.order.partitions.max(1) as u64,
+                ..strided
+            }
+        } else {
+            strided
+        }
+    }
 }
 
 /// The key of the exactly-once audit's sample hash.
@@ -175,7 +199,8 @@ pub async fn audit(cfg: &StreamConfig, point: &ResumePoint, len: Option<u64>) ->
         &cfg.order,
     )?;
     let n = checked_epoch_positions(&shapes)?;
-    let len = len.unwrap_or_else(|| effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail));
+    let rule = DealRule::for_job(&cfg.order, &cfg.topology);
+    let len = len.unwrap_or_else(|| effective_len(n, &rule, cfg.order.tail));
     progress
         .validate(len)
         .map_err(|why| Error::invalid("audited state", why))?;
@@ -265,6 +290,7 @@ impl StreamState {
         let mut seen = vec![false; c];
         for s in states {
             if s.consumers != c
+                || s.nodes != first.nodes
                 || s.order_version != first.order_version
                 || s.base != first.base
                 || s.versions != first.versions
@@ -289,7 +315,7 @@ impl StreamState {
                     format!("consumer {} appears twice", s.consumer),
                 ));
             }
-            let dealt = s.base.deal(s.len, s.consumer, c).len();
+            let dealt = s.base.deal(s.len, s.consumer, &s.rule()).len();
             if s.delivered > dealt {
                 return Err(Error::invalid(
                     "stream states",
@@ -307,7 +333,17 @@ impl StreamState {
                 format!("{} states for {c} consumers", states.len()),
             ));
         }
-        let progress = first.base.advance(first.len, &delivered);
+        let rule = first.rule();
+        if rule.nodes > 1 && (rule.partitions % rule.nodes != 0 || rule.consumers % rule.nodes != 0) {
+            return Err(Error::invalid(
+                "stream states",
+                format!(
+                    "dealt across {} nodes, which divide neither the {} partitions nor the {} consumers",
+                    rule.nodes, rule.partitions, rule.consumers
+                ),
+            ));
+        }
+        let progress = first.base.advance(first.len, &delivered, &rule);
         let audit = states.iter().fold(first.audit_base, |a, s| a.merge(s.audit));
         Ok((
             ResumePoint {
@@ -368,21 +404,25 @@ pub(super) fn check_consumer_state(
     let what = "resume state (one consumer's)";
     let bad = |why: String| Err(Error::invalid(what, why));
     check_saved_for(what, c.order_version, &c.versions, &c.order, versions, order)?;
-    if c.consumer != topo.consumer() || c.consumers != topo.consumers() {
+    let rule = DealRule::for_job(order, &topo);
+    if c.consumer != topo.consumer() || c.consumers != topo.consumers() || c.nodes != rule.nodes {
         return bad(format!(
-            "it was saved by consumer {} of {}, and this is consumer {} of {}: restore with the \
-             same ranks and workers, or resume from the job's state (state_dict gathered over ranks)",
+            "it was saved by consumer {} of {} on {} nodes, and this is consumer {} of {} on {} \
+             nodes: restore with the same ranks, hosts and workers, or resume from the job's state \
+             (state_dict gathered over ranks)",
             c.consumer,
             c.consumers,
+            c.nodes,
             topo.consumer(),
-            topo.consumers()
+            topo.consumers(),
+            rule.nodes
         ));
     }
     if c.len != len {
         return bad(format!("its epoch has {} positions, this one {len}", c.len));
     }
     c.base.validate(len).map_err(|r| Error::invalid(what, r))?;
-    let dealt = c.base.deal(len, c.consumer, c.consumers).len();
+    let dealt = c.base.deal(len, c.consumer, &rule).len();
     if c.delivered > dealt {
         return bad(format!(
             "it delivered {} of the {dealt} positions dealt to it",
@@ -405,7 +445,7 @@ pub(super) fn starting_point(
             let versions: Vec<String> = shapes.iter().map(|s| s.version.clone()).collect();
             let n = checked_epoch_positions(shapes)?;
             let topo = cfg.topology;
-            let len = effective_len(n, topo.consumers() as u64, cfg.order.tail);
+            let len = effective_len(n, &DealRule::for_job(&cfg.order, &topo), cfg.order.tail);
             check_consumer_state(c, &versions, &cfg.order, topo, len)?;
             (
                 c.base.clone(),
@@ -424,7 +464,7 @@ pub(super) fn starting_point(
                 &cfg.order,
             )?;
             let n = checked_epoch_positions(shapes)?;
-            let len = effective_len(n, cfg.topology.consumers() as u64, cfg.order.tail);
+            let len = effective_len(n, &DealRule::for_job(&cfg.order, &cfg.topology), cfg.order.tail);
             r.progress
                 .validate(len)
                 .map_err(|why| Error::invalid("resume state", why))?;

@@ -12,7 +12,10 @@
 //! is dealt out: position `p` of the (tail-adjusted) order goes to consumer `p mod C`, where
 //! consumer `c = rank * workers + worker` and `C = world * workers`.
 
-use crate::error::Invalid;
+mod deal;
+mod rows;
+
+pub use deal::{effective_len, Deal, DealRule, EpochProgress};
 use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -249,6 +252,16 @@ impl Topology {
         Ok(())
     }
 
+    /// Nodes of the job: `world / local_world` when every host runs `local_world` ranks (ranks
+    /// numbered host by host, as torchrun and Slurm's block distribution number them), else 1.
+    pub fn nodes(&self) -> usize {
+        if self.local_world > 0 && self.world % self.local_world == 0 {
+            self.world / self.local_world
+        } else {
+            1
+        }
+    }
+
     /// This consumer's index, `rank * workers + worker`.
     pub fn consumer(&self) -> usize {
         self.rank * self.workers + self.worker
@@ -287,8 +300,9 @@ pub struct SampleRef {
 /// The version of the order's algorithms. A saved position names positions of one version's
 /// order; under another version they would name other samples, so resuming across versions is
 /// refused. Version 1 built each epoch's order as an array (ramjet before the lazy order);
-/// version 2 computes it position by position (`docs/order.md`).
-pub const ORDER_VERSION: u32 = 2;
+/// version 2 computes it position by position; version 3 deals the shard-block shuffle's rounds
+/// into rows of equal partitions, so a node can read only its partitions (`docs/order.md`).
+pub const ORDER_VERSION: u32 = 3;
 
 /// The version a saved state without the field was written under.
 pub(crate) fn order_version_1() -> u32 {
@@ -598,7 +612,7 @@ impl EpochOrder {
     pub fn cursor(self: &Arc<Self>) -> OrderCursor {
         OrderCursor {
             order: self.clone(),
-            round: None,
+            rounds: rows::Rounds::default(),
         }
     }
 
@@ -613,114 +627,6 @@ impl EpochOrder {
         let lo = k * r;
         (lo..(lo + r).min(self.units)).try_fold(0u64, |a, j| Ok(a + self.unit(self.perm.apply(j))?.len))
     }
-
-    /// Round `k` of the shard-block shuffle, starting at position `start`.
-    fn round(&self, k: u64, start: u64) -> Result<Round> {
-        let (w, b, p) = self.block().expect("shard-block order");
-        let lo = k * w * p;
-        let mut windows = Vec::with_capacity(p as usize);
-        for part in 0..p {
-            let mut units = Vec::new();
-            let mut starts = vec![0u64];
-            for t in 0..w {
-                let j = lo + part + p * t;
-                if j >= self.units {
-                    break;
-                }
-                let u = self.unit(self.perm.apply(j))?;
-                starts.push(starts.last().expect("non-empty") + u.len);
-                units.push(u);
-            }
-            let len = *starts.last().expect("non-empty");
-            let full = len / b;
-            windows.push(Window {
-                units,
-                starts,
-                len,
-                blocks: Perm::new(full, derive(self.key, 0x72, k.wrapping_mul(p).wrapping_add(part))),
-                block: b,
-            });
-        }
-        let mut lens: Vec<u64> = windows.iter().map(|w| w.len).collect();
-        lens.sort_unstable();
-        let len = lens.iter().sum();
-        Ok(Round {
-            k,
-            start,
-            len,
-            windows,
-            sorted_lens: lens,
-        })
-    }
-}
-
-/// One window of one partition in a round: its units in order, their start inside the window,
-/// and the keyed permutation of its full blocks.
-#[derive(Debug, Clone)]
-struct Window {
-    units: Vec<Unit>,
-    starts: Vec<u64>,
-    len: u64,
-    blocks: Perm,
-    block: u64,
-}
-
-impl Window {
-    /// The window's sample at index `i` of its shuffled sequence.
-    fn at(&self, i: u64) -> Unit {
-        let full = self.blocks.len() * self.block;
-        let c = if i < full {
-            self.blocks.apply(i / self.block) * self.block + i % self.block
-        } else {
-            i
-        };
-        let t = self.starts.partition_point(|&x| x <= c) - 1;
-        let u = self.units[t];
-        Unit {
-            first: u.first + (c - self.starts[t]),
-            len: 1,
-            ..u
-        }
-    }
-}
-
-/// One round of the shard-block shuffle: window `k` of every partition, interleaved sample by
-/// sample (an exhausted window drops out).
-#[derive(Debug, Clone)]
-struct Round {
-    k: u64,
-    start: u64,
-    len: u64,
-    windows: Vec<Window>,
-    sorted_lens: Vec<u64>,
-}
-
-impl Round {
-    /// The sample at index `i` of the round.
-    fn at(&self, i: u64) -> Unit {
-        let mut live = self.windows.len() as u64;
-        let (mut prev, mut acc) = (0u64, 0u64);
-        for (n, &l) in self.sorted_lens.iter().enumerate() {
-            if l > prev {
-                let seg = (l - prev) * live;
-                if i < acc + seg {
-                    let depth = prev + (i - acc) / live;
-                    let nth = (i - acc) % live;
-                    let w = self
-                        .windows
-                        .iter()
-                        .filter(|w| w.len > depth)
-                        .nth(nth as usize)
-                        .expect("a live window");
-                    return w.at(depth);
-                }
-                acc += seg;
-                prev = l;
-            }
-            live = self.sorted_lens.len() as u64 - n as u64 - 1;
-        }
-        unreachable!("index {i} past the round's {} samples", self.len)
-    }
 }
 
 /// A reader's position in an [`EpochOrder`]: it maps positions to samples, fastest when the
@@ -728,7 +634,7 @@ impl Round {
 #[derive(Debug, Clone)]
 pub struct OrderCursor {
     order: Arc<EpochOrder>,
-    round: Option<Round>,
+    rounds: rows::Rounds,
 }
 
 impl OrderCursor {
@@ -758,34 +664,13 @@ impl OrderCursor {
             Shuffle::Global => Ok((o.natural_at(o.perm.apply(g))?, wrap)),
             Shuffle::ShardBlock { .. } => {
                 let rounds = o.units.div_ceil(o.round_units()).max(1);
-                if self.round.as_ref().is_none_or(|r| g < r.start) {
-                    self.round = Some(o.round(0, 0)?);
-                }
-                loop {
-                    let r = self.round.as_ref().expect("set above");
-                    if g < r.start + r.len {
-                        break;
-                    }
-                    // Rounds passed over whole need only their length.
-                    let (mut k, mut start) = (r.k + 1, r.start + r.len);
-                    while k + 1 < rounds {
-                        let l = o.round_len(k)?;
-                        if g < start + l {
-                            break;
-                        }
-                        start += l;
-                        k += 1;
-                    }
-                    self.round = Some(o.round(k, start)?);
-                }
-                let r = self.round.as_ref().expect("set above");
-                let u = r.at(g - r.start);
+                let (u, k) = self.rounds.at(o, g)?;
                 let id = SampleRef {
                     source: u.source as u32,
                     shard: u.shard as u32,
                     index: u.first as u32,
                 };
-                Ok((id, wrap * rounds + r.k))
+                Ok((id, wrap * rounds + k))
             }
         }
     }
@@ -797,165 +682,6 @@ pub fn global_order(sources: &[SourceShape], spec: &OrderSpec, epoch: u64) -> Re
     let order = Arc::new(EpochOrder::new(sources, spec, epoch)?);
     let mut c = order.cursor();
     (0..order.len()).map(|g| Ok(c.at(g)?.0)).collect()
-}
-
-/// Length of the order after tail handling for `consumers` consumers.
-pub fn effective_len(n: u64, consumers: u64, tail: Tail) -> u64 {
-    let c = consumers.max(1);
-    match tail {
-        Tail::Uneven => n,
-        Tail::DropLast => n - n % c,
-        Tail::PadRepeat => {
-            if n == 0 {
-                0
-            } else {
-                n.div_ceil(c) * c
-            }
-        }
-    }
-}
-
-/// Where a job stands in one epoch: every position below `consumed` was delivered, and so was
-/// each position in `ahead`. Positions index the tail-adjusted global order, so the state means
-/// the same thing for any topology.
-#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub struct EpochProgress {
-    /// Epoch.
-    pub epoch: u64,
-    /// All positions below this were delivered.
-    pub consumed: u64,
-    /// Delivered positions at or above `consumed`, sorted.
-    pub ahead: Vec<u64>,
-}
-
-impl EpochProgress {
-    /// Checks the progress against an order of `len` positions: `consumed <= len`, and `ahead`
-    /// strictly increasing inside `[consumed, len)`. Saved state can be edited or damaged: a
-    /// bad one must be refused, not silently end an epoch short.
-    pub fn validate(&self, len: u64) -> std::result::Result<(), Invalid> {
-        if self.consumed > len {
-            return Err(Invalid::from(format!(
-                "consumed {} exceeds the epoch's {len} positions",
-                self.consumed
-            )));
-        }
-        let mut prev: Option<u64> = None;
-        for &a in &self.ahead {
-            if a < self.consumed || a >= len || prev.is_some_and(|p| a <= p) {
-                return Err(Invalid::from(format!(
-                    "position {a} in `ahead` is out of order or outside [{}, {len})",
-                    self.consumed
-                )));
-            }
-            prev = Some(a);
-        }
-        Ok(())
-    }
-
-    /// Positions not yet delivered for an order of `len` positions.
-    pub fn remaining_len(&self, len: u64) -> u64 {
-        len.saturating_sub(self.consumed)
-            .saturating_sub(self.ahead.len() as u64)
-    }
-
-    /// The `i`-th position not yet delivered (`i < remaining_len`): `[consumed, len)` with the
-    /// `ahead` positions skipped.
-    pub fn remaining_at(&self, i: u64) -> u64 {
-        let mut x = self.consumed + i;
-        for &a in &self.ahead {
-            if a <= x {
-                x += 1;
-            } else {
-                break;
-            }
-        }
-        x
-    }
-
-    /// Positions not yet delivered, in order, for an order of `len` positions.
-    pub fn remaining(&self, len: u64) -> impl Iterator<Item = u64> + '_ {
-        (0..self.remaining_len(len)).map(|i| self.remaining_at(i))
-    }
-
-    /// The deal of consumer `c` of `consumers` from here on: every `consumers`-th remaining
-    /// position, starting at the `c`-th.
-    pub fn deal(&self, len: u64, consumer: usize, consumers: usize) -> Deal {
-        let consumers = consumers.max(1) as u64;
-        let rem = self.remaining_len(len);
-        let c = consumer as u64;
-        Deal {
-            progress: Arc::new(self.clone()),
-            consumer: c,
-            consumers,
-            count: if rem > c { (rem - c).div_ceil(consumers) } else { 0 },
-        }
-    }
-
-    /// The positions consumer `c` of `consumers` reads from here on, as an array (for tests
-    /// and small orders; streams use [`EpochProgress::deal`]).
-    pub fn positions_for(&self, len: u64, consumer: usize, consumers: usize) -> Vec<u64> {
-        let d = self.deal(len, consumer, consumers);
-        (0..d.len()).map(|k| d.position(k)).collect()
-    }
-
-    /// The progress after consumer `c` (of `consumers`, dealt from `self`) delivered
-    /// `delivered[c]` of its positions, for every `c`. Work and memory grow with `ahead` and
-    /// the spread between consumers, not with the epoch.
-    pub fn advance(&self, len: u64, delivered: &[u64]) -> EpochProgress {
-        let cs = delivered.len().max(1) as u64;
-        let rem = self.remaining_len(len);
-        // The first remaining index not delivered: consumer c's next index is delivered[c]*C+c.
-        let first_open = (0..delivered.len() as u64)
-            .map(|c| delivered[c as usize].saturating_mul(cs).saturating_add(c))
-            .filter(|&i| i < rem)
-            .min();
-        let consumed = first_open.map_or(len, |i| self.remaining_at(i));
-        let mut ahead: Vec<u64> = self.ahead.iter().copied().filter(|&a| a >= consumed).collect();
-        if let Some(f) = first_open {
-            for c in 0..cs {
-                let k_min = if c > f { 0 } else { (f - c) / cs + 1 };
-                for k in k_min..delivered[c as usize] {
-                    let i = c + k * cs;
-                    if i < rem {
-                        ahead.push(self.remaining_at(i));
-                    }
-                }
-            }
-        }
-        ahead.sort_unstable();
-        EpochProgress {
-            epoch: self.epoch,
-            consumed,
-            ahead,
-        }
-    }
-}
-
-/// One consumer's positions in an epoch, computed on demand: its `k`-th position is remaining
-/// position `c + k * C` of the progress it was dealt from.
-#[derive(Debug, Clone)]
-pub struct Deal {
-    progress: Arc<EpochProgress>,
-    consumer: u64,
-    consumers: u64,
-    count: u64,
-}
-
-impl Deal {
-    /// Positions dealt.
-    pub fn len(&self) -> u64 {
-        self.count
-    }
-
-    /// Whether none was dealt.
-    pub fn is_empty(&self) -> bool {
-        self.count == 0
-    }
-
-    /// The `k`-th position of the deal (`k < len`).
-    pub fn position(&self, k: u64) -> u64 {
-        self.progress.remaining_at(self.consumer + k * self.consumers)
-    }
 }
 
 #[cfg(test)]
@@ -1032,19 +758,109 @@ mod tests {
         ];
         assert_eq!((source_take(&st2, 0), source_take(&st2, 1)), (150, 50));
     }
+}
+
+#[cfg(test)]
+mod node_tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn shapes() -> Vec<SourceShape> {
+        // 60 shards of 5 to 16 samples: the rounds' windows cut shards at uneven places.
+        let counts: Vec<u64> = (0..60u64).map(|i| 5 + (i * 7) % 12).collect();
+        vec![SourceShape::listed("v", counts, Weight::Natural)]
+    }
+
+    fn spec() -> OrderSpec {
+        OrderSpec {
+            seed: 7,
+            shuffle: Shuffle::ShardBlock {
+                window_shards: 6,
+                block_samples: 2,
+            },
+            partitions: 8,
+            tail: Tail::Uneven,
+        }
+    }
+
+    fn topo(world: usize, local_world: usize, rank: usize) -> Topology {
+        Topology {
+            rank,
+            world,
+            local_rank: rank % local_world,
+            local_world,
+            ..Topology::default()
+        }
+    }
+
+    /// Each rank's `t`-th batch of `b` samples, for a job of `world` ranks, `local` a node.
+    fn batches(world: usize, local: usize, b: usize) -> Vec<Vec<Vec<SampleRef>>> {
+        let (st, spec) = (shapes(), spec());
+        let order = Arc::new(EpochOrder::new(&st, &spec, 3).unwrap());
+        let rule = DealRule::for_job(&spec, &topo(world, local, 0));
+        assert_eq!(rule.nodes as usize, world / local);
+        let len = effective_len(order.len(), &rule, spec.tail);
+        (0..world)
+            .map(|r| {
+                let deal = EpochProgress::default().deal(len, r, &rule);
+                let mut cur = order.cursor();
+                let ids: Vec<SampleRef> = (0..deal.len()).map(|k| cur.at(deal.position(k)).unwrap().0).collect();
+                ids.chunks(b).map(|c| c.to_vec()).collect()
+            })
+            .collect()
+    }
 
     #[test]
-    fn progress_advance_and_resume_with_another_topology() {
-        let len = 23;
-        let start = EpochProgress::default();
-        // Three consumers delivered 4, 3 and 4 of their positions.
-        let p = start.advance(len, &[4, 3, 4]);
-        assert_eq!(p.consumed, 10); // position 10 = consumer 1's 4th, not delivered
-        assert_eq!(p.ahead, vec![11]);
-        // Resume with two consumers: they cover exactly the rest, once.
-        let mut rest: Vec<u64> = (0..2).flat_map(|c| p.positions_for(len, c, 2)).collect();
-        rest.sort();
-        let want: Vec<u64> = (10..23).filter(|&x| x != 11).collect();
-        assert_eq!(rest, want);
+    fn every_world_size_of_the_family_steps_through_the_same_global_batches() {
+        let global = 32; // a multiple of the 8 partitions
+        let want: Vec<BTreeSet<SampleRef>> = batches(1, 1, global)[0]
+            .iter()
+            .map(|b| b.iter().copied().collect())
+            .collect();
+        for (world, local) in [(2, 1), (2, 2), (4, 2), (8, 2), (8, 8), (4, 1)] {
+            let ranks = batches(world, local, global / world);
+            let steps = want.len() - 1; // the last, short step depends on the world
+            for (t, want) in want.iter().enumerate().take(steps) {
+                let got: BTreeSet<SampleRef> = ranks.iter().flat_map(|r| r[t].iter().copied()).collect();
+                assert_eq!(&got, want, "world {world}, {local} a node: step {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_node_reads_about_its_share_of_the_shards() {
+        let (world, local) = (4, 2); // 2 nodes of 4 partitions each
+        let ranks = batches(world, local, 1);
+        let node_shards: Vec<BTreeSet<u32>> = (0..world / local)
+            .map(|n| {
+                ranks[n * local..(n + 1) * local]
+                    .iter()
+                    .flatten()
+                    .flatten()
+                    .map(|s| s.shard)
+                    .collect()
+            })
+            .collect();
+        let touched: usize = node_shards.iter().map(|s| s.len()).sum();
+        // 60 shards over 2 nodes: 30 each, plus at most the one shard a round's cut between
+        // the nodes splits (60 shards, rounds of 48: 2 rounds).
+        assert!(touched <= 60 + 2, "nodes touch {touched} shards: {node_shards:?}");
+        // Apart from those, no two nodes read the same shard.
+        for a in 0..node_shards.len() {
+            for b in a + 1..node_shards.len() {
+                let both = node_shards[a].intersection(&node_shards[b]).count();
+                assert!(both <= 2, "nodes {a} and {b} both read {both} shards");
+            }
+        }
+    }
+
+    #[test]
+    fn partitions_stay_within_one_sample_of_each_other() {
+        let order = Arc::new(EpochOrder::new(&shapes(), &spec(), 1).unwrap());
+        let mut all: Vec<SampleRef> = global_order(&shapes(), &spec(), 1).unwrap();
+        assert_eq!(all.len() as u64, order.len());
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len() as u64, order.len(), "every sample once");
     }
 }
