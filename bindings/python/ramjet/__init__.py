@@ -348,9 +348,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         seed: seed of the order and of the augmentations.
         shuffle_window: shards per shuffle window (shard_block).
         shuffle_block: consecutive samples kept together (shard_block).
-        partitions: canonical partitions of the order.
+        partitions: canonical partitions of the order; a multiple of the node count lets each
+            node read only its share of the shards (docs/order.md).
         tail: ``"uneven"`` (every sample once), ``"drop"`` or ``"pad"`` when the epoch does
-            not divide across ranks and workers.
+            not divide across ranks and workers; by default ``"uneven"`` on one rank and
+            ``"pad"`` on several, so every rank steps the same number of batches.
         drop_last: drop an epoch's last batch when it is short.
         image_size: decode the image column to this size (int or ``(height, width)``);
             ``None`` yields encoded bytes.
