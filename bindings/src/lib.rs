@@ -201,6 +201,17 @@ fn launch(
     Ok((l.rank, l.world, l.local_rank, l.local_world))
 }
 
+/// Why a job of several nodes deals position by position, every node reading the whole
+/// dataset (`ramjet_engine::order::DealRule::why_strided`), or `None`: from the JSON of its
+/// order and its topology, as the loader's configuration holds them.
+#[pyfunction]
+fn why_strided(order: &str, topology: &str) -> PyResult<Option<String>> {
+    let bad = |e: serde_json::Error| InvalidInputError::new_err(format!("order or topology: {e}"));
+    let order: ramjet_engine::order::OrderSpec = serde_json::from_str(order).map_err(bad)?;
+    let topo: ramjet_engine::order::Topology = serde_json::from_str(topology).map_err(bad)?;
+    Ok(ramjet_engine::order::DealRule::why_strided(&order, &topo))
+}
+
 /// What this process can use of the GPU path: whether the CUDA driver loads, how many GPUs it
 /// sees (or why none), and where each CUDA user library was found (or why not), searching
 /// `python_roots` (site-packages folders) for the wheels' copies.
@@ -375,6 +386,7 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidInputError", py.get_type::<InvalidInputError>())?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(launch, m)?)?;
+    m.add_function(wrap_pyfunction!(why_strided, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(columns, m)?)?;

@@ -299,25 +299,12 @@ _strided_warned: set = set()
 def _warn_strided(order: Dict[str, Any], topo: Dict[str, int]) -> None:
     """Warns once a job when several nodes cannot each read only their share (docs/order.md,
     "Dealing the order to consumers"): the data is the same, every node reads all of it."""
-    world, local = topo["world"], max(1, topo["local_world"])
-    if world <= 1 or local >= world:
+    if topo["world"] <= 1:
         return
-    parts = int(order.get("partitions", 1))
-    nodes = world // local if world % local == 0 else 1
-    block = order.get("shuffle", {}).get("kind") == "shard_block"
-    if nodes > 1 and block and parts % nodes == 0:
+    why = _ramjet.why_strided(json.dumps(order), json.dumps(topo))
+    if why is None or why in _strided_warned:
         return
-    key = (world, local, parts, block)
-    if key in _strided_warned:
-        return
-    _strided_warned.add(key)
-    why = (
-        f"world_size {world} is not a multiple of LOCAL_WORLD_SIZE {local}"
-        if nodes <= 1
-        else "the shuffle has no partitions"
-        if not block
-        else f"the {nodes} nodes do not divide partitions={parts}"
-    )
+    _strided_warned.add(why)
     warnings.warn(
         f"ramjet: every node reads the whole dataset each epoch because {why}; set partitions to a "
         f"multiple of the node count so each node reads only its share (the order is the same either way)",

@@ -72,8 +72,7 @@ impl DealRule {
             ));
         }
         Some(format!(
-            "the {} nodes do not divide the order's {} partitions (set partitions to a multiple \
-             of the node count)",
+            "the {} nodes do not divide partitions={}",
             topo.nodes(),
             spec.partitions
         ))
@@ -160,6 +159,19 @@ pub fn effective_len(n: u64, rule: &DealRule, tail: Tail) -> u64 {
     }
 }
 
+/// `x` moved past every entry of the sorted `ahead` at or below its running value: the
+/// `x - start`-th value from `start` on that is not in `ahead` (every entry at least `start`).
+fn skip_ahead(mut x: u64, ahead: &[u64]) -> u64 {
+    for &a in ahead {
+        if a <= x {
+            x += 1;
+        } else {
+            break;
+        }
+    }
+    x
+}
+
 /// Where a job stands in one epoch: every position below `consumed` was delivered, and so was
 /// each position in `ahead`. Positions index the tail-adjusted global order, so the state means
 /// the same thing for any topology.
@@ -206,15 +218,7 @@ impl EpochProgress {
     /// The `i`-th position not yet delivered (`i < remaining_len`): `[consumed, len)` with the
     /// `ahead` positions skipped.
     pub fn remaining_at(&self, i: u64) -> u64 {
-        let mut x = self.consumed + i;
-        for &a in &self.ahead {
-            if a <= x {
-                x += 1;
-            } else {
-                break;
-            }
-        }
-        x
+        skip_ahead(self.consumed + i, &self.ahead)
     }
 
     /// Positions not yet delivered, in order, for an order of `len` positions.
@@ -325,15 +329,7 @@ struct NodeRest {
 impl NodeRest {
     /// The `i`-th remaining position of the node (`i < len`).
     fn at(&self, i: u64) -> u64 {
-        let mut x = self.lo + i;
-        for &a in &self.ahead {
-            if a <= x {
-                x += 1;
-            } else {
-                break;
-            }
-        }
-        self.rule.position(self.node, x)
+        self.rule.position(self.node, skip_ahead(self.lo + i, &self.ahead))
     }
 
     /// The number of remaining positions below `p`.

@@ -452,7 +452,10 @@ impl Stream {
         let rt = crate::rt::handle()?;
         let (start, skip, audit_resume) = starting_point(&cfg, &shared.shapes)?;
         if let Some(why) = crate::order::DealRule::why_strided(&cfg.order, &cfg.topology) {
-            tracing::warn!("every node reads the whole dataset each epoch because {why}");
+            tracing::warn!(
+                "every node reads the whole dataset each epoch because {why}; set partitions to a \
+                 multiple of the node count so each node reads only its share"
+            );
         }
         let per_sample = matches!(cfg.order.shuffle, Shuffle::Global);
         let ahead = shared.ahead.cap();
