@@ -679,7 +679,8 @@ def test_the_python_defaults_are_the_engines():
         "window_shards": sig["shuffle_window"],
         "block_samples": sig["shuffle_block"],
     }
-    assert d["order"]["tail"] == sig["tail"]
+    # No tail given: the engine's "uneven" on one rank, "pad" under several (docs/order.md).
+    assert d["order"]["tail"] == "uneven" and sig["tail"] is None
 
 
 # ----- the DLPack protocol's arguments, and device= (the GPU path's parts without a GPU) ----
@@ -868,7 +869,9 @@ def test_the_python_signature_names_exactly_the_engines_options():
     assert sorted(names) == sorted(engine)
     for k in names:
         ours, theirs = params[k].default, engine[k]
-        if ours is inspect.Parameter.empty:
+        if k == "tail":  # None: the engine's "uneven" on one rank, "pad" under several
+            assert ours is None and theirs == "uneven"
+        elif ours is inspect.Parameter.empty:
             assert theirs is None, k
         elif isinstance(ours, (tuple, list)):
             assert list(ours) == pytest.approx(theirs), k

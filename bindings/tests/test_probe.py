@@ -84,7 +84,7 @@ EMPTY_SHARES = textwrap.dedent(
             ds.set_epoch(epoch)
             got.append(sum(len(b["_index"]) for b in ds))
         out[name] = {"len": len(ds), "samples": got}
-    epochs("world8_rank6", lambda: ramjet.StreamingDataset(url, batch_size=2, world_size=8, rank=6))
+    epochs("world8_rank6", lambda: ramjet.StreamingDataset(url, batch_size=2, world_size=8, rank=6, tail="uneven"))
     epochs("drop_world8", lambda: ramjet.StreamingDataset(url, batch_size=1, world_size=8, rank=0, tail="drop"))
     epochs("drop_last_share_short", lambda: ramjet.StreamingDataset(url, batch_size=8, drop_last=True))
     epochs("pad_world8", lambda: ramjet.StreamingDataset(url, batch_size=1, world_size=8, rank=7, tail="pad"))
@@ -168,7 +168,8 @@ def test_ranks_from_the_environment_read_disjoint_shares(five, monkeypatch):
     for r in range(2):
         monkeypatch.setenv("RANK", str(r))
         monkeypatch.setenv("WORLD_SIZE", "2")
-        seen.append({int(i) for b in ramjet.StreamingDataset(str(five), batch_size=1) for i in b["_index"]})
+        ds = ramjet.StreamingDataset(str(five), batch_size=1, tail="uneven")
+        seen.append({int(i) for b in ds for i in b["_index"]})
     assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(range(5)), seen
 
 
