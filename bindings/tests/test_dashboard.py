@@ -5,7 +5,8 @@ Two `ramjet serve` daemons in a ring with an API key, the first with its HTTP po
 non-loopback address (0.0.0.0, so it asks for the read credential), and a reader streaming
 through it. The page lists both nodes and the job; its figures match `/stats` within one
 refresh; freezing the ring shows it frozen; a SIGKILLed daemon shows down within 10 s; a
-missing or wrong credential gets 401 and no data. The screenshot goes to
+missing or wrong credential gets 401 and no data; two ranks of one job stepping at different
+paces show as the job's step-time skew, the slow rank named. The screenshot goes to
 docs/img/dashboard.png (RAMJET_DASHBOARD_PNG overrides the path)."""
 
 import json
@@ -85,16 +86,21 @@ def test_the_dashboard_in_a_real_browser(tmp_path):
     http_a, http_b = f"0.0.0.0:{port_a}", f"127.0.0.1:{free_port()}"
     page_addr = f"127.0.0.1:{port_a}"
     da, sock_a = serve(tmp_path, "a", a, [a, b], http_a)
-    db, _ = serve(tmp_path, "b", b, [a, b], http_b)
+    db, sock_b = serve(tmp_path, "b", b, [a, b], http_b)
     token = subprocess.run([RAMJET, "token"], env=dict(os.environ, RAMJET_API_KEY=KEY), capture_output=True, text=True, check=True).stdout.strip()
-    reader = subprocess.Popen(
-        [RAMJET, "stream", str(tmp_path / "packed"), "--daemon", str(sock_a), "--shuffle", "none"]
-        + ["--epochs", "100000", "--step-ms", "20", "--prefetch", "1KiB"],
-        env=dict(os.environ, RAMJET_JOB="browser-test"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # Two ranks of one job, one on each node, the second stepping three times slower.
+    readers = [
+        subprocess.Popen(
+            [RAMJET, "stream", str(tmp_path / "packed"), "--daemon", str(sock), "--shuffle", "none"]
+            + ["--epochs", "100000", "--step-ms", str(step_ms), "--prefetch", "1KiB"]
+            + ["--rank", str(rank), "--world", "2"],
+            env=dict(os.environ, RAMJET_JOB="browser-test"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, (sock, step_ms) in enumerate([(sock_a, 20), (sock_b, 60)])
+    ]
     lease = None
     try:
         # No credential, or a wrong one, on the non-loopback port: 401 and nothing about
@@ -152,6 +158,13 @@ def test_the_dashboard_in_a_real_browser(tmp_path):
             assert min(before["cache_bytes"], after["cache_bytes"]) <= cached_on_page <= max(before["cache_bytes"], after["cache_bytes"])
             rate = float(page.get_attribute('tr[data-job="browser-test"]', "data-wait"))
             assert 0.0 <= rate <= 1.0
+            # Evenness: the job's two ranks side by side, the slow one named, each consumer's
+            # step time shown (heartbeats every 2 s: wait until both have stepped).
+            skew = 'table#skew tr[data-job="browser-test"]'
+            page.wait_for_selector(f'{skew}[data-slowest="1"]', timeout=20_000)
+            assert float(page.get_attribute(skew, "data-skew")) > 0.3, page.inner_text("#skew")
+            steps = [float(page.get_attribute(f'tr[data-consumer$="/{r}.0"] td[data-step]', "data-step")) for r in (0, 1)]
+            assert 0.0 < steps[0] < steps[1], steps
 
             png = Path(os.environ.get("RAMJET_DASHBOARD_PNG", ROOT / "docs/img/dashboard.png"))
             png.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +189,7 @@ def test_the_dashboard_in_a_real_browser(tmp_path):
     finally:
         if lease is not None:
             lease.release()
-        for proc in (reader, da, db):
+        for proc in (*readers, da, db):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()

@@ -108,3 +108,42 @@ def test_a_job_whose_nodes_do_not_divide_the_partitions_warns(classes, monkeypat
     as_rank(monkeypatch, 0, 6, 2)
     with pytest.warns(UserWarning, match="do not divide partitions=8"):
         list(dataset(url, partitions=PARTITIONS, batch_size=8))
+
+
+def test_sticky_shares_keep_each_nodes_samples_from_epoch_to_epoch(classes, monkeypatch):
+    """`shares="sticky"`: node 0 of a 2-node job reads the same shards, so nearly the same
+    samples, in its second epoch as in its first (but for the split shard at a cut), in another
+    order; rotating shares move them."""
+    url, _ = classes
+
+    def node_reads(shares, epoch):
+        order = []
+        for rank in range(2):  # node 0 of a 4-rank job on 2 nodes
+            as_rank(monkeypatch, rank, 4, 2)
+            ds = dataset(url, seed=3, partitions=4, shuffle_window=2, batch_size=4, shares=shares)
+            ds.set_epoch(epoch)
+            order += indices(list(ds))
+        return order
+
+    for shares, stays in [("sticky", True), ("rotate", False)]:
+        a, b = node_reads(shares, 0), node_reads(shares, 1)
+        moved = len(set(a) ^ set(b))
+        assert (moved <= len(a) // 4) == stays, (shares, moved, len(a))
+        assert a != b, f"{shares}: the second epoch is in another order"
+
+
+def test_metrics_give_each_ranks_step_time_and_rate(classes):
+    """metrics(): the batches handed out and the mean step time between them (the training
+    step's time included), the rank's figures for the evenness view."""
+    import time
+
+    url, _ = classes
+    ds = dataset(url, batch_size=16, shuffle=False)
+    n = 0
+    for _ in ds:
+        n += 1
+        time.sleep(0.05)
+    m = ds.metrics()
+    assert m["batches"] == n == len(ds)
+    assert m["step_s"] >= 0.05, m["step_s"]
+    assert m["samples_per_s"] > 0

@@ -49,6 +49,12 @@ pub struct Metrics {
     pub first_sample_ns: AtomicU64,
     /// Nanoseconds the training loop waited for a batch (loader only).
     pub batch_wait_ns: AtomicU64,
+    /// Batches handed to the training loop (loader only): its steps.
+    pub batches: AtomicU64,
+    /// When the first and the last batch were handed out, nanoseconds since creation.
+    pub first_batch_ns: AtomicU64,
+    /// See [`Metrics::first_batch_ns`].
+    pub last_batch_ns: AtomicU64,
     /// Images decoded (loader only).
     pub images_decoded: AtomicU64,
     /// Samples left out of delivered batches because their image did not decode (loader only).
@@ -110,6 +116,9 @@ impl Default for Metrics {
             wait_ns: AtomicU64::new(0),
             first_sample_ns: AtomicU64::new(0),
             batch_wait_ns: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            first_batch_ns: AtomicU64::new(0),
+            last_batch_ns: AtomicU64::new(0),
             images_decoded: AtomicU64::new(0),
             samples_skipped: AtomicU64::new(0),
             provider_shards: Default::default(),
@@ -180,6 +189,11 @@ pub struct MetricsSnapshot {
     pub bytes_per_s: f64,
     /// Seconds the training loop waited for batches.
     pub batch_wait_s: f64,
+    /// Batches handed to the training loop (its steps; loader only).
+    pub batches: u64,
+    /// Mean seconds from one batch handed out to the next (the consumer's step time, its
+    /// training included), since the first batch; 0 before the second.
+    pub step_s: f64,
     /// Images decoded.
     pub images_decoded: u64,
     /// Samples skipped as undecodable.
@@ -220,6 +234,37 @@ impl Metrics {
     pub fn mark_first_sample(&self) {
         let ns = self.started.elapsed().as_nanos().max(1) as u64;
         let _ = self.first_sample_ns.compare_exchange(0, ns, Relaxed, Relaxed);
+    }
+
+    /// A batch was handed to the training loop now.
+    pub fn batch_handed(&self) {
+        let ns = self.started.elapsed().as_nanos().max(1) as u64;
+        if self.batches.fetch_add(1, Relaxed) == 0 {
+            self.first_batch_ns.store(ns, Relaxed);
+        }
+        self.last_batch_ns.store(ns, Relaxed);
+    }
+
+    /// Mean seconds between batches handed out, since the first (0 before the second).
+    fn step_s(&self) -> f64 {
+        let n = self.batches.load(Relaxed);
+        let span = self
+            .last_batch_ns
+            .load(Relaxed)
+            .saturating_sub(self.first_batch_ns.load(Relaxed));
+        if n < 2 {
+            0.0
+        } else {
+            span as f64 / 1e9 / (n - 1) as f64
+        }
+    }
+
+    /// Seconds since the last batch was handed out (0 before the first).
+    pub fn since_last_batch_s(&self) -> f64 {
+        match self.last_batch_ns.load(Relaxed) {
+            0 => 0.0,
+            t => (self.started.elapsed().as_nanos() as u64).saturating_sub(t) as f64 / 1e9,
+        }
     }
 
     /// Adds `n` to a counter.
@@ -282,6 +327,8 @@ impl Metrics {
             samples_per_s: g(&self.samples) as f64 / elapsed_s.max(1e-9),
             bytes_per_s: g(&self.sample_bytes) as f64 / elapsed_s.max(1e-9),
             batch_wait_s: g(&self.batch_wait_ns) as f64 / 1e9,
+            batches: g(&self.batches),
+            step_s: self.step_s(),
             images_decoded: g(&self.images_decoded),
             samples_skipped: g(&self.samples_skipped),
             daemon_cache_local: g(&self.provider_shards[0]),

@@ -54,6 +54,10 @@ pub struct ShardRequest<'a> {
     pub shard: u32,
     /// The shard's content identity (from the manifest).
     pub id: ShardId,
+    /// The shard is part of this node's own share, the same every epoch (a node-affine deal of
+    /// a sticky order): the host daemon keeps it in its own cache and reads it from the origin,
+    /// not from the shard's owner on the ring.
+    pub keep: bool,
 }
 
 /// A shard as a provider delivers it (not yet verified by the caller).
@@ -127,6 +131,15 @@ pub struct Heartbeat {
     pub samples: u64,
     /// Samples per second over the last interval.
     pub samples_per_s: f64,
+    /// Batches handed to the training loop since it started (its steps; 0 for a stream read
+    /// sample by sample).
+    #[serde(default)]
+    pub batches: u64,
+    /// Its step time: seconds per batch over the last interval, or, when no batch came in
+    /// it, the seconds since the last one (a stalled rank's step time grows); 0 before the
+    /// first batch.
+    #[serde(default)]
+    pub step_s: f64,
     /// Share of its time spent waiting for data, since it started.
     pub data_wait_share: f64,
     /// Shares of its time by stage (`origin`, `peer`, `daemon`, `cache`, `decode`,
@@ -148,7 +161,7 @@ pub(crate) async fn report_heartbeats(
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     who: Heartbeat,
 ) {
-    let mut last = (std::time::Instant::now(), 0u64);
+    let mut last = (std::time::Instant::now(), 0u64, 0u64);
     let mut warned = false;
     // The first beat goes at once (after the loader's first look), so the host's budget is
     // split among its consumers from their start.
@@ -163,6 +176,11 @@ pub(crate) async fn report_heartbeats(
         beat.epoch_len = s.epoch_len;
         beat.samples = s.samples;
         beat.samples_per_s = s.samples.saturating_sub(last.1) as f64 / dt;
+        beat.batches = s.batches;
+        beat.step_s = match s.batches.saturating_sub(last.2) {
+            0 => metrics.since_last_batch_s(),
+            steps => dt / steps as f64,
+        };
         beat.data_wait_share = s.stall.get("data_wait_share").copied().unwrap_or(0.0);
         beat.split = crate::stall::NAMES
             .iter()
@@ -175,7 +193,7 @@ pub(crate) async fn report_heartbeats(
             .collect();
         beat.elapsed_s = s.elapsed_s;
         beat.decode_threads = metrics.decode_threads.load(std::sync::atomic::Ordering::Relaxed) as u32;
-        last = (now, s.samples);
+        last = (now, s.samples, s.batches);
         let p = provider.clone();
         let r = tokio::task::spawn_blocking(move || p.heartbeat(&beat)).await;
         match r {

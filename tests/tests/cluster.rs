@@ -242,6 +242,114 @@ fn three_daemons_fetch_each_shard_from_the_origin_once_and_hold_their_ring_share
     assert_eq!(proxy.count("GET", "/shards/"), 0, "a warm cluster went to the origin");
 }
 
+/// Rank `rank` of a 4-rank job of 2 nodes (2 ranks each, ranks numbered node by node, as
+/// torchrun sets them) reading 2 epochs of a sticky order through the daemon at `sock`.
+fn node_reader(url: &str, sock: &Path, out: &Path, origin_url: &str, rank: usize) -> Child {
+    Command::new(ramjet_bin())
+        .env("RAMJET_INDEX_DIR", test_index_dir())
+        .args(["stream", url, "--daemon", sock.to_str().unwrap(), "--json"])
+        .args(["--shuffle", "block", "--window", "2", "--partitions", "4", "--sticky"])
+        .args(["--epochs", "2", "--ranged-bytes", "0", "--out", out.to_str().unwrap()])
+        .envs([
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "4".into()),
+            ("LOCAL_RANK", (rank % 2).to_string()),
+            ("LOCAL_WORLD_SIZE", "2".into()),
+        ])
+        .env("AWS_ENDPOINT_URL", origin_url)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn reader")
+}
+
+/// Two nodes of two ranks, a sticky order dealt node by node: each node's daemon fetches from
+/// the origin (counted behind the node's own proxy) only the shards its ranks read, each once,
+/// asks its peer for none and keeps them, so the second epoch costs no origin or peer bytes;
+/// and every sample is delivered once an epoch.
+#[test]
+fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
+    let url = dataset();
+    let ids = shard_ids(url);
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(2, 60);
+    let proxies: Vec<CountingProxy> = (0..2).map(|_| CountingProxy::start(&s3_upstream())).collect();
+    let nodes: Vec<Node> = members
+        .iter()
+        .zip(&proxies)
+        .map(|(m, p)| start_node(dir.path(), m, &members, &p.url, &[]))
+        .collect();
+    proxies.iter().for_each(CountingProxy::reset);
+    let outs: Vec<PathBuf> = (0..4).map(|r| dir.path().join(format!("rank{r}"))).collect();
+    let readers: Vec<Child> = (0..4)
+        .map(|r| node_reader(url, &nodes[r / 2].sock, &outs[r], &proxies[r / 2].url, r))
+        .collect();
+    readers.into_iter().for_each(|c| drop(finish(c)));
+    // Each line: epoch position stream shard index global_index record_bytes.
+    let lines: Vec<Vec<Vec<String>>> = outs
+        .iter()
+        .map(|o| {
+            let t = std::fs::read_to_string(o).unwrap();
+            t.lines()
+                .map(|l| l.split_whitespace().map(str::to_owned).collect())
+                .collect()
+        })
+        .collect();
+    let want: std::collections::BTreeSet<String> = reference(url)
+        .lines()
+        .map(|l| l.split_whitespace().skip(2).take(3).collect::<Vec<_>>().join(" "))
+        .collect();
+    for epoch in ["0", "1"] {
+        let got: Vec<String> = lines
+            .iter()
+            .flatten()
+            .filter(|f| f[0] == epoch)
+            .map(|f| f[2..5].join(" "))
+            .collect();
+        assert_eq!(got.len(), want.len(), "epoch {epoch}: samples delivered");
+        assert_eq!(
+            got.into_iter().collect::<std::collections::BTreeSet<_>>(),
+            want,
+            "epoch {epoch}"
+        );
+    }
+    let shards_of = |node: usize, epoch: &str| -> std::collections::BTreeSet<String> {
+        lines[node * 2..node * 2 + 2]
+            .iter()
+            .flatten()
+            .filter(|f| f[0] == epoch)
+            .map(|f| f[3].clone())
+            .collect()
+    };
+    // Rounds of 4 partitions x 2 shards: each round's cut between the nodes splits at most one
+    // shard, which both nodes read.
+    let rounds = ids.len().div_ceil(8);
+    let (a, b) = (shards_of(0, "0"), shards_of(1, "0"));
+    assert!(a.intersection(&b).count() <= rounds, "{a:?} {b:?}");
+    for (n, node) in nodes.iter().enumerate() {
+        let (first, second) = (shards_of(n, "0"), shards_of(n, "1"));
+        // The same shards, but for a cut that moved by a sample onto a neighbouring shard
+        // (the extra samples' sweep follows the rounds' new order): at most one a round.
+        let new: Vec<&String> = second.difference(&first).collect();
+        assert!(
+            new.len() <= rounds,
+            "node {n} read other shards in its second epoch: {new:?}"
+        );
+        assert!(
+            first.len() <= ids.len() / 2 + rounds,
+            "node {n} read {} shards",
+            first.len()
+        );
+        // Its shards crossed from the origin once, for both epochs, and through no peer.
+        let read = first.union(&second).count();
+        assert_eq!(proxies[n].count("GET", "/shards/"), read, "node {n}'s origin GETs");
+        let s = node.stats();
+        assert_eq!(u(&s["reads"]["cache_peer"]), 0, "node {n} asked its peer: {s}");
+        assert_eq!(u(&s["peer_fetched_bytes"]), 0, "node {n} fetched from its peer: {s}");
+        assert_eq!(u(&s["cache_shards"]), read as u64, "node {n} keeps its share: {s}");
+    }
+}
+
 #[test]
 fn sigkill_of_a_daemon_mid_epoch_leaves_every_reader_with_correct_data() {
     let url = dataset();
@@ -554,6 +662,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
                 manifest_url: m,
                 shard,
                 id,
+                keep: false,
             })
             .unwrap_err()
             .to_string();
@@ -567,6 +676,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
         manifest_url: &good,
         shard: 0,
         id: ids[0],
+        keep: false,
     });
     let got = second
         .client
@@ -574,6 +684,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
             manifest_url: &good,
             shard: 0,
             id: ids[0],
+            keep: false,
         })
         .unwrap();
     assert_eq!(got.from, FetchedFrom::Origin);
@@ -693,6 +804,7 @@ fn the_request_that_starts_a_flight_has_a_deadline() {
             manifest_url: ds.manifest_url(),
             shard: 0,
             id: ids[0],
+            keep: false,
         })
         .unwrap();
     let took = t0.elapsed();
@@ -813,6 +925,7 @@ fn a_handed_out_descriptor_holds_no_lock_on_the_cached_shard() {
             shard: 0,
             checksum: id.checksum,
             bytes: id.bytes,
+            keep: false,
         }))
         .unwrap();
         let (mut buf, mut chunk, mut fds) = (Vec::new(), [0u8; 4096], Vec::new());
@@ -1025,6 +1138,7 @@ fn a_daemon_without_a_key_stays_on_loopback_and_bounds_datasets_and_connections(
                 manifest_url: ds.manifest_url(),
                 shard: 0,
                 id,
+                keep: false,
             })
             .unwrap();
         assert_eq!(d.datasets_open(), 1);
@@ -1336,6 +1450,7 @@ fn the_daemon_refuses_a_loader_of_another_user() {
         shard: 0,
         checksum: ids[0].checksum,
         bytes: ids[0].bytes,
+        keep: false,
     });
     // Everything the child needs is made before the fork: it only makes system calls.
     // SAFETY: a zeroed sockaddr_un is a valid value; the path is copied in below.
@@ -1417,6 +1532,7 @@ fn the_daemon_refuses_a_loader_of_another_user() {
             manifest_url: ds.manifest_url(),
             shard: 0,
             id: ids[0],
+            keep: false,
         })
         .unwrap();
     assert_eq!(got.bytes.len() as u64, ids[0].bytes);

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use ramjet_engine::order::{
-    effective_len, global_order, DealRule, EpochOrder, EpochProgress, OrderSpec, Perm, SampleRef, Shuffle, SourceShape,
-    Tail, Weight,
+    effective_len, global_order, DealRule, EpochOrder, EpochProgress, OrderSpec, Perm, SampleRef, Shares, Shuffle,
+    SourceShape, Tail, Weight,
 };
 
 fn shuffles() -> impl Strategy<Value = Shuffle> {
@@ -21,6 +21,11 @@ fn shuffles() -> impl Strategy<Value = Shuffle> {
             block_samples: b,
         }),
     ]
+}
+
+/// Whether the shard-block rounds are drawn per epoch or once per seed.
+fn shares() -> impl Strategy<Value = Shares> {
+    prop_oneof![Just(Shares::Rotate), Just(Shares::Sticky)]
 }
 
 /// A job's deal: position by position round 1 to 8 consumers, or node-affine over 2 to 4
@@ -93,8 +98,9 @@ proptest! {
     #[test]
     fn the_order_takes_each_sample_as_the_mixing_says(
         st in streams(), shuffle in shuffles(), partitions in 1usize..4, seed in any::<u64>(), epoch in 0u64..3,
+        shares in shares(),
     ) {
-        let spec = OrderSpec { seed, shuffle, partitions, tail: Tail::Uneven };
+        let spec = OrderSpec { seed, shuffle, partitions, tail: Tail::Uneven, shares };
         let order = EpochOrder::new(&st, &spec, epoch).unwrap();
         let g = global_order(&st, &spec, epoch).unwrap();
         prop_assert_eq!(g.len() as u64, order.len());
@@ -115,9 +121,10 @@ proptest! {
     #[test]
     fn every_position_dealt_exactly_once(
         st in streams(), shuffle in shuffles(), rule in rules(), tail_i in 0usize..3, seed in any::<u64>(),
+        shares in shares(),
     ) {
         let tail = [Tail::Uneven, Tail::DropLast, Tail::PadRepeat][tail_i];
-        let spec = OrderSpec { seed, shuffle, partitions: rule.partitions as usize, tail };
+        let spec = OrderSpec { seed, shuffle, partitions: rule.partitions as usize, tail, shares };
         let order = Arc::new(EpochOrder::new(&st, &spec, 1).unwrap());
         prop_assume!(!order.is_empty());
         let consumers = rule.consumers as usize;
@@ -130,7 +137,11 @@ proptest! {
             for k in 0..deal.len() {
                 let p = deal.position(k);
                 hit[p as usize] += 1;
-                prop_assert_eq!(cur.at(p).unwrap().0, g[(p % order.len()) as usize]);
+                prop_assert_eq!(cur.at(p).unwrap().0, g[order.wrapped(p).1 as usize]);
+                if p >= order.len() && rule.nodes > 1 && matches!(shuffle, Shuffle::ShardBlock { .. }) {
+                    // Padding stays in the position's column, so on the node that reads it.
+                    prop_assert_eq!(order.wrapped(p).1 % rule.partitions, p % rule.partitions);
+                }
             }
         }
         prop_assert!(hit.iter().all(|&h| h == 1), "a position dealt {:?} times", hit.iter().find(|&&h| h != 1));
@@ -192,6 +203,7 @@ fn a_cursor_answers_any_position() {
             shuffle,
             partitions: 3,
             tail: Tail::PadRepeat,
+            ..Default::default()
         };
         let order = Arc::new(EpochOrder::new(&st, &spec, 4).unwrap());
         let g = global_order(&st, &spec, 4).unwrap();
@@ -199,7 +211,7 @@ fn a_cursor_answers_any_position() {
         for p in [50u64, 3, 3, 120, 0, 200, 131, 7] {
             assert_eq!(
                 cur.at(p).unwrap().0,
-                g[(p % order.len()) as usize],
+                g[order.wrapped(p).1 as usize],
                 "{shuffle:?} position {p}"
             );
         }

@@ -61,6 +61,7 @@ fn order() -> OrderSpec {
         },
         partitions: 2,
         tail: Tail::Uneven,
+        ..Default::default()
     }
 }
 

@@ -362,6 +362,7 @@ impl ShardProvider for DaemonClient {
             shard: req.shard,
             checksum: req.id.checksum,
             bytes: req.id.bytes,
+            keep: req.keep,
         };
         let (reply, file) = self.call(&get).map_err(|e| self.err(&what, e))?;
         match reply {

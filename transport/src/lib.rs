@@ -13,6 +13,7 @@ pub mod prometheus;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod ring;
+pub mod skew;
 pub mod stats;
 pub mod sys;
 pub mod wire;

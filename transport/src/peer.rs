@@ -45,6 +45,7 @@ impl ShardGet {
             shard: self.shard,
             checksum: self.checksum,
             bytes: self.bytes,
+            keep: false,
         }
     }
 }

@@ -110,6 +110,11 @@ pub fn exposition(d: &StatsDoc, jobs: &[JobView]) -> String {
         ("peer_served", "Shards served to peers.", d.peer_served),
         ("peer_served_bytes", "Bytes served to peers.", d.peer_served_bytes),
         (
+            "peer_fetched_bytes",
+            "Bytes fetched from peers (with origin_bytes, the bytes into the node).",
+            d.peer_fetched_bytes,
+        ),
+        (
             "peer_corrupt",
             "Peer deliveries that failed verification.",
             d.peer_corrupt,
@@ -175,6 +180,32 @@ fn expose_jobs(r: &mut Registry, jobs: &[JobView]) {
     );
     gauges(
         r,
+        "job_step_seconds",
+        "A consumer's seconds per batch over its last heartbeat interval (since its last batch when none came).",
+        jobs.iter().map(|j| (who(j), j.beat.step_s)),
+    );
+    // Each job's ranks as this daemon knows them (its host's; the cluster view, /cluster,
+    // holds every node's).
+    let skews = crate::skew::skews(jobs);
+    gauges(
+        r,
+        "rank_step_seconds",
+        "A rank's seconds per step, its workers together (this host's ranks).",
+        skews.iter().flat_map(|s| {
+            s.ranks.iter().map(move |p| {
+                let l = vec![("job".into(), s.job.clone()), ("rank".into(), p.rank.to_string())];
+                (l, p.step_s)
+            })
+        }),
+    );
+    gauges(
+        r,
+        "job_step_skew",
+        "(slowest - fastest) / median step time of a job's ranks on this host.",
+        skews.iter().map(|s| (vec![("job".to_string(), s.job.clone())], s.skew)),
+    );
+    gauges(
+        r,
         "job_data_wait_share",
         "A consumer's share of its time spent waiting for data.",
         jobs.iter().map(|j| (who(j), j.beat.data_wait_share)),
@@ -230,6 +261,7 @@ mod tests {
             job: "train".into(),
             samples_per_s: 12.5,
             data_wait_share: 0.25,
+            step_s: 0.5,
             ..Default::default()
         };
         beat.split.insert("origin".into(), 0.25);
@@ -246,6 +278,12 @@ mod tests {
             "{p}"
         );
         assert!(p.contains("stage=\"origin\""), "{p}");
+        assert!(
+            p.contains("ramjet_job_step_seconds{job=\"train\",rank=\"0\",worker=\"0\"} 0.5"),
+            "{p}"
+        );
+        assert!(p.contains("ramjet_rank_step_seconds{job=\"train\",rank=\"0\"} 0.5"), "{p}");
+        assert!(p.contains("ramjet_job_step_skew{job=\"train\"} 0"), "{p}");
         assert!(p.ends_with("# EOF\n"), "{p}");
     }
 }

@@ -33,6 +33,8 @@ pub struct Stats {
     pub peer_served: AtomicU64,
     /// Bytes served to peers.
     pub peer_served_bytes: AtomicU64,
+    /// Bytes fetched from peers (each flight's delivery once, however many requests it served).
+    pub peer_fetched_bytes: AtomicU64,
     /// Shards whose bytes from a peer failed verification.
     pub peer_corrupt: AtomicU64,
     /// Local readers that reported a corrupt copy.
@@ -64,6 +66,7 @@ impl Default for Stats {
             requests_refused: AtomicU64::new(0),
             peer_served: AtomicU64::new(0),
             peer_served_bytes: AtomicU64::new(0),
+            peer_fetched_bytes: AtomicU64::new(0),
             peer_corrupt: AtomicU64::new(0),
             local_corrupt: AtomicU64::new(0),
             shared_copies: AtomicU64::new(0),
@@ -193,6 +196,9 @@ pub struct StatsDoc {
     pub peer_served: u64,
     /// Bytes served to peers.
     pub peer_served_bytes: u64,
+    /// Bytes fetched from peers, once a flight: with `origin_bytes`, the bytes into the node.
+    #[serde(default)]
+    pub peer_fetched_bytes: u64,
     /// Peer deliveries that failed verification.
     pub peer_corrupt: u64,
     /// Local reports of corrupt copies.
@@ -255,6 +261,7 @@ impl StatsDoc {
         self.requests_refused = s.requests_refused.load(Relaxed);
         self.peer_served = s.peer_served.load(Relaxed);
         self.peer_served_bytes = s.peer_served_bytes.load(Relaxed);
+        self.peer_fetched_bytes = s.peer_fetched_bytes.load(Relaxed);
         self.peer_corrupt = s.peer_corrupt.load(Relaxed);
         self.local_corrupt = s.local_corrupt.load(Relaxed);
         self.shared_copies = s.shared_copies.load(Relaxed);
@@ -289,6 +296,44 @@ pub struct JobView {
     /// Its heartbeats of the last minutes (only on the daemon's own `/jobs`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub history: Vec<JobPoint>,
+}
+
+/// One rank's pace: its consumers (DataLoader workers) together.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankPace {
+    /// The rank.
+    pub rank: u32,
+    /// The daemon its consumers report to.
+    pub node: String,
+    /// Seconds per step: its workers hand batches out in turn, so the rank's rate of steps
+    /// is the sum of theirs (0: no batch yet, or read sample by sample).
+    pub step_s: f64,
+    /// Samples per second, its workers summed.
+    pub samples_per_s: f64,
+}
+
+/// One job's ranks side by side.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobSkew {
+    /// The job.
+    pub job: String,
+    /// Its ranks that reported, in rank order.
+    pub ranks: Vec<RankPace>,
+    /// The fastest, median and slowest step time among the ranks that step (seconds).
+    pub step_s_min: f64,
+    /// See `step_s_min`.
+    pub step_s_median: f64,
+    /// See `step_s_min`.
+    pub step_s_max: f64,
+    /// `(slowest - fastest) / median` step time: 0 when every rank steps alike (or fewer than
+    /// two ranks step).
+    pub skew: f64,
+    /// The rank with the slowest step, if any rank steps.
+    pub slowest_rank: Option<u32>,
+    /// The lowest and highest samples per second among the ranks.
+    pub samples_per_s_min: f64,
+    /// See `samples_per_s_min`.
+    pub samples_per_s_max: f64,
 }
 
 /// A daemon's read rates over one interval.
@@ -388,6 +433,10 @@ pub struct ClusterDoc {
     pub read_bytes_per_s: BTreeMap<String, f64>,
     /// Members down.
     pub down: usize,
+    /// Each job's ranks side by side: step time, samples per second and the step-time skew
+    /// (`crate::skew`), over every node's consumers.
+    #[serde(default)]
+    pub skew: Vec<JobSkew>,
 }
 
 #[cfg(test)]

@@ -65,6 +65,10 @@ pub enum Msg {
         checksum: u64,
         /// Shard size (from the manifest).
         bytes: u64,
+        /// Local only: the shard is the asking node's own share every epoch, so the daemon
+        /// reads it from the origin (not the ring owner) and keeps it (absent: false).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        keep: bool,
     },
     /// The shard follows.
     Data {
@@ -723,6 +727,7 @@ mod tests {
             shard: 1,
             checksum: 2,
             bytes: 3,
+            keep: false,
         };
         let f1 = client.seal(&get);
         assert_eq!(server.open(&body(&f1)).unwrap(), get);

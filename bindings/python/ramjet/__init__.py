@@ -340,6 +340,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         tail: ``"uneven"`` (every sample once), ``"drop"`` or ``"pad"`` when the epoch does
             not divide across ranks and workers; by default ``"uneven"`` on one rank and
             ``"pad"`` on several, so every rank steps the same number of batches.
+        shares: ``"rotate"`` (each epoch draws which shards a node reads afresh) or
+            ``"sticky"`` (a node reads the same shards every epoch and its host daemon keeps
+            them, so a share that fits the node's cache is read from its own disk after the
+            first epoch; docs/order.md, "Later epochs").
         drop_last: drop an epoch's last batch when it is short.
         image_size: decode the image column to this size (int or ``(height, width)``);
             ``None`` yields encoded bytes.
@@ -397,6 +401,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         shuffle_block: int = 1,
         partitions: int = 1,
         tail: Optional[str] = None,
+        shares: str = "rotate",
         drop_last: bool = False,
         cache_limit: Union[int, str, None] = "64GiB",
         image_size: Union[int, Tuple[int, int], None] = 224,
@@ -829,8 +834,8 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
         boundaries: also yield ``position_ids`` and ``segment_ids``.
         dtype: ``"int64"`` (default) or ``"int32"``.
         token_dtype: the element type of a ``bytes`` token column (``"int32"``, ``"uint16"``...).
-        shuffle, shuffle_algo, seed, shuffle_window, shuffle_block, partitions, cache_limit:
-            the document order and cache, as for :class:`StreamingDataset`.
+        shuffle, shuffle_algo, seed, shuffle_window, shuffle_block, partitions, shares,
+            cache_limit: the document order and cache, as for :class:`StreamingDataset`.
         prefetch_batches: batches cut ahead on ramjet's own thread.
         rank / world_size: override the topology (default: torch.distributed when
             initialised, else ``RANK``/``WORLD_SIZE``, else Slurm's ``SLURM_PROCID`` /
@@ -866,6 +871,7 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
         shuffle_window: int = 4,
         shuffle_block: int = 1,
         partitions: int = 1,
+        shares: str = "rotate",
         cache_limit: Union[int, str, None] = "64GiB",
         prefetch_batches: int = 4,
         rank: Optional[int] = None,
@@ -883,6 +889,7 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
             "shuffle_window": shuffle_window,
             "shuffle_block": shuffle_block,
             "partitions": partitions,
+            "shares": shares,
             "cache_limit": cache_limit,
             "image_size": None,
             "rank": rank,

@@ -701,6 +701,7 @@ impl Loader {
                         // Counted on delivery, not on decode: the reader runs ahead into the
                         // next epoch, and its skips belong to batches not yet handed out.
                         Metrics::add(&self.metrics.samples_skipped, b.skipped.len() as u64);
+                        self.metrics.batch_handed();
                         consumer_at(&self.metrics, b.epoch, b.state.as_ref());
                         Ok(Next::Batch(Box::new(b)))
                     }

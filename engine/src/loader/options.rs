@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use super::{BATCH_BYTES_MAX, BATCH_SIZE_MAX, IMAGE_SIDE_MAX, PREFETCH_BATCHES_MAX, THREADS_MAX};
 use crate::error::{Error, Result};
 use crate::image::{AugmentName, ImageConfig};
-use crate::order::{OrderSpec, Shuffle, Tail, Weight};
+use crate::order::{OrderSpec, Shares, Shuffle, Tail, Weight};
 
 /// One argument as the caller gave it, before any check: Python's `None`, `bool`, `int`,
 /// `float`, `str`, a sequence, or a mapping (a `ramjet.Source`).
@@ -73,6 +73,7 @@ pub const OPTIONS: &[(&str, OptionDefault)] = &[
     ("shuffle_block", OptionDefault::Int(1)),
     ("partitions", OptionDefault::Int(1)),
     ("tail", OptionDefault::Str("uneven")),
+    ("shares", OptionDefault::Str("rotate")),
     ("drop_last", OptionDefault::Bool(false)),
     ("cache_limit", OptionDefault::Str("64GiB")),
     ("image_size", OptionDefault::Int(224)),
@@ -230,7 +231,7 @@ impl Options {
 }
 
 /// The order's options: `shuffle`, `shuffle_algo`, `seed`, `shuffle_window`, `shuffle_block`,
-/// `partitions`, `tail`.
+/// `partitions`, `tail`, `shares`.
 fn order_spec(all: &BTreeMap<String, Arg>) -> Result<OrderSpec> {
     let a = |k: &str| &all[k];
     let seed = int("seed", a("seed"), 0, u64::MAX as i128)? as u64;
@@ -243,6 +244,11 @@ fn order_spec(all: &BTreeMap<String, Arg>) -> Result<OrderSpec> {
         ("pad", Tail::PadRepeat),
     ];
     let tail = choice("tail", a("tail"), &tails)?;
+    let shares = choice(
+        "shares",
+        a("shares"),
+        &[("rotate", Shares::Rotate), ("sticky", Shares::Sticky)],
+    )?;
     let algo = choice(
         "shuffle_algo",
         a("shuffle_algo"),
@@ -263,6 +269,7 @@ fn order_spec(all: &BTreeMap<String, Arg>) -> Result<OrderSpec> {
         shuffle,
         partitions,
         tail,
+        shares,
     })
 }
 

@@ -54,6 +54,21 @@ pub enum Tail {
     PadRepeat,
 }
 
+/// Whether a node reads the same shards every epoch under a node-affine deal (`docs/order.md`,
+/// "Later epochs"). Only the shard-block shuffle has rounds to fix; the others ignore it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Shares {
+    /// Each epoch draws its rounds afresh: which shards a partition (so a node) reads changes
+    /// from epoch to epoch, and a node's later epochs come from its peers' caches.
+    #[default]
+    Rotate,
+    /// The rounds' shards are drawn once per seed: every partition reads the same shards every
+    /// epoch, so a node whose share fits its cache reads only its own disk after the first
+    /// epoch. The order of the rounds and the blocks inside each window are drawn per epoch.
+    Sticky,
+}
+
 /// How many samples of one source an epoch takes.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind", content = "value")]
@@ -153,6 +168,9 @@ pub struct OrderSpec {
     pub partitions: usize,
     /// Tail handling.
     pub tail: Tail,
+    /// Whether the shard-block rounds are drawn per epoch or once per seed.
+    #[serde(default)]
+    pub shares: Shares,
 }
 
 impl Default for OrderSpec {
@@ -165,6 +183,7 @@ impl Default for OrderSpec {
             },
             partitions: 1,
             tail: Tail::Uneven,
+            shares: Shares::Rotate,
         }
     }
 }
@@ -301,8 +320,9 @@ pub struct SampleRef {
 /// order; under another version they would name other samples, so resuming across versions is
 /// refused. Version 1 built each epoch's order as an array (ramjet before the lazy order);
 /// version 2 computes it position by position; version 3 deals the shard-block shuffle's rounds
-/// into rows of equal partitions, so a node can read only its partitions (`docs/order.md`).
-pub const ORDER_VERSION: u32 = 3;
+/// into rows of equal partitions, so a node can read only its partitions (`docs/order.md`);
+/// version 4 pads a partitioned order column by column, so padding stays on a node's shards.
+pub const ORDER_VERSION: u32 = 4;
 
 /// The version a saved state without the field was written under.
 pub(crate) fn order_version_1() -> u32 {
@@ -388,15 +408,30 @@ impl Perm {
 
 /// The key every random choice of an epoch derives from.
 pub fn epoch_key(sources: &[SourceShape], spec: &OrderSpec, epoch: u64) -> u64 {
+    xxh3_64(format!("{};epoch={epoch}", order_key_text(sources, spec)).as_bytes())
+}
+
+/// The key of the choices a sticky order makes once per seed (the rounds' shards): the epoch
+/// key's text without the epoch.
+fn seed_key(sources: &[SourceShape], spec: &OrderSpec) -> u64 {
+    xxh3_64(format!("{};rounds", order_key_text(sources, spec)).as_bytes())
+}
+
+/// What the order's keys are a function of, as text. `shares` appears only when sticky, so a
+/// rotating order keeps the keys it had before the field existed.
+fn order_key_text(sources: &[SourceShape], spec: &OrderSpec) -> String {
     let mut s = format!("order=v{ORDER_VERSION};");
     for st in sources {
         s.push_str(&format!("{}:{:?};", st.version, st.weight));
     }
     s.push_str(&format!(
-        "seed={};shuffle={:?};partitions={};epoch={epoch}",
+        "seed={};shuffle={:?};partitions={}",
         spec.seed, spec.shuffle, spec.partitions
     ));
-    xxh3_64(s.as_bytes())
+    if spec.shares == Shares::Sticky {
+        s.push_str(";shares=sticky");
+    }
+    s
 }
 
 /// Positions of one epoch over `sources` before tail handling, or `None` when the sum overflows.
@@ -474,7 +509,11 @@ pub struct EpochOrder {
     units: u64,
     len: u64,
     /// The shard-block shuffle's unit permutation (and, for global, the sample permutation).
+    /// A sticky order keys it by the seed alone, so its rounds hold the same units every epoch.
     perm: Perm,
+    /// A sticky order's epoch-keyed permutation of its rounds: epoch round `k` is drawn round
+    /// `rounds.apply(k)`. `None` when rounds are drawn per epoch (their order is the identity).
+    rounds: Option<Perm>,
 }
 
 impl EpochOrder {
@@ -523,18 +562,26 @@ impl EpochOrder {
             len += part.samples();
             parts.push(part);
         }
+        let sticky = matches!(spec.shuffle, Shuffle::ShardBlock { .. }) && spec.shares == Shares::Sticky;
         let perm = match spec.shuffle {
             Shuffle::Global => Perm::new(len, derive(key, 0x61, 0)),
+            _ if sticky => Perm::new(units, derive(seed_key(sources, spec), 0x71, 0)),
             _ => Perm::new(units, derive(key, 0x71, 0)),
         };
-        Ok(EpochOrder {
+        let mut order = EpochOrder {
             key,
             spec: *spec,
             parts,
             units,
             len,
             perm,
-        })
+            rounds: None,
+        };
+        if sticky {
+            let n = units.div_ceil(order.round_units());
+            order.rounds = Some(Perm::new(n, derive(key, 0x73, 0)));
+        }
+        Ok(order)
     }
 
     /// Positions before tail handling (samples the epoch takes).
@@ -616,16 +663,44 @@ impl EpochOrder {
         }
     }
 
+    /// The position of the epoch's order that position `g` of the tail-adjusted order reads, and
+    /// how many times the order wrapped before it (`len > 0`). A position past the end repeats
+    /// its own partition's column from its start (shard-block, `P > 1`, at least a row): the
+    /// node that reads the column pads with its own shards. Otherwise it repeats the order.
+    pub fn wrapped(&self, g: u64) -> (u64, u64) {
+        let n = self.len;
+        match self.block() {
+            Some((_, _, p)) if p > 1 && n >= p && g >= n => {
+                let (c, j) = (g % p, g / p);
+                let rows = n / p + u64::from(c < n % p);
+                (j / rows, (j % rows) * p + c)
+            }
+            _ => (g / n, g % n),
+        }
+    }
+
     /// Units in one round of the shard-block shuffle (`partitions x window`).
     fn round_units(&self) -> u64 {
         self.block().map_or(1, |(w, _, p)| w.saturating_mul(p))
     }
 
+    /// The shuffled-unit indices of the epoch's round `k`: `[K R, (K + 1) R)` cut at the
+    /// epoch's units, where `K` is the drawn round at place `k` (`k` itself unless sticky).
+    fn round_slots(&self, k: u64) -> std::ops::Range<u64> {
+        let r = self.round_units();
+        let lo = self.rounds.as_ref().map_or(k, |p| p.apply(k)) * r;
+        lo.min(self.units)..(lo + r).min(self.units)
+    }
+
+    /// Unit `j` of the shuffled order (`j < units`).
+    fn shuffled_unit(&self, j: u64) -> Result<Unit> {
+        self.unit(self.perm.apply(j))
+    }
+
     /// Samples in round `k` (the sum of its units' lengths).
     fn round_len(&self, k: u64) -> Result<u64> {
-        let r = self.round_units();
-        let lo = k * r;
-        (lo..(lo + r).min(self.units)).try_fold(0u64, |a, j| Ok(a + self.unit(self.perm.apply(j))?.len))
+        self.round_slots(k)
+            .try_fold(0u64, |a, j| Ok(a + self.shuffled_unit(j)?.len))
     }
 }
 
@@ -644,9 +719,8 @@ impl OrderCursor {
     /// group are read together.
     pub fn at(&mut self, g: u64) -> Result<(SampleRef, u64)> {
         let o = &self.order;
-        let n = o.len;
-        assert!(n > 0, "position {g} of an empty order");
-        let (wrap, g) = (g / n, g % n);
+        assert!(o.len > 0, "position {g} of an empty order");
+        let (wrap, g) = o.wrapped(g);
         match o.spec.shuffle {
             Shuffle::None => {
                 let r = o.natural_at(g)?;
@@ -780,6 +854,14 @@ mod node_tests {
             },
             partitions: 8,
             tail: Tail::Uneven,
+            shares: Shares::Rotate,
+        }
+    }
+
+    fn sticky() -> OrderSpec {
+        OrderSpec {
+            shares: Shares::Sticky,
+            ..spec()
         }
     }
 
@@ -793,10 +875,11 @@ mod node_tests {
         }
     }
 
-    /// Each rank's `t`-th batch of `b` samples, for a job of `world` ranks, `local` a node.
-    fn batches(world: usize, local: usize, b: usize) -> Vec<Vec<Vec<SampleRef>>> {
-        let (st, spec) = (shapes(), spec());
-        let order = Arc::new(EpochOrder::new(&st, &spec, 3).unwrap());
+    /// Each rank's `t`-th batch of `b` samples in `epoch`, for a job of `world` ranks, `local`
+    /// a node.
+    fn batches_of(spec: &OrderSpec, epoch: u64, world: usize, local: usize, b: usize) -> Vec<Vec<Vec<SampleRef>>> {
+        let (st, spec) = (shapes(), *spec);
+        let order = Arc::new(EpochOrder::new(&st, &spec, epoch).unwrap());
         let rule = DealRule::for_job(&spec, &topo(world, local, 0));
         assert_eq!(rule.nodes as usize, world / local);
         let len = effective_len(order.len(), &rule, spec.tail);
@@ -812,13 +895,19 @@ mod node_tests {
 
     #[test]
     fn every_world_size_of_the_family_steps_through_the_same_global_batches() {
+        for spec in [spec(), sticky()] {
+            same_global_batches(&spec);
+        }
+    }
+
+    fn same_global_batches(spec: &OrderSpec) {
         let global = 32; // a multiple of the 8 partitions
-        let want: Vec<BTreeSet<SampleRef>> = batches(1, 1, global)[0]
+        let want: Vec<BTreeSet<SampleRef>> = batches_of(spec, 3, 1, 1, global)[0]
             .iter()
             .map(|b| b.iter().copied().collect())
             .collect();
         for (world, local) in [(2, 1), (2, 2), (4, 2), (8, 2), (8, 8), (4, 1)] {
-            let ranks = batches(world, local, global / world);
+            let ranks = batches_of(spec, 3, world, local, global / world);
             let steps = want.len() - 1; // the last, short step depends on the world
             for (t, want) in want.iter().enumerate().take(steps) {
                 let got: BTreeSet<SampleRef> = ranks.iter().flat_map(|r| r[t].iter().copied()).collect();
@@ -827,11 +916,10 @@ mod node_tests {
         }
     }
 
-    #[test]
-    fn a_node_reads_about_its_share_of_the_shards() {
-        let (world, local) = (4, 2); // 2 nodes of 4 partitions each
-        let ranks = batches(world, local, 1);
-        let node_shards: Vec<BTreeSet<u32>> = (0..world / local)
+    /// The shards each node of a `world`-rank job (`local` a node) reads in `epoch`.
+    fn node_shards(spec: &OrderSpec, epoch: u64, world: usize, local: usize) -> Vec<BTreeSet<u32>> {
+        let ranks = batches_of(spec, epoch, world, local, 1);
+        (0..world / local)
             .map(|n| {
                 ranks[n * local..(n + 1) * local]
                     .iter()
@@ -840,7 +928,31 @@ mod node_tests {
                     .map(|s| s.shard)
                     .collect()
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn sticky_shares_keep_a_nodes_shards_from_epoch_to_epoch_and_rotating_ones_do_not() {
+        let (st, sticky) = (shapes(), sticky());
+        assert_ne!(
+            global_order(&st, &sticky, 0).unwrap(),
+            global_order(&st, &sticky, 1).unwrap(),
+            "a sticky order still changes from epoch to epoch"
+        );
+        for (spec, stays) in [(sticky, true), (spec(), false)] {
+            let (a, b) = (node_shards(&spec, 0, 4, 2), node_shards(&spec, 1, 4, 2));
+            for n in 0..2 {
+                // Only the shards a cut between the nodes splits may change (one a round).
+                let moved = a[n].symmetric_difference(&b[n]).count();
+                assert_eq!(moved <= 4, stays, "{:?}: node {n} changed {moved} shards", spec.shares);
+            }
+        }
+    }
+
+    #[test]
+    fn a_node_reads_about_its_share_of_the_shards() {
+        let (world, local) = (4, 2); // 2 nodes of 4 partitions each
+        let node_shards = node_shards(&spec(), 3, world, local);
         let touched: usize = node_shards.iter().map(|s| s.len()).sum();
         // 60 shards over 2 nodes: 30 each, plus at most the one shard a round's cut between
         // the nodes splits (60 shards, rounds of 48: 2 rounds).

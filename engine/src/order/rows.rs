@@ -66,12 +66,11 @@ pub(super) struct Round {
 impl Round {
     fn build(o: &EpochOrder, at: RoundStart) -> Result<Round> {
         let (_, block, p) = o.block().expect("shard-block order");
-        let r = o.round_units();
-        let lo = at.k * r;
-        let mut units = Vec::with_capacity(r.min(o.units - lo.min(o.units)) as usize);
+        let slots = o.round_slots(at.k);
+        let mut units = Vec::with_capacity((slots.end - slots.start) as usize);
         let mut starts = vec![0u64];
-        for j in lo..(lo + r).min(o.units) {
-            let u = o.unit(o.perm.apply(j))?;
+        for j in slots {
+            let u = o.shuffled_unit(j)?;
             starts.push(starts.last().expect("non-empty") + u.len);
             units.push(u);
         }

@@ -596,6 +596,7 @@ impl HostDaemon<'_> {
             manifest_url: at.ds.manifest_url(),
             shard: at.shard as u32,
             id: at.id,
+            keep: self.shared.keeps_share(),
         }
     }
 }
@@ -615,6 +616,7 @@ impl Upstream for HostDaemon<'_> {
                     manifest_url: src.ds.manifest_url(),
                     shard: shard as u32,
                     id: src.id(shard)?,
+                    keep: sh.keeps_share(),
                 })
             })
             .await?;

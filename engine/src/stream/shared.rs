@@ -84,6 +84,14 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Whether this stream's shards are its node's own share, the same every epoch: a
+    /// node-affine deal over several nodes of a sticky order. The host daemon then keeps them.
+    pub(super) fn keeps_share(&self) -> bool {
+        let order = &self.cfg.order;
+        order.shares == crate::order::Shares::Sticky
+            && crate::order::DealRule::for_job(order, &self.cfg.topology).nodes > 1
+    }
+
     /// Checks `cfg`, reads every source's manifest (in parallel, while the cache opens), and
     /// opens the cache. Nothing is fetched yet.
     pub(super) fn open(cfg: &StreamConfig) -> Result<Arc<Shared>> {

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use crate::ui::{human_bytes, parse_size};
 use ramjet_engine::cache::CacheConfig;
-use ramjet_engine::order::{OrderSpec, Shuffle, Tail, Topology, Weight};
+use ramjet_engine::order::{OrderSpec, Shares, Shuffle, Tail, Topology, Weight};
 use ramjet_engine::{Opened, SourceConfig, Stream, StreamConfig, StreamState};
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -54,6 +54,10 @@ pub struct StreamArgs {
     /// Tail handling when the epoch does not divide across consumers.
     #[arg(long, value_enum, default_value = "uneven")]
     tail: TailArg,
+    /// Sticky shares: the block shuffle's rounds hold the same shards every epoch, so under a
+    /// node-affine deal each node reads the same shards and keeps them in its cache.
+    #[arg(long)]
+    sticky: bool,
     /// Rank (default: $RANK or 0).
     #[arg(long)]
     rank: Option<usize>,
@@ -192,6 +196,7 @@ fn stream_config(a: &StreamArgs) -> anyhow::Result<StreamConfig> {
             TailArg::DropLast => Tail::DropLast,
             TailArg::PadRepeat => Tail::PadRepeat,
         },
+        shares: if a.sticky { Shares::Sticky } else { Shares::Rotate },
     };
     cfg.topology = topology;
     cfg.epochs = Some(a.epochs);
@@ -244,6 +249,8 @@ pub fn stream_cmd(a: StreamArgs) -> anyhow::Result<ExitCode> {
                 .store(stream.epoch_len().unwrap_or(0) as u64, Ordering::Relaxed);
         }
         metrics.consumer_position.fetch_add(1, Ordering::Relaxed);
+        // This command's simulated training steps a sample at a time (`--step-ms`).
+        metrics.batch_handed();
         if let Some(w) = out.as_mut() {
             let line = format!(
                 "{} {} {} {} {} {} {}\n",

@@ -216,6 +216,7 @@ impl Inner {
             };
             doc.nodes.push(view);
         }
+        doc.skew = crate::skew::skews(&doc.jobs);
         *self.history.cluster.lock().expect("history lock") = Some((Instant::now(), doc.clone()));
         doc
     }

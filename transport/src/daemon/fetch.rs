@@ -39,9 +39,15 @@ impl Upstream for OwnerPeer<'_> {
         })
     }
 
-    fn outcome(&self, _at: &ShardAt<'_>, outcome: Outcome) {
+    fn outcome(&self, at: &ShardAt<'_>, outcome: Outcome) {
         match outcome {
-            Outcome::Delivered(_) => self.inner.peer_ok(&self.owner),
+            Outcome::Delivered(_) => {
+                self.inner
+                    .stats
+                    .peer_fetched_bytes
+                    .fetch_add(at.id.bytes, Ordering::Relaxed);
+                self.inner.peer_ok(&self.owner)
+            }
             Outcome::Corrupt(e) => {
                 self.inner.stats.peer_corrupt.fetch_add(1, Ordering::Relaxed);
                 self.inner.peer_failed(
@@ -60,9 +66,24 @@ impl Upstream for OwnerPeer<'_> {
     }
 }
 
+/// Who asks the daemon for a shard, which decides where a flight may read it and whether the
+/// daemon keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Asker {
+    /// Another daemon (this one owns the shard on the ring): the origin only.
+    Peer,
+    /// A loader on this host: the owner peer when another daemon owns the shard, else the
+    /// origin; kept when this daemon owns it.
+    Local,
+    /// A loader on this host whose shard is its node's own share every epoch (a node-affine
+    /// deal of a sticky order): the origin, never a peer, and kept here whoever owns it, so
+    /// the node's later epochs read its own disk.
+    Keeper,
+}
+
 impl Inner {
     /// A shard for a local loader or a peer: the cache, else the flight for it.
-    pub(super) async fn serve(self: &Arc<Self>, req: &Req, from_peer: bool) -> Result<(Body, FetchedFrom, u64), Error> {
+    pub(super) async fn serve(self: &Arc<Self>, req: &Req, asker: Asker) -> Result<(Body, FetchedFrom, u64), Error> {
         let (c, id) = (self.cache.clone(), req.id);
         let hit = tokio::task::spawn_blocking(move || c.shard(id))
             .await
@@ -70,11 +91,21 @@ impl Inner {
         if let Some(f) = hit {
             return Ok((Body::File(f), FetchedFrom::CacheLocal, id.bytes));
         }
-        let (bytes, src) = self.obtain(req, !from_peer).await?;
-        let c = self.cache.clone();
-        let f = tokio::task::spawn_blocking(move || c.shard(id))
-            .await
-            .map_err(|e| Error::Internal(format!("cache task: {e}")))?;
+        let (bytes, src) = self.obtain(req, asker == Asker::Local).await?;
+        let (c, b) = (self.cache.clone(), bytes.clone());
+        let keep = asker == Asker::Keeper;
+        let f = tokio::task::spawn_blocking(move || {
+            // A flight this request joined may have left the shard to its owner; a keeper
+            // keeps it all the same.
+            if keep && !c.contains(id) {
+                if let Err(e) = c.insert(id, &b) {
+                    tracing::warn!(error = %e, "cache insert of the node's own shard failed; serving from memory");
+                }
+            }
+            c.shard(id)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("cache task: {e}")))?;
         let body = match f {
             Ok(Some(f)) => Body::File(f),
             _ => Body::Memory(bytes),

@@ -65,7 +65,11 @@ fn check(b: &Heartbeat) -> Result<(), String> {
             b.split.len()
         ));
     }
-    for (what, v) in [("samples_per_s", b.samples_per_s), ("elapsed_s", b.elapsed_s)] {
+    for (what, v) in [
+        ("samples_per_s", b.samples_per_s),
+        ("elapsed_s", b.elapsed_s),
+        ("step_s", b.step_s),
+    ] {
         if !v.is_finite() || v < 0.0 {
             return Err(format!(
                 "heartbeat of {:?}: {what} {v} is not a finite figure >= 0",

@@ -2,6 +2,7 @@
 //! bytes), from this user only.
 
 use super::budget::Class;
+use super::fetch::Asker;
 use super::{Body, Inner};
 use crate::sys;
 use crate::wire;
@@ -189,10 +190,12 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 shard,
                 checksum,
                 bytes,
+                keep,
             } => {
                 let t = Instant::now();
+                let asker = if keep { Asker::Keeper } else { Asker::Local };
                 let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
-                    Ok(req) => inner.serve(&req, false).await,
+                    Ok(req) => inner.serve(&req, asker).await,
                     Err(e) => {
                         inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
                         Err(e)

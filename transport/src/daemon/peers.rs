@@ -3,6 +3,7 @@
 
 use super::budget::Class;
 use super::budget::Permit;
+use super::fetch::Asker;
 use super::{Body, Inner};
 use crate::error::Error;
 use crate::sys;
@@ -96,6 +97,8 @@ pub(super) async fn peer_conn(
                 shard,
                 checksum,
                 bytes,
+                // A peer's request is served as one (origin only, kept by the owner).
+                keep: _,
             } => (manifest_url, shard, checksum, bytes, None),
             Msg::GetRdma {
                 manifest_url,
@@ -121,7 +124,7 @@ pub(super) async fn peer_conn(
             }
         };
         let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
-            Ok(req) => inner.serve(&req, true).await,
+            Ok(req) => inner.serve(&req, Asker::Peer).await,
             Err(e) => {
                 inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
                 Err(e)
