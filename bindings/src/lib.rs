@@ -212,6 +212,26 @@ fn why_strided(order: &str, topology: &str) -> PyResult<Option<String>> {
     Ok(ramjet_engine::order::DealRule::why_strided(&order, &topo))
 }
 
+/// The global order of one epoch over one source whose shards hold `shard_samples` samples,
+/// under the order `order` (its JSON, as the loader's configuration holds it): each position's
+/// sample as its index in the source (shard by shard). For studying the order (the shuffle
+/// quality benchmark); a loader never builds the order as a list.
+#[pyfunction]
+fn global_order(shard_samples: Vec<u64>, order: &str, epoch: u64) -> PyResult<Vec<u64>> {
+    use ramjet_engine::order::{SourceShape, Weight};
+    let spec: ramjet_engine::order::OrderSpec =
+        serde_json::from_str(order).map_err(|e| InvalidInputError::new_err(format!("order: {e}")))?;
+    let mut starts = vec![0u64];
+    for n in &shard_samples {
+        starts.push(starts.last().copied().unwrap_or(0).saturating_add(*n));
+    }
+    let shapes = vec![SourceShape::listed("study", shard_samples, Weight::Natural)];
+    let g = ramjet_engine::order::global_order(&shapes, &spec, epoch).map_err(to_py)?;
+    Ok(g.iter()
+        .map(|r| starts[r.shard as usize] + u64::from(r.index))
+        .collect())
+}
+
 /// What this process can use of the GPU path: whether the CUDA driver loads, how many GPUs it
 /// sees (or why none), and where each CUDA user library was found (or why not), searching
 /// `python_roots` (site-packages folders) for the wheels' copies.
@@ -387,6 +407,7 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(launch, m)?)?;
     m.add_function(wrap_pyfunction!(why_strided, m)?)?;
+    m.add_function(wrap_pyfunction!(global_order, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(columns, m)?)?;

@@ -15,7 +15,9 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use ramjet_engine::format::{shard_key, ColumnType, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value};
-use ramjet_engine::order::{OrderSpec, Shuffle};
+use ramjet_engine::order::{
+    effective_len, DealRule, EpochOrder, EpochProgress, OrderSpec, SourceShape, Topology, Weight,
+};
 use ramjet_engine::provider::{Fetched, FetchedFrom, ShardProvider, ShardRequest};
 use ramjet_engine::{Error, Opened, Result, Stream, StreamConfig};
 
@@ -59,6 +61,34 @@ pub struct PlanSim {
     pub table_blocks_read: u64,
     /// Blocks in the shard table.
     pub table_blocks: u64,
+    /// The job: nodes, ranks a node, and the order's partitions; the stream is rank `rank`.
+    pub nodes: u64,
+    /// Ranks on each node.
+    pub ranks_per_node: u64,
+    /// The order's canonical partitions.
+    pub partitions: u64,
+    /// The rank measured.
+    pub rank: u64,
+    /// Whether the deal is node-affine (each node reads only its partitions' shards).
+    pub node_affine: bool,
+}
+
+/// The shards one node of a job reads in an epoch, walked position by position through the
+/// node's consumers' deals (the order alone: no shard is read).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NodeShards {
+    /// The node.
+    pub node: u64,
+    /// Positions the node's consumers are dealt.
+    pub positions: u64,
+    /// Distinct shards those positions lie in.
+    pub shards: u64,
+    /// The dataset's shards over the nodes: what a node reads at best.
+    pub share: f64,
+    /// `shards / share`.
+    pub ratio: f64,
+    /// Seconds the walk took.
+    pub walk_s: f64,
 }
 
 /// Writes (once; kept under `dir`) the manifest, table and shard of a simulated dataset of
@@ -107,15 +137,82 @@ pub fn prepare(dir: &Path, samples: u64, shard_samples: u64) -> Result<(String, 
     Ok((url, bytes))
 }
 
-/// Opens a stream over the simulated dataset at `url` (shards from the stub) and reads its
-/// first sample. Run it in a fresh process for a meaningful peak RSS.
-pub fn first_sample(url: &str, shard: Bytes, shuffle: Shuffle) -> Result<PlanSim> {
+/// The job a simulation measures: `nodes` of `ranks_per_node` ranks, the stream being rank
+/// `rank`, under `order`.
+#[derive(Debug, Clone, Copy)]
+pub struct SimJob {
+    /// Nodes.
+    pub nodes: usize,
+    /// Ranks a node.
+    pub ranks_per_node: usize,
+    /// The rank measured.
+    pub rank: usize,
+    /// The order.
+    pub order: OrderSpec,
+}
+
+impl SimJob {
+    fn topology(&self) -> Topology {
+        let world = self.nodes * self.ranks_per_node;
+        Topology {
+            rank: self.rank,
+            world,
+            local_rank: self.rank % self.ranks_per_node,
+            local_world: self.ranks_per_node,
+            ..Topology::default()
+        }
+    }
+}
+
+/// Walks the deals of the consumers of node `node` of `job` over epoch 0 of the dataset at
+/// `url` and counts the shards their positions lie in. Costs one cursor step a position.
+pub fn node_shards(url: &str, job: &SimJob, node: usize) -> Result<NodeShards> {
+    let t0 = Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("runtime", e))?;
+    let ds = rt.block_on(ramjet_engine::Dataset::open(url))?;
+    let m = ds.manifest();
+    let shapes = vec![SourceShape {
+        version: m.version.clone(),
+        counts: m.shard_counts(),
+        weight: Weight::Natural,
+    }];
+    let order = Arc::new(EpochOrder::new(&shapes, &job.order, 0)?);
+    let topo = job.topology();
+    let rule = DealRule::for_job(&job.order, &topo);
+    let len = effective_len(order.len(), &rule, job.order.tail);
+    let mut seen = vec![0u64; m.shard_count().div_ceil(64)];
+    let mut positions = 0u64;
+    for r in node * job.ranks_per_node..(node + 1) * job.ranks_per_node {
+        let deal = EpochProgress::default().deal(len, r, &rule);
+        let mut cur = order.cursor();
+        for k in 0..deal.len() {
+            let s = cur.at(deal.position(k))?.0.shard as usize;
+            seen[s / 64] |= 1 << (s % 64);
+        }
+        positions += deal.len();
+    }
+    let shards = seen.iter().map(|w| u64::from(w.count_ones())).sum::<u64>();
+    let share = m.shard_count() as f64 / job.nodes as f64;
+    Ok(NodeShards {
+        node: node as u64,
+        positions,
+        shards,
+        share,
+        ratio: shards as f64 / share,
+        walk_s: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Opens a stream over the simulated dataset at `url` (shards from the stub) as rank
+/// `job.rank` and reads its first sample. Run it in a fresh process for a meaningful peak RSS.
+pub fn first_sample(url: &str, shard: Bytes, job: &SimJob) -> Result<PlanSim> {
     let t0 = Instant::now();
     let mut cfg = StreamConfig::new(url);
-    cfg.order = OrderSpec {
-        shuffle,
-        ..OrderSpec::default()
-    };
+    cfg.order = job.order;
+    cfg.topology = job.topology();
     cfg.epochs = Some(1);
     cfg.provider = Some(Arc::new(OneShard(shard)));
     let mut s = Stream::open(cfg)?;
@@ -143,12 +240,17 @@ pub fn first_sample(url: &str, shard: Bytes, shuffle: Shuffle) -> Result<PlanSim
         samples,
         shards,
         table_bytes,
-        shuffle: format!("{shuffle:?}"),
+        shuffle: format!("{:?}", job.order.shuffle),
         ttfs_s,
         open_s,
         rss_peak_mb: kb("VmHWM:") / 1024.0,
         rss_mb: kb("VmRSS:") / 1024.0,
         table_blocks_read,
         table_blocks,
+        nodes: job.nodes as u64,
+        ranks_per_node: job.ranks_per_node as u64,
+        partitions: job.order.partitions as u64,
+        rank: job.rank as u64,
+        node_affine: DealRule::for_job(&job.order, &job.topology()).nodes > 1,
     })
 }
