@@ -225,7 +225,7 @@ pub fn first_sample(url: &str, shard: Bytes, job: &SimJob) -> Result<PlanSim> {
     let m = s.dataset(0).manifest();
     let (samples, shards) = (m.samples, m.shard_count() as u64);
     let table_bytes = m.table_ref().map_or(0, |t| t.bytes);
-    let table_blocks_read = m.table().map_or(0, |t| t.loaded_blocks() as u64);
+    let table_blocks_read = m.table().map_or(0, |t| (t.loaded_blocks() + t.counted_blocks()) as u64);
     let table_blocks = shards.div_ceil(ramjet_engine::format::SHARD_TABLE_BLOCK_RECORDS as u64);
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let kb = |field: &str| {

@@ -282,7 +282,10 @@ mod tests {
             p.contains("ramjet_job_step_seconds{job=\"train\",rank=\"0\",worker=\"0\"} 0.5"),
             "{p}"
         );
-        assert!(p.contains("ramjet_rank_step_seconds{job=\"train\",rank=\"0\"} 0.5"), "{p}");
+        assert!(
+            p.contains("ramjet_rank_step_seconds{job=\"train\",rank=\"0\"} 0.5"),
+            "{p}"
+        );
         assert!(p.contains("ramjet_job_step_skew{job=\"train\"} 0"), "{p}");
         assert!(p.ends_with("# EOF\n"), "{p}");
     }

@@ -825,6 +825,34 @@ mod tests {
         assert!(read.shard(2500).is_err() && listed.shard(2500).is_err());
     }
 
+    /// The order reads a table's sample counts without holding its records: every count read
+    /// through `shard_counts` leaves no block held whole, and the counts and the samples'
+    /// places are the listed manifest's.
+    #[test]
+    fn the_order_reads_counts_without_holding_the_table() {
+        let shards = infos(2500);
+        let listed = Manifest::new("t", schema(), Default::default(), shards.clone());
+        let t = ShardTable::build(&shards).unwrap();
+        let m = Manifest::with_table("t", schema(), Default::default(), t.clone(), "tables/x.rjt");
+        let mut read = Manifest::parse(&m.to_bytes(), "m").unwrap();
+        read.attach_table(whole(&t), "tables/x.rjt").unwrap();
+        let counts = read.shard_counts();
+        for (i, s) in shards.iter().enumerate() {
+            assert_eq!(counts.samples(i as u64).unwrap(), s.samples, "shard {i}");
+        }
+        let want = listed.shard_counts();
+        for o in (0..listed.samples).step_by(11) {
+            assert_eq!(counts.locate(o).unwrap(), want.locate(o).unwrap(), "sample {o}");
+        }
+        let table = read.table().unwrap();
+        assert_eq!((table.loaded_blocks(), table.counted_blocks()), (0, 3));
+        assert!(counts.samples(2500).is_err());
+        // A record asked for afterwards reads its block whole, and the counts agree with it.
+        assert_eq!(read.shard(1500).unwrap(), shards[1500]);
+        assert_eq!((table.loaded_blocks(), table.counted_blocks()), (1, 2));
+        assert_eq!(counts.samples(1500).unwrap(), shards[1500].samples);
+    }
+
     /// Keys not named as pack names them, and key indices that do not rise, cannot be put in
     /// a table (they could not be derived back).
     #[test]

@@ -108,6 +108,10 @@ pub struct ShardTable {
     /// The table's object, for errors.
     object: String,
     blocks: Box<[OnceLock<Arc<TableBlock>>]>,
+    /// Blocks read for their sample counts alone (the order's reads): each block's `ends`,
+    /// 8 bytes a shard instead of the record's 48, so an order that touches every block (a
+    /// round of thousands of partitions) does not hold the whole table.
+    ends: Box<[OnceLock<Arc<[u64]>>]>,
     /// Held while a block is read.
     loading: Arc<std::sync::Mutex<()>>,
 }
@@ -347,6 +351,7 @@ impl ShardTable {
             reader,
             object: object.to_owned(),
             blocks: (0..blocks).map(|_| OnceLock::new()).collect(),
+            ends: (0..blocks).map(|_| OnceLock::new()).collect(),
             loading: Default::default(),
         })
     }
@@ -382,6 +387,14 @@ impl ShardTable {
         self.blocks.iter().filter(|b| b.get().is_some()).count()
     }
 
+    /// Blocks read so far for their sample counts alone (not held whole).
+    pub fn counted_blocks(&self) -> usize {
+        let whole = |i: usize| self.blocks[i].get().is_some();
+        (0..self.ends.len())
+            .filter(|&i| !whole(i) && self.ends[i].get().is_some())
+            .count()
+    }
+
     fn dir(&self, b: usize, f: usize) -> u64 {
         u64_at(
             &self.head,
@@ -404,15 +417,40 @@ impl ShardTable {
         if let Some(t) = self.blocks[b].get() {
             return Ok(t);
         }
-        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
-        let n = SHARD_TABLE_BLOCK_RECORDS.min(self.count - lo);
-        let at = self.head.len() as u64 + (lo * SHARD_TABLE_RECORD_LEN) as u64;
         // One read per block: a second user waits for the first's (loads are rare, so one lock
         // per table serves; nothing else takes it).
         let _loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = self.blocks[b].get() {
             return Ok(t);
         }
+        let t = self.read_block(b)?;
+        let _ = self.blocks[b].set(Arc::new(t));
+        Ok(self.blocks[b].get().expect("set above"))
+    }
+
+    /// Block `b`'s running sample counts (`TableBlock::ends`): the held block's, else read and
+    /// checked as [`block`](Self::block) does, keeping only them.
+    fn block_ends(&self, b: usize) -> Result<&[u64]> {
+        if let Some(t) = self.blocks[b].get() {
+            return Ok(&t.ends);
+        }
+        if let Some(e) = self.ends[b].get() {
+            return Ok(e);
+        }
+        let _loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = self.ends[b].get() {
+            return Ok(e);
+        }
+        let t = self.read_block(b)?;
+        let _ = self.ends[b].set(t.ends.into());
+        Ok(self.ends[b].get().expect("set above"))
+    }
+
+    /// Reads and checks block `b` (see [`block`](Self::block)); keeps nothing.
+    fn read_block(&self, b: usize) -> Result<TableBlock> {
+        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
+        let n = SHARD_TABLE_BLOCK_RECORDS.min(self.count - lo);
+        let at = self.head.len() as u64 + (lo * SHARD_TABLE_RECORD_LEN) as u64;
         let records = self.reader.read(at..at + (n * SHARD_TABLE_RECORD_LEN) as u64)?;
         let what = format!("block {b} (shards {lo}..{})", lo + n);
         if records.len() != n * SHARD_TABLE_RECORD_LEN {
@@ -469,8 +507,7 @@ impl ShardTable {
                 self.dir(b, 2)
             )));
         }
-        let _ = self.blocks[b].set(Arc::new(t));
-        Ok(self.blocks[b].get().expect("set above"))
+        Ok(t)
     }
 
     fn record(&self, i: usize) -> Result<(&TableBlock, usize)> {
@@ -539,10 +576,10 @@ impl ShardTable {
                 hi = mid;
             }
         }
-        let t = self.block(lo)?;
+        let ends = self.block_ends(lo)?;
         let local = g - self.dir(lo, 0);
-        let j = t.ends.partition_point(|&e| e <= local);
-        let before = if j == 0 { 0 } else { t.ends[j - 1] };
+        let j = ends.partition_point(|&e| e <= local);
+        let before = if j == 0 { 0 } else { ends[j - 1] };
         Ok(Some((lo * SHARD_TABLE_BLOCK_RECORDS + j, local - before)))
     }
 }
@@ -555,7 +592,15 @@ impl crate::order::ShardCounts for ShardTable {
         self.samples
     }
     fn samples(&self, shard: u64) -> Result<u64> {
-        self.shard_samples(shard as usize)
+        let i = shard as usize;
+        if i >= self.count {
+            return Err(self.bad(format!("no shard {i}: the table lists {}", self.count)));
+        }
+        let (ends, j) = (
+            self.block_ends(i / SHARD_TABLE_BLOCK_RECORDS)?,
+            i % SHARD_TABLE_BLOCK_RECORDS,
+        );
+        Ok(ends[j] - if j == 0 { 0 } else { ends[j - 1] })
     }
     fn locate(&self, o: u64) -> Result<(u64, u64)> {
         let (s, i) = ShardTable::locate(self, o)?
