@@ -149,22 +149,27 @@ impl Cache {
         self.cfg.dir.join("shards").join(id.file_name())
     }
 
-    /// Runs `op`; when it fails because a directory of the layout is gone, makes the layout
-    /// again and runs it once more (see the module docs, "Self-healing layout").
+    /// Runs `op`; when it fails with "not found", makes the layout again if a directory of it
+    /// is gone and runs `op` again, up to [`HEAL_TRIES`] times (see the module docs,
+    /// "Self-healing layout"). The layout found whole is tried again too: another thread may
+    /// have made it again between this one's failure and its look (regression: that thread's
+    /// error reached the consumer as a lost epoch).
     fn healing<T>(&self, op: impl Fn() -> std::io::Result<T>) -> std::io::Result<T> {
-        match op() {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let missing = ["shards", "tmp", "fetch"]
-                    .iter()
-                    .any(|d| !self.cfg.dir.join(d).is_dir());
-                if !missing {
-                    return Err(e);
+        let mut tries = 0;
+        loop {
+            match op() {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < HEAL_TRIES => {
+                    tries += 1;
+                    let missing = ["shards", "tmp", "fetch"]
+                        .iter()
+                        .any(|d| !self.cfg.dir.join(d).is_dir());
+                    if missing {
+                        tracing::warn!(dir = %self.cfg.dir.display(), "the cache directory disappeared; made again (its shards are fetched again)");
+                        make_layout(&self.cfg.dir).map_err(|e| std::io::Error::other(e.to_string()))?;
+                    }
                 }
-                tracing::warn!(dir = %self.cfg.dir.display(), "the cache directory disappeared; made again (its shards are fetched again)");
-                make_layout(&self.cfg.dir).map_err(|e| std::io::Error::other(e.to_string()))?;
-                op()
+                r => return r,
             }
-            r => r,
         }
     }
 
@@ -408,8 +413,9 @@ pub struct CachedShard {
     metrics: Arc<Metrics>,
 }
 
-/// Deletes the corrupt copy at `path`; whoever's delete succeeds counts it and warns, naming
-/// the file (every way a corrupt copy leaves the cache goes through here).
+/// Times [`Cache::healing`] runs an operation again after "not found".
+const HEAL_TRIES: usize = 3;
+
 /// Makes the cache's layout under `dir` (what is there already is kept).
 fn make_layout(dir: &Path) -> Result<()> {
     for sub in ["shards", "tmp", "fetch"] {
@@ -419,6 +425,8 @@ fn make_layout(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Deletes the corrupt copy at `path`; whoever's delete succeeds counts it and warns, naming
+/// the file (every way a corrupt copy leaves the cache goes through here).
 fn delete_corrupt(path: &Path, metrics: &Metrics) {
     if fs::remove_file(path).is_ok() {
         Metrics::add(&metrics.cache_corrupt, 1);
@@ -600,6 +608,32 @@ mod tests {
 
     fn cache(dir: &Path, limit: u64, io: Arc<dyn CacheIo>) -> Cache {
         Cache::open(CacheConfig::new(dir, limit), io, Arc::default()).unwrap()
+    }
+
+    /// Regression: a thread whose lock file's folder vanished found the layout already made
+    /// again by another thread, and gave up with "not found" (a lost epoch in the loader).
+    /// It now tries again; a directory that keeps vanishing still ends in the error.
+    #[test]
+    fn an_operation_that_lost_the_race_to_heal_the_layout_is_tried_again() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cache(d.path(), 1 << 20, Arc::new(io::PreadIo));
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let gone = || std::io::Error::from(std::io::ErrorKind::NotFound);
+        // The layout is whole when this thread looks (another made it again): one retry.
+        let r = c.healing(|| match calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+            0 => Err(gone()),
+            n => Ok(n),
+        });
+        assert_eq!(r.unwrap(), 1);
+        // Gone and made again, each time: a bounded number of tries, then the error.
+        calls.store(0, std::sync::atomic::Ordering::Relaxed);
+        let r: std::io::Result<()> = c.healing(|| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let _ = fs::remove_dir_all(d.path().join("fetch"));
+            Err(gone())
+        });
+        assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::NotFound);
+        assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), HEAL_TRIES + 1);
     }
 
     /// Every I/O path available here; io_uring is skipped, saying so, where the kernel refuses it.
