@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use ramjet_benches::{bench_setup, save_results};
 use ramjet_engine::cache::CacheConfig;
-use ramjet_engine::{Dataset, Opened, Stream, StreamConfig};
+use ramjet_engine::{Dataset, Stream, StreamConfig};
 use ramjet_tests::free_port;
 use ramjet_transport::peer::LinkConfig;
 use ramjet_transport::{Daemon, DaemonClient, DaemonConfig, PeerTransport, ShardGet, TcpTransport};
@@ -54,10 +54,7 @@ fn three_node_epoch(url: &str, ring: bool, dir: &std::path::Path) -> u64 {
             std::thread::spawn(move || {
                 let mut cfg = StreamConfig::new(url);
                 cfg.provider = Some(Arc::new(DaemonClient::new(sock)));
-                let mut s = Stream::open(cfg).expect("stream");
-                while s.next_sample().expect("sample").is_some() {}
-                let m = s.metrics();
-                assert_eq!(m.daemon_failures, 0, "{m:?}");
+                ramjet_benches::drain_through_daemon(cfg);
             })
         })
         .collect();

@@ -16,10 +16,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ramjet_benches::{full_run, save_results};
+use ramjet_benches::{drain_through_daemon, full_run, packed_dataset, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{OrderSpec, Shares, Shuffle, Tail, Topology};
-use ramjet_engine::{Opened, Stream, StreamConfig};
+use ramjet_engine::StreamConfig;
 use ramjet_tests::free_port;
 use ramjet_transport::{Daemon, DaemonClient, DaemonConfig};
 
@@ -100,10 +100,7 @@ fn epoch(url: &str, daemons: &[Daemon], spec: OrderSpec, epoch: u64) {
                 cfg.first_ranged_samples_max = 0;
                 cfg.ranged_until_shard_bytes_max = 0;
                 cfg.provider = Some(Arc::new(DaemonClient::new(sock)));
-                let mut s = Stream::open(cfg).expect("stream");
-                while s.next_sample().expect("sample").is_some() {}
-                let m = s.metrics();
-                assert_eq!(m.daemon_failures, 0, "{m:?}");
+                drain_through_daemon(cfg);
             })
         })
         .collect();
@@ -163,20 +160,14 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let s3 = ramjet_tests::s3();
     // Shards of about 15 images, as a real pack's shards hold many samples: the deal position by
     // position then touches every shard from every node.
     let shard_bytes = 1u64 << 20;
-    let url = format!("s3://{}/bench/node-share-{n}-{}k", s3.bucket, shard_bytes >> 10);
-    if rt.block_on(ramjet_engine::Dataset::open(&url)).is_err() {
-        let opts = ramjet_tools::pack::PackOptions {
-            shard_bytes_target: shard_bytes,
-            ..Default::default()
-        };
-        let src = ramjet_tests::synth_dataset(n);
-        ramjet_tools::pack::pack(src.to_str().unwrap(), &url, &opts, &indicatif::ProgressBar::hidden()).expect("pack");
-    }
-    let ds = rt.block_on(ramjet_engine::Dataset::open(&url)).expect("open");
+    let opts = ramjet_tools::pack::PackOptions {
+        shard_bytes_target: shard_bytes,
+        ..Default::default()
+    };
+    let (url, ds) = packed_dataset(&rt, n, &format!("node-share-{n}-{}k", shard_bytes >> 10), &opts);
     let total = ds.manifest().bytes;
     let shards = ds.manifest().shard_count();
     println!(

@@ -91,22 +91,35 @@ pub fn bench_setup() -> (
 /// The synthetic set of `n` images packed (once) at `s3://BUCKET/bench/stream-N` on the local
 /// S3 server, which is started if needed. Returns its URL and the opened dataset.
 pub fn bench_dataset(rt: &tokio::runtime::Runtime, n: usize) -> (String, ramjet_engine::Dataset) {
+    packed_dataset(rt, n, &format!("stream-{n}"), &Default::default())
+}
+
+/// The synthetic set of `n` images packed (once) with `opts` at `s3://BUCKET/bench/NAME`.
+pub fn packed_dataset(
+    rt: &tokio::runtime::Runtime,
+    n: usize,
+    name: &str,
+    opts: &ramjet_tools::pack::PackOptions,
+) -> (String, ramjet_engine::Dataset) {
     let s3 = ramjet_tests::s3();
-    let src = synth_dataset(n);
-    let url = format!("s3://{}/bench/stream-{n}", s3.bucket);
+    let url = format!("s3://{}/bench/{name}", s3.bucket);
     if rt.block_on(ramjet_engine::Dataset::open(&url)).is_err() {
-        ramjet_tools::pack::pack(
-            src.to_str().unwrap(),
-            &url,
-            &Default::default(),
-            &indicatif::ProgressBar::hidden(),
-        )
-        .expect("pack");
+        let src = synth_dataset(n);
+        ramjet_tools::pack::pack(src.to_str().unwrap(), &url, opts, &indicatif::ProgressBar::hidden()).expect("pack");
     }
     let ds = rt
         .block_on(ramjet_engine::Dataset::open(&url))
         .expect("open the packed set");
     (url, ds)
+}
+
+/// Reads `cfg`'s stream to its end through its host daemon, which must deliver every shard.
+pub fn drain_through_daemon(cfg: ramjet_engine::StreamConfig) {
+    use ramjet_engine::Opened;
+    let mut s = ramjet_engine::Stream::open(cfg).expect("stream");
+    while s.next_sample().expect("sample").is_some() {}
+    let m = s.metrics();
+    assert_eq!(m.daemon_failures, 0, "{m:?}");
 }
 
 /// Median of `reps` timings of `f`, run after `setup` each time (setup is not timed).
