@@ -216,6 +216,9 @@ pub(crate) fn snapshot_dict<'py>(py: Python<'py>, snap: &impl serde::Serialize) 
                 d.set_item(k, t)?;
             } else if let Some(b) = v.as_bool() {
                 d.set_item(k, b)?;
+            } else if v.is_array() {
+                // The job's ranks (`job_ranks`): a list of dicts, as JSON gives them.
+                d.set_item(k, py.import("json")?.call_method1("loads", (v.to_string(),))?)?;
             }
         }
     }

@@ -147,3 +147,77 @@ def test_metrics_give_each_ranks_step_time_and_rate(classes):
     assert m["batches"] == n == len(ds)
     assert m["step_s"] >= 0.05, m["step_s"]
     assert m["samples_per_s"] > 0
+
+
+PACE_RANK = r"""
+import json, sys, time
+import ramjet
+cfg = json.loads(sys.argv[1])
+ds = ramjet.StreamingDataset(cfg["url"], batch_size=4, image_size=32, augment="eval", shuffle=True, seed=3,
+                             rank=cfg["rank"], world_size=2)
+t0, epoch, m = time.monotonic(), 0, {}
+while time.monotonic() - t0 < cfg["seconds"]:
+    ds.set_epoch(epoch)
+    for b in ds:
+        time.sleep(cfg["step"])
+        if time.monotonic() - t0 >= cfg["seconds"]:
+            break
+    epoch += 1
+m = ds.metrics()
+print(json.dumps({k: v for k, v in m.items() if k.startswith("job_") or k in ("step_s", "step_vs_median")}), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_each_ranks_metrics_show_its_jobs_pace_across_ranks(tmp_path):
+    """Two ranks of one job on one host daemon, the second stepping four times slower: each
+    rank's metrics() carry the job's pace from the daemon's answer to its heartbeat (both
+    ranks seen, the slow one named, the skew), and its own step against the job's median.
+    Across nodes: tests/tests/cluster.rs (a_ranks_heartbeat_brings_back_its_jobs_pace_...)."""
+    import os
+    import subprocess
+    import sys
+
+    from ramjet_cli import run
+    from test_tune import serve
+
+    run("synth", str(tmp_path / "synth"), "--samples", "64")
+    run("pack", str(tmp_path / "synth"), str(tmp_path / "packed"), "--shard-size", "200KiB")
+    daemon, sock, _ = serve(tmp_path)
+    try:
+        env = dict(os.environ, RAMJET_SOCKET=str(sock), RAMJET_JOB="pace-test")
+        procs = [subprocess.Popen([sys.executable, "-c", PACE_RANK,
+                                   json.dumps({"url": str(tmp_path / "packed"), "seconds": 8, "rank": r, "step": s})],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r, s in [(0, 0.02), (1, 0.08)]]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=100)
+            assert p.returncode == 0, err
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=20)
+    for m in outs:
+        assert m["job_scope"] == "host" and m["job_ranks_seen"] == 2, m
+        assert m["job_slowest_rank"] == 1 and m["job_skew"] > 0.3, m
+        assert [r["rank"] for r in m["job_ranks"]] == [0, 1], m
+        assert 0 < m["job_step_s_min"] < m["job_step_s_max"], m
+    assert outs[0]["step_vs_median"] < 0.7 and abs(outs[1]["step_vs_median"] - 1.0) < 1e-9, outs
+    assert outs[0]["job_rank_step_s"] < outs[1]["job_rank_step_s"], outs
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_len_of_a_dataloader_with_workers_is_the_batches_it_yields(classes, workers):
+    """Each DataLoader worker is a consumer with its own share and its own last batch, so a
+    rank yields more (or, dropping, fewer) batches than its samples over the batch size.
+    len(loader) asks len(dataset) from the main process: it is the sum of the workers'."""
+    url, _ = classes
+    for drop_last in (False, True):
+        for rank, world in [(0, 1), (1, 3)]:
+            ds = dataset(url, batch_size=7, seed=1, rank=rank, world_size=world, drop_last=drop_last)
+            loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+            got = sum(1 for _ in loader)
+            assert len(loader) == got, (workers, drop_last, rank, world, len(loader), got)
+            alone = len(ds)  # asked directly: the rank iterated without workers
+            assert alone == sum(1 for _ in ds), (drop_last, rank, world)

@@ -19,6 +19,7 @@ pub mod launch;
 pub mod loader;
 pub mod metrics;
 pub mod order;
+pub mod pace;
 pub mod provider;
 pub mod rt;
 pub mod singleflight;

@@ -86,6 +86,9 @@ pub struct Metrics {
     /// The host daemon's last grant to this consumer, with when it came
     /// ([`crate::provider::HostGrant`]).
     pub grant: std::sync::Mutex<Option<(Instant, crate::provider::HostGrant)>>,
+    /// The host daemon's last word on this consumer's job's pace across its ranks, with when
+    /// it came ([`crate::pace::JobPace`]).
+    pub pace: std::sync::Mutex<Option<(Instant, crate::pace::JobPace)>>,
     /// The loader's decode jobs allowed at once now (0: no loader), sent in heartbeats.
     pub decode_threads: AtomicU64,
     /// What the loader's tuner chose and why (`tune_*` in the snapshot; [`crate::tune`]).
@@ -125,6 +128,7 @@ impl Default for Metrics {
             provider_bytes: AtomicU64::new(0),
             provider_failures: AtomicU64::new(0),
             decode: std::sync::OnceLock::new(),
+            pace: Default::default(),
             stall_ns: Default::default(),
             read_blocked_ns: Default::default(),
             consumer_epoch: AtomicU64::new(0),
@@ -227,7 +231,16 @@ pub struct MetricsSnapshot {
     /// ([`crate::tune`]).
     #[serde(flatten)]
     pub tune: std::collections::BTreeMap<String, serde_json::Value>,
+    /// The job's pace across its ranks, from the host daemon's last answer while under
+    /// [`PACE_STALE`] old (`job_scope`, `job_ranks_seen`, `job_step_s_min` / `_median` /
+    /// `_max`, `job_skew`, `job_slowest_rank`, `job_samples_per_s_min` / `_max`, `job_ranks`,
+    /// `job_rank_step_s` and `step_vs_median`: [`crate::pace::JobPace::metrics`]; empty without a daemon).
+    #[serde(flatten)]
+    pub job: std::collections::BTreeMap<String, serde_json::Value>,
 }
+
+/// A job pace older than this is not shown (the daemon answers every heartbeat, 2 s apart).
+pub const PACE_STALE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Metrics {
     /// Records the first sample's time, once.
@@ -293,6 +306,13 @@ impl Metrics {
         m
     }
 
+    fn pace_snapshot(&self) -> std::collections::BTreeMap<String, serde_json::Value> {
+        match &*self.pace.lock().expect("pace lock") {
+            Some((at, p)) if at.elapsed() < PACE_STALE => p.metrics(),
+            _ => Default::default(),
+        }
+    }
+
     /// A snapshot.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let g = |c: &AtomicU64| c.load(Relaxed);
@@ -342,6 +362,7 @@ impl Metrics {
             position: g(&self.consumer_position),
             epoch_len: g(&self.consumer_epoch_len),
             tune: self.tune_snapshot(),
+            job: self.pace_snapshot(),
         }
     }
 }

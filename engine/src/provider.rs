@@ -80,8 +80,8 @@ pub trait ShardProvider: Send + Sync + std::fmt::Debug {
 
     /// Tells the provider how this consumer is doing ([`Heartbeat`]; a stream sends one every
     /// [`HEARTBEAT_EVERY`]). A provider that keeps no such record ignores it.
-    fn heartbeat(&self, _beat: &Heartbeat) -> Result<Option<HostGrant>> {
-        Ok(None)
+    fn heartbeat(&self, _beat: &Heartbeat) -> Result<crate::pace::BeatReply> {
+        Ok(Default::default())
     }
 }
 
@@ -151,6 +151,11 @@ pub struct Heartbeat {
     /// decode share the host's decode budget.
     #[serde(default)]
     pub decode_threads: u32,
+    /// Asks the daemon for the job's pace across its ranks in its answer
+    /// ([`crate::pace::JobPace`]); absent from older loaders: false, and they get the older
+    /// answers.
+    #[serde(default)]
+    pub pace: bool,
 }
 
 /// Reports this consumer's [`Heartbeat`] to `provider` every [`HEARTBEAT_EVERY`] until the
@@ -197,10 +202,14 @@ pub(crate) async fn report_heartbeats(
         let p = provider.clone();
         let r = tokio::task::spawn_blocking(move || p.heartbeat(&beat)).await;
         match r {
-            Ok(Ok(grant)) => {
+            Ok(Ok(reply)) => {
                 warned = false;
-                if let Some(g) = grant {
-                    *metrics.grant.lock().expect("grant lock") = Some((std::time::Instant::now(), g));
+                let now = std::time::Instant::now();
+                if let Some(g) = reply.grant {
+                    *metrics.grant.lock().expect("grant lock") = Some((now, g));
+                }
+                if let Some(j) = reply.job {
+                    *metrics.pace.lock().expect("pace lock") = Some((now, j));
                 }
             }
             Ok(Err(e)) if !warned => {
@@ -236,6 +245,7 @@ impl Heartbeat {
             world: t.world as u32,
             worker: t.worker as u32,
             workers: t.workers as u32,
+            pace: true,
             ..Default::default()
         }
     }

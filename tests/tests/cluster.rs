@@ -1718,3 +1718,79 @@ fn the_cluster_view_lists_every_member_and_reader_and_a_stopped_daemon_goes_down
         std::thread::sleep(Duration::from_millis(250));
     }
 }
+
+/// Issue 67, item 5: a rank's own metrics show its job's pace across ranks. Two ranks of one
+/// job, each on its own daemon, report heartbeats (rank 1 three times slower a step). Each
+/// daemon first answers with its host's ranks alone; once it has gathered the ring's
+/// consumers (every 5 s while a job spans hosts) it answers with the whole job: both ranks,
+/// the slow one named, the skew, and the asking rank's step against the median.
+#[test]
+fn a_ranks_heartbeat_brings_back_its_jobs_pace_across_every_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(2, 70);
+    let nodes: Vec<Node> = members
+        .iter()
+        .map(|m| start_node(dir.path(), m, &members, &s3().endpoint, &[]))
+        .collect();
+    let beat = |rank: u32, step_s: f64| ramjet_engine::Heartbeat {
+        consumer: format!("{}/{rank}.0", 1000 + rank),
+        job: "pace-test".into(),
+        dataset: "s3://b/d/manifest.json".into(),
+        pid: 1000 + rank,
+        rank,
+        world: 2,
+        workers: 1,
+        samples: 100,
+        samples_per_s: 8.0 / step_s,
+        batches: 10,
+        step_s,
+        elapsed_s: 1.0,
+        pace: true,
+        ..Default::default()
+    };
+    let clients: Vec<DaemonClient> = nodes.iter().map(|n| DaemonClient::new(&n.sock)).collect();
+    let ask = |rank: usize| {
+        clients[rank]
+            .heartbeat(&beat(rank as u32, [0.02, 0.06][rank]))
+            .unwrap()
+            .job
+            .expect("a pace")
+    };
+    let first = ask(0);
+    assert_eq!((first.scope.as_str(), first.ranks_seen), ("host", 1), "{first:?}");
+    assert!((first.rank_step_s - 0.02).abs() < 1e-9, "{first:?}");
+    // An older loader (no `pace`) gets the older answer.
+    let old = ramjet_engine::Heartbeat {
+        pace: false,
+        ..beat(0, 0.02)
+    };
+    assert_eq!(clients[0].heartbeat(&old).unwrap().job, None);
+    let t0 = Instant::now();
+    let (p0, p1) = loop {
+        let (p0, p1) = (ask(0), ask(1));
+        if p0.scope == "cluster" && p1.scope == "cluster" {
+            break (p0, p1);
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no cluster pace: {p0:?} {p1:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for p in [&p0, &p1] {
+        assert_eq!(p.ranks_seen, 2, "{p:?}");
+        assert_eq!(p.skew.slowest_rank, Some(1), "{p:?}");
+        assert!(
+            (p.skew.step_s_max - 0.06).abs() < 1e-9 && (p.skew.step_s_min - 0.02).abs() < 1e-9,
+            "{p:?}"
+        );
+        assert!(p.skew.skew > 0.6, "{p:?}");
+        assert_eq!(p.skew.ranks.len(), 2);
+        assert!(p.age_s < 15.0);
+    }
+    assert!((p0.rank_step_s - 0.02).abs() < 1e-9 && (p1.rank_step_s - 0.06).abs() < 1e-9);
+    let m = p0.metrics();
+    assert_eq!(m["job_scope"], "cluster");
+    assert_eq!(m["job_slowest_rank"], 1);
+    assert!(
+        (m["step_vs_median"].as_f64().unwrap() - 0.02 / 0.06).abs() < 1e-9,
+        "{m:?}"
+    );
+}

@@ -573,7 +573,7 @@ fn a_shard_table_manifest_reads_like_a_listed_one() {
     let raw = fs::read(tabled.join(&r.key)).unwrap();
     assert_eq!(
         raw.len() as u64,
-        ramjet_engine::format::shard_table_len(ml.shard_count() as u64)
+        ramjet_engine::format::shard_table_len(ml.shard_count() as u64, true)
     );
     let ds = ramjet_tests::block_on(ramjet_engine::Dataset::open(tabled.to_str().unwrap())).unwrap();
     let m = ds.manifest();

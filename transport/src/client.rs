@@ -383,14 +383,19 @@ impl ShardProvider for DaemonClient {
         }
     }
 
-    fn heartbeat(&self, beat: &ramjet_engine::Heartbeat) -> Result<Option<ramjet_engine::HostGrant>> {
+    fn heartbeat(&self, beat: &ramjet_engine::Heartbeat) -> Result<ramjet_engine::pace::BeatReply> {
+        use ramjet_engine::pace::BeatReply;
         self.check_up("heartbeat")?;
         match self
             .call(&Msg::Heartbeat(beat.clone()))
             .map_err(|e| self.err("heartbeat", e))?
         {
-            (Msg::Ok, _) => Ok(None),
-            (Msg::Grant(g), _) => Ok(Some(g)),
+            (Msg::Ok, _) => Ok(BeatReply::default()),
+            (Msg::Grant(g), _) => Ok(BeatReply {
+                grant: Some(g),
+                job: None,
+            }),
+            (Msg::Beat { grant, job }, _) => Ok(BeatReply { grant, job }),
             (r, _) => Err(self.err("heartbeat", std::io::Error::other(format!("unexpected reply {r:?}")))),
         }
     }

@@ -298,43 +298,7 @@ pub struct JobView {
     pub history: Vec<JobPoint>,
 }
 
-/// One rank's pace: its consumers (DataLoader workers) together.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct RankPace {
-    /// The rank.
-    pub rank: u32,
-    /// The daemon its consumers report to.
-    pub node: String,
-    /// Seconds per step: its workers hand batches out in turn, so the rank's rate of steps
-    /// is the sum of theirs (0: no batch yet, or read sample by sample).
-    pub step_s: f64,
-    /// Samples per second, its workers summed.
-    pub samples_per_s: f64,
-}
-
-/// One job's ranks side by side.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct JobSkew {
-    /// The job.
-    pub job: String,
-    /// Its ranks that reported, in rank order.
-    pub ranks: Vec<RankPace>,
-    /// The fastest, median and slowest step time among the ranks that step (seconds).
-    pub step_s_min: f64,
-    /// See `step_s_min`.
-    pub step_s_median: f64,
-    /// See `step_s_min`.
-    pub step_s_max: f64,
-    /// `(slowest - fastest) / median` step time: 0 when every rank steps alike (or fewer than
-    /// two ranks step).
-    pub skew: f64,
-    /// The rank with the slowest step, if any rank steps.
-    pub slowest_rank: Option<u32>,
-    /// The lowest and highest samples per second among the ranks.
-    pub samples_per_s_min: f64,
-    /// See `samples_per_s_min`.
-    pub samples_per_s_max: f64,
-}
+pub use ramjet_engine::pace::{JobSkew, RankPace};
 
 /// A daemon's read rates over one interval.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

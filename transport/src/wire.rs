@@ -121,6 +121,17 @@ pub enum Msg {
     /// Daemon → loader, the answer to a decoding consumer's `Heartbeat`: its share of the
     /// host's budgets (an older daemon, or a consumer that does not decode, gets `Ok`).
     Grant(ramjet_engine::HostGrant),
+    /// Daemon → loader, the answer to a `Heartbeat` that asks for its job's pace (`pace:
+    /// true`): the consumer's share of the host's budgets (one whose loader decodes) and its
+    /// job's pace across its ranks, when the daemon knows them.
+    Beat {
+        /// As in `Grant`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        grant: Option<ramjet_engine::HostGrant>,
+        /// The job's pace ([`ramjet_engine::pace::JobPace`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<ramjet_engine::pace::JobPace>,
+    },
     /// Peer → peer: asks for the member's dashboard summary.
     SummaryRequest,
     /// The answer to `SummaryRequest`.

@@ -296,6 +296,23 @@ def _dist() -> Optional[Tuple[int, int]]:
 _strided_warned: set = set()
 
 
+def _asking_loader_workers(ds: Any) -> int:
+    """The ``num_workers`` of the DataLoader over ``ds`` whose ``__len__`` is asking (0 when
+    none asks, or in a worker): ``len(loader)`` calls ``len(dataset)`` from
+    ``DataLoader.__len__``, and the DataLoader does not tell the dataset its workers otherwise."""
+    if torch is None or torch.utils.data.get_worker_info() is not None:
+        return 0
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            break
+        who = f.f_locals.get("self")
+        if isinstance(who, torch.utils.data.DataLoader) and who.dataset is ds:
+            return int(who.num_workers)
+        f = f.f_back
+    return 0
+
+
 def _warn_strided(order: Dict[str, Any], topo: Dict[str, int]) -> None:
     """Warns once a job when several nodes cannot each read only their share (docs/order.md,
     "Dealing the order to consumers"): the data is the same, every node reads all of it."""
@@ -465,10 +482,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     # ----- topology -------------------------------------------------------------------
 
-    def _topology(self) -> Dict[str, int]:
+    def _topology(self, as_worker: Optional[Tuple[int, int]] = None) -> Dict[str, int]:
         rank, world, local_rank, local_world = _launch(*self._rank_override)
         worker, workers = 0, 1
-        if torch is not None:
+        if as_worker is not None:
+            worker, workers = as_worker
+        elif torch is not None:
             info = torch.utils.data.get_worker_info()
             if info is not None:
                 worker, workers = info.id, info.num_workers
@@ -481,8 +500,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             "local_world": local_world,
         }
 
-    def _config(self, **extra: Any) -> str:
-        topo = self._topology()
+    def _config(self, as_worker: Optional[Tuple[int, int]] = None, **extra: Any) -> str:
+        topo = self._topology(as_worker)
         cfg = dict(self._base, topology=topo, **extra)
         if self._tail_default and topo["world"] > 1:
             cfg["order"] = dict(cfg["order"], tail="pad_repeat")
@@ -672,10 +691,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     # ----- sizes and random access ----------------------------------------------------
 
-    def _epoch_lengths(self) -> Tuple[int, int]:
-        key = json.dumps(self._topology(), sort_keys=True)
+    def _epoch_lengths(self, as_worker: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
+        key = json.dumps(self._topology(as_worker), sort_keys=True)
         if key not in self._lengths:
-            self._lengths[key] = _ramjet.epoch_lengths(self._config())
+            self._lengths[key] = _ramjet.epoch_lengths(self._config(as_worker))
         return self._lengths[key]
 
     @property
@@ -689,9 +708,15 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         return self._epoch_lengths()[1]
 
     def __len__(self) -> int:
-        """Batches this consumer yields per epoch."""
-        n = self.samples_per_rank
-        return n // self.batch_size if self._drop_last else -(-n // self.batch_size)
+        """Batches this consumer yields per epoch: in a DataLoader worker, that worker's; asked
+        by a DataLoader (``len(loader)``), the sum of its ``num_workers`` workers' (each worker
+        is a consumer with its own share and its own last batch); otherwise, iterated
+        directly, this rank's."""
+        batches = lambda n: n // self.batch_size if self._drop_last else -(-n // self.batch_size)  # noqa: E731
+        workers = _asking_loader_workers(self)
+        if workers <= 1:
+            return batches(self.samples_per_rank)
+        return sum(batches(self._epoch_lengths((w, workers))[1]) for w in range(workers))
 
     def __getitem__(self, index: Any) -> Any:
         """Samples of the first dataset, decoded with the evaluation transform, by NumPy-style

@@ -295,9 +295,10 @@ impl Manifest {
             list: ShardList::Table {
                 table_ref: ShardTableRef {
                     key: key.into(),
-                    bytes: shard_table_len(table.len() as u64),
+                    bytes: shard_table_len(table.len() as u64, table.counts_checksum().is_some()),
                     checksum: Checksum(table.checksum()),
                     shards: table.len() as u64,
+                    counts: table.counts_checksum().map(Checksum),
                 },
                 table: Some(Arc::new(table)),
             },
@@ -509,7 +510,7 @@ impl Manifest {
                 r.checksum
             )));
         }
-        let t = ShardTable::open(head, reader, object).map_err(|r| bad(r.into()))?;
+        let t = ShardTable::open(head, reader, object, r.counts.map(|c| c.get())).map_err(|r| bad(r.into()))?;
         if t.len() as u64 != r.shards {
             return Err(bad(format!("{} shards, the manifest says {}", t.len(), r.shards)));
         }
@@ -593,7 +594,7 @@ impl Manifest {
         if r.shards > u32::MAX as u64 {
             return Err(format!("{} shards exceeds the limit of {}", r.shards, u32::MAX).into());
         }
-        let want = shard_table_len(r.shards);
+        let want = shard_table_len(r.shards, r.counts.is_some());
         if r.bytes != want || r.bytes > SHARD_TABLE_BYTES_MAX {
             return Err(format!(
                 "its shard table of {} shards must be {want} bytes (at most {SHARD_TABLE_BYTES_MAX}), not {}",
@@ -802,7 +803,7 @@ mod tests {
         let shards = infos(2500);
         let listed = Manifest::new("t", schema(), Default::default(), shards.clone());
         let t = ShardTable::build(&shards).unwrap();
-        assert_eq!(t.as_bytes().unwrap().len() as u64, shard_table_len(2500));
+        assert_eq!(t.as_bytes().unwrap().len() as u64, shard_table_len(2500, true));
         let m = Manifest::with_table("t", schema(), Default::default(), t.clone(), "tables/x.rjt");
         let mut read = Manifest::parse(&m.to_bytes(), "m").unwrap();
         assert_eq!(read.shard_count(), 2500);
@@ -851,6 +852,87 @@ mod tests {
         assert_eq!(read.shard(1500).unwrap(), shards[1500]);
         assert_eq!((table.loaded_blocks(), table.counted_blocks()), (1, 2));
         assert_eq!(counts.samples(1500).unwrap(), shards[1500].samples);
+    }
+
+    /// An order that needs the counts of many blocks (a round of thousands of partitions)
+    /// reads the table's counts section whole, 4 bytes a shard, once: after
+    /// `SHARD_TABLE_COUNTS_AFTER_BLOCKS` blocks read for their counts, no more are read, and
+    /// every count is the listed manifest's.
+    #[test]
+    fn many_blocks_counts_come_from_the_counts_section() {
+        let shards = infos(20_000);
+        let t = ShardTable::build(&shards).unwrap();
+        let m = Manifest::with_table("t", schema(), Default::default(), t.clone(), "tables/x.rjt");
+        assert!(m.table_ref().unwrap().counts.is_some());
+        let mut read = Manifest::parse(&m.to_bytes(), "m").unwrap();
+        read.attach_table(whole(&t), "tables/x.rjt").unwrap();
+        let counts = read.shard_counts();
+        // Shards spread over every block, as a shuffled round asks for them.
+        let n = shards.len();
+        for k in 0..n {
+            let i = (k * 7919) % n;
+            assert_eq!(counts.samples(i as u64).unwrap(), shards[i].samples, "shard {i}");
+        }
+        let table = read.table().unwrap();
+        assert!(table.counts_loaded());
+        assert_eq!(
+            (table.loaded_blocks(), table.counted_blocks()),
+            (0, crate::format::table::SHARD_TABLE_COUNTS_AFTER_BLOCKS)
+        );
+        // A record read afterwards agrees with the section.
+        assert_eq!(read.shard(19_999).unwrap(), shards[19_999]);
+    }
+
+    /// A counts section that was changed is refused, naming the table and what is wrong: a
+    /// flipped byte against the manifest's checksum, and (its checksum made to agree) two
+    /// counts swapped inside one block against the block's records, whichever is read first.
+    #[test]
+    fn a_tampered_counts_section_is_refused() {
+        let shards = infos(20_000);
+        let t = ShardTable::build(&shards).unwrap();
+        let raw = t.as_bytes().unwrap().to_vec();
+        let head = Bytes::copy_from_slice(&raw[..shard_table_head_len(20_000) as usize]);
+        let at = shard_table_len(20_000, false) as usize;
+        let open = |raw: Vec<u8>, sum: u64| {
+            ShardTable::open(head.clone(), Arc::new(WholeTable(Bytes::from(raw))), "t.rjt", Some(sum)).unwrap()
+        };
+        // One shard from each of blocks 10..19 (more than SHARD_TABLE_COUNTS_AFTER_BLOCKS),
+        // then shard 2051 (block 2): its count comes from the section.
+        let spread = |t: &ShardTable| -> crate::Result<()> {
+            use crate::order::ShardCounts;
+            for b in 10..19u64 {
+                ShardCounts::samples(t, b * 1024)?;
+            }
+            ShardCounts::samples(t, 2051).map(|_| ())
+        };
+        let mut flipped = raw.clone();
+        flipped[at + 4 * 5000] ^= 1;
+        let e = spread(&open(flipped, t.counts_checksum().unwrap()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("t.rjt") && e.contains("counts section: checksum"), "{e}");
+        // Shards 3 and 4 of block 2 hold 3 + (2051 % 5) and 3 + (2052 % 5) samples: swapped, the
+        // block's sum still agrees with the directory.
+        let mut swapped = raw.clone();
+        let (a, b) = (at + 4 * 2051, at + 4 * 2052);
+        assert_ne!(swapped[a..a + 4], swapped[b..b + 4]);
+        for j in 0..4 {
+            swapped.swap(a + j, b + j);
+        }
+        let sum = xxhash_rust::xxh3::xxh3_64(&swapped[at..]);
+        // The section read first: the block's records refuse it when read.
+        let t1 = open(swapped.clone(), sum);
+        spread(&t1).unwrap();
+        let e = t1.shard_samples(2051).unwrap_err().to_string();
+        assert!(e.contains("shard 2051") && e.contains("the counts section"), "{e}");
+        // The block read first: the section is refused when read.
+        let t2 = open(swapped, sum);
+        t2.shard_samples(2051).unwrap();
+        let e = spread(&t2).unwrap_err().to_string();
+        assert!(e.contains("shard 2051") && e.contains("the counts section"), "{e}");
+        // A manifest and a header that disagree about the section.
+        let e = ShardTable::open(head.clone(), Arc::new(WholeTable(Bytes::from(raw))), "t.rjt", None).unwrap_err();
+        assert!(e.contains("manifest names none"), "{e}");
     }
 
     /// Keys not named as pack names them, and key indices that do not rise, cannot be put in

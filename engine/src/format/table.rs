@@ -1,5 +1,6 @@
 //! The binary shard table: a large dataset's shard list beside its manifest, 48 bytes a shard
-//! in blocks of 1,024, read a block at a time when first used (`docs/format.md`).
+//! in blocks of 1,024, read a block at a time when first used, and a counts section of 4 bytes
+//! a shard, read whole by an order that needs the counts of many blocks (`docs/format.md`).
 
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
@@ -23,6 +24,10 @@ pub struct ShardTableRef {
     pub checksum: Checksum,
     /// Number of shards it lists.
     pub shards: u64,
+    /// xxh3-64 of the table's counts section, when it has one (tables from before it have
+    /// none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counts: Option<Checksum>,
 }
 
 /// Magic of a binary shard table.
@@ -39,6 +44,13 @@ pub const SHARD_TABLE_BLOCK_RECORDS: usize = 1024;
 pub const SHARD_TABLE_BYTES_MAX: u64 = 2 << 30;
 /// Pack lists more shards than this in a binary table rather than in the JSON.
 pub const SHARD_TABLE_AUTO_MIN: usize = 4096;
+/// Header flag: every shard has a columns sidecar.
+const FLAG_COLUMNS: u32 = 1;
+/// Header flag: the table ends in a counts section (`u32` samples a shard, in shard order).
+const FLAG_COUNTS: u32 = 2;
+/// The order reads a table's counts section whole once it has read this many blocks for their
+/// counts alone (a round of many partitions touches every block).
+pub const SHARD_TABLE_COUNTS_AFTER_BLOCKS: usize = 8;
 
 /// Blocks of a table of `count` shards.
 fn table_blocks(count: u64) -> u64 {
@@ -50,9 +62,9 @@ pub fn shard_table_head_len(count: u64) -> u64 {
     SHARD_TABLE_HEADER_LEN as u64 + table_blocks(count) * SHARD_TABLE_DIR_ENTRY_LEN as u64
 }
 
-/// Bytes of a whole table of `count` shards.
-pub fn shard_table_len(count: u64) -> u64 {
-    shard_table_head_len(count) + count * SHARD_TABLE_RECORD_LEN as u64
+/// Bytes of a whole table of `count` shards, with its counts section or without.
+pub fn shard_table_len(count: u64, counts: bool) -> u64 {
+    shard_table_head_len(count) + count * SHARD_TABLE_RECORD_LEN as u64 + if counts { 4 * count } else { 0 }
 }
 
 /// Reads byte ranges of a stored shard table. Called on first use of each block, from wherever
@@ -70,6 +82,23 @@ pub(super) struct WholeTable(pub(super) Bytes);
 impl TableReader for WholeTable {
     fn read(&self, r: Range<u64>) -> Result<Bytes> {
         Ok(self.0.slice(r.start as usize..(r.end as usize).min(self.0.len())))
+    }
+}
+
+/// A table's counts section as read: shard `i`'s count is the `i`-th little-endian u32.
+#[derive(Debug, Clone)]
+struct Counts(Bytes);
+
+impl Counts {
+    fn get(&self, i: usize) -> u32 {
+        u32_at(&self.0, 4 * i)
+    }
+
+    /// The counts of shards `lo..hi`.
+    fn range(&self, lo: usize, hi: usize) -> impl ExactSizeIterator<Item = u32> + Clone + '_ {
+        self.0[4 * lo..4 * hi]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
     }
 }
 
@@ -112,6 +141,12 @@ pub struct ShardTable {
     /// 8 bytes a shard instead of the record's 48, so an order that touches every block (a
     /// round of thousands of partitions) does not hold the whole table.
     ends: Box<[OnceLock<Arc<[u64]>>]>,
+    /// The counts section's checksum (from the manifest), when the table has one.
+    counts_sum: Option<u64>,
+    /// The counts section (4 bytes a shard, as read), read and checked whole on first use.
+    counts: OnceLock<Counts>,
+    /// Blocks read for their counts alone so far.
+    counted: Arc<std::sync::atomic::AtomicUsize>,
     /// Held while a block is read.
     loading: Arc<std::sync::Mutex<()>>,
 }
@@ -209,14 +244,18 @@ impl ShardTableBuilder {
     pub fn finish(self) -> std::result::Result<ShardTable, Invalid> {
         let records = self.records;
         let count = (records.len() / SHARD_TABLE_RECORD_LEN) as u64;
-        let mut b = Vec::with_capacity(shard_table_len(count) as usize);
+        // A count of 2^32 (the shard limit) does not fit the counts section: no section then.
+        let counts = records
+            .chunks(SHARD_TABLE_RECORD_LEN)
+            .all(|r| u64_at(r, 0) <= u32::MAX as u64);
+        let mut b = Vec::with_capacity(shard_table_len(count, counts) as usize);
         b.extend_from_slice(SHARD_TABLE_MAGIC);
         for v in [count, self.samples, self.bytes] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         for v in [
             SHARD_TABLE_RECORD_LEN as u32,
-            self.columns.unwrap_or(false) as u32,
+            if counts { FLAG_COUNTS } else { 0 } | if self.columns.unwrap_or(false) { FLAG_COLUMNS } else { 0 },
             SHARD_TABLE_BLOCK_RECORDS as u32,
             0,
         ] {
@@ -236,12 +275,20 @@ impl ShardTableBuilder {
             first += block_samples;
         }
         b.extend_from_slice(&records);
+        let at = b.len();
+        if counts {
+            for r in records.chunks(SHARD_TABLE_RECORD_LEN) {
+                b.extend_from_slice(&(u64_at(r, 0) as u32).to_le_bytes());
+            }
+        }
         drop(records);
+        let counts = counts.then(|| xxh3_64(&b[at..]));
         let whole = Bytes::from(b);
         ShardTable::open(
             whole.slice(..shard_table_head_len(count) as usize),
             Arc::new(WholeTable(whole.clone())),
             "shard table",
+            counts,
         )
         .map(|mut t| {
             t.whole = Some(whole);
@@ -261,29 +308,37 @@ impl ShardTable {
         b.finish()
     }
     /// Reads a whole table held in memory, checking its header, directory and length (the
-    /// blocks are checked on first use).
+    /// blocks are checked on first use, the counts section against the records as they are).
     pub fn parse(bytes: Bytes) -> std::result::Result<ShardTable, Invalid> {
         if bytes.len() < SHARD_TABLE_HEADER_LEN {
             return Err(Invalid::from("shorter than its header"));
         }
-        let count = u64_at(&bytes, 8);
-        if shard_table_len(count) != bytes.len() as u64 {
+        let (count, counts) = (u64_at(&bytes, 8), u32_at(&bytes, 36) & FLAG_COUNTS != 0);
+        if shard_table_len(count, counts) != bytes.len() as u64 {
             return Err(Invalid::from(format!(
                 "{} bytes, but its header says {count} shards ({} bytes)",
                 bytes.len(),
-                shard_table_len(count)
+                shard_table_len(count, counts)
             )));
         }
         let head = bytes.slice(..shard_table_head_len(count) as usize);
-        let mut t = ShardTable::open(head, Arc::new(WholeTable(bytes.clone())), "shard table")?;
+        let sum = counts.then(|| xxh3_64(&bytes[shard_table_len(count, false) as usize..]));
+        let mut t = ShardTable::open(head, Arc::new(WholeTable(bytes.clone())), "shard table", sum)?;
         t.whole = Some(bytes);
         Ok(t)
     }
 
-    /// A table from its `head` (header and directory), whose blocks `reader` reads on demand.
-    /// Checks the header and the directory: block sample starts rising from 0 within the total,
-    /// first key indices rising, block byte sums adding up to the total.
-    pub fn open(head: Bytes, reader: Arc<dyn TableReader>, object: &str) -> std::result::Result<ShardTable, Invalid> {
+    /// A table from its `head` (header and directory), whose blocks `reader` reads on demand,
+    /// and its counts section's checksum (from the manifest; `None`: it has none). Checks the
+    /// header and the directory: block sample starts rising from 0 within the total, first key
+    /// indices rising, block byte sums adding up to the total, and a counts section exactly
+    /// when the header says so.
+    pub fn open(
+        head: Bytes,
+        reader: Arc<dyn TableReader>,
+        object: &str,
+        counts: Option<u64>,
+    ) -> std::result::Result<ShardTable, Invalid> {
         if head.starts_with(b"RJSTAB01") {
             return Err(Invalid::from(
                 "a shard table of the first layout (RJSTAB01, before blocks): pack the dataset again",
@@ -301,12 +356,23 @@ impl ShardTable {
             u32_at(&head, 40) as usize,
             u32_at(&head, 44),
         );
-        if record != SHARD_TABLE_RECORD_LEN || flags > 1 || per_block != SHARD_TABLE_BLOCK_RECORDS || reserved != 0 {
+        if record != SHARD_TABLE_RECORD_LEN
+            || flags > FLAG_COLUMNS | FLAG_COUNTS
+            || per_block != SHARD_TABLE_BLOCK_RECORDS
+            || reserved != 0
+        {
             return Err(Invalid::from(format!(
                 "unsupported header (record length {record}, flags {flags}, block records {per_block})"
             )));
         }
-        if count > u32::MAX as u64 || shard_table_len(count) > SHARD_TABLE_BYTES_MAX {
+        if (flags & FLAG_COUNTS != 0) != counts.is_some() {
+            return Err(Invalid::from(if counts.is_some() {
+                "the manifest names a counts section, but the table's header has none"
+            } else {
+                "the table's header says it has a counts section, but the manifest names none"
+            }));
+        }
+        if count > u32::MAX as u64 || shard_table_len(count, counts.is_some()) > SHARD_TABLE_BYTES_MAX {
             return Err(Invalid::from(format!("{count} shards is over the table limit")));
         }
         if head.len() as u64 != shard_table_head_len(count) {
@@ -346,12 +412,15 @@ impl ShardTable {
             count: count as usize,
             samples,
             bytes,
-            columns: flags == 1,
+            columns: flags & FLAG_COLUMNS != 0,
             whole: None,
             reader,
             object: object.to_owned(),
             blocks: (0..blocks).map(|_| OnceLock::new()).collect(),
             ends: (0..blocks).map(|_| OnceLock::new()).collect(),
+            counts_sum: counts,
+            counts: OnceLock::new(),
+            counted: Default::default(),
             loading: Default::default(),
         })
     }
@@ -443,7 +512,110 @@ impl ShardTable {
         }
         let t = self.read_block(b)?;
         let _ = self.ends[b].set(t.ends.into());
+        self.counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(self.ends[b].get().expect("set above"))
+    }
+
+    /// Block `b`'s running sample counts when they are held (the block, or its counts alone).
+    fn held_ends(&self, b: usize) -> Option<&[u64]> {
+        match self.blocks[b].get() {
+            Some(t) => Some(&t.ends),
+            None => self.ends[b].get().map(|e| &e[..]),
+        }
+    }
+
+    /// Whether the counts section has been read.
+    pub fn counts_loaded(&self) -> bool {
+        self.counts.get().is_some()
+    }
+
+    /// The counts section's checksum, when the table has one (what the manifest records).
+    pub fn counts_checksum(&self) -> Option<u64> {
+        self.counts_sum
+    }
+
+    /// The counts section (`None`: the table has none), read and checked whole on first use:
+    /// its length and checksum against the manifest's, each count from 1 to the shard limit,
+    /// each block's counts summing to its span in the directory, and every block already read
+    /// agreeing with it. A failed read is not kept.
+    fn counts(&self) -> Result<Option<&Counts>> {
+        let Some(sum) = self.counts_sum else {
+            return Ok(None);
+        };
+        if let Some(c) = self.counts.get() {
+            return Ok(Some(c));
+        }
+        let _loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = self.counts.get() {
+            return Ok(Some(c));
+        }
+        let at = shard_table_len(self.count as u64, false);
+        let raw = self.reader.read(at..at + 4 * self.count as u64)?;
+        if raw.len() != 4 * self.count {
+            return Err(self.bad(format!(
+                "counts section: {} bytes, expected {}",
+                raw.len(),
+                4 * self.count
+            )));
+        }
+        let got = xxh3_64(&raw);
+        if got != sum {
+            return Err(self.bad(format!(
+                "counts section: checksum {got:016x}, the manifest says {sum:016x}: the table was edited or damaged"
+            )));
+        }
+        let counts = Counts(raw);
+        for b in 0..self.blocks.len() {
+            self.check_counts(b, &counts)?;
+        }
+        let _ = self.counts.set(counts);
+        Ok(self.counts.get())
+    }
+
+    /// Block `b`'s part of the counts section against the shard limit, the directory and the
+    /// block's records when they are held.
+    fn check_counts(&self, b: usize, counts: &Counts) -> Result<()> {
+        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
+        let part = counts.range(lo, (lo + SHARD_TABLE_BLOCK_RECORDS).min(self.count));
+        let mut acc = 0u64;
+        for (j, c) in part.clone().enumerate() {
+            if c == 0 || c as u64 > crate::format::SHARD_SAMPLES_MAX {
+                return Err(self.bad(format!(
+                    "counts section: shard {} claims {c} samples (from 1 to the shard limit of {})",
+                    lo + j,
+                    crate::format::SHARD_SAMPLES_MAX
+                )));
+            }
+            acc += c as u64;
+        }
+        let last = b + 1 == self.blocks.len();
+        let span = if last { self.samples } else { self.dir(b + 1, 0) } - self.dir(b, 0);
+        if acc != span {
+            return Err(self.bad(format!(
+                "counts section: block {b} (shards {lo}..{}) holds {acc} samples; the directory says {span}",
+                lo + part.len()
+            )));
+        }
+        match self.held_ends(b) {
+            Some(ends) => self.agree(b, ends, part),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether block `b`'s records (their running counts `ends`) say what the counts section's
+    /// `part` says.
+    fn agree(&self, b: usize, ends: &[u64], part: impl Iterator<Item = u32>) -> Result<()> {
+        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
+        for (j, c) in part.enumerate() {
+            let n = ends[j] - if j == 0 { 0 } else { ends[j - 1] };
+            if n != c as u64 {
+                return Err(self.bad(format!(
+                    "shard {}: its record says {n} samples, the counts section {c}: the table was edited or damaged",
+                    lo + j
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Reads and checks block `b` (see [`block`](Self::block)); keeps nothing.
@@ -506,6 +678,9 @@ impl ShardTable {
                 "{what}: its shards hold {acc} samples in {bytes} bytes; the directory says {span} in {}",
                 self.dir(b, 2)
             )));
+        }
+        if let Some(c) = self.counts.get() {
+            self.agree(b, &t.ends, c.range(lo, lo + n))?;
         }
         Ok(t)
     }
@@ -596,11 +771,19 @@ impl crate::order::ShardCounts for ShardTable {
         if i >= self.count {
             return Err(self.bad(format!("no shard {i}: the table lists {}", self.count)));
         }
-        let (ends, j) = (
-            self.block_ends(i / SHARD_TABLE_BLOCK_RECORDS)?,
-            i % SHARD_TABLE_BLOCK_RECORDS,
-        );
-        Ok(ends[j] - if j == 0 { 0 } else { ends[j - 1] })
+        let (b, j) = (i / SHARD_TABLE_BLOCK_RECORDS, i % SHARD_TABLE_BLOCK_RECORDS);
+        let diff = |ends: &[u64]| ends[j] - if j == 0 { 0 } else { ends[j - 1] };
+        if let Some(ends) = self.held_ends(b) {
+            return Ok(diff(ends));
+        }
+        // Past a few blocks, the counts section (4 bytes a shard) instead of every block (48).
+        let many = self.counted.load(std::sync::atomic::Ordering::Relaxed) >= SHARD_TABLE_COUNTS_AFTER_BLOCKS;
+        if self.counts_loaded() || (many && self.counts_sum.is_some()) {
+            if let Some(c) = self.counts()? {
+                return Ok(c.get(i) as u64);
+            }
+        }
+        Ok(diff(self.block_ends(b)?))
     }
     fn locate(&self, o: u64) -> Result<(u64, u64)> {
         let (s, i) = ShardTable::locate(self, o)?

@@ -148,6 +148,20 @@ impl Inner {
         }
     }
 
+    /// The other nodes' consumers of `job` in the last gathered cluster view, with its age
+    /// (`None` before the first gathering).
+    pub(super) fn gathered_jobs(&self, job: &str) -> Option<(Duration, Vec<crate::stats::JobView>)> {
+        let cached = self.history.cluster.lock().expect("history lock");
+        let (at, doc) = cached.as_ref()?;
+        let views = doc
+            .jobs
+            .iter()
+            .filter(|v| v.node != self.me && v.beat.job == job)
+            .cloned()
+            .collect();
+        Some((at.elapsed(), views))
+    }
+
     /// The whole cluster: every member of this daemon's ring, asked at once.
     pub(super) async fn cluster(self: &Arc<Self>) -> ClusterDoc {
         if let Some((at, doc)) = &*self.history.cluster.lock().expect("history lock") {

@@ -255,14 +255,24 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 wire::write_msg(&mut s, &Msg::Ok).await?;
             }
             Msg::Heartbeat(beat) => {
-                let consumer = beat.consumer.clone();
+                let (consumer, job, rank, pace) = (beat.consumer.clone(), beat.job.clone(), beat.rank, beat.pace);
                 let reply = match inner.jobs.beat(beat) {
-                    // The consumer's share of the host's budgets; `ok` for one that does not
-                    // decode.
-                    Ok(()) => inner
-                        .jobs
-                        .grant(&consumer, inner.cfg.decode_threads as u64, inner.cfg.host_memory_bytes)
-                        .map_or(Msg::Ok, Msg::Grant),
+                    // The consumer's share of the host's budgets (none for one that does not
+                    // decode), and its job's pace to a loader that asks.
+                    Ok(()) => {
+                        let grant =
+                            inner
+                                .jobs
+                                .grant(&consumer, inner.cfg.decode_threads as u64, inner.cfg.host_memory_bytes);
+                        match (pace, grant) {
+                            (true, grant) => Msg::Beat {
+                                grant,
+                                job: inner.job_pace(&job, rank),
+                            },
+                            (false, Some(g)) => Msg::Grant(g),
+                            (false, None) => Msg::Ok,
+                        }
+                    }
                     Err(message) => Msg::Fail { message },
                 };
                 wire::write_msg(&mut s, &reply).await?;

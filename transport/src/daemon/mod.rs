@@ -27,6 +27,7 @@ mod fetch;
 mod http;
 mod jobs;
 mod local;
+mod pace;
 mod peers;
 mod ready;
 mod validate;
@@ -314,6 +315,7 @@ impl Daemon {
             inner.spawn(serve_http(inner.clone(), l));
         }
         inner.spawn(cluster::sample_rates(inner.clone()));
+        inner.spawn(pace::gather_paces(inner.clone()));
         inner.spawn(ready::probe_members(inner.clone()));
         if let Some(f) = inner.cfg.peers_file.clone() {
             inner.spawn(watch_members(inner.clone(), f));
