@@ -76,8 +76,10 @@ impl GpuSide {
         let bound = Decoders::SCRATCH_BOUND as usize;
         let dev = || Bridge::new(ramjet_cuda::pool::CudaDevice::new(gpu.context().clone()), bound);
         let pinned = || Bridge::new(ramjet_cuda::pool::CudaHost::new(gpu.context().clone()), PINNED_BOUND);
-        let hardware = HardwareDecoder::open(table.clone(), dev(), pinned(), Some((256, 500, 375)))
-            .map_err(gpu_err("opening nvJPEG's hardware decoder", n))?;
+        let (hardware, why) = HardwareDecoder::open_or_fall_back(table.clone(), dev(), pinned(), Some((256, 500, 375)));
+        if let Some(e) = why {
+            tracing::warn!(gpu = n, error = %e, "nvJPEG's hardware decoder did not open: decoding on the hybrid decoder");
+        }
         let hybrid = HybridDecoder::open(table, Backend::Hybrid, dev(), pinned())
             .map_err(gpu_err("opening nvJPEG's hybrid decoder", n))?;
         let decoders = Decoders {

@@ -238,11 +238,14 @@ def test_the_fused_kernel_on_torch_tensors_is_its_reference_bit_for_bit(dtype):
 
 @ON_GPU
 @pytest.mark.parametrize("decode", ["gpu", "auto", "cpu"])
-def test_gpu_decode_batches_are_the_cpu_path_s_within_the_kernel_s_tolerance(packed, decode):
+def test_gpu_decode_batches_are_the_cpu_path_s_within_the_decoders_tolerance(packed, decode):
     """decode= on a GPU: the image column is a CUDA tensor in ramjet's own device memory
     (DLPack shared it, no copy), every other column as on the CPU path, and each image the CPU
-    path's within the fused kernel's tolerance (mean difference at most 0.35 of a step, no
-    pixel more than 2 off: ramjet_cuda::kernel::TOLERANCE_U8*)."""
+    path's within a decoder's tolerance. With decode="cpu" only the fused kernel differs (mean
+    difference at most 0.35 of a step, no pixel more than 2 off:
+    ramjet_cuda::kernel::TOLERANCE_U8*); nvJPEG's IDCT, DCT scaling and chroma upsampling are
+    not libjpeg-turbo's, so "gpu" and "auto" are held to a mean of 4 a pixel per image (as
+    tests/tests/nvjpeg_gpu.rs's DECODE_MEAN_MAX), and no pixel off by more than 64."""
     cpu = list(_ds(packed))
     ds = _ds(packed, device="cuda", decode=decode)
     gpu = list(ds)
@@ -251,7 +254,8 @@ def test_gpu_decode_batches_are_the_cpu_path_s_within_the_kernel_s_tolerance(pac
         img = b["image"]
         assert img.device.type == "cuda" and img.dtype == torch.uint8 and img.shape == a["image"].shape
         d = (img.cpu().int() - a["image"].int()).abs()
-        assert d.float().mean().item() <= 0.35 and d.max().item() <= 2, (d.float().mean().item(), d.max().item())
+        mean_max, max_max = (0.35, 2) if decode == "cpu" else (4.0, 64)
+        assert d.float().mean().item() <= mean_max and d.max().item() <= max_max, (decode, d.float().mean().item(), d.max().item())
         assert torch.equal(a["_index"], b["_index"].cpu())
     m = ds.metrics()
     assert sum(m[f"decode_{p}"] for p in ("hardware", "hybrid", "cpu")) == 96, m

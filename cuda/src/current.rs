@@ -197,4 +197,59 @@ mod tests {
         assert!(Borrowed::enter(&f, 7).is_err());
         assert_eq!(f.current.get(), Some(1));
     }
+
+    /// Issue 68, defect 1: the only Rust kernel test read its results back with a raw
+    /// `cuMemcpyDtoH_v2` on a thread with no current context (every guard restores the empty
+    /// one), so on a real GPU it failed at its first readback. Every driver copy in the crate
+    /// and its GPU tests must run inside a function that entered the context first
+    /// (`current::enter`), or go through `Gpu::copy_to_host`.
+    #[test]
+    fn every_driver_copy_runs_with_a_current_context() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files: Vec<std::path::PathBuf> = Vec::new();
+        let mut dirs = vec![root.join("src"), root.join("../tests/tests")];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    files.push(p);
+                }
+            }
+        }
+        // Spelt in two parts, so this test's own text is not one of the copies it finds.
+        let needle = ["sys::", "cuMemcpy"].concat();
+        let mut copies = 0;
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            for (n, l) in lines.iter().enumerate() {
+                if !l.contains(&needle) || l.trim_start().starts_with("//") {
+                    continue;
+                }
+                copies += 1;
+                // Back to the start of the enclosing function: an `enter` on the way.
+                let entered = lines[..n]
+                    .iter()
+                    .rev()
+                    .take_while(|b| {
+                        !b.trim_start().starts_with("pub fn ")
+                            && !b.trim_start().starts_with("fn ")
+                            && !b.contains(" fn ")
+                    })
+                    .any(|b| b.contains("current::enter("));
+                assert!(
+                    entered,
+                    "{}:{}: a driver copy with no `current::enter` before it in its function (use Gpu::copy_to_host)",
+                    f.display(),
+                    n + 1
+                );
+            }
+        }
+        assert!(
+            copies >= 5,
+            "the scan found {copies} driver copies: it no longer sees the code"
+        );
+    }
 }

@@ -602,8 +602,8 @@ mod tests {
             while !done.is_complete().unwrap() {
                 std::thread::yield_now();
             }
-            // SAFETY: `dout` holds `got.len()` bytes and the kernel that wrote it completed.
-            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), dout.addr(), got.len()).result() }.unwrap();
+            // Through the context (a raw copy on this thread has no current context).
+            gpu.copy_to_host(&dout, 0, &mut got).unwrap();
             hs.release_after(Box::new(gpu.record().unwrap()));
             got
         };
@@ -679,8 +679,7 @@ mod tests {
                 std::thread::yield_now();
             }
             let mut got = vec![0u8; want.len()];
-            // SAFETY: `dout` holds `got.len()` bytes and the kernel that wrote it completed.
-            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), dout.addr(), got.len()).result() }.unwrap();
+            gpu.copy_to_host(&dout, 0, &mut got).unwrap();
             assert!(got == want, "pipelined batch {b} differs from its reference");
         }
         drop(pipe);

@@ -552,7 +552,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         if self.device != "cpu":
             extra["pinned_gpu"] = int(self.device.split(":")[1])
             if self._decode is not None:
-                roots = [p for p in sys.path if p.endswith("site-packages")]
+                # Every folder on the path, as gpu_info() searches: wheels installed with
+                # `pip --target` (the device check's) live outside any site-packages.
+                roots = [p for p in dict.fromkeys(sys.path) if p and os.path.isdir(p)]
                 extra["gpu_decode"] = {"ordinal": extra["pinned_gpu"], "roots": roots}
         # The engine decides whether the running loader goes on (same epoch and topology) or
         # a new one starts, and where (the epoch's start, or a loaded state); it ends the

@@ -273,6 +273,21 @@ impl<A: Api> HardwareDecoder<A> {
         Ok(Some(me))
     }
 
+    /// [`open`](Self::open), where any failure to open the engine is a reason to decode on the
+    /// hybrid decoder instead: `(None, Some(why))`. A driver that refuses the engine's handle
+    /// or its pre-allocation must not fail a dataset that the hybrid decoder can read.
+    pub fn open_or_fall_back(
+        api: A,
+        dev: Box<Bridge>,
+        pinned: Box<Bridge>,
+        prealloc: Option<(usize, u32, u32)>,
+    ) -> (Option<Self>, Option<GpuError>) {
+        match Self::open(api, dev, pinned, prealloc) {
+            Ok(d) => (d, None),
+            Err(e) => (None, Some(e)),
+        }
+    }
+
     /// The counters.
     pub fn stats(&self) -> HardwareStats {
         self.stats

@@ -50,6 +50,8 @@ struct Ledger {
 #[derive(Clone, Default)]
 pub struct Fake {
     no_engine: bool,
+    /// The status creating the engine's handle returns instead of success (0: none).
+    engine_create: i32,
     ledger: Arc<Mutex<Ledger>>,
     pixels: Option<Pixels>,
 }
@@ -60,9 +62,17 @@ impl Fake {
     pub fn with_pixels(pixels: Pixels, engine: bool) -> Fake {
         Fake {
             no_engine: !engine,
+            engine_create: 0,
             ledger: Arc::default(),
             pixels: Some(pixels),
         }
+    }
+
+    /// This library, whose engine handle's creation fails with `status` (an error other than
+    /// "no engine": a driver refusing, memory short).
+    pub fn engine_fails(mut self, status: i32) -> Fake {
+        self.engine_create = status;
+        self
     }
 
     /// Handles made and not destroyed.
@@ -218,6 +228,9 @@ impl Api for Fake {
         self.log(format!("create {backend} {flags}"));
         if self.no_engine && backend == Backend::Hardware as c_int {
             return status::ARCH_MISMATCH;
+        }
+        if self.engine_create != 0 && backend == Backend::Hardware as c_int {
+            return self.engine_create;
         }
         assert!(
             !dev.is_null() && !pinned.is_null(),
@@ -580,6 +593,39 @@ mod tests {
             "a handle outlived its decoder"
         );
         assert!(heap.live.lock().unwrap().is_empty());
+    }
+
+    /// Issue 68, defect 4: any failure to open the engine (not only "no engine") leaves the
+    /// GPU path on the hybrid decoder, with the reason, instead of failing the dataset; nothing
+    /// is left open.
+    #[test]
+    fn an_engine_that_fails_to_open_falls_back_to_the_hybrid_decoder() {
+        for s in [
+            status::INTERNAL_ERROR,
+            status::ALLOCATOR_FAILURE,
+            status::EXECUTION_FAILED,
+        ] {
+            let fake = Fake::default().engine_fails(s);
+            let (dev, pinned, _heap) = bridges(1 << 30);
+            let (d, why) = HardwareDecoder::open_or_fall_back(fake.clone(), dev, pinned, None);
+            assert!(d.is_none());
+            let why = why.expect("a reason").to_string();
+            assert!(
+                why.contains("nvjpegCreateExV2") && why.contains(status::name(s)),
+                "{why}"
+            );
+            assert_eq!(fake.live_handles(), 0);
+        }
+        // No engine at all: no decoder and no error to report.
+        let fake = Fake::with_pixels(Arc::new(|_: &[u8], _, _| None), false);
+        let (dev, pinned, _heap) = bridges(1 << 30);
+        let (d, why) = HardwareDecoder::open_or_fall_back(fake, dev, pinned, None);
+        assert!(d.is_none() && why.is_none());
+        // A sound engine opens.
+        let (dev, pinned, _heap) = bridges(1 << 30);
+        assert!(HardwareDecoder::open_or_fall_back(Fake::default(), dev, pinned, None)
+            .0
+            .is_some());
     }
 
     /// Initialisation happens when the batch's size changes and after a failed batch, not per
