@@ -500,10 +500,7 @@ impl ShardTable {
     /// Block `b`'s running sample counts (`TableBlock::ends`): the held block's, else read and
     /// checked as [`block`](Self::block) does, keeping only them.
     fn block_ends(&self, b: usize) -> Result<&[u64]> {
-        if let Some(t) = self.blocks[b].get() {
-            return Ok(&t.ends);
-        }
-        if let Some(e) = self.ends[b].get() {
+        if let Some(e) = self.held_ends(b) {
             return Ok(e);
         }
         let _loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
