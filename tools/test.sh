@@ -131,7 +131,7 @@ RAMJET_BIN=target/debug/ramjet "$py" benches/python/bench_loader.py --images "$c
 step "two datasets alive in one process (quick mode: checks it runs; figures come from the full run)"
 RAMJET_BIN=target/debug/ramjet "$py" benches/python/two_datasets.py --quick --out "$ci/two_datasets.json" | tail -2
 
-step "device check, CPU dry run (tools/device-check: run.py --cpu on the bundle built above; it runs the GPU feed benchmark's quick mode on the CPU too)"
+step "device check, CPU dry run and its rehearsal (tools/device-check: run.py --cpu on the bundle built above, then rehearse.py: each step failing or hanging in turn, a deadline, SIGTERM)"
 # The GPU check is prepared here and run only where a GPU is lent (docs/gpu.md). Between those
 # rare runs this keeps the bundle's build and every step of run.py alive: steps that need a GPU
 # say "skipped: no GPU", the others run on the CPU, and summary.json keeps its one shape.
@@ -140,17 +140,20 @@ step "device check, CPU dry run (tools/device-check: run.py --cpu on the bundle 
 import json, sys
 doc = json.load(open(sys.argv[1]))
 assert {"device", "driver", "commit", "date", "steps"} <= set(doc), doc.keys()
-want = {"env", "rust_gpu", "nvjpeg", "py_gpu", "feed", "cpu_scale", "kernel"}
+want = {"env", "rust_gpu", "nvjpeg", "py_gpu", "feed", "cpu_scale", "kernel", "sanitizer"}
 assert set(doc["steps"]) == want, doc["steps"].keys()
 for name, s in doc["steps"].items():
     assert {"rc", "seconds", "figures"} <= set(s), (name, s)
     assert s["rc"] in (0, None), f"step {name} failed: {s}"
 assert doc["steps"]["rust_gpu"]["figures"]["rust_tests_passed"] > 0
 assert doc["steps"]["nvjpeg"].get("skipped") == "no GPU", doc["steps"]["nvjpeg"]
+assert doc["steps"]["sanitizer"].get("skipped") == "no GPU", doc["steps"]["sanitizer"]
+assert doc["elapsed_s"] < doc["deadline_s"], (doc["elapsed_s"], doc["deadline_s"])
 assert doc["steps"]["cpu_scale"]["figures"]["ramjet_t2_img_s"] > 0
 k = doc["steps"]["kernel"]["figures"]  # the kernel's CPU reference against torchvision
 assert k["u8_interior_max_abs_diff_vs_torchvision"] <= 1 and k["kernel_rrc_u8_img_s"] > 0, k
 print("device check dry run:", {n: s.get("skipped", s["rc"]) for n, s in doc["steps"].items()})
 PY
+"$py" tools/device-check/rehearse.py --bundle "$ci/devcheck" --out "$ci/devcheck-rehearsal" --python "$py"
 
 step "all tests passed"

@@ -90,6 +90,32 @@ def measure(kind: str, arg: int, data: Path, batch: int) -> dict:
     return r
 
 
+def write_out(a, rounds: list, threads: list) -> dict:
+    """Medians over the rounds that measured each contender, the figures, and the file."""
+    keys = sorted({k for r in rounds for k in r})
+    med = {k: {f: statistics.median(r[k][f] for r in rounds if k in r) for f in ("img_s", "cpu_s_per_1000")}
+           for k in keys}
+    lo, hi = min(threads), max(threads)
+    figures = {}
+    for t in threads:
+        if f"ramjet_{t}" in med:
+            figures[f"ramjet_t{t}_img_s"] = round(med[f"ramjet_{t}"]["img_s"], 1)
+            figures[f"ramjet_t{t}_cpu_s_per_1000_img"] = round(med[f"ramjet_{t}"]["cpu_s_per_1000"], 3)
+    if f"torch_{hi}" in med:
+        figures[f"torch_w{hi}_img_s"] = round(med[f"torch_{hi}"]["img_s"], 1)
+        figures[f"torch_w{hi}_cpu_s_per_1000_img"] = round(med[f"torch_{hi}"]["cpu_s_per_1000"], 3)
+    if f"ramjet_{hi}" in med and f"ramjet_{lo}" in med:
+        figures[f"scaling_t{hi}_over_t{lo}"] = round(med[f"ramjet_{hi}"]["img_s"] / med[f"ramjet_{lo}"]["img_s"], 3)
+    if f"ramjet_{hi}" in med and f"torch_{hi}" in med:
+        figures[f"ramjet_t{hi}_over_torch_w{hi}"] = round(med[f"ramjet_{hi}"]["img_s"] / med[f"torch_{hi}"]["img_s"], 3)
+    if a.out:
+        tmp = Path(str(a.out) + ".tmp")
+        tmp.write_text(json.dumps({"args": vars(a), "cores": os.cpu_count(), "rounds": rounds,
+                                   "median": med, "figures": figures}, indent=1))
+        tmp.replace(a.out)
+    return figures
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, arg, data, batch = sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
@@ -118,28 +144,17 @@ def main() -> None:
         for r in range(a.rounds):
             order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
             res = {}
+            rounds.append(res)
             for kind, arg in order:
                 data = work / "ds" if kind == "ramjet" else work / "synth/images"
                 res[f"{kind}_{arg}"] = measure(kind, arg, data, a.batch_size)
                 m = res[f"{kind}_{arg}"]
                 print(f"round {r + 1}/{a.rounds}: {kind} {arg}: {m['img_s']:.0f} img/s, "
                       f"{m['cpu_s_per_1000']:.2f} CPU s per 1,000 images", flush=True)
-            rounds.append(res)
-        med = {k: {f: statistics.median(r[k][f] for r in rounds) for f in ("img_s", "cpu_s_per_1000")}
-               for k in rounds[0]}
-        lo, hi = min(threads), max(threads)
-        figures = {}
-        for t in threads:
-            figures[f"ramjet_t{t}_img_s"] = round(med[f"ramjet_{t}"]["img_s"], 1)
-            figures[f"ramjet_t{t}_cpu_s_per_1000_img"] = round(med[f"ramjet_{t}"]["cpu_s_per_1000"], 3)
-        figures[f"torch_w{hi}_img_s"] = round(med[f"torch_{hi}"]["img_s"], 1)
-        figures[f"torch_w{hi}_cpu_s_per_1000_img"] = round(med[f"torch_{hi}"]["cpu_s_per_1000"], 3)
-        figures[f"scaling_t{hi}_over_t{lo}"] = round(med[f"ramjet_{hi}"]["img_s"] / med[f"ramjet_{lo}"]["img_s"], 3)
-        figures[f"ramjet_t{hi}_over_torch_w{hi}"] = round(med[f"ramjet_{hi}"]["img_s"] / med[f"torch_{hi}"]["img_s"], 3)
+                # Rewritten after every measurement: a run cut short keeps what it measured.
+                write_out(a, rounds, threads)
+        figures = write_out(a, rounds, threads)
         print(f"cpu_scale: {os.cpu_count()} cores; " + ", ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
-        if a.out:
-            Path(a.out).write_text(json.dumps({"args": vars(a), "cores": os.cpu_count(), "rounds": rounds,
-                                               "median": med, "figures": figures}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -152,88 +152,142 @@ def main() -> None:
     ds = ramjet.StreamingDataset(str(work / "ds"), batch_size=a.batch_size, image_size=a.size, normalize=True,
                                  drop_last=True, device=a.device)
     dev = torch.device(ds.device)
-    gpu_ds = None
-    if a.decode is not None and dev.type == "cuda":
-        gpu_ds = ramjet.StreamingDataset(str(work / "ds"), batch_size=a.batch_size, image_size=a.size,
-                                         normalize=True, drop_last=True, device=a.device, decode=a.decode)
     fmt = torch.channels_last if dev.type == "cuda" else torch.contiguous_format
     net = build_model(a.model, dev, fmt)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     step = make_step(net, opt, dev, fmt)
-    # K batches from ramjet itself, kept on the device: the resident contender.
+    # K batches from ramjet itself, kept on the device: the resident contender (the baseline:
+    # without it there is nothing to compare, so its failure ends the run).
     it = iter(ds)
     batches = []
     for _ in range(4):
         b = next(it)
         batches.append((b["image"].clone(), (b["_index"] % 1000).to(dev)))
+    resident_round(batches, step, 3, dev)  # warm-up: cuDNN's algorithm choice
+    # Every other contender is isolated: one that fails (to open, to warm up, in a round) is
+    # recorded under `errors` and left out of the later rounds; the others' figures stand.
+    errors = {}
+    runs = {}
+
+    def attempt(who, f):
+        try:
+            return f()
+        except Exception as e:  # a contender that never ran on this device may fail: say how
+            errors[who] = f"{type(e).__name__}: {e}"[:500]
+            runs.pop(who, None)
+            print(f"gpu_feed: {who} failed and is left out: {errors[who]}", flush=True)
+            return None
+
     it_holder = [it, 1]
-    gpu_holder = [None, 0]
+    runs["fed"] = lambda: fed_round(ds, step, a.steps, dev, it_holder)
+    attempt("fed", lambda: fed_round(ds, step, 3, dev, it_holder))
+    if a.decode is not None and dev.type == "cuda":
+        def open_gpu():
+            gpu_ds = ramjet.StreamingDataset(str(work / "ds"), batch_size=a.batch_size, image_size=a.size,
+                                             normalize=True, drop_last=True, device=a.device, decode=a.decode)
+            holder = [None, 0]
+            fed_round(gpu_ds, step, 3, dev, holder)
+            runs["fed_gpu"] = lambda: fed_round(gpu_ds, step, a.steps, dev, holder)
+            return gpu_ds
+        gpu_ds = attempt("fed_gpu", open_gpu)
+    else:
+        gpu_ds = None
+    h2d = None
     if dev.type == "cuda":
-        # One batch as the loader hands it over, before the copy: the image tensor in ramjet's
-        # page-locked buffer. And torch's own pinned tensor of the same size.
-        src_r = torch.from_dlpack(ds._loader.next_batch()[0]["image"])
-        src_t = torch.empty(src_r.shape, dtype=src_r.dtype, pin_memory=True)
-    # Warm-up: cuDNN's algorithm choice and the loader's first shards are not measured.
-    resident_round(batches, step, 3, dev)
-    fed_round(ds, step, 3, dev, it_holder)
-    if gpu_ds is not None:
-        fed_round(gpu_ds, step, 3, dev, gpu_holder)
+        def open_h2d():
+            # One batch as the loader hands it over, before the copy: the image tensor in
+            # ramjet's page-locked buffer. And torch's own pinned tensor of the same size.
+            src_r = torch.from_dlpack(ds._loader.next_batch()[0]["image"])
+            src_t = torch.empty(src_r.shape, dtype=src_r.dtype, pin_memory=True)
+            return lambda: h2d_round(src_r, src_t, dev, 20)
+        h2d = attempt("h2d", open_h2d)
     rounds = []
     for r in range(a.rounds):
-        order = ["fed", "resident"] + (["fed_gpu"] if gpu_ds is not None else [])
+        order = ["resident"] + [w for w in ("fed", "fed_gpu") if w in runs]
         order = order[r % len(order):] + order[:r % len(order)]  # each contender in each slot
         res = {}
         for who in order:
-            if who == "fed":
-                wall, cpu = fed_round(ds, step, a.steps, dev, it_holder)
-            elif who == "fed_gpu":
-                wall, cpu = fed_round(gpu_ds, step, a.steps, dev, gpu_holder)
-            else:
-                wall, cpu = resident_round(batches, step, a.steps, dev)
+            got = resident_round(batches, step, a.steps, dev) if who == "resident" else attempt(who, runs[who])
+            if got is None:
+                continue
+            wall, cpu = got
             imgs = a.steps * a.batch_size
             res[who] = {"img_s": imgs / wall, "cpu_s_per_1000": cpu / imgs * 1000, "wall_s": wall}
-        res["ratio"] = res["fed"]["img_s"] / res["resident"]["img_s"]
+        if "fed" in res:
+            res["ratio"] = res["fed"]["img_s"] / res["resident"]["img_s"]
         if "fed_gpu" in res:
             res["gpu_ratio"] = res["fed_gpu"]["img_s"] / res["resident"]["img_s"]
-        if dev.type == "cuda":
-            res["h2d_gb_s"] = h2d_round(src_r, src_t, dev, 20)
-            res["h2d_ratio"] = res["h2d_gb_s"]["ramjet"] / res["h2d_gb_s"]["torch"]
+        if h2d is not None and "h2d" not in errors:
+            gb = attempt("h2d", h2d)
+            if gb is not None:
+                res["h2d_gb_s"] = gb
+                res["h2d_ratio"] = gb["ramjet"] / gb["torch"]
         rounds.append(res)
-        line = (f"round {r + 1}/{a.rounds}: fed {res['fed']['img_s']:.0f} img/s, resident "
-                f"{res['resident']['img_s']:.0f} img/s, ratio {res['ratio']:.3f}; CPU s/1000 fed "
-                f"{res['fed']['cpu_s_per_1000']:.2f} resident {res['resident']['cpu_s_per_1000']:.2f}")
-        if "gpu_ratio" in res:
-            line += (f"; GPU decode {res['fed_gpu']['img_s']:.0f} img/s, ratio {res['gpu_ratio']:.3f}, CPU s/1000 "
-                     f"{res['fed_gpu']['cpu_s_per_1000']:.2f}")
-        if "h2d_ratio" in res:
-            line += f"; H2D {res['h2d_gb_s']['ramjet']:.1f} vs {res['h2d_gb_s']['torch']:.1f} GB/s"
-        print(line, flush=True)
-    med = {
-        "ratio": statistics.median(r["ratio"] for r in rounds),
-        "fed_img_s": statistics.median(r["fed"]["img_s"] for r in rounds),
-        "resident_img_s": statistics.median(r["resident"]["img_s"] for r in rounds),
-        "feeding_cpu_s_per_1000": statistics.median(
-            r["fed"]["cpu_s_per_1000"] - r["resident"]["cpu_s_per_1000"] for r in rounds),
-    }
-    if dev.type == "cuda":
-        med["h2d_ratio"] = statistics.median(r["h2d_ratio"] for r in rounds)
-    if gpu_ds is not None:
-        med["gpu_ratio"] = statistics.median(r["gpu_ratio"] for r in rounds)
-        med["gpu_fed_img_s"] = statistics.median(r["fed_gpu"]["img_s"] for r in rounds)
-        med["gpu_feeding_cpu_s_per_1000"] = statistics.median(
-            r["fed_gpu"]["cpu_s_per_1000"] - r["resident"]["cpu_s_per_1000"] for r in rounds)
-        med["gpu_decode_metrics"] = {k: v for k, v in gpu_ds.metrics().items() if k.startswith("decode_")}
+        print(round_line(r, a.rounds, res), flush=True)
+        # Rewritten after every round: a run cut short keeps the rounds it finished.
+        write_out(a, dev, rounds, summarise(rounds, gpu_ds if "fed_gpu" not in errors else None), errors)
+    med = summarise(rounds, gpu_ds if "fed_gpu" not in errors else None)
+    if "gpu_ratio" in med:
         print(f"gpu_feed: GPU decode ({a.decode}): median ratio {med['gpu_ratio']:.3f} (target >= 0.97), per round "
-              f"{[round(r['gpu_ratio'], 3) for r in rounds]}; feeding cost {med['gpu_feeding_cpu_s_per_1000']:.2f} "
-              f"CPU s per 1,000 images (CPU decode: {med['feeding_cpu_s_per_1000']:.2f})", flush=True)
-    print(f"gpu_feed: device {dev}, model {a.model}, batch {a.batch_size}, {a.size}px: median ratio "
-          f"{med['ratio']:.3f} (target >= 0.95), per round {[round(r['ratio'], 3) for r in rounds]}; "
-          f"feeding cost {med['feeding_cpu_s_per_1000']:.2f} CPU s per 1,000 images"
-          + (f"; H2D {med['h2d_ratio']:.2f}x torch (target >= 0.9)" if "h2d_ratio" in med else ""), flush=True)
+              f"{[round(r['gpu_ratio'], 3) for r in rounds if 'gpu_ratio' in r]}; feeding cost "
+              f"{med['gpu_feeding_cpu_s_per_1000']:.2f} CPU s per 1,000 images", flush=True)
+    if "ratio" in med:
+        print(f"gpu_feed: device {dev}, model {a.model}, batch {a.batch_size}, {a.size}px: median ratio "
+              f"{med['ratio']:.3f} (target >= 0.95), per round {[round(r['ratio'], 3) for r in rounds if 'ratio' in r]}; "
+              f"feeding cost {med['feeding_cpu_s_per_1000']:.2f} CPU s per 1,000 images"
+              + (f"; H2D {med['h2d_ratio']:.2f}x torch (target >= 0.9)" if "h2d_ratio" in med else ""), flush=True)
+    write_out(a, dev, rounds, med, errors)
     shutil.rmtree(work, ignore_errors=True)
+    if errors:
+        print(f"gpu_feed: failed contenders: {json.dumps(errors)}", flush=True)
+        sys.exit(1)
+
+
+def round_line(r: int, n: int, res: dict) -> str:
+    line = f"round {r + 1}/{n}: resident {res['resident']['img_s']:.0f} img/s"
+    if "fed" in res:
+        line += (f", fed {res['fed']['img_s']:.0f} img/s, ratio {res['ratio']:.3f}; CPU s/1000 fed "
+                 f"{res['fed']['cpu_s_per_1000']:.2f} resident {res['resident']['cpu_s_per_1000']:.2f}")
+    if "gpu_ratio" in res:
+        line += (f"; GPU decode {res['fed_gpu']['img_s']:.0f} img/s, ratio {res['gpu_ratio']:.3f}, CPU s/1000 "
+                 f"{res['fed_gpu']['cpu_s_per_1000']:.2f}")
+    if "h2d_ratio" in res:
+        line += f"; H2D {res['h2d_gb_s']['ramjet']:.1f} vs {res['h2d_gb_s']['torch']:.1f} GB/s"
+    return line
+
+
+def summarise(rounds: list, gpu_ds) -> dict:
+    """Medians over the rounds that have each figure."""
+    def median(f):
+        xs = [f(r) for r in rounds if f(r) is not None]
+        return statistics.median(xs) if xs else None
+
+    cost = lambda who: lambda r: (r[who]["cpu_s_per_1000"] - r["resident"]["cpu_s_per_1000"]) if who in r else None
+    med = {
+        "resident_img_s": median(lambda r: r["resident"]["img_s"]),
+        "ratio": median(lambda r: r.get("ratio")),
+        "fed_img_s": median(lambda r: r["fed"]["img_s"] if "fed" in r else None),
+        "feeding_cpu_s_per_1000": median(cost("fed")),
+        "h2d_ratio": median(lambda r: r.get("h2d_ratio")),
+        "gpu_ratio": median(lambda r: r.get("gpu_ratio")),
+        "gpu_fed_img_s": median(lambda r: r["fed_gpu"]["img_s"] if "fed_gpu" in r else None),
+        "gpu_feeding_cpu_s_per_1000": median(cost("fed_gpu")),
+    }
+    med = {k: v for k, v in med.items() if v is not None}
+    if gpu_ds is not None and "gpu_ratio" in med:
+        try:
+            med["gpu_decode_metrics"] = {k: v for k, v in gpu_ds.metrics().items() if k.startswith("decode_")}
+        except Exception as e:
+            med["gpu_decode_metrics_error"] = str(e)[:200]
+    return med
+
+
+def write_out(a, dev, rounds: list, med: dict, errors: dict) -> None:
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "device": str(dev), "rounds": rounds, "median": med},
-                                          indent=1))
+        doc = {"args": vars(a), "device": str(dev), "rounds": rounds, "median": med, "errors": errors}
+        tmp = Path(str(a.out) + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(a.out)
 
 
 if __name__ == "__main__":

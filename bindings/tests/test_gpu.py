@@ -140,7 +140,9 @@ def _ds(url, **kw):
 @pytest.mark.parametrize("normalize", [False, True])
 def test_device_cuda_batches_are_the_cpu_path_s(packed, normalize):
     """The same augmentation (train: random crops and flips from the seed) on both paths: uint8
-    equal bit for bit, normalised float32 equal too (the GPU path only copies)."""
+    equal bit for bit, normalised float32 equal too (the GPU path only copies); every column
+    (labels, indices) on the GPU and equal. The device check runs this file, from a local
+    dataset: the GPU machine has no S3 server."""
     cpu = list(_ds(packed, normalize=normalize))
     gpu = list(_ds(packed, normalize=normalize, device="cuda"))
     assert len(cpu) == len(gpu) == 12
@@ -149,6 +151,7 @@ def test_device_cuda_batches_are_the_cpu_path_s(packed, normalize):
         assert torch.equal(a["image"], b["image"].cpu())
         for k in a:
             if isinstance(a[k], torch.Tensor):
+                assert b[k].device.type == "cuda", k
                 assert torch.equal(a[k], b[k].cpu()), k
 
 

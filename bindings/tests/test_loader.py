@@ -846,17 +846,6 @@ def test_every_ramjet_error_pickles_so_a_worker_s_error_reaches_the_trainer():
         assert type(e) is cls and "shard 7" in str(e)
 
 
-@pytest.mark.skipif(os.environ.get("RAMJET_GPU_TESTS") != "1", reason="needs a GPU: RAMJET_GPU_TESTS=1")
-def test_device_cuda_yields_the_cpu_path_s_batches_on_the_gpu(classes):
-    url, _ = classes
-    cpu = [b for b in dataset(url, shuffle=False)]
-    gpu = [b for b in dataset(url, shuffle=False, device="cuda")]
-    assert len(cpu) == len(gpu)
-    for a, b in zip(cpu, gpu):
-        assert b["image"].device.type == "cuda" and b["label"].device.type == "cuda"
-        assert torch.equal(a["image"], b["image"].cpu()) and torch.equal(a["label"], b["label"].cpu())
-
-
 def test_the_python_signature_names_exactly_the_engines_options():
     """Options are checked once, by the engine (ramjet_engine::loader::options): every keyword
     of StreamingDataset but the process-side ones (daemon, device) is one of its options, with

@@ -469,11 +469,15 @@ impl<A: Api, D: Device> Stage<A, D> {
             let stream = self.device.stream();
             let start = self.device.record()?;
             let (mut done, mut work) = (0, 0.0);
+            let device = &self.device;
+            // The fence after each transfer, which the decoder waits for before it reuses the
+            // transfer's pinned buffer.
+            let mut mark = || device.record().map(|e| Box::new(e) as Box<dyn Fence>);
             for &k in &hy {
                 let r = match self.hybrid.as_mut() {
                     None => Err("no hybrid decoder".to_owned()),
                     Some(d) => d
-                        .decode(k, &images[k].decode_job(base), stream)
+                        .decode(k, &images[k].decode_job(base), stream, &mut mark)
                         .map_err(|e| e.to_string()),
                 };
                 match r {

@@ -210,6 +210,16 @@ pub fn device_count() -> Result<usize, GpuError> {
     match cudarc::driver::result::init() {
         // A driver with no GPU behind it (a container without one passed through) fails here.
         Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => return Err(GpuError::NoDevice),
+        // cudarc opens `libcuda.so` before `libcuda.so.1`: the CUDA toolkit's stub of that name
+        // (its `lib64/stubs`) on the library path is found first, and says so here.
+        Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_STUB_LIBRARY => {
+            return Err(GpuError::Driver {
+                doing: "initialising",
+                reason: "the libcuda.so loaded is the CUDA toolkit's stub, not the driver: take the toolkit's \
+                         `stubs` folder off LD_LIBRARY_PATH"
+                    .into(),
+            })
+        }
         other => other.map_err(driver_err("initialising"))?,
     }
     let n = cudarc::driver::result::device::get_count().map_err(driver_err("counting devices"))?;

@@ -55,7 +55,29 @@ pub trait Fence: Send + 'static {
     /// `Ok(true)` once the work is done, `Ok(false)` while it runs, `Err` when it can no longer
     /// be known (the buffer is then never reused).
     fn is_complete(&self) -> Result<bool, GpuError>;
+
+    /// Blocks until the work is done: polls [`Fence::is_complete`], sleeping a little longer
+    /// each time (up to 1 ms), and gives up after [`FENCE_WAIT_MAX`] with an error, so a stuck
+    /// GPU is an error, not a hang.
+    fn wait(&self) -> Result<(), GpuError> {
+        let start = std::time::Instant::now();
+        let mut nap = std::time::Duration::from_micros(2);
+        while !self.is_complete()? {
+            if start.elapsed() > FENCE_WAIT_MAX {
+                return Err(GpuError::Driver {
+                    doing: "waiting for queued GPU work",
+                    reason: format!("not done after {} s", FENCE_WAIT_MAX.as_secs()),
+                });
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    }
 }
+
+/// The longest [`Fence::wait`] waits (queued copies and decodes take milliseconds).
+pub const FENCE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The pool's accounting, in bytes (sizes rounded to the grain) and in calls.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -451,6 +473,24 @@ mod tests {
                 }),
             }
         }
+    }
+
+    /// `wait` returns once the work completes (here: from another thread, 20 ms later), and
+    /// passes on a fence's error instead of waiting for ever.
+    #[test]
+    fn a_fence_is_waited_for_until_it_completes_or_fails() {
+        let flag = Arc::new(AtomicU8::new(0));
+        let f = Flag(flag.clone());
+        let t0 = std::time::Instant::now();
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            flag.store(1, Ordering::SeqCst);
+        });
+        f.wait().unwrap();
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(20));
+        setter.join().unwrap();
+        let e = Flag(Arc::new(AtomicU8::new(2))).wait().unwrap_err();
+        assert!(e.to_string().contains("ILLEGAL_ADDRESS"), "{e}");
     }
 
     const G: usize = Pool::<Fake>::GRAIN;

@@ -197,7 +197,8 @@ fn gpu_nvjpeg_decodes_every_path_as_the_cpu_does() {
             cpu_fallbacks += 1;
             continue;
         };
-        match hybrid.decode(i, &job(i, &g), stream) {
+        let mut mark = || gpu.record().map(|e| Box::new(e) as Box<dyn ramjet_cuda::pool::Fence>);
+        match hybrid.decode(i, &job(i, &g), stream, &mut mark) {
             Ok(()) => decoded[i] = Some((Path::Hybrid, g)),
             Err(e) => {
                 println!("hybrid refused image {i}: {e}");

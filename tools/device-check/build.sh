@@ -10,13 +10,19 @@
 #                         test), built with --no-run, stripped
 #   wheels/ramjet-*.whl   the abi3 wheel (maturin build --release --strip)
 #   wheels/nvidia_nvjpeg-13.0.*.whl   nvJPEG for CUDA 13.0 (the lent machines' driver 580)
-#   scripts/              run.py (the check), test_gpu.py, gpu_feed.py, cpu_scale.py
+#   scripts/              run.py (the check), per_test_timeout.py (its pytest plugin),
+#                         test_gpu.py, gpu_feed.py, cpu_scale.py, kernel_bench.py
 #   BUNDLE.json           commit, date, profile and every file with its size and sha256
 #
 # --dev packs CI's debug builds instead (no release build, no wheels: the Python package is the
 # one installed in the venv): the CPU dry run that keeps the check alive between GPU sessions.
 # It ends by checking what it packed (every file present, the wheel's abi3 tag, the total
-# under 50 MiB) and prints the command to run on the GPU machine.
+# under 50 MiB) and prints the command to run on the GPU machine, and how long it took.
+#
+# Every cargo call uses the release profile as Cargo.toml sets it (no profile variables), so
+# the CLI, the test binaries and the wheel share one build of the dependencies, and a tree
+# already built with `cargo build --release` is reused: only the test harnesses and the
+# crates that depend on pyo3 (built by maturin with `extension-module`) compile again.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../env.sh"
 cd "$RAMJET_ROOT"
@@ -55,7 +61,7 @@ rm "$out/tests.txt"
 if [ "$dev" = 0 ]; then
   strip "$out"/bin/* "$out"/tests/*
   say "the wheel (maturin build --release --strip)"
-  CARGO_PROFILE_RELEASE_DEBUG=0 "$RAMJET_VENV/bin/maturin" build --release --strip --quiet -m bindings/Cargo.toml \
+  "$RAMJET_VENV/bin/maturin" build --release --strip --quiet -m bindings/Cargo.toml \
     -o "$out/wheels"
   say "nvJPEG for CUDA 13.0 (PyPI nvidia-nvjpeg 13.0.x)"
   "$RAMJET_VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -63,7 +69,7 @@ if [ "$dev" = 0 ]; then
     --platform manylinux2014_x86_64 -d "$out/wheels" "nvidia-nvjpeg>=13.0,<13.1"
 fi
 
-cp tools/device-check/run.py tools/device-check/run.sh bindings/tests/test_gpu.py benches/python/gpu_feed.py benches/python/cpu_scale.py \
+cp tools/device-check/run.py tools/device-check/run.sh tools/device-check/per_test_timeout.py bindings/tests/test_gpu.py benches/python/gpu_feed.py benches/python/cpu_scale.py \
   benches/python/kernel_bench.py \
   "$out/scripts/"
 
@@ -77,7 +83,7 @@ for p in sorted(out.rglob("*")):
     if p.is_file():
         files[str(p.relative_to(out))] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
 problems = []
-need = ["bin/ramjet", "tests/ramjet_cuda", "tests/fused_kernel", "tests/nvjpeg_gpu", "scripts/run.py", "scripts/run.sh", "scripts/test_gpu.py",
+need = ["bin/ramjet", "tests/ramjet_cuda", "tests/fused_kernel", "tests/nvjpeg_gpu", "scripts/run.py", "scripts/run.sh", "scripts/per_test_timeout.py", "scripts/test_gpu.py",
         "scripts/gpu_feed.py", "scripts/cpu_scale.py", "scripts/kernel_bench.py"]
 problems += [f"missing {n}" for n in need if n not in files]
 if not dev:
@@ -105,5 +111,6 @@ sys.exit(1 if problems else 0)
 PY
 
 rel="${out#"$RAMJET_ROOT"/}"
+say "built in $((SECONDS / 60)) min $((SECONDS % 60)) s"
 say "done. On the GPU machine (the device tool's run, carry [\"$rel\"]):"
 echo "  python3 $rel/scripts/run.py --bundle $rel --out \$OUT"

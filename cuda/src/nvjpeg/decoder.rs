@@ -27,10 +27,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::{
-    check, scale_factor, status, AllocatorV2, Api, Backend, Buffer, Decoder, Handle, Image, JpegStream, Params, State,
-    Stream,
-};
+use super::{check, scale_factor, status, AllocatorV2, Api, Backend, Handle, Image, JpegStream, Params, State, Stream};
 use super::{CSS_420, FLAGS_DEFAULT, OUTPUT_RGBI};
 use crate::pool::Allocator;
 use crate::GpuError;
@@ -452,205 +449,16 @@ impl<A: Api> Drop for HardwareDecoder<A> {
     }
 }
 
-/// The hybrid decoder (nvJPEG's decoupled API), one image at a time (see the module's text).
-pub struct HybridDecoder<A: Api> {
-    api: A,
-    handle: Handle,
-    decoder: Decoder,
-    state: State,
-    buffers: [Buffer; 2],
-    js: JpegStream,
-    params: Params,
-    decoded: u64,
-    allocators: Box<[AllocatorV2; 2]>,
-    dev: Box<Bridge>,
-    _pinned: Box<Bridge>,
-}
-
-// SAFETY: as for `HardwareDecoder`.
-unsafe impl<A: Api + Send> Send for HybridDecoder<A> {}
-
-impl<A: Api> HybridDecoder<A> {
-    /// A decoder with `backend` (`Hybrid`: Huffman on the CPU; `GpuHybrid`).
-    pub fn open(api: A, backend: Backend, dev: Box<Bridge>, pinned: Box<Bridge>) -> Result<Self, GpuError> {
-        let mut me = HybridDecoder {
-            api,
-            handle: std::ptr::null_mut(),
-            decoder: std::ptr::null_mut(),
-            state: std::ptr::null_mut(),
-            buffers: [std::ptr::null_mut(); 2],
-            js: std::ptr::null_mut(),
-            params: std::ptr::null_mut(),
-            decoded: 0,
-            allocators: Box::new([dev.interface(), pinned.interface()]),
-            dev,
-            _pinned: pinned,
-        };
-        let (d, p): (*mut AllocatorV2, *mut AllocatorV2) = (&mut me.allocators[0], &mut me.allocators[1]);
-        // SAFETY: each call gets live handles made just before and valid out-pointers; on
-        // an error, `drop` destroys what was made (null handles are skipped).
-        unsafe {
-            check(
-                me.api
-                    .create_ex_v2(Backend::Default as c_int, d, p, FLAGS_DEFAULT, &mut me.handle),
-                "nvjpegCreateExV2",
-                None,
-            )?;
-            check(
-                me.api.decoder_create(me.handle, backend as c_int, &mut me.decoder),
-                "nvjpegDecoderCreate",
-                None,
-            )?;
-            check(
-                me.api.decoder_state_create(me.handle, me.decoder, &mut me.state),
-                "nvjpegDecoderStateCreate",
-                None,
-            )?;
-            check(
-                me.api.buffer_pinned_create(me.handle, p, &mut me.buffers[0]),
-                "nvjpegBufferPinnedCreateV2",
-                None,
-            )?;
-            check(
-                me.api.buffer_device_create(me.handle, d, &mut me.buffers[1]),
-                "nvjpegBufferDeviceCreateV2",
-                None,
-            )?;
-            check(
-                me.api.state_attach_pinned(me.state, me.buffers[0]),
-                "nvjpegStateAttachPinnedBuffer",
-                None,
-            )?;
-            check(
-                me.api.state_attach_device(me.state, me.buffers[1]),
-                "nvjpegStateAttachDeviceBuffer",
-                None,
-            )?;
-            check(
-                me.api.stream_create(me.handle, &mut me.js),
-                "nvjpegJpegStreamCreate",
-                None,
-            )?;
-            check(
-                me.api.params_create(me.handle, &mut me.params),
-                "nvjpegDecodeParamsCreate",
-                None,
-            )?;
-            check(
-                me.api.params_set_output_format(me.params, OUTPUT_RGBI),
-                "nvjpegDecodeParamsSetOutputFormat",
-                None,
-            )?;
-        }
-        Ok(me)
-    }
-
-    /// Images decoded.
-    pub fn decoded(&self) -> u64 {
-        self.decoded
-    }
-
-    /// The device bridge's accounting.
-    pub fn memory(&self) -> BridgeStats {
-        self.dev.stats()
-    }
-
-    /// Decodes one image's region (no scale: `job.eighths` must be 8) on `stream`. `index`
-    /// names the image in errors.
-    pub fn decode(&mut self, index: usize, job: &Job<'_>, stream: u64) -> Result<(), GpuError> {
-        if job.eighths != 8 {
-            return Err(GpuError::Invalid {
-                what: "nvJPEG hybrid decode",
-                reason: format!(
-                    "image {index}: the hybrid decoder does not scale ({}/8 asked)",
-                    job.eighths
-                ),
-            });
-        }
-        let (x, y, w, h) = (
-            int(job.roi.0, "roi x")?,
-            int(job.roi.1, "roi y")?,
-            int(job.roi.2, "roi width")?,
-            int(job.roi.3, "roi height")?,
-        );
-        let mut image = Image::rgbi(job.dst, job.pitch);
-        let s = stream as Stream;
-        let i = Some(index);
-        // SAFETY: this decoder's live handles; `data` is the caller's live slice, `dst` its
-        // device buffer of the stated pitch.
-        unsafe {
-            check(
-                self.api.params_set_roi(self.params, x, y, w, h),
-                "nvjpegDecodeParamsSetROI",
-                i,
-            )?;
-            check(
-                self.api
-                    .stream_parse(self.handle, job.data.as_ptr(), job.data.len(), 0, 0, self.js),
-                "nvjpegJpegStreamParse",
-                i,
-            )?;
-            check(
-                self.api
-                    .decode_jpeg_host(self.handle, self.decoder, self.state, self.params, self.js),
-                "nvjpegDecodeJpegHost",
-                i,
-            )?;
-            check(
-                self.api
-                    .decode_jpeg_transfer(self.handle, self.decoder, self.state, self.js, s),
-                "nvjpegDecodeJpegTransferToDevice",
-                i,
-            )?;
-            check(
-                self.api
-                    .decode_jpeg_device(self.handle, self.decoder, self.state, &mut image, s),
-                "nvjpegDecodeJpegDevice",
-                i,
-            )?;
-        }
-        self.decoded += 1;
-        Ok(())
-    }
-}
-
-impl<A: Api> Drop for HybridDecoder<A> {
-    fn drop(&mut self) {
-        // SAFETY: each non-null handle was made by this decoder and is destroyed once,
-        // children first; the bridges outlive the library handle (fields drop after).
-        unsafe {
-            if !self.params.is_null() {
-                self.api.params_destroy(self.params);
-            }
-            if !self.js.is_null() {
-                self.api.stream_destroy(self.js);
-            }
-            if !self.state.is_null() {
-                self.api.state_destroy(self.state);
-            }
-            if !self.buffers[0].is_null() {
-                self.api.buffer_pinned_destroy(self.buffers[0]);
-            }
-            if !self.buffers[1].is_null() {
-                self.api.buffer_device_destroy(self.buffers[1]);
-            }
-            if !self.decoder.is_null() {
-                self.api.decoder_destroy(self.decoder);
-            }
-            if !self.handle.is_null() {
-                self.api.destroy(self.handle);
-            }
-        }
-    }
-}
-
 /// A size or coordinate as nvJPEG's `int`, or an error naming it.
-fn int<T: TryInto<c_int> + Copy + std::fmt::Display>(v: T, what: &'static str) -> Result<c_int, GpuError> {
+pub(crate) fn int<T: TryInto<c_int> + Copy + std::fmt::Display>(v: T, what: &'static str) -> Result<c_int, GpuError> {
     v.try_into().map_err(|_| GpuError::Invalid {
         what: "nvJPEG argument",
         reason: format!("{what} {v} does not fit a C int"),
     })
 }
+
+mod hybrid;
+pub use hybrid::{HybridDecoder, PINNED_BUFFERS};
 
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;

@@ -770,6 +770,28 @@ mod tests {
         super::global_order(sources, spec, epoch).unwrap()
     }
 
+    /// Padding repeats the position's own column while every column has a sample (`N >= P`),
+    /// and the whole order when some column is empty (one sample, two partitions).
+    #[test]
+    fn padding_repeats_its_column_or_the_order_when_a_column_is_empty() {
+        let spec = OrderSpec {
+            shuffle: Shuffle::ShardBlock {
+                window_shards: 1,
+                block_samples: 1,
+            },
+            partitions: 2,
+            ..Default::default()
+        };
+        let full = EpochOrder::new(&shape(&[3, 2]), &spec, 0).unwrap();
+        assert_eq!(full.len(), 5);
+        // Column 1 holds positions 1 and 3; positions 5, 7, 9 cycle it.
+        assert_eq!([5, 7, 9].map(|g| full.wrapped(g).1), [1, 3, 1]);
+        assert_eq!([6, 8, 10].map(|g| full.wrapped(g).1), [0, 2, 4]);
+        let tiny = EpochOrder::new(&shape(&[1]), &spec, 0).unwrap();
+        assert_eq!(tiny.len(), 1);
+        assert_eq!([1, 2, 3].map(|g| tiny.wrapped(g)), [(1, 0), (2, 0), (3, 0)]);
+    }
+
     #[test]
     fn every_shuffle_is_a_permutation_and_depends_on_epoch() {
         let st = shape(&[7, 9, 3, 10, 5]);

@@ -40,10 +40,42 @@ struct Ledger {
     dev: BTreeMap<usize, AllocatorV2>,
     initialized: Option<c_int>,
     calls: Vec<String>,
-    /// The bitstream the hybrid decoder last parsed.
-    parsed: Vec<u8>,
-    /// The region its last host phase was given.
-    host_roi: Option<(c_int, c_int, c_int, c_int)>,
+    /// Per bitstream handle: the bitstream the hybrid decoder last parsed into it.
+    parsed: BTreeMap<usize, Vec<u8>>,
+    /// Per decoder state: the pinned buffer attached to it.
+    attached: BTreeMap<usize, usize>,
+    /// Per pinned buffer: what its last host phase wrote (bitstream, region).
+    pinned: BTreeMap<usize, HostPhase>,
+    /// What the last transfer queued for the device phase.
+    transferred: Option<HostPhase>,
+    /// Per pinned buffer: the number of the last transfer queued from it.
+    queued: BTreeMap<usize, u64>,
+    /// Transfers queued, and how many of the first ones completed (a fence said so).
+    transfers: u64,
+    completed: u64,
+    /// Host phases that wrote into a pinned buffer whose transfer had not completed.
+    overwrites: usize,
+}
+
+/// What a host phase leaves in a pinned buffer: the bitstream and the region.
+type HostPhase = (Vec<u8>, (c_int, c_int, c_int, c_int));
+
+/// A fence after the transfers queued so far ([`Fake::fence`]): asked, it completes them.
+struct Transfers {
+    ledger: Arc<Mutex<Ledger>>,
+    upto: u64,
+}
+
+// SAFETY: the ledger's raw pointers (handles as ids, allocator contexts) are only touched
+// under its mutex, and the fake runs in one test at a time.
+unsafe impl Send for Transfers {}
+
+impl crate::pool::Fence for Transfers {
+    fn is_complete(&self) -> Result<bool, GpuError> {
+        let mut l = self.ledger.lock().unwrap();
+        l.completed = l.completed.max(self.upto);
+        Ok(true)
+    }
 }
 
 /// The fake library (see the module's text). Clones share one ledger.
@@ -73,6 +105,20 @@ impl Fake {
     pub fn engine_fails(mut self, status: i32) -> Fake {
         self.engine_create = status;
         self
+    }
+
+    /// A fence after the transfers queued so far: until it is asked, they have not completed,
+    /// and a host phase into their pinned buffers is counted as an overwrite.
+    pub fn fence(&self) -> Box<dyn crate::pool::Fence> {
+        Box::new(Transfers {
+            ledger: self.ledger.clone(),
+            upto: self.ledger.lock().unwrap().transfers,
+        })
+    }
+
+    /// Host phases that wrote into a pinned buffer a queued transfer had not yet read.
+    pub fn overwrites(&self) -> usize {
+        self.ledger.lock().unwrap().overwrites
     }
 
     /// Handles made and not destroyed.
@@ -278,7 +324,8 @@ impl Api for Fake {
         js: JpegStream,
     ) -> i32 {
         // SAFETY: the caller's live slice.
-        self.ledger.lock().unwrap().parsed = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        let d = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        self.ledger.lock().unwrap().parsed.insert(js as usize, d);
         // SAFETY: as the header parse.
         unsafe { self.stream_parse_header(handle, data, len, js) }
     }
@@ -401,6 +448,8 @@ impl Api for Fake {
     }
     unsafe fn state_attach_pinned(&self, state: State, buffer: Buffer) -> i32 {
         assert!(self.live(state, "state") && self.live(buffer, "pinned"));
+        let mut l = self.ledger.lock().unwrap();
+        l.attached.insert(state as usize, buffer as usize);
         status::SUCCESS
     }
     unsafe fn state_attach_device(&self, state: State, buffer: Buffer) -> i32 {
@@ -419,7 +468,15 @@ impl Api for Fake {
         assert!(self.live(params, "params") && self.live(js, "stream"));
         self.log("host".into());
         let mut l = self.ledger.lock().unwrap();
-        l.host_roi = Some(l.params[&(params as usize)].1);
+        let buffer = *l.attached.get(&(state as usize)).expect("a pinned buffer attached");
+        if l.queued.get(&buffer).is_some_and(|&t| t > l.completed) {
+            l.overwrites += 1;
+        }
+        let phase = (
+            l.parsed.get(&(js as usize)).cloned().unwrap_or_default(),
+            l.params[&(params as usize)].1,
+        );
+        l.pinned.insert(buffer, phase);
         status::SUCCESS
     }
     unsafe fn decode_jpeg_transfer(
@@ -437,6 +494,12 @@ impl Api for Fake {
                 && self.live(js, "stream")
         );
         self.log("transfer".into());
+        let mut l = self.ledger.lock().unwrap();
+        let buffer = *l.attached.get(&(state as usize)).expect("a pinned buffer attached");
+        l.transferred = l.pinned.get(&buffer).cloned();
+        l.transfers += 1;
+        let t = l.transfers;
+        l.queued.insert(buffer, t);
         status::SUCCESS
     }
     unsafe fn decode_jpeg_device(
@@ -449,8 +512,7 @@ impl Api for Fake {
     ) -> i32 {
         assert!(self.live(handle, "handle") && self.live(decoder, "decoder") && self.live(state, "state"));
         self.log("device".into());
-        let roi = self.ledger.lock().unwrap().host_roi.take().expect("the host phase ran");
-        let data = std::mem::take(&mut self.ledger.lock().unwrap().parsed);
+        let (data, roi) = self.ledger.lock().unwrap().transferred.take().expect("a transfer ran");
         // SAFETY: the decoder's destination.
         self.write(handle, &data, unsafe { &*dst }, roi, 0, 0)
     }
@@ -723,20 +785,24 @@ mod tests {
             dst: dst.addr(),
             pitch: 256,
         };
-        h.decode(7, &job, 0).unwrap();
+        h.decode(7, &job, 0, &mut || Ok(fake.fence())).unwrap();
         assert_eq!(
             (fake.calls("host"), fake.calls("transfer"), fake.calls("device")),
             (1, 1, 1)
         );
         assert_eq!(&dst.0[39 * 3..39 * 3 + 3], &[0, 8, 0]);
         assert_eq!(dst.0[40 * 3], 0xEE);
-        let e = h.decode(7, &Job { eighths: 4, ..job }, 0).unwrap_err();
+        let e = h
+            .decode(7, &Job { eighths: 4, ..job }, 0, &mut || Ok(fake.fence()))
+            .unwrap_err();
         assert!(
             e.to_string().contains("image 7") && e.to_string().contains("does not scale"),
             "{e}"
         );
         let bad = b"garbage".to_vec();
-        let e = h.decode(9, &Job { data: &bad, ..job }, 0).unwrap_err();
+        let e = h
+            .decode(9, &Job { data: &bad, ..job }, 0, &mut || Ok(fake.fence()))
+            .unwrap_err();
         assert!(
             e.to_string().contains("image 9") && e.to_string().contains("BAD_JPEG"),
             "{e}"
@@ -749,5 +815,76 @@ mod tests {
         );
         assert!(heap.live.lock().unwrap().is_empty());
         assert_eq!(version(&fake).unwrap(), (13, 0, 2));
+    }
+
+    /// The hybrid decoder takes its pinned buffers in turn and waits for a buffer's transfer
+    /// before its next host phase writes into it: six images, no bytes of a queued copy
+    /// overwritten, each image's own pixels; dropping it waits for the last transfers.
+    #[test]
+    fn the_hybrid_decoder_never_overwrites_a_pinned_buffer_under_a_queued_transfer() {
+        let fake = Fake {
+            no_engine: true,
+            ..Fake::default()
+        };
+        let (dev, pinned, _heap) = bridges(1 << 30);
+        let mut h = HybridDecoder::open(fake.clone(), Backend::Hybrid, dev, pinned).unwrap();
+        let img = jpeg(0xC2, 64, 48);
+        for i in 0..6u8 {
+            let mut dst = Dst::new(256, 48);
+            let job = Job {
+                data: &img,
+                roi: (i as u32, 0, 40, 48),
+                eighths: 8,
+                dst: dst.addr(),
+                pitch: 256,
+            };
+            h.decode(i as usize, &job, 0, &mut || Ok(fake.fence())).unwrap();
+            assert_eq!(dst.0[1], i, "image {i} got another image's region");
+        }
+        assert_eq!(fake.overwrites(), 0, "a host phase wrote under a queued transfer");
+        let (transfers, completed) = {
+            let l = fake.ledger.lock().unwrap();
+            (l.transfers, l.completed)
+        };
+        assert_eq!((transfers, completed), (6, 6 - PINNED_BUFFERS as u64));
+        drop(h);
+        let l = fake.ledger.lock().unwrap();
+        assert_eq!(l.completed, 6, "dropped with transfers still queued");
+        assert!(l.live.is_empty(), "a handle outlived its decoder");
+    }
+
+    /// A fence that cannot be made leaves a buffer's state unknown: the image fails and so does
+    /// every later one, by name, so the batch falls back to the CPU instead of risking a copy.
+    #[test]
+    fn a_hybrid_decoder_without_a_fence_refuses_every_later_image() {
+        let fake = Fake {
+            no_engine: true,
+            ..Fake::default()
+        };
+        let (dev, pinned, _heap) = bridges(1 << 30);
+        let mut h = HybridDecoder::open(fake.clone(), Backend::Hybrid, dev, pinned).unwrap();
+        let img = jpeg(0xC2, 64, 48);
+        let mut dst = Dst::new(256, 48);
+        let job = Job {
+            data: &img,
+            roi: (0, 0, 40, 48),
+            eighths: 8,
+            dst: dst.addr(),
+            pitch: 256,
+        };
+        let mut no_event = || {
+            Err(GpuError::Driver {
+                doing: "recording an event",
+                reason: "CUDA_ERROR_LAUNCH_FAILED".into(),
+            })
+        };
+        let e = h.decode(3, &job, 0, &mut no_event).unwrap_err();
+        assert!(e.to_string().contains("recording an event"), "{e}");
+        let e = h.decode(4, &job, 0, &mut || Ok(fake.fence())).unwrap_err();
+        assert!(
+            e.to_string().contains("image 4") && e.to_string().contains("out of service"),
+            "{e}"
+        );
+        assert_eq!((fake.calls("host"), h.decoded()), (1, 0));
     }
 }
