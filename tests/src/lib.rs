@@ -441,6 +441,18 @@ impl CountingProxy {
             .count()
     }
 
+    /// Distinct request lines (a retried or repeated request counted once) whose method is
+    /// `method` and whose path contains `needle`.
+    pub fn count_distinct(&self, method: &str, needle: &str) -> usize {
+        let prefix = format!("{method} ");
+        let reqs = self.requests.lock().unwrap();
+        let set: std::collections::BTreeSet<&String> = reqs
+            .iter()
+            .filter(|l| l.starts_with(&prefix) && l.contains(needle))
+            .collect();
+        set.len()
+    }
+
     /// Forgets what was recorded.
     pub fn reset(&self) {
         self.requests.lock().unwrap().clear();

@@ -81,6 +81,11 @@ pub(super) enum Asker {
     Keeper,
 }
 
+/// Whether the daemon caches what `asker` asked for whoever owns it on the ring.
+fn keep_here(asker: Asker) -> bool {
+    asker == Asker::Keeper
+}
+
 impl Inner {
     /// A shard for a local loader or a peer: the cache, else the flight for it.
     pub(super) async fn serve(self: &Arc<Self>, req: &Req, asker: Asker) -> Result<(Body, FetchedFrom, u64), Error> {
@@ -91,12 +96,12 @@ impl Inner {
         if let Some(f) = hit {
             return Ok((Body::File(f), FetchedFrom::CacheLocal, id.bytes));
         }
-        let (bytes, src) = self.obtain(req, asker == Asker::Local).await?;
+        let (bytes, src) = self.obtain(req, asker == Asker::Local, keep_here(asker)).await?;
         let (c, b) = (self.cache.clone(), bytes.clone());
-        let keep = asker == Asker::Keeper;
+        let keep = keep_here(asker);
         let f = tokio::task::spawn_blocking(move || {
-            // A flight this request joined may have left the shard to its owner; a keeper
-            // keeps it all the same.
+            // A flight this request joined (another's, that left the shard to its owner); a
+            // keeper keeps it all the same.
             if keep && !c.contains(id) {
                 if let Err(e) = c.insert(id, &b) {
                     tracing::warn!(error = %e, "cache insert of the node's own shard failed; serving from memory");
@@ -113,8 +118,9 @@ impl Inner {
         Ok((body, src, id.bytes))
     }
 
-    /// Joins the flight for the shard, or starts it.
-    pub(super) async fn obtain(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+    /// Joins the flight for the shard, or starts it; a flight started with `keep` caches the
+    /// shard here whoever owns it.
+    pub(super) async fn obtain(self: &Arc<Self>, req: &Req, allow_peer: bool, keep: bool) -> FlightOut {
         // Whether a flight started here would ask a peer: only for a local request, when the
         // owner is another daemon that is not backing off. A peer's request joins only flights
         // that go to the origin, so a request never returns to a daemon it came from.
@@ -143,7 +149,7 @@ impl Inner {
                 let stopped = me.stopped();
                 async move {
                     tokio::select! {
-                        out = me.fetch_and_store(&r, asks_peer) => out,
+                        out = me.fetch_and_store(&r, asks_peer, keep) => out,
                         _ = stopped => Err(Error::Stopping),
                     }
                 }
@@ -183,8 +189,10 @@ impl Inner {
     /// The flight, through the fetch chain (`ramjet_engine::chain`, the same as a loader's
     /// stream): the cache (a flight that finished between this request's cache lookup and its
     /// start has left the shard there), else the owner peer (for local requests), else the
-    /// origin; verified; cached when this daemon owns the shard.
-    pub(super) async fn fetch_and_store(self: &Arc<Self>, req: &Req, allow_peer: bool) -> FlightOut {
+    /// origin; verified; cached when this daemon owns the shard, or keeps it (`keep`: a
+    /// keeper's flight caches before it completes, so a second loader of the node asking just
+    /// after it finds the cache, not a new flight to the origin).
+    pub(super) async fn fetch_and_store(self: &Arc<Self>, req: &Req, allow_peer: bool, keep: bool) -> FlightOut {
         let owner = {
             let m = self.membership.read().expect("membership lock");
             m.ring().owner(req.id).map(str::to_owned)
@@ -218,7 +226,7 @@ impl Inner {
         let (bytes, src) = (got.bytes, got.from);
         // Each node caches the shards it owns, so the cluster's caches add up instead of
         // all holding the same hot set; the others are served from memory.
-        if src == FetchedFrom::CacheLocal || owner.as_deref().is_some_and(|o| o != self.me) {
+        if src == FetchedFrom::CacheLocal || (!keep && owner.as_deref().is_some_and(|o| o != self.me)) {
             return Ok((bytes, src));
         }
         let (c, id, b) = (self.cache.clone(), req.id, bytes.clone());
