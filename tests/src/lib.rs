@@ -11,7 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+mod engine_batches;
 pub mod fuzzing;
+
+pub use engine_batches::{engine_batches, EngineSplit};
 
 /// Asserts that what started at `t0` took less than `limit`, naming `what` and the time taken.
 pub fn assert_under(t0: std::time::Instant, limit: Duration, what: &str) {

@@ -459,3 +459,88 @@ fn the_loaders_gpu_batches_carried_out_on_the_cpu_are_the_cpu_loaders_batches() 
         println!("{mode:?}: {images} images, {cpu_share} on the CPU, worst mean {worst:.3}; {m:?}");
     }
 }
+
+/// The nvJPEG GPU test's engine loop (`ramjet_tests::engine_batches`) against the fake: the
+/// images go to the engine a bounded batch at a time; a refused (progressive) image goes to the
+/// hybrid decoder; a batch whose scratch is over the bound fails whole, its images go to the
+/// hybrid decoder too, and the batch after it still runs; with every image refused the engine
+/// decodes none (the GPU test then reports the rate figure as "none" rather than divide by 0).
+#[test]
+fn the_nvjpeg_checks_engine_batches_keep_going_past_a_refusal_and_a_failed_batch() {
+    use ramjet_cuda::nvjpeg::decoder::fake::{Fake, Heap};
+    use ramjet_cuda::nvjpeg::decoder::{Bridge, HardwareDecoder, Job};
+    use ramjet_tests::engine_batches;
+
+    fn jpeg(marker: u8, w: u16, h: u16) -> Vec<u8> {
+        let mut j = vec![0xFF, 0xD8, 0xFF, marker, 0, 11, 8];
+        j.extend_from_slice(&h.to_be_bytes());
+        j.extend_from_slice(&w.to_be_bytes());
+        j.extend_from_slice(&[1, 1, 0x11, 0, 0xFF, 0xD9]);
+        j
+    }
+    // 0xC0: baseline (the engine takes it); 0xC2: progressive (refused). Image 4 needs more
+    // scratch than the bound.
+    let shapes: [(u8, u16); 7] = [
+        (0xC0, 64),
+        (0xC0, 64),
+        (0xC2, 64),
+        (0xC0, 64),
+        (0xC0, 400),
+        (0xC0, 64),
+        (0xC0, 64),
+    ];
+    let images: Vec<Vec<u8>> = shapes.iter().map(|&(m, s)| jpeg(m, s, s)).collect();
+    let mut dst: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|&(_, s)| vec![0u8; 3 * s as usize * s as usize])
+        .collect();
+    let addrs: Vec<u64> = dst.iter_mut().map(|d| d.as_mut_ptr() as u64).collect();
+    let job = |i: usize| {
+        let s = shapes[i].1 as u32;
+        Job {
+            data: &images[i],
+            roi: (0, 0, s, s),
+            eighths: 8,
+            dst: addrs[i],
+            pitch: 3 * s as usize,
+        }
+    };
+    let heap = Heap::default();
+    let fake = Fake::default();
+    let bound = 3 * 200 * 200;
+    let mut hw = HardwareDecoder::open(
+        fake.clone(),
+        Bridge::new(heap.clone(), bound),
+        Bridge::new(heap, usize::MAX),
+        None,
+    )
+    .unwrap()
+    .expect("the fake has an engine");
+    let ids: Vec<usize> = (0..images.len()).collect();
+    let split = engine_batches(&mut hw, &ids, job, 0, 3);
+    assert_eq!(fake.calls("batched"), 3, "{split:?}");
+    assert_eq!(split.decoded, vec![0, 1, 6], "{split:?}");
+    assert_eq!(split.to_hybrid, vec![2, 3, 4, 5], "{split:?}");
+    assert_eq!((split.refused, split.failed), (1, 3));
+    assert!(
+        split
+            .log
+            .iter()
+            .any(|l| l.contains("image 2") && l.contains("NOT_SUPPORTED")),
+        "{:?}",
+        split.log
+    );
+    assert!(
+        split
+            .log
+            .iter()
+            .any(|l| l.contains("batch of 3 images failed") && l.contains("ALLOCATOR_FAILURE")),
+        "{:?}",
+        split.log
+    );
+    let refused_all = engine_batches(&mut hw, &[2], job, 0, 3);
+    assert!(
+        refused_all.decoded.is_empty() && refused_all.to_hybrid == vec![2],
+        "{refused_all:?}"
+    );
+}

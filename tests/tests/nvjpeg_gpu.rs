@@ -31,7 +31,7 @@ use ramjet_cuda::nvrtc::Nvrtc;
 use ramjet_cuda::pool::{CudaDevice, CudaHost};
 use ramjet_engine::image::route::{route, Decoders, Geometry, Path, RouteCounts};
 use ramjet_engine::image::{process, ImageSpec, SampleRng, Scratch, Slot};
-use ramjet_tests::{cpu_region, kernel_job};
+use ramjet_tests::{cpu_region, engine_batches, kernel_job};
 use ramjet_tools::synth_imagenet;
 
 /// The most the mean absolute difference between nvJPEG's and libjpeg-turbo's decode of one
@@ -166,28 +166,14 @@ fn gpu_nvjpeg_decodes_every_path_as_the_cpu_does() {
             .collect();
         // In batches of ENGINE_BATCH (the loader's size, not every image at once under the
         // scratch bound); a batch the engine fails goes to the hybrid decoder whole, its error
-        // recorded, so the later figures still come.
-        let (mut refused, mut failed) = (0usize, 0usize);
-        for chunk in ids.chunks(ENGINE_BATCH) {
-            let jobs: Vec<Job<'_>> = chunk.iter().map(|&i| job(i, &routes[i].geometry.unwrap())).collect();
-            match hw.decode(&jobs, stream) {
-                Ok(rep) => {
-                    for &k in &rep.decoded {
-                        decoded[chunk[k]] = Some((Path::Hardware, routes[chunk[k]].geometry.unwrap()));
-                    }
-                    for &(k, s) in &rep.refused {
-                        println!("engine refused image {}: {}", chunk[k], nvjpeg::status::name(s));
-                        to_hybrid.push(chunk[k]);
-                    }
-                    refused += rep.refused.len();
-                }
-                Err(e) => {
-                    println!("engine batch of {} images failed: {e}", chunk.len());
-                    failed += chunk.len();
-                    to_hybrid.extend_from_slice(chunk);
-                }
-            }
+        // recorded, so the later figures still come (fake-tested: `gpu_decode_plan.rs`).
+        let split = engine_batches(hw, &ids, |i| job(i, &routes[i].geometry.unwrap()), stream, ENGINE_BATCH);
+        split.log.iter().for_each(|l| println!("{l}"));
+        for &i in &split.decoded {
+            decoded[i] = Some((Path::Hardware, routes[i].geometry.unwrap()));
         }
+        to_hybrid.extend_from_slice(&split.to_hybrid);
+        let (refused, failed) = (split.refused, split.failed);
         figure("engine_refused", refused);
         figure("engine_batch_failed_images", failed);
     }
