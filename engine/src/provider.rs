@@ -58,6 +58,10 @@ pub struct ShardRequest<'a> {
     /// a sticky order): the host daemon keeps it in its own cache and reads it from the origin,
     /// not from the shard's owner on the ring.
     pub keep: bool,
+    /// With `keep`: another node reads this shard too (a cut between two nodes' windows splits
+    /// it), so the daemon fetches it through its ring owner (the cluster reads it from the
+    /// origin once) and keeps it all the same.
+    pub split: bool,
 }
 
 /// A shard as a provider delivers it (not yet verified by the caller).

@@ -265,8 +265,9 @@ fn node_reader(url: &str, sock: &Path, out: &Path, origin_url: &str, rank: usize
 
 /// Two nodes of two ranks, a sticky order dealt node by node: each node's daemon fetches from
 /// the origin (counted behind the node's own proxy) only the shards its ranks read, each once,
-/// asks its peer for none and keeps them, so the second epoch costs no origin or peer bytes;
-/// and every sample is delivered once an epoch.
+/// and keeps them, so the second epoch costs no origin bytes; a shard both nodes read (a cut
+/// splits it) crosses from the origin once, into its ring owner, and from there to the other
+/// node; and every sample is delivered once an epoch.
 #[test]
 fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
     let url = dataset();
@@ -340,20 +341,83 @@ fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
             "node {n} read {} shards",
             first.len()
         );
-        // Its shards, and no others, crossed from the origin, once for both epochs, and
-        // through no peer. A loaded machine may repeat a GET (a loader whose daemon did not
-        // answer in time reads the origin itself, as it should): at most one here.
-        let read = first.union(&second).count();
-        let (gets, distinct) = (
-            proxies[n].count("GET", "/shards/"),
-            proxies[n].count_distinct("GET", "/shards/"),
-        );
-        assert_eq!(distinct, read, "node {n}'s shards fetched from the origin");
-        assert!(gets <= read + 1, "node {n} fetched {gets} times for {read} shards");
         let s = node.stats();
-        assert_eq!(u(&s["reads"]["cache_peer"]), 0, "node {n} asked its peer: {s}");
-        assert_eq!(u(&s["peer_fetched_bytes"]), 0, "node {n} fetched from its peer: {s}");
-        assert_eq!(u(&s["cache_shards"]), read as u64, "node {n} keeps its share: {s}");
+        assert_eq!(
+            u(&s["cache_shards"]),
+            first.union(&second).count() as u64,
+            "node {n} keeps its share: {s}"
+        );
+    }
+    // A shard only one node reads crossed from the origin into that node alone, once for both
+    // epochs. A shard both nodes read in the first epoch (a cut split it) crossed from the
+    // origin once for the cluster, into its ring owner, and the other node fetched it from
+    // that peer; so did one split in the second epoch that a node had not read before. The
+    // peer bytes are exactly those. A loaded machine may repeat a GET (a loader whose daemon
+    // did not answer in time reads the origin itself, as it should): at most one a node.
+    let ring = Ring::new(1, members.clone(), ramjet_transport::ring::VNODES_DEFAULT);
+    let owner = |shard: &String| {
+        let id = ids[shard.parse::<usize>().unwrap()];
+        (
+            members.iter().position(|m| ring.owner(id) == Some(m.as_str())).unwrap(),
+            id.bytes,
+        )
+    };
+    let reads: Vec<std::collections::BTreeSet<String>> = (0..2)
+        .map(|n| shards_of(n, "0").union(&shards_of(n, "1")).cloned().collect())
+        .collect();
+    let split_in = |e: &str| -> std::collections::BTreeSet<String> {
+        shards_of(0, e).intersection(&shards_of(1, e)).cloned().collect()
+    };
+    let split = split_in("0");
+    assert!(
+        !split.is_empty(),
+        "no cut split a shard: the test sees nothing of the split rule"
+    );
+    let mut peer_want = [0u64; 2];
+    for (e, before) in [("0", None), ("1", Some("0"))] {
+        for shard in split_in(e) {
+            let (o, bytes) = owner(&shard);
+            let had = before.is_some_and(|b| shards_of(1 - o, b).contains(&shard));
+            if !had {
+                peer_want[1 - o] += bytes;
+            }
+        }
+    }
+    let gets = |n: usize, shard: &str| {
+        proxies[n].count_distinct("GET", &format!("/shards/{:06}-", shard.parse::<usize>().unwrap()))
+    };
+    for (n, node) in nodes.iter().enumerate() {
+        let other = 1 - n;
+        for shard in reads[n].difference(&reads[other]) {
+            assert_eq!(
+                (gets(n, shard), gets(other, shard)),
+                (1, 0),
+                "shard {shard}, only node {n} reads it"
+            );
+        }
+        for shard in split.iter().filter(|s| owner(s).0 == n) {
+            assert_eq!(
+                (gets(n, shard), gets(other, shard)),
+                (1, 0),
+                "split shard {shard}, owned by node {n}"
+            );
+        }
+        let all = proxies[n].count("GET", "/shards/");
+        let distinct = proxies[n].count_distinct("GET", "/shards/");
+        assert!(
+            all <= distinct + 1,
+            "node {n} fetched {all} times for {distinct} shards"
+        );
+        let s = node.stats();
+        assert_eq!(u(&s["reads"]["cache_peer"]) > 0, peer_want[n] > 0, "node {n}: {s}");
+    }
+    for (n, node) in nodes.iter().enumerate() {
+        let s = node.stats();
+        assert_eq!(
+            u(&s["peer_fetched_bytes"]),
+            peer_want[n],
+            "node {n}'s bytes from its peer: {s}"
+        );
     }
 }
 
@@ -670,6 +734,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
                 shard,
                 id,
                 keep: false,
+                split: false,
             })
             .unwrap_err()
             .to_string();
@@ -684,6 +749,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
         shard: 0,
         id: ids[0],
         keep: false,
+        split: false,
     });
     let got = second
         .client
@@ -692,6 +758,7 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
             shard: 0,
             id: ids[0],
             keep: false,
+            split: false,
         })
         .unwrap();
     assert_eq!(got.from, FetchedFrom::Origin);
@@ -812,6 +879,7 @@ fn the_request_that_starts_a_flight_has_a_deadline() {
             shard: 0,
             id: ids[0],
             keep: false,
+            split: false,
         })
         .unwrap();
     let took = t0.elapsed();
@@ -933,6 +1001,7 @@ fn a_handed_out_descriptor_holds_no_lock_on_the_cached_shard() {
             checksum: id.checksum,
             bytes: id.bytes,
             keep: false,
+            split: false,
         }))
         .unwrap();
         let (mut buf, mut chunk, mut fds) = (Vec::new(), [0u8; 4096], Vec::new());
@@ -1146,6 +1215,7 @@ fn a_daemon_without_a_key_stays_on_loopback_and_bounds_datasets_and_connections(
                 shard: 0,
                 id,
                 keep: false,
+                split: false,
             })
             .unwrap();
         assert_eq!(d.datasets_open(), 1);
@@ -1458,6 +1528,7 @@ fn the_daemon_refuses_a_loader_of_another_user() {
         checksum: ids[0].checksum,
         bytes: ids[0].bytes,
         keep: false,
+        split: false,
     });
     // Everything the child needs is made before the fork: it only makes system calls.
     // SAFETY: a zeroed sockaddr_un is a valid value; the path is copied in below.
@@ -1540,6 +1611,7 @@ fn the_daemon_refuses_a_loader_of_another_user() {
             shard: 0,
             id: ids[0],
             keep: false,
+            split: false,
         })
         .unwrap();
     assert_eq!(got.bytes.len() as u64, ids[0].bytes);

@@ -363,6 +363,7 @@ impl ShardProvider for DaemonClient {
             checksum: req.id.checksum,
             bytes: req.id.bytes,
             keep: req.keep,
+            split: req.split,
         };
         let (reply, file) = self.call(&get).map_err(|e| self.err(&what, e))?;
         match reply {

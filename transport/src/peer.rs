@@ -46,6 +46,7 @@ impl ShardGet {
             checksum: self.checksum,
             bytes: self.bytes,
             keep: false,
+            split: false,
         }
     }
 }

@@ -69,6 +69,11 @@ pub enum Msg {
         /// reads it from the origin (not the ring owner) and keeps it (absent: false).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         keep: bool,
+        /// Local only, with `keep`: another node reads this shard too, so the daemon fetches
+        /// it through its ring owner (the cluster reads it from the origin once) and keeps it
+        /// all the same (absent: false).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        split: bool,
     },
     /// The shard follows.
     Data {
@@ -739,6 +744,7 @@ mod tests {
             checksum: 2,
             bytes: 3,
             keep: false,
+            split: false,
         };
         let f1 = client.seal(&get);
         assert_eq!(server.open(&body(&f1)).unwrap(), get);

@@ -79,6 +79,7 @@ async fn an_owner_without_rdma_says_so_and_keeps_serving_tcp() {
         checksum: 1,
         bytes: 10,
         keep: false,
+        split: false,
     };
     wire::write_msg(&mut s, &get).await.unwrap();
     match wire::read_msg(&mut s).await.unwrap() {

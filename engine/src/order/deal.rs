@@ -100,6 +100,11 @@ impl DealRule {
         }
     }
 
+    /// The node whose columns hold canonical partition `c` (`c < partitions`).
+    pub fn node_of_partition(&self, c: u64) -> u64 {
+        c / self.width()
+    }
+
     /// The node that reads position `p`, and `p`'s index among that node's positions.
     pub fn node_of(&self, p: u64) -> (u64, u64) {
         let (row, col) = (p / self.row(), p % self.row());

@@ -514,6 +514,8 @@ pub struct EpochOrder {
     /// A sticky order's epoch-keyed permutation of its rounds: epoch round `k` is drawn round
     /// `rounds.apply(k)`. `None` when rounds are drawn per epoch (their order is the identity).
     rounds: Option<Perm>,
+    /// Rounds built lately by this order's cursors (a memo: `rows::SharedRounds`).
+    shared_rounds: rows::SharedRounds,
 }
 
 impl EpochOrder {
@@ -576,6 +578,7 @@ impl EpochOrder {
             len,
             perm,
             rounds: None,
+            shared_rounds: rows::SharedRounds::default(),
         };
         if sticky {
             let n = units.div_ceil(order.round_units());
@@ -696,12 +699,6 @@ impl EpochOrder {
     fn shuffled_unit(&self, j: u64) -> Result<Unit> {
         self.unit(self.perm.apply(j))
     }
-
-    /// Samples in round `k` (the sum of its units' lengths).
-    fn round_len(&self, k: u64) -> Result<u64> {
-        self.round_slots(k)
-            .try_fold(0u64, |a, j| Ok(a + self.shuffled_unit(j)?.len))
-    }
 }
 
 /// A reader's position in an [`EpochOrder`]: it maps positions to samples, fastest when the
@@ -747,6 +744,20 @@ impl OrderCursor {
                 Ok((id, wrap * rounds + k))
             }
         }
+    }
+
+    /// For the shard-block shuffle, the first and last canonical partition whose windows of
+    /// its round hold samples of the unit (the shard's samples in that round) that position `g`
+    /// lies in; `None` for the other shuffles. A node-affine deal gives a unit to two nodes when
+    /// the two partitions belong to different nodes.
+    pub fn unit_partitions(&mut self, g: u64) -> Result<Option<(u64, u64)>> {
+        let o = &self.order;
+        assert!(o.len > 0, "position {g} of an empty order");
+        if !matches!(o.spec.shuffle, Shuffle::ShardBlock { .. }) {
+            return Ok(None);
+        }
+        let (_, g) = o.wrapped(g);
+        self.rounds.unit_partitions(o, g).map(Some)
     }
 }
 
@@ -967,6 +978,37 @@ mod node_tests {
                 // Only the shards a cut between the nodes splits may change (one a round).
                 let moved = a[n].symmetric_difference(&b[n]).count();
                 assert_eq!(moved <= 4, stays, "{:?}: node {n} changed {moved} shards", spec.shares);
+            }
+        }
+    }
+
+    /// `unit_partitions` marks a shard as split between nodes exactly when two nodes read it,
+    /// for every node count dividing the partitions.
+    #[test]
+    fn unit_partitions_mark_exactly_the_shards_two_nodes_read() {
+        for spec in [spec(), sticky()] {
+            let order = Arc::new(EpochOrder::new(&shapes(), &spec, 3).unwrap());
+            for nodes in [2u64, 4, 8] {
+                let rule = DealRule {
+                    consumers: nodes,
+                    nodes,
+                    partitions: 8,
+                };
+                let mut cur = order.cursor();
+                let mut readers: std::collections::BTreeMap<u32, BTreeSet<u64>> = Default::default();
+                let mut marked = BTreeSet::new();
+                for g in 0..order.len() {
+                    let (id, _) = cur.at(g).unwrap();
+                    readers.entry(id.shard).or_default().insert(rule.node_of(g).0);
+                    let (lo, hi) = cur.unit_partitions(g).unwrap().expect("a shard-block order");
+                    assert!(lo <= g % 8 && g % 8 <= hi, "position {g}: partitions {lo}..={hi}");
+                    if rule.node_of_partition(lo) != rule.node_of_partition(hi) {
+                        marked.insert(id.shard);
+                    }
+                }
+                let split: BTreeSet<u32> = readers.iter().filter(|(_, n)| n.len() > 1).map(|(s, _)| *s).collect();
+                assert!(!split.is_empty(), "{:?}, {nodes} nodes: no shard is split", spec.shares);
+                assert_eq!(marked, split, "{:?}, {nodes} nodes", spec.shares);
             }
         }
     }

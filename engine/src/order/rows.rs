@@ -7,6 +7,8 @@
 //! each block-shuffled; position `p` is sample `p / P` of partition `p mod P`. Contiguous
 //! windows keep a node's partitions of a round on few shards.
 
+use std::sync::Arc;
+
 use super::{derive, EpochOrder, Perm, Unit};
 use crate::error::Result;
 
@@ -98,8 +100,9 @@ impl Round {
         (i * m + extras_below(i, o, r, p), m + u64::from(takes_extra(i, o, r, p)))
     }
 
-    /// Sample `x` of partition `i`'s window, after its block shuffle.
-    fn sample(&self, i: u64, x: u64) -> Unit {
+    /// Where sample `x` of partition `i`'s window lies in the round's concatenation, after the
+    /// window's block shuffle, and the unit it lies in.
+    fn place(&self, i: u64, x: u64) -> (u64, usize) {
         let (start, _) = self.window(i);
         let perm = &self.blocks[i as usize];
         let full = perm.len() * self.block;
@@ -109,7 +112,12 @@ impl Round {
             } else {
                 x
             };
-        let t = self.starts.partition_point(|&s| s <= c) - 1;
+        (c, self.starts.partition_point(|&s| s <= c) - 1)
+    }
+
+    /// Sample `x` of partition `i`'s window, after its block shuffle.
+    fn sample(&self, i: u64, x: u64) -> Unit {
+        let (c, t) = self.place(i, x);
         let u = self.units[t];
         Unit {
             first: u.first + (c - self.starts[t]),
@@ -117,21 +125,115 @@ impl Round {
             ..u
         }
     }
+
+    /// The partition whose window holds offset `c` of the round's concatenation (`c < len`).
+    fn partition_of(&self, c: u64) -> u64 {
+        let (mut lo, mut hi) = (0, self.p);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.window(mid).0 <= c {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// The partitions whose windows hold samples of the unit that sample `x` of partition `i`'s
+    /// window lies in: first and last.
+    fn unit_partitions(&self, i: u64, x: u64) -> (u64, u64) {
+        let (_, t) = self.place(i, x);
+        let (a, b) = (self.starts[t], self.starts[t + 1]);
+        (self.partition_of(a), self.partition_of(b - 1))
+    }
+}
+
+/// Rounds built lately by any cursor of one [`EpochOrder`], shared: a stream's prefetcher and
+/// its consumer walk the same rounds, and a round of thousands of partitions costs one count
+/// lookup a unit (spread over the whole shard table) to build. A memo only: a clone starts
+/// empty, and a round missing from it is built again, the same.
+#[derive(Default)]
+pub(super) struct SharedRounds(std::sync::Mutex<std::collections::VecDeque<Arc<Round>>>);
+
+/// Rounds an order keeps shared (a prefetcher runs a round or two ahead of its consumer).
+const ROUNDS_SHARED: usize = 4;
+
+impl SharedRounds {
+    fn get(&self, k: u64) -> Option<Arc<Round>> {
+        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter().find(|r| r.at.k == k).cloned()
+    }
+
+    fn starts(&self) -> Vec<RoundStart> {
+        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter().map(|r| r.at).collect()
+    }
+
+    fn put(&self, r: &Arc<Round>) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if m.iter().any(|x| x.at.k == r.at.k) {
+            return;
+        }
+        if m.len() >= ROUNDS_SHARED {
+            m.pop_front();
+        }
+        m.push_back(r.clone());
+    }
+}
+
+impl Clone for SharedRounds {
+    fn clone(&self) -> Self {
+        SharedRounds::default()
+    }
+}
+
+impl std::fmt::Debug for SharedRounds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRounds").finish_non_exhaustive()
+    }
 }
 
 /// The rounds a cursor keeps built: the two it used last (a row can straddle two rounds).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Rounds {
-    built: Vec<Round>,
+    built: Vec<Arc<Round>>,
 }
 
 /// Rounds a cursor keeps built.
 const ROUNDS_KEPT: usize = 2;
 
 impl Rounds {
+    /// Round `at.k`: this cursor's, else the order's shared one, else built (its length and its
+    /// units come from the same count lookups, so the round a cursor stops at is not counted
+    /// twice).
+    fn round(&self, o: &EpochOrder, at: RoundStart) -> Result<Arc<Round>> {
+        if let Some(r) = self.built.iter().find(|r| r.at.k == at.k) {
+            return Ok(r.clone());
+        }
+        if let Some(r) = o.shared_rounds.get(at.k) {
+            return Ok(r);
+        }
+        Ok(Arc::new(Round::build(o, at)?))
+    }
+
     /// The unit (one sample) at position `g` (`g < len`) of the shard-block order `o`, and the
     /// group it lies in: the round of the row's last partition, which rises with `g`.
     pub(super) fn at(&mut self, o: &EpochOrder, g: u64) -> Result<(Unit, u64)> {
+        let (round, i, x, group) = self.locate(o, g)?;
+        Ok((round.sample(i, x), group))
+    }
+
+    /// The first and last partition whose windows of its round hold samples of the unit that
+    /// position `g` (`g < len`) lies in: different when a cut between windows splits it.
+    pub(super) fn unit_partitions(&mut self, o: &EpochOrder, g: u64) -> Result<(u64, u64)> {
+        let (round, i, x, _) = self.locate(o, g)?;
+        Ok(round.unit_partitions(i, x))
+    }
+
+    /// Position `g`'s round, its partition `i` and its sample `x` of `i`'s window there, and its
+    /// group.
+    fn locate(&mut self, o: &EpochOrder, g: u64) -> Result<(Arc<Round>, u64, u64, u64)> {
         let (_, _, p) = o.block().expect("shard-block order");
         let (i, j) = (g % p, g / p);
         let last = o.units.div_ceil(o.round_units()).max(1) - 1;
@@ -140,20 +242,19 @@ impl Rounds {
             .built
             .iter()
             .map(|r| r.at)
+            .chain(o.shared_rounds.starts())
             .filter(|a| a.first_row(i, p) <= j)
             .max_by_key(|a| a.k)
             .unwrap_or_default();
-        let len = loop {
-            let len = match self.built.iter().find(|r| r.at.k == at.k) {
-                Some(r) => r.len,
-                None => o.round_len(at.k)?,
-            };
-            let width = len / p + u64::from(takes_extra(i, at.extras % p, len % p, p));
+        let round = loop {
+            let r = self.round(o, at)?;
+            let width = r.len / p + u64::from(takes_extra(i, at.extras % p, r.len % p, p));
             if j < at.first_row(i, p) + width || at.k >= last {
-                break len;
+                break r;
             }
-            at = at.next(len, p);
+            at = at.next(r.len, p);
         };
+        let len = round.len;
         let group = if j < at.first_row(p - 1, p) {
             at.k.saturating_sub(1)
         } else if j >= at.next(len, p).first_row(p - 1, p) {
@@ -161,18 +262,15 @@ impl Rounds {
         } else {
             at.k
         };
-        let idx = match self.built.iter().position(|r| r.at.k == at.k) {
-            Some(idx) => idx,
-            None => {
-                if self.built.len() >= ROUNDS_KEPT {
-                    self.built.remove(0);
-                }
-                self.built.push(Round::build(o, at)?);
-                self.built.len() - 1
+        // Only the round stopped at is kept and shared; the rounds a jump skipped are dropped.
+        o.shared_rounds.put(&round);
+        if !self.built.iter().any(|r| r.at.k == at.k) {
+            if self.built.len() >= ROUNDS_KEPT {
+                self.built.remove(0);
             }
-        };
-        let r = &self.built[idx];
-        Ok((r.sample(i, j - at.first_row(i, p)), group))
+            self.built.push(round.clone());
+        }
+        Ok((round, i, j - at.first_row(i, p), group))
     }
 }
 

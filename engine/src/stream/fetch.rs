@@ -597,6 +597,7 @@ impl HostDaemon<'_> {
             shard: at.shard as u32,
             id: at.id,
             keep: self.shared.keeps_share(),
+            split: self.shared.is_split(self.source, at.shard),
         }
     }
 }
@@ -617,6 +618,7 @@ impl Upstream for HostDaemon<'_> {
                     shard: shard as u32,
                     id: src.id(shard)?,
                     keep: sh.keeps_share(),
+                    split: sh.is_split(source, shard),
                 })
             })
             .await?;

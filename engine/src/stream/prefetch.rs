@@ -17,9 +17,9 @@ use super::shared::{slice_record, Live, Shared};
 use super::{Gate, Msg, RANGED_AHEAD_MAX, SAMPLE_BATCHES_IN_FLIGHT};
 use crate::error::Result;
 use crate::metrics::Metrics;
-use crate::order::EpochProgress;
 use crate::order::OrderCursor;
 use crate::order::SampleRef;
+use crate::order::{DealRule, EpochProgress};
 use crate::stall::WaitOn;
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
@@ -76,16 +76,42 @@ struct ShardUses {
     /// The next index of the deal to walk.
     k: u64,
     pending: std::collections::VecDeque<((u32, u32), u64)>,
+    /// When the node keeps its share ([`Shared::keeps_share`]): the stream and the deal's rule,
+    /// to mark the shards another node reads too ([`Shared::split_shards`]) before they are
+    /// fetched.
+    splits: Option<(Arc<Shared>, DealRule)>,
 }
 
 impl ShardUses {
-    fn new(plan: Arc<EpochPlan>) -> ShardUses {
+    fn new(plan: Arc<EpochPlan>, shared: &Arc<Shared>) -> ShardUses {
+        let splits = shared.keeps_share().then(|| {
+            (
+                shared.clone(),
+                DealRule::for_job(&shared.cfg.order, &shared.cfg.topology),
+            )
+        });
         ShardUses {
             cursor: plan.order.cursor(),
             k: plan.skip as u64,
             plan,
             pending: Default::default(),
+            splits,
         }
+    }
+
+    /// Marks the shard at position `g` as split when its unit's samples in its round lie in
+    /// partitions of two nodes.
+    fn mark_if_split(&mut self, g: u64, key: (u32, u32)) -> Result<()> {
+        let Some((shared, rule)) = &self.splits else {
+            return Ok(());
+        };
+        if let Some((lo, hi)) = self.cursor.unit_partitions(g)? {
+            if rule.node_of_partition(lo) != rule.node_of_partition(hi) {
+                let mut m = shared.split_shards.lock().unwrap_or_else(|p| p.into_inner());
+                m.insert(key);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -105,7 +131,8 @@ impl Iterator for ShardUses {
             let mut first_use: Vec<(u32, u32)> = Vec::new();
             let mut uses: HashMap<(u32, u32), u64> = HashMap::new();
             while self.k < n {
-                let (id, g) = match self.cursor.at(self.plan.deal.position(self.k)) {
+                let position = self.plan.deal.position(self.k);
+                let (id, g) = match self.cursor.at(position) {
                     Ok(x) => x,
                     Err(e) => {
                         self.k = n;
@@ -116,9 +143,14 @@ impl Iterator for ShardUses {
                     break;
                 }
                 group = Some(g);
-                let u = uses.entry((id.source, id.shard)).or_insert(0);
+                let key = (id.source, id.shard);
+                let u = uses.entry(key).or_insert(0);
                 if *u == 0 {
-                    first_use.push((id.source, id.shard));
+                    first_use.push(key);
+                    if let Err(e) = self.mark_if_split(position, key) {
+                        self.k = n;
+                        return Some(Err(e));
+                    }
                 }
                 *u += 1;
                 self.k += 1;
@@ -190,7 +222,7 @@ async fn shard_epoch(
 ) -> bool {
     let epoch = plan.epoch;
     let mut in_flight = InFlight::new(shared);
-    let (sh, uses) = (shared.clone(), ShardUses::new(plan.clone()));
+    let (sh, uses) = (shared.clone(), ShardUses::new(plan.clone(), shared));
     let mut start_fetches = Some(move || {
         // Each fetch takes a place among the shards ahead before it starts (in order: `then`
         // runs one at a time), and hands it on with its shard to the consumer.

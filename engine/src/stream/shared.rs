@@ -81,6 +81,11 @@ pub struct Shared {
     pub(super) vouched: std::sync::Mutex<fetch::Vouched>,
     /// Whole shards held ahead of the consumer, sized from rates.
     pub(super) ahead: super::ahead::Ahead,
+    /// Shards of this node's own share ([`Self::keeps_share`]) that another node reads too (a
+    /// cut between two nodes' windows of a round splits them), as the prefetcher's walk finds
+    /// them: the host daemon fetches them through their ring owner, so the origin serves each
+    /// once for the cluster, and keeps them. At most two a round.
+    pub(super) split_shards: std::sync::Mutex<std::collections::HashSet<(u32, u32)>>,
 }
 
 impl Shared {
@@ -90,6 +95,13 @@ impl Shared {
         let order = &self.cfg.order;
         order.shares == crate::order::Shares::Sticky
             && crate::order::DealRule::for_job(order, &self.cfg.topology).nodes > 1
+    }
+
+    /// Whether shard `shard` of source `source` is one of this node's own shards that another
+    /// node reads too ([`Self::split_shards`]).
+    pub(super) fn is_split(&self, source: usize, shard: usize) -> bool {
+        let m = self.split_shards.lock().unwrap_or_else(|p| p.into_inner());
+        m.contains(&(source as u32, shard as u32))
     }
 
     /// Checks `cfg`, reads every source's manifest (in parallel, while the cache opens), and
@@ -170,6 +182,7 @@ impl Shared {
         );
         Ok(Arc::new(Shared {
             ahead,
+            split_shards: Default::default(),
             indexes,
             vouched: Default::default(),
             chain,

@@ -79,11 +79,22 @@ pub(super) enum Asker {
     /// deal of a sticky order): the origin, never a peer, and kept here whoever owns it, so
     /// the node's later epochs read its own disk.
     Keeper,
+    /// A keeper's shard that another node reads too (a cut between two nodes' windows splits
+    /// it): the owner peer when another daemon owns the shard (so the origin serves it once for
+    /// the cluster), else the origin; kept here whoever owns it.
+    SplitKeeper,
+}
+
+impl Asker {
+    /// Whether a flight for this asker may read the shard from its owner peer.
+    fn may_ask_peer(self) -> bool {
+        matches!(self, Asker::Local | Asker::SplitKeeper)
+    }
 }
 
 /// Whether the daemon caches what `asker` asked for whoever owns it on the ring.
 fn keep_here(asker: Asker) -> bool {
-    asker == Asker::Keeper
+    matches!(asker, Asker::Keeper | Asker::SplitKeeper)
 }
 
 impl Inner {
@@ -96,7 +107,7 @@ impl Inner {
         if let Some(f) = hit {
             return Ok((Body::File(f), FetchedFrom::CacheLocal, id.bytes));
         }
-        let (bytes, src) = self.obtain(req, asker == Asker::Local, keep_here(asker)).await?;
+        let (bytes, src) = self.obtain(req, asker.may_ask_peer(), keep_here(asker)).await?;
         let (c, b) = (self.cache.clone(), bytes.clone());
         let keep = keep_here(asker);
         let f = tokio::task::spawn_blocking(move || {

@@ -191,9 +191,14 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 checksum,
                 bytes,
                 keep,
+                split,
             } => {
                 let t = Instant::now();
-                let asker = if keep { Asker::Keeper } else { Asker::Local };
+                let asker = match (keep, split) {
+                    (true, true) => Asker::SplitKeeper,
+                    (true, false) => Asker::Keeper,
+                    _ => Asker::Local,
+                };
                 let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
                     Ok(req) => inner.serve(&req, asker).await,
                     Err(e) => {

@@ -99,6 +99,7 @@ pub(super) async fn peer_conn(
                 bytes,
                 // A peer's request is served as one (origin only, kept by the owner).
                 keep: _,
+                split: _,
             } => (manifest_url, shard, checksum, bytes, None),
             Msg::GetRdma {
                 manifest_url,
