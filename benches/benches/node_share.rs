@@ -7,6 +7,9 @@
 //! - the cluster's origin bytes 1.0x the dataset;
 //! - with sticky shares, the second epoch's peer and origin bytes under 2% of the first's.
 //!
+//! Sticky shares run twice: a shard two nodes read from the origin into each (the default),
+//! and through its ring owner (`split_via_owner`).
+//!
 //! `cargo bench -p ramjet-benches --bench node_share` (5,315 images in shards of 1 MiB, about
 //! 15 images each; 3 and 8 nodes); under `cargo test` it runs once on 400 images and 3 nodes. The counts are
 //! deterministic (the order and the ring are), so each configuration runs once; the wall
@@ -32,6 +35,8 @@ enum Deal {
     Rotate,
     /// Partitions dealt node by node; the rounds hold the same shards every epoch.
     Sticky,
+    /// Sticky, and a shard two nodes read goes through its ring owner (`split_via_owner`).
+    StickyOwner,
 }
 
 /// Bytes into one node in one epoch.
@@ -72,14 +77,14 @@ fn order(deal: Deal, nodes: usize) -> OrderSpec {
         },
         tail: Tail::PadRepeat,
         shares: match deal {
-            Deal::Sticky => Shares::Sticky,
+            Deal::Sticky | Deal::StickyOwner => Shares::Sticky,
             _ => Shares::Rotate,
         },
     }
 }
 
 /// One epoch of a job of `nodes` nodes, 2 ranks each, reading through each node's daemon.
-fn epoch(url: &str, daemons: &[Daemon], spec: OrderSpec, epoch: u64) {
+fn epoch(url: &str, daemons: &[Daemon], spec: OrderSpec, via_owner: bool, epoch: u64) {
     let world = 2 * daemons.len();
     let readers: Vec<_> = (0..world)
         .map(|rank| {
@@ -87,6 +92,7 @@ fn epoch(url: &str, daemons: &[Daemon], spec: OrderSpec, epoch: u64) {
             std::thread::spawn(move || {
                 let mut cfg = StreamConfig::new(url);
                 cfg.order = spec;
+                cfg.split_via_owner = via_owner;
                 cfg.topology = Topology {
                     rank,
                     world,
@@ -139,7 +145,7 @@ fn run(url: &str, nodes: usize, deal: Deal, dir: &Path) -> (Vec<[NodeIn; 2]>, [f
     for e in 0..2 {
         let before: Vec<NodeIn> = daemons.iter().map(bytes_in).collect();
         let t = Instant::now();
-        epoch(url, &daemons, spec, e as u64);
+        epoch(url, &daemons, spec, matches!(deal, Deal::StickyOwner), e as u64);
         wall[e] = t.elapsed().as_secs_f64();
         for (n, d) in daemons.iter().enumerate() {
             let now = bytes_in(d);
@@ -179,7 +185,7 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let mut results = Vec::new();
     for nodes in if full { vec![3, 8] } else { vec![3] } {
-        for deal in [Deal::Strided, Deal::Rotate, Deal::Sticky] {
+        for deal in [Deal::Strided, Deal::Rotate, Deal::Sticky, Deal::StickyOwner] {
             let (per_node, wall) = run(&url, nodes, deal, dir.path());
             let share = total as f64 / nodes as f64;
             let max_in = |e: usize| per_node.iter().map(|p| p[e].total()).max().unwrap_or(0) as f64 / share;

@@ -244,8 +244,9 @@ fn three_daemons_fetch_each_shard_from_the_origin_once_and_hold_their_ring_share
 
 /// Rank `rank` of a 4-rank job of 2 nodes (2 ranks each, ranks numbered node by node, as
 /// torchrun sets them) reading 2 epochs of a sticky order through the daemon at `sock`.
-fn node_reader(url: &str, sock: &Path, out: &Path, origin_url: &str, rank: usize) -> Child {
+fn node_reader(url: &str, sock: &Path, out: &Path, origin_url: &str, rank: usize, env: &[(&str, &str)]) -> Child {
     Command::new(ramjet_bin())
+        .envs(env.iter().copied())
         .env("RAMJET_INDEX_DIR", test_index_dir())
         .args(["stream", url, "--daemon", sock.to_str().unwrap(), "--json"])
         .args(["--shuffle", "block", "--window", "2", "--partitions", "4", "--sticky"])
@@ -266,10 +267,26 @@ fn node_reader(url: &str, sock: &Path, out: &Path, origin_url: &str, rank: usize
 /// Two nodes of two ranks, a sticky order dealt node by node: each node's daemon fetches from
 /// the origin (counted behind the node's own proxy) only the shards its ranks read, each once,
 /// and keeps them, so the second epoch costs no origin bytes; a shard both nodes read (a cut
-/// splits it) crosses from the origin once, into its ring owner, and from there to the other
-/// node; and every sample is delivered once an epoch.
+/// splits it) crosses from the origin into each of them; and every sample is delivered once an
+/// epoch.
 #[test]
 fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
+    two_nodes_of_a_sticky_order(false);
+}
+
+/// The same job with `RAMJET_SPLIT_SHARDS=owner`: a shard both nodes read crosses from the
+/// origin once, into its ring owner, and from there to the other node, which keeps it too.
+#[test]
+fn with_split_shards_through_the_owner_a_split_shard_crosses_from_the_origin_once() {
+    two_nodes_of_a_sticky_order(true);
+}
+
+fn two_nodes_of_a_sticky_order(via_owner: bool) {
+    let env: &[(&str, &str)] = if via_owner {
+        &[("RAMJET_SPLIT_SHARDS", "owner")]
+    } else {
+        &[]
+    };
     let url = dataset();
     let ids = shard_ids(url);
     let dir = tempfile::tempdir().unwrap();
@@ -283,7 +300,7 @@ fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
     proxies.iter().for_each(CountingProxy::reset);
     let outs: Vec<PathBuf> = (0..4).map(|r| dir.path().join(format!("rank{r}"))).collect();
     let readers: Vec<Child> = (0..4)
-        .map(|r| node_reader(url, &nodes[r / 2].sock, &outs[r], &proxies[r / 2].url, r))
+        .map(|r| node_reader(url, &nodes[r / 2].sock, &outs[r], &proxies[r / 2].url, r, env))
         .collect();
     readers.into_iter().for_each(|c| drop(finish(c)));
     // Each line: epoch position stream shard index global_index record_bytes.
@@ -350,9 +367,9 @@ fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
     }
     // A shard only one node reads crossed from the origin into that node alone, once for both
     // epochs. A shard both nodes read in the first epoch (a cut split it) crossed from the
-    // origin once for the cluster, into its ring owner, and the other node fetched it from
-    // that peer; so did one split in the second epoch that a node had not read before. The
-    // peer bytes are exactly those. A loaded machine may repeat a GET (a loader whose daemon
+    // origin into both (by default), or (through the owner) once for the cluster, into its
+    // ring owner, and the other node fetched it from that peer; so did one split in the second
+    // epoch that a node had not read before. The peer bytes are exactly those. A loaded machine may repeat a GET (a loader whose daemon
     // did not answer in time reads the origin itself, as it should): at most one a node.
     let ring = Ring::new(1, members.clone(), ramjet_transport::ring::VNODES_DEFAULT);
     let owner = |shard: &String| {
@@ -374,7 +391,7 @@ fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
         "no cut split a shard: the test sees nothing of the split rule"
     );
     let mut peer_want = [0u64; 2];
-    for (e, before) in [("0", None), ("1", Some("0"))] {
+    for (e, before) in [("0", None), ("1", Some("0"))].into_iter().filter(|_| via_owner) {
         for shard in split_in(e) {
             let (o, bytes) = owner(&shard);
             let had = before.is_some_and(|b| shards_of(1 - o, b).contains(&shard));
@@ -395,11 +412,16 @@ fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
                 "shard {shard}, only node {n} reads it"
             );
         }
-        for shard in split.iter().filter(|s| owner(s).0 == n) {
+        for shard in &split {
+            let want = match (via_owner, owner(shard).0 == n) {
+                (false, _) => (1, 1),
+                (true, true) => (1, 0),
+                (true, false) => (0, 1),
+            };
             assert_eq!(
                 (gets(n, shard), gets(other, shard)),
-                (1, 0),
-                "split shard {shard}, owned by node {n}"
+                want,
+                "split shard {shard} (through its owner: {via_owner}), node {n}"
             );
         }
         let all = proxies[n].count("GET", "/shards/");

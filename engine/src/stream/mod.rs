@@ -97,6 +97,12 @@ pub struct StreamConfig {
     /// Size the shards ahead from rates (the default); false (or `RAMJET_PREFETCH_TUNE=off`)
     /// fills the whole budget, as before.
     pub prefetch_tuned: bool,
+    /// Under a node-affine deal of a sticky order, a shard that a cut between two nodes splits
+    /// (both read it) goes through its ring owner, so the origin serves it once for the cluster,
+    /// at the price of a shard more into an owner that reads none of it; false (the default,
+    /// unless `RAMJET_SPLIT_SHARDS=owner`): each of the two nodes reads it from the origin
+    /// (docs/order.md, "Node-affine").
+    pub split_via_owner: bool,
     /// Whole shards are fetched as parallel ranged GETs of this size: the start value, which
     /// the origin control's rule then sets ([`crate::tune::OriginTune::range_bytes`]), unless
     /// `range_pinned`.
@@ -225,6 +231,7 @@ impl Default for StreamConfig {
             cache: None,
             prefetch_bytes_max: 512 << 20,
             prefetch_tuned: true,
+            split_via_owner: std::env::var("RAMJET_SPLIT_SHARDS").is_ok_and(|v| v.trim() == "owner"),
             // Per-request overhead dominated on the local S3 server (4 MiB ranges were half as
             // fast as whole-object GETs); 32 MiB keeps two parallel ranges per 64 MiB shard.
             // Lower it for high-latency links, where more ranges in flight win.

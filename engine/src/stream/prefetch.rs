@@ -76,7 +76,8 @@ struct ShardUses {
     /// The next index of the deal to walk.
     k: u64,
     pending: std::collections::VecDeque<((u32, u32), u64)>,
-    /// When the node keeps its share ([`Shared::keeps_share`]): the stream and the deal's rule,
+    /// When the node keeps its share ([`Shared::keeps_share`]) and sends the shards a cut splits
+    /// through their ring owner (`split_via_owner`): the stream and the deal's rule,
     /// to mark the shards another node reads too ([`Shared::split_shards`]) before they are
     /// fetched.
     splits: Option<(Arc<Shared>, DealRule)>,
@@ -84,7 +85,7 @@ struct ShardUses {
 
 impl ShardUses {
     fn new(plan: Arc<EpochPlan>, shared: &Arc<Shared>) -> ShardUses {
-        let splits = shared.keeps_share().then(|| {
+        let splits = (shared.keeps_share() && shared.cfg.split_via_owner).then(|| {
             (
                 shared.clone(),
                 DealRule::for_job(&shared.cfg.order, &shared.cfg.topology),
