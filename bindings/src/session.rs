@@ -244,6 +244,15 @@ impl Session {
         Ok(())
     }
 
+    /// The canonical partitions an iteration under `config` (JSON, as for `begin`) reads: the
+    /// user's, or when none were given the run's ([`Epochs::settle_partitions`]: a loaded
+    /// state's, else the job's node count at the run's first start). Records nothing.
+    fn partitions(&self, config: &str) -> PyResult<usize> {
+        let mut stream = parse(config)?.loader.stream;
+        held(&self.epochs).settle_partitions(&mut stream);
+        Ok(stream.order.partitions)
+    }
+
     /// The iteration's next batch as `(columns, meta)`, or `None` when the iteration ends
     /// (the epoch's last batch was yielded, or the next batch belongs to the next epoch).
     fn next_batch<'py>(&self, py: Python<'py>) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {

@@ -110,6 +110,49 @@ def test_a_job_whose_nodes_do_not_divide_the_partitions_warns(classes, monkeypat
         list(dataset(url, partitions=PARTITIONS, batch_size=8))
 
 
+def test_without_partitions_a_job_deals_by_its_nodes_and_keeps_them_across_a_resume(classes, monkeypatch):
+    """No `partitions` given: a fresh job of 2 nodes reads as `partitions=2` would (no warning,
+    each node its share); its state keeps 2, so a resume on 1 node goes on exactly."""
+    import warnings
+
+    url, _ = classes
+
+    def reads(world, local_world, state=None, take=None, **kw):
+        states, seen = [], []
+        for rank in range(world):
+            as_rank(monkeypatch, rank, world, local_world)
+            ds = dataset(url, seed=5, batch_size=4, **kw)
+            if state is not None:
+                ds.load_state_dict(state)
+            got = []
+            for b in ds:
+                got += indices([b])
+                if take is not None and len(got) >= take[rank] * 4:
+                    break
+            seen.append(got)
+            states.append(ds._state)
+        return states, seen
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "every node reads the whole dataset"
+        _, default = reads(4, 2)
+    _, two = reads(4, 2, partitions=2)
+    _, one = reads(4, 2, partitions=1)
+    assert default == two, "no partitions on 2 nodes: the deal of partitions=2"
+    assert default != one
+    # Stopped part way on 2 nodes, resumed on 1 node of 2 ranks with no partitions either.
+    states, before = reads(4, 2, take=[2, 1, 3, 2])
+    state = json.loads(ramjet._ramjet.job_state(states))
+    assert state["partitions"] == 2
+    _, after = reads(2, 2, state=state)
+    seen = sorted(i for r in before + after for i in r)
+    assert seen == list(range(N)), "every sample exactly once across the resume"
+    # A fresh job on one node keeps the single-node order.
+    _, alone = reads(1, 1)
+    _, p1 = reads(1, 1, partitions=1)
+    assert alone == p1
+
+
 def test_sticky_shares_keep_each_nodes_samples_from_epoch_to_epoch(classes, monkeypatch):
     """`shares="sticky"`: node 0 of a 2-node job reads the same shards, so nearly the same
     samples, in its second epoch as in its first (but for the split shard at a cut), in another

@@ -352,8 +352,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         seed: seed of the order and of the augmentations.
         shuffle_window: shards per shuffle window (shard_block).
         shuffle_block: consecutive samples kept together (shard_block).
-        partitions: canonical partitions of the order; a multiple of the node count lets each
-            node read only its share of the shards (docs/order.md).
+        partitions: canonical partitions of the order; when the job's node count divides
+            them, each node reads only its share of the shards (docs/order.md). ``None`` (the
+            default): the run's own, kept in :meth:`state_dict`: a loaded state's, else the
+            job's node count (``WORLD_SIZE / LOCAL_WORLD_SIZE``) at its first start, so a
+            fresh job of ``n`` nodes reads its shares and resumes exactly on any node count
+            dividing ``n``. Give a number with many divisors (say 64) for a job that may grow.
         tail: ``"uneven"`` (every sample once), ``"drop"`` or ``"pad"`` when the epoch does
             not divide across ranks and workers; by default ``"uneven"`` on one rank and
             ``"pad"`` on several, so every rank steps the same number of batches.
@@ -416,7 +420,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         seed: int = 0,
         shuffle_window: int = 4,
         shuffle_block: int = 1,
-        partitions: int = 1,
+        partitions: Optional[int] = None,
         tail: Optional[str] = None,
         shares: str = "rotate",
         drop_last: bool = False,
@@ -505,6 +509,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         cfg = dict(self._base, topology=topo, **extra)
         if self._tail_default and topo["world"] > 1:
             cfg["order"] = dict(cfg["order"], tail="pad_repeat")
+        if cfg.get("partitions_from_job"):
+            # No partitions given: the run's (a loaded state's, else the job's node count).
+            cfg["order"] = dict(cfg["order"], partitions=self._session.partitions(json.dumps(cfg)))
         _warn_strided(cfg["order"], topo)
         daemon = self._daemon or _daemon_socket or os.environ.get("RAMJET_SOCKET")
         if daemon:
@@ -694,9 +701,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     # ----- sizes and random access ----------------------------------------------------
 
     def _epoch_lengths(self, as_worker: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
-        key = json.dumps(self._topology(as_worker), sort_keys=True)
+        config = self._config(as_worker)
+        order = json.loads(config)["order"]
+        key = json.dumps([self._topology(as_worker), order], sort_keys=True)
         if key not in self._lengths:
-            self._lengths[key] = _ramjet.epoch_lengths(self._config(as_worker))
+            self._lengths[key] = _ramjet.epoch_lengths(config)
         return self._lengths[key]
 
     @property

@@ -113,7 +113,7 @@ class StreamingDataset:
         seed: int = 0,
         shuffle_window: int = 4,
         shuffle_block: int = 1,
-        partitions: int = 1,
+        partitions: Optional[int] = None,
         tail: Optional[str] = None,
         shares: str = "rotate",
         drop_last: bool = False,

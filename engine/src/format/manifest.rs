@@ -888,6 +888,7 @@ mod tests {
     /// counts swapped inside one block against the block's records, whichever is read first.
     #[test]
     fn a_tampered_counts_section_is_refused() {
+        use crate::order::ShardCounts;
         let shards = infos(20_000);
         let t = ShardTable::build(&shards).unwrap();
         let raw = t.as_bytes().unwrap().to_vec();
@@ -930,6 +931,23 @@ mod tests {
         t2.shard_samples(2051).unwrap();
         let e = spread(&t2).unwrap_err().to_string();
         assert!(e.contains("shard 2051") && e.contains("the counts section"), "{e}");
+        // A count raised in block 4 (checksum made to agree): the blocks used before it read
+        // the section; shard 5000's count is refused when it is first used, naming its block.
+        let mut raised = raw.clone();
+        raised[at + 4 * 5000] += 1;
+        let sum = xxhash_rust::xxh3::xxh3_64(&raised[at..]);
+        let t3 = open(raised, sum);
+        spread(&t3).unwrap();
+        let e = ShardCounts::samples(&t3, 5000).unwrap_err().to_string();
+        assert!(
+            e.contains("t.rjt") && e.contains("block 4") && e.contains("the directory says"),
+            "{e}"
+        );
+        assert_eq!(
+            ShardCounts::samples(&t3, 2051).unwrap(),
+            3 + 2051 % 5,
+            "other blocks stay usable"
+        );
         // A manifest and a header that disagree about the section.
         let e = ShardTable::open(head.clone(), Arc::new(WholeTable(Bytes::from(raw))), "t.rjt", None).unwrap_err();
         assert!(e.contains("manifest names none"), "{e}");

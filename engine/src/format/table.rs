@@ -143,8 +143,13 @@ pub struct ShardTable {
     ends: Box<[OnceLock<Arc<[u64]>>]>,
     /// The counts section's checksum (from the manifest), when the table has one.
     counts_sum: Option<u64>,
-    /// The counts section (4 bytes a shard, as read), read and checked whole on first use.
+    /// The counts section (4 bytes a shard, as read), read and checked against the manifest's
+    /// checksum on first use; each block's part is checked against the directory when it is
+    /// first used (`counts_checked`), so a round of thousands of partitions reads its counts
+    /// without a pass over every shard of the table.
     counts: OnceLock<Counts>,
+    /// Blocks whose part of the counts section has been checked ([`ShardTable::check_counts`]).
+    counts_checked: Box<[OnceLock<()>]>,
     /// Blocks read for their counts alone so far.
     counted: Arc<std::sync::atomic::AtomicUsize>,
     /// Held while a block is read.
@@ -420,6 +425,7 @@ impl ShardTable {
             ends: (0..blocks).map(|_| OnceLock::new()).collect(),
             counts_sum: counts,
             counts: OnceLock::new(),
+            counts_checked: (0..blocks).map(|_| OnceLock::new()).collect(),
             counted: Default::default(),
             loading: Default::default(),
         })
@@ -532,9 +538,10 @@ impl ShardTable {
     }
 
     /// The counts section (`None`: the table has none), read and checked whole on first use:
-    /// its length and checksum against the manifest's, each count from 1 to the shard limit,
-    /// each block's counts summing to its span in the directory, and every block already read
-    /// agreeing with it. A failed read is not kept.
+    /// its length and checksum against the manifest's, and every block already read agreeing
+    /// with it. A block's counts (each from 1 to the shard limit, summing to the block's span in
+    /// the directory) are checked when the block is first used ([`Self::checked_counts`]). A
+    /// failed read is not kept.
     fn counts(&self) -> Result<Option<&Counts>> {
         let Some(sum) = self.counts_sum else {
             return Ok(None);
@@ -562,11 +569,27 @@ impl ShardTable {
             )));
         }
         let counts = Counts(raw);
-        for b in 0..self.blocks.len() {
+        // The blocks already held must agree with it now (a later block's read checks itself
+        // against the section; the rest are checked on first use, `checked_counts`).
+        for b in (0..self.blocks.len()).filter(|&b| self.held_ends(b).is_some()) {
             self.check_counts(b, &counts)?;
+            let _ = self.counts_checked[b].set(());
         }
         let _ = self.counts.set(counts);
         Ok(self.counts.get())
+    }
+
+    /// The counts section, its block `b`'s part checked (once) before it is used.
+    fn checked_counts(&self, b: usize) -> Result<Option<&Counts>> {
+        let Some(c) = self.counts()? else {
+            return Ok(None);
+        };
+        let done = &self.counts_checked[b];
+        if done.get().is_none() {
+            self.check_counts(b, c)?;
+            let _ = done.set(());
+        }
+        Ok(Some(c))
     }
 
     /// Block `b`'s part of the counts section against the shard limit, the directory and the
@@ -776,7 +799,7 @@ impl crate::order::ShardCounts for ShardTable {
         // Past a few blocks, the counts section (4 bytes a shard) instead of every block (48).
         let many = self.counted.load(std::sync::atomic::Ordering::Relaxed) >= SHARD_TABLE_COUNTS_AFTER_BLOCKS;
         if self.counts_loaded() || (many && self.counts_sum.is_some()) {
-            if let Some(c) = self.counts()? {
+            if let Some(c) = self.checked_counts(b)? {
                 return Ok(c.get(i) as u64);
             }
         }

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::Batch;
 use crate::error::{Error, Result};
-use crate::order::Topology;
+use crate::order::{OrderSpec, Shuffle, Topology};
 use crate::stream::{ResumePoint, StreamConfig, StreamState};
 
 /// The version of the saved state ([`Epochs::worker_state`], [`Epochs::job_state`]).
@@ -37,6 +37,9 @@ pub struct Epochs {
     state: Option<StreamState>,
     /// The epoch the running loader is in and the topology it was started for.
     running: Option<(u64, Topology)>,
+    /// The run's canonical partitions when the user gave none ([`Epochs::settle_partitions`]):
+    /// set by the first start or by a loaded state, then kept for the rest of the run.
+    partitions: Option<usize>,
 }
 
 /// What to do with a batch the loader handed out.
@@ -83,9 +86,38 @@ impl Epochs {
         self.running != Some((self.epoch, *topology))
     }
 
-    /// Sets where a new loader starts (the epoch, and a loaded state if any) in `cfg`, and
-    /// records it as the running one.
+    /// The canonical partitions the run reads under `topology` when the user gave none: the
+    /// run's own once it has them (its first start, or a loaded state's), else the job's node
+    /// count (`world / LOCAL_WORLD_SIZE`) under a shard-block shuffle, else 1. So a job started
+    /// on `n` nodes deals each node its share, and keeps its order when it resumes on a node
+    /// count dividing `n` (docs/order.md, "The one-order promise").
+    pub fn job_partitions(&self, order: &OrderSpec, topology: &Topology) -> usize {
+        self.partitions.unwrap_or(match order.shuffle {
+            Shuffle::ShardBlock { .. } => topology.nodes().max(1),
+            _ => 1,
+        })
+    }
+
+    /// Sets `cfg.order.partitions` to [`Epochs::job_partitions`] when the user gave none
+    /// (`cfg.partitions_from_job`); records nothing.
+    pub fn settle_partitions(&self, cfg: &mut StreamConfig) {
+        if cfg.partitions_from_job {
+            cfg.order.partitions = self.job_partitions(&cfg.order, &cfg.topology);
+        }
+    }
+
+    /// The run's partitions when the user gave none and the run has them.
+    pub fn partitions(&self) -> Option<usize> {
+        self.partitions
+    }
+
+    /// Sets where a new loader starts (the epoch, a loaded state if any, and the run's
+    /// partitions) in `cfg`, and records it as the running one.
     pub fn start(&mut self, cfg: &mut StreamConfig) {
+        self.settle_partitions(cfg);
+        if cfg.partitions_from_job {
+            self.partitions = Some(cfg.order.partitions);
+        }
         cfg.epochs = None;
         cfg.first_epoch = self.epoch;
         cfg.resume = self.resume.as_ref().map(|s| s.value.clone());
@@ -154,13 +186,19 @@ impl Epochs {
             "epoch": self.epoch,
             "consumer": consumer,
             "resume": self.resume_text(),
+            "partitions": self.partitions,
         }))
     }
 
     /// The job's saved state before this consumer yielded anything: the epoch and the loaded
     /// progress, if any.
     pub fn unstarted_job_state(&self) -> Value {
-        json!({"version": SAVED_STATE_VERSION, "epoch": self.epoch, "resume": self.resume_text()})
+        json!({
+            "version": SAVED_STATE_VERSION,
+            "epoch": self.epoch,
+            "resume": self.resume_text(),
+            "partitions": self.partitions,
+        })
     }
 
     /// The job's saved state from every consumer's state taken after the same step.
@@ -170,6 +208,7 @@ impl Epochs {
             "version": SAVED_STATE_VERSION,
             "epoch": point.progress.epoch,
             "resume": to_text(&point)?,
+            "partitions": point.order.partitions,
         }))
     }
 
@@ -212,7 +251,11 @@ impl Epochs {
                 ));
             }
         }
+        let partitions = saved_partitions(m.get("partitions"))?
+            .or(resume.as_ref().map(|r| r.value.order.partitions))
+            .or(consumer.as_ref().map(|c| c.value.order.partitions));
         self.epoch = consumer.as_ref().map_or(epoch, |c| c.value.base.epoch);
+        self.partitions = partitions.or(self.partitions);
         self.resume = resume;
         self.resume_consumer = consumer;
         self.state = None;
@@ -227,6 +270,7 @@ impl Epochs {
             "resume": self.resume_text(),
             "consumer": self.resume_consumer.as_ref().map(|s| s.text.as_str()),
             "state": self.state.as_ref().map(to_text).transpose()?,
+            "partitions": self.partitions,
         }))
     }
 
@@ -242,7 +286,23 @@ impl Epochs {
             resume_consumer: parsed(v.get("consumer"), "consumer")?,
             state: state.map(|s| s.value),
             running: None,
+            partitions: saved_partitions(v.get("partitions"))?,
         })
+    }
+}
+
+/// A saved state's `partitions` (the run's, when the user gave none): absent or null, or a
+/// count of at least 1.
+fn saved_partitions(v: Option<&Value>) -> Result<Option<usize>> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(p) if (1..=1 << 32).contains(&p) => Ok(Some(p as usize)),
+            _ => Err(Error::invalid(
+                "state_dict['partitions']",
+                format!("must be an int in 1..=4294967296, not {v}"),
+            )),
+        },
     }
 }
 
@@ -318,6 +378,68 @@ mod tests {
             end_of_epoch: end,
             skipped: vec![],
         }
+    }
+
+    fn job(world: usize, local_world: usize) -> StreamConfig {
+        StreamConfig {
+            partitions_from_job: true,
+            topology: Topology {
+                world,
+                local_world,
+                ..Topology::default()
+            },
+            ..StreamConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_run_without_partitions_takes_its_first_starts_nodes_and_keeps_them_in_its_states() {
+        let mut e = Epochs::new();
+        let mut first = job(8, 2);
+        e.start(&mut first);
+        assert_eq!(first.order.partitions, 4, "4 nodes of 2 ranks: 4 partitions");
+        // Later in the run on 1 node of 2 ranks: still the run's 4.
+        let mut later = job(2, 2);
+        e.settle_partitions(&mut later);
+        assert_eq!(later.order.partitions, 4);
+        // Every saved state carries them; an object that loads one (a restarted job) takes them.
+        for saved in [e.unstarted_job_state(), e.worker_state().unwrap(), e.to_json().unwrap()] {
+            assert_eq!(saved["partitions"], 4, "{saved}");
+            let mut f = Epochs::new();
+            f.load(&json!({"version": 1, "epoch": 0, "partitions": saved["partitions"]}))
+                .unwrap();
+            let mut c = job(2, 2);
+            f.settle_partitions(&mut c);
+            assert_eq!(c.order.partitions, 4);
+        }
+        assert_eq!(Epochs::from_json(&e.to_json().unwrap()).unwrap().partitions(), Some(4));
+        // A loaded job state's order gives them when the field is absent.
+        let mut st = state(0, 3);
+        st.order.partitions = 6;
+        let mut saved = Epochs::job_state(&[st]).unwrap();
+        saved.as_object_mut().unwrap().remove("partitions");
+        let mut f = Epochs::new();
+        f.load(&saved).unwrap();
+        assert_eq!(f.partitions(), Some(6));
+        // A fresh run on one node: 1, the order a single-node job always had.
+        let mut one = job(4, 4);
+        Epochs::new().start(&mut one);
+        assert_eq!(one.order.partitions, 1);
+        // A global shuffle has no partitions to deal; given partitions are the user's.
+        let mut global = job(8, 2);
+        global.order.shuffle = Shuffle::Global;
+        Epochs::new().settle_partitions(&mut global);
+        assert_eq!(global.order.partitions, 1);
+        let mut given = job(8, 2);
+        given.partitions_from_job = false;
+        given.order.partitions = 3;
+        e.start(&mut given);
+        assert_eq!(given.order.partitions, 3);
+        // A tampered count is refused, naming the field.
+        let err = Epochs::new()
+            .load(&json!({"version": 1, "epoch": 0, "partitions": 0}))
+            .unwrap_err();
+        assert!(err.to_string().contains("state_dict['partitions']"), "{err}");
     }
 
     #[test]

@@ -71,7 +71,7 @@ pub const OPTIONS: &[(&str, OptionDefault)] = &[
     ("seed", OptionDefault::Int(0)),
     ("shuffle_window", OptionDefault::Int(4)),
     ("shuffle_block", OptionDefault::Int(1)),
-    ("partitions", OptionDefault::Int(1)),
+    ("partitions", OptionDefault::None),
     ("tail", OptionDefault::Str("uneven")),
     ("shares", OptionDefault::Str("rotate")),
     ("drop_last", OptionDefault::Bool(false)),
@@ -215,6 +215,10 @@ impl Options {
             config["prefetch_batches"] = json!(n as usize);
             config["prefetch_pinned"] = json!(true);
         }
+        if matches!(a("partitions"), Arg::None) {
+            // No partitions given: the run's first start, or the state it loads, sets them.
+            config["partitions_from_job"] = json!(true);
+        }
         if let Some(d) = decode {
             // The GPU decode (a binding with a GPU turns it on): which decoders.
             config["decode"] = json!(d);
@@ -237,7 +241,8 @@ fn order_spec(all: &BTreeMap<String, Arg>) -> Result<OrderSpec> {
     let seed = int("seed", a("seed"), 0, u64::MAX as i128)? as u64;
     let shuffle_window = int("shuffle_window", a("shuffle_window"), 1, usize::MAX as i128)? as usize;
     let shuffle_block = int("shuffle_block", a("shuffle_block"), 1, u64::MAX as i128)? as u64;
-    let partitions = int("partitions", a("partitions"), 1, 1 << 32)? as usize;
+    // None: the job's, settled when the run starts ([`super::Epochs::settle_partitions`]).
+    let partitions = optional(a("partitions"), |v| int("partitions", v, 1, 1 << 32))?.map_or(1, |p| p as usize);
     let tails = [
         ("uneven", Tail::Uneven),
         ("drop", Tail::DropLast),

@@ -103,6 +103,11 @@ pub struct StreamConfig {
     /// unless `RAMJET_SPLIT_SHARDS=owner`): each of the two nodes reads it from the origin
     /// (docs/order.md, "Node-affine").
     pub split_via_owner: bool,
+    /// The user gave no partitions: `order.partitions` is the run's, which the caller settles
+    /// before the stream starts ([`crate::loader::Epochs::settle_partitions`]: the partitions of
+    /// the state it resumes from, else the job's node count at the run's first start). The
+    /// stream itself reads `order.partitions` only.
+    pub partitions_from_job: bool,
     /// Whole shards are fetched as parallel ranged GETs of this size: the start value, which
     /// the origin control's rule then sets ([`crate::tune::OriginTune::range_bytes`]), unless
     /// `range_pinned`.
@@ -232,6 +237,7 @@ impl Default for StreamConfig {
             prefetch_bytes_max: 512 << 20,
             prefetch_tuned: true,
             split_via_owner: std::env::var("RAMJET_SPLIT_SHARDS").is_ok_and(|v| v.trim() == "owner"),
+            partitions_from_job: false,
             // Per-request overhead dominated on the local S3 server (4 MiB ranges were half as
             // fast as whole-object GETs); 32 MiB keeps two parallel ranges per 64 MiB shard.
             // Lower it for high-latency links, where more ranges in flight win.

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Issue 67: the first sample at the seed's scale, simulated (`ramjet plan-sim`), builds and
+deals interleaved round by round.
+
+Each round runs, for each build given (--ramjet, and --old for the build before a change),
+`plan-sim` of --samples samples in shards of --shard-samples, once as one partition (today's
+single-node order) and once as rank 0 of --nodes nodes x --ranks-per-node ranks over
+--partitions partitions. Reports every round's first-sample time (`ttfs_s`) and peak RSS, the
+medians over --rounds rounds, and the per-round ratios (job / one partition; new / old).
+Usage:
+  benches/python/plan_sim_rounds.py --ramjet target/release/ramjet [--old /tmp/old-ramjet]
+      [--dir /tmp/ps] [--rounds 5] [--json out.json]
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+
+def sim(binary, args, job):
+    cmd = [binary, "plan-sim", "--dir", args.dir, "--samples", str(args.samples),
+           "--shard-samples", str(args.shard_samples)]
+    if job:
+        cmd += ["--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node),
+                "--partitions", str(args.partitions)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    return d["ttfs_s"] * 1000, d["rss_peak_mb"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ramjet", required=True)
+    ap.add_argument("--old")
+    ap.add_argument("--dir", default="/tmp/ps")
+    ap.add_argument("--samples", type=int, default=1_000_500_000)
+    ap.add_argument("--shard-samples", type=int, default=435)
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--partitions", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    builds = {"new": args.ramjet, **({"old": args.old} if args.old else {})}
+    runs = {(b, job): [] for b in builds for job in (False, True)}
+    for r in range(args.rounds):
+        for b, binary in builds.items():
+            for job in (False, True):
+                ms, mb = sim(binary, args, job)
+                runs[(b, job)].append((ms, mb))
+                print(f"round {r + 1}: {b} {'job' if job else 'one partition'}: {ms:.1f} ms, {mb:.1f} MB", flush=True)
+    out = {}
+    for (b, job), xs in runs.items():
+        key = f"{b} {'job' if job else 'one'}"
+        out[key] = {"ms": [x[0] for x in xs], "mb": [x[1] for x in xs],
+                    "median_ms": statistics.median(x[0] for x in xs),
+                    "median_mb": statistics.median(x[1] for x in xs)}
+        print(f"{key}: median {out[key]['median_ms']:.1f} ms, {out[key]['median_mb']:.1f} MB")
+    for b in builds:
+        ratios = [j[0] / o[0] for j, o in zip(runs[(b, True)], runs[(b, False)])]
+        out[f"{b} job/one"] = ratios
+        print(f"{b}: job / one partition per round {[round(x, 2) for x in ratios]}, median {statistics.median(ratios):.2f}")
+    if "old" in builds:
+        ratios = [n[0] / o[0] for n, o in zip(runs[("new", True)], runs[("old", True)])]
+        out["job new/old"] = ratios
+        print(f"job: new / old per round {[round(x, 2) for x in ratios]}, median {statistics.median(ratios):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
