@@ -14,8 +14,11 @@ Usage:
 import argparse
 import json
 import statistics
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402 - the shared measuring rules (rotated order, CPU and steal of a run)
 
 
 def sim(binary, args, job):
@@ -24,11 +27,9 @@ def sim(binary, args, job):
     if job:
         cmd += ["--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node),
                 "--partitions", str(args.partitions)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
-    d = json.loads(p.stdout.strip().splitlines()[-1])
-    return d["ttfs_s"] * 1000, d["rss_peak_mb"]
+    out, _, cpu_s, steal, _ = measure.run(cmd)
+    d = json.loads(out.strip().splitlines()[-1])
+    return d["ttfs_s"] * 1000, d["rss_peak_mb"], cpu_s, steal
 
 
 def main():
@@ -47,11 +48,12 @@ def main():
     builds = {"new": args.ramjet, **({"old": args.old} if args.old else {})}
     runs = {(b, job): [] for b in builds for job in (False, True)}
     for r in range(args.rounds):
-        for b, binary in builds.items():
-            for job in (False, True):
-                ms, mb = sim(binary, args, job)
-                runs[(b, job)].append((ms, mb))
-                print(f"round {r + 1}: {b} {'job' if job else 'one partition'}: {ms:.1f} ms, {mb:.1f} MB", flush=True)
+        # Rotated each round, so no contender is always first.
+        for b, job in measure.order(runs, r):
+            ms, mb, cpu_s, steal = sim(builds[b], args, job)
+            runs[(b, job)].append((ms, mb))
+            print(f"round {r + 1}: {b} {'job' if job else 'one partition'}: first sample {ms:.1f} ms, "
+                  f"{mb:.1f} MB peak RSS, process {cpu_s:.2f} CPU s, steal {measure.fmt_steal(steal)}", flush=True)
     out = {}
     for (b, job), xs in runs.items():
         key = f"{b} {'job' if job else 'one'}"
@@ -68,8 +70,7 @@ def main():
         out["job new/old"] = ratios
         print(f"job: new / old per round {[round(x, 2) for x in ratios]}, median {statistics.median(ratios):.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
