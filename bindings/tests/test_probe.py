@@ -418,11 +418,17 @@ def test_a_symbolic_link_out_of_an_allowed_folder_is_not_served(five, tmp_path):
     assert "outside the allowed prefixes" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def test_a_shard_replaced_by_a_smaller_valid_one_is_not_the_manifests(tmp_path):
+@pytest.mark.parametrize("which", ["largest", "first"])
+def test_a_shard_replaced_by_a_smaller_valid_one_is_not_the_manifests(tmp_path, which):
+    # "first": the order's first shard, whose first samples are read by ranges (its footer
+    # read past the smaller object's end) while the whole shard downloads; either read may
+    # fail first, and both must name the object as replaced, not as torn.
     run("synth", str(tmp_path / "s"), "--samples", "20")
     run("pack", str(tmp_path / "s"), str(tmp_path / "p"), "--shard-size", "40KiB")
     shards = sorted((tmp_path / "p/shards").iterdir(), key=lambda p: p.stat().st_size)
-    assert shards[0].stat().st_size < shards[-1].stat().st_size
-    shutil.copy(shards[0], shards[-1])
-    out = fails("stream", str(tmp_path / "p"), "--shuffle", "none")
-    assert "not the manifest's" in out and "replaced" in out, out
+    target = shards[-1] if which == "largest" else sorted(shards)[0]
+    assert shards[0].stat().st_size < target.stat().st_size
+    shutil.copy(shards[0], target)
+    for _ in range(3):
+        out = fails("stream", str(tmp_path / "p"), "--shuffle", "none")
+        assert "not the manifest's" in out and "replaced" in out, out

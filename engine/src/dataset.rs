@@ -463,17 +463,9 @@ impl Dataset {
                 .buffer_unordered(in_flight.max(1))
                 .try_collect::<()>()
                 .await;
-            if let Err(Error::Truncated { actual, .. }) = &got {
-                // Shorter than the manifest says: torn, or replaced by another (valid) shard.
-                if info.foreign.is_none() && *actual < stored_bytes {
-                    let url = self.store.url(&info.key);
-                    return Err(match self.store.get_at_most(&info.key, stored_bytes).await {
-                        Ok(Ok(b)) => short_object(&url, &b, info),
-                        _ => got.expect_err("matched an error"),
-                    });
-                }
+            if let Err(e) = got {
+                return Err(self.explain_short(info, e).await);
             }
-            got?;
             Metrics::add(&metrics.origin_requests, requests);
             Metrics::add(&metrics.origin_bytes, stored_bytes);
             let bytes = buf.into_bytes();
@@ -491,6 +483,21 @@ impl Dataset {
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// `e` from a read of the ramjet shard `info`, named better when it says the object is
+    /// shorter than the manifest's size: the object, read whole, is then either a torn shard
+    /// ([`Error::Truncated`]) or another complete shard ("not the manifest's": replaced).
+    /// Every path that reads a shard (whole or by ranges) names a replaced one the same way.
+    pub(crate) async fn explain_short(&self, info: &ShardInfo, e: Error) -> Error {
+        let short = matches!(&e, Error::Truncated { actual, .. } if *actual < info.bytes);
+        if !short || info.foreign.is_some() {
+            return e;
+        }
+        match self.store.get_at_most(&info.key, info.bytes).await {
+            Ok(Ok(b)) => short_object(&self.store.url(&info.key), &b, info),
+            _ => e,
         }
     }
 

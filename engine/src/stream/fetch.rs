@@ -521,7 +521,12 @@ pub(super) async fn vouch(
             Metrics::add(&m.origin_bytes, head + footer);
             // The footer first: a shorter or longer object, or another shard, is named as such
             // rather than by whatever its header happens to hold.
-            crate::format::check_footer(&fb?, want, &url)?;
+            let fb = match fb {
+                Ok(b) => b,
+                // A footer past the object's end: a torn shard, or another one in its place.
+                Err(e) => return Err(src.ds.explain_short(info, e).await),
+            };
+            crate::format::check_footer(&fb, want, &url)?;
             let header = crate::format::Header::parse(&hb?, &url)?;
             let data_offset = src.ds.data_offset(key.1 as usize)?;
             if header.samples != info.samples || header.data_offset != data_offset {
