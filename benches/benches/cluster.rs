@@ -85,6 +85,7 @@ fn peer_throughput(rt: &tokio::runtime::Runtime, peer: &str, ds: &Dataset, passe
                 checksum: sh.checksum_u64(),
                 bytes: sh.bytes,
                 what: format!("shard {i}"),
+                keep: false,
             })
             .collect();
         // One untimed pass opens the connection and fills the buffer pool.

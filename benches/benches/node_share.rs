@@ -7,8 +7,9 @@
 //! - the cluster's origin bytes 1.0x the dataset;
 //! - with sticky shares, the second epoch's peer and origin bytes under 2% of the first's.
 //!
-//! Sticky shares run twice: a shard two nodes read from the origin into each (the default),
-//! and through its ring owner (`split_via_owner`).
+//! Sticky shares run three times by where a shard two nodes read (a cut splits it) comes from
+//! (`StreamConfig::split_shards`): through the daemon of its reader node (the default), through
+//! its ring owner, and from the origin into each of the two nodes.
 //!
 //! `cargo bench -p ramjet-benches --bench node_share` (5,315 images in shards of 1 MiB, about
 //! 15 images each; 3 and 8 nodes); under `cargo test` it runs once on 400 images and 3 nodes. The counts are
@@ -22,7 +23,7 @@ use std::time::Instant;
 use ramjet_benches::{drain_through_daemon, full_run, packed_dataset, save_results};
 use ramjet_engine::cache::CacheConfig;
 use ramjet_engine::order::{OrderSpec, Shares, Shuffle, Tail, Topology};
-use ramjet_engine::StreamConfig;
+use ramjet_engine::{SplitShards, StreamConfig};
 use ramjet_tests::free_port;
 use ramjet_transport::{Daemon, DaemonClient, DaemonConfig};
 
@@ -33,10 +34,13 @@ enum Deal {
     Strided,
     /// Partitions dealt node by node; each epoch draws the rounds afresh.
     Rotate,
-    /// Partitions dealt node by node; the rounds hold the same shards every epoch.
+    /// Partitions dealt node by node; the rounds hold the same shards every epoch; a shard two
+    /// nodes read goes through its reader node's daemon (the default).
     Sticky,
-    /// Sticky, and a shard two nodes read goes through its ring owner (`split_via_owner`).
+    /// Sticky, and a shard two nodes read goes through its ring owner.
     StickyOwner,
+    /// Sticky, and a shard two nodes read comes from the origin into each.
+    StickyOrigin,
 }
 
 /// Bytes into one node in one epoch.
@@ -77,14 +81,14 @@ fn order(deal: Deal, nodes: usize) -> OrderSpec {
         },
         tail: Tail::PadRepeat,
         shares: match deal {
-            Deal::Sticky | Deal::StickyOwner => Shares::Sticky,
+            Deal::Sticky | Deal::StickyOwner | Deal::StickyOrigin => Shares::Sticky,
             _ => Shares::Rotate,
         },
     }
 }
 
 /// One epoch of a job of `nodes` nodes, 2 ranks each, reading through each node's daemon.
-fn epoch(url: &str, daemons: &[Daemon], spec: OrderSpec, via_owner: bool, epoch: u64) {
+fn epoch(url: &str, daemons: &[Daemon], spec: OrderSpec, split: SplitShards, epoch: u64) {
     let world = 2 * daemons.len();
     let readers: Vec<_> = (0..world)
         .map(|rank| {
@@ -92,7 +96,7 @@ fn epoch(url: &str, daemons: &[Daemon], spec: OrderSpec, via_owner: bool, epoch:
             std::thread::spawn(move || {
                 let mut cfg = StreamConfig::new(url);
                 cfg.order = spec;
-                cfg.split_via_owner = via_owner;
+                cfg.split_shards = split;
                 cfg.topology = Topology {
                     rank,
                     world,
@@ -145,7 +149,12 @@ fn run(url: &str, nodes: usize, deal: Deal, dir: &Path) -> (Vec<[NodeIn; 2]>, [f
     for e in 0..2 {
         let before: Vec<NodeIn> = daemons.iter().map(bytes_in).collect();
         let t = Instant::now();
-        epoch(url, &daemons, spec, matches!(deal, Deal::StickyOwner), e as u64);
+        let split = match deal {
+            Deal::StickyOwner => SplitShards::Owner,
+            Deal::StickyOrigin => SplitShards::Origin,
+            _ => SplitShards::Reader,
+        };
+        epoch(url, &daemons, spec, split, e as u64);
         wall[e] = t.elapsed().as_secs_f64();
         for (n, d) in daemons.iter().enumerate() {
             let now = bytes_in(d);
@@ -185,7 +194,13 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let mut results = Vec::new();
     for nodes in if full { vec![3, 8] } else { vec![3] } {
-        for deal in [Deal::Strided, Deal::Rotate, Deal::Sticky, Deal::StickyOwner] {
+        for deal in [
+            Deal::Strided,
+            Deal::Rotate,
+            Deal::Sticky,
+            Deal::StickyOwner,
+            Deal::StickyOrigin,
+        ] {
             let (per_node, wall) = run(&url, nodes, deal, dir.path());
             let share = total as f64 / nodes as f64;
             let max_in = |e: usize| per_node.iter().map(|p| p[e].total()).max().unwrap_or(0) as f64 / share;

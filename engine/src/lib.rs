@@ -35,4 +35,4 @@ pub use error::{Error, Invalid, Location, Result};
 pub use loader::{Batch, ColumnData, EpochEnd, Loader, LoaderConfig, Next, OnCorrupt};
 pub use provider::{Fetched, FetchedFrom, Heartbeat, HostGrant, ShardProvider, ShardRequest};
 pub use store::{DatasetUrl, RetryPolicy, Store, StoreConfig};
-pub use stream::{Item, Opened, Sample, SampleReader, SourceConfig, Stream, StreamConfig, StreamState};
+pub use stream::{Item, Opened, Sample, SampleReader, SourceConfig, SplitShards, Stream, StreamConfig, StreamState};

@@ -59,9 +59,16 @@ pub struct ShardRequest<'a> {
     /// not from the shard's owner on the ring.
     pub keep: bool,
     /// With `keep`: another node reads this shard too (a cut between two nodes' windows splits
-    /// it), so the daemon fetches it through its ring owner (the cluster reads it from the
-    /// origin once) and keeps it all the same.
+    /// it), so the daemon fetches it through another daemon (the cluster reads it from the
+    /// origin once) and keeps it all the same: the daemon of node `reader` of job `job` when
+    /// given, else its ring owner.
     pub split: bool,
+    /// With `split`: the node of the job's deal that reads the shard from the origin (the node
+    /// of its first partition), when that is not this consumer's node.
+    pub reader: Option<u32>,
+    /// The consumer's job ([`Heartbeat::job`]), which names `reader`'s node among the
+    /// daemons' consumers.
+    pub job: &'a str,
 }
 
 /// A shard as a provider delivers it (not yet verified by the caller).
@@ -160,6 +167,11 @@ pub struct Heartbeat {
     /// answers.
     #[serde(default)]
     pub pace: bool,
+    /// Its node in its job's node-affine deal (`None`: the job deals position by position, or
+    /// an older loader). A daemon finds the daemon of a job's node by it (a split shard's
+    /// reader).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
 }
 
 /// Reports this consumer's [`Heartbeat`] to `provider` every [`HEARTBEAT_EVERY`] until the
@@ -230,19 +242,9 @@ impl Heartbeat {
     /// The fixed part of a consumer's heartbeat: its identity.
     pub fn identity(dataset: &str, t: &crate::order::Topology) -> Heartbeat {
         let pid = std::process::id();
-        let job = std::env::var("RAMJET_JOB")
-            .or_else(|_| std::env::var("SLURM_JOB_ID"))
-            .unwrap_or_else(|_| {
-                let base = dataset.trim_end_matches('/').trim_end_matches("manifest.json");
-                base.trim_end_matches('/')
-                    .rsplit('/')
-                    .next()
-                    .unwrap_or(dataset)
-                    .to_string()
-            });
         Heartbeat {
             consumer: format!("{pid}/{}.{}", t.rank, t.worker),
-            job,
+            job: Self::job_name(dataset),
             dataset: dataset.to_string(),
             pid,
             rank: t.rank as u32,
@@ -252,5 +254,20 @@ impl Heartbeat {
             pace: true,
             ..Default::default()
         }
+    }
+
+    /// The job a consumer of `dataset` belongs to: `RAMJET_JOB`, else `SLURM_JOB_ID`, else the
+    /// dataset's name.
+    pub fn job_name(dataset: &str) -> String {
+        std::env::var("RAMJET_JOB")
+            .or_else(|_| std::env::var("SLURM_JOB_ID"))
+            .unwrap_or_else(|_| {
+                let base = dataset.trim_end_matches('/').trim_end_matches("manifest.json");
+                base.trim_end_matches('/')
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or(dataset)
+                    .to_string()
+            })
     }
 }

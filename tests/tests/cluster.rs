@@ -267,25 +267,114 @@ fn node_reader(url: &str, sock: &Path, out: &Path, origin_url: &str, rank: usize
 /// Two nodes of two ranks, a sticky order dealt node by node: each node's daemon fetches from
 /// the origin (counted behind the node's own proxy) only the shards its ranks read, each once,
 /// and keeps them, so the second epoch costs no origin bytes; a shard both nodes read (a cut
-/// splits it) crosses from the origin into each of them; and every sample is delivered once an
-/// epoch.
+/// splits it) crosses from the origin once, into its reader (the node of its first partition:
+/// node 0 here), and node 1's daemon fetches it from node 0's, found by the job's heartbeats;
+/// and every sample is delivered once an epoch.
 #[test]
 fn each_node_reads_only_its_share_and_keeps_it_for_the_next_epoch() {
-    two_nodes_of_a_sticky_order(false);
+    two_nodes_of_a_sticky_order(Split::Reader);
 }
 
 /// The same job with `RAMJET_SPLIT_SHARDS=owner`: a shard both nodes read crosses from the
 /// origin once, into its ring owner, and from there to the other node, which keeps it too.
 #[test]
 fn with_split_shards_through_the_owner_a_split_shard_crosses_from_the_origin_once() {
-    two_nodes_of_a_sticky_order(true);
+    two_nodes_of_a_sticky_order(Split::Owner);
 }
 
-fn two_nodes_of_a_sticky_order(via_owner: bool) {
-    let env: &[(&str, &str)] = if via_owner {
-        &[("RAMJET_SPLIT_SHARDS", "owner")]
-    } else {
-        &[]
+/// The same job with `RAMJET_SPLIT_SHARDS=origin`: a shard both nodes read crosses from the
+/// origin into each of them.
+#[test]
+fn with_split_shards_from_the_origin_each_node_reads_a_split_shard_itself() {
+    two_nodes_of_a_sticky_order(Split::Origin);
+}
+
+/// A peer's request that says its node reads the shard too and this node is its reader (`keep`)
+/// is kept here, though another daemon owns the shard on the ring; a plain peer request for
+/// such a shard is served and left to its owner. (A reader that did not keep it would fetch it
+/// from the origin again for its own node.)
+#[test]
+fn a_split_shards_reader_keeps_what_a_peer_asks_it_for() {
+    use ramjet_transport::peer::{LinkConfig, PeerTransport, ShardGet, TcpTransport, TRANSFER_MIN_BYTES_PER_S_DEFAULT};
+    let url = dataset();
+    let ids = shard_ids(url);
+    let dir = tempfile::tempdir().unwrap();
+    let members = names(2, 64);
+    let nodes: Vec<Node> = members
+        .iter()
+        .map(|m| start_node(dir.path(), m, &members, &s3().endpoint, &[]))
+        .collect();
+    let ring = Ring::new(1, members.clone(), ramjet_transport::ring::VNODES_DEFAULT);
+    // Two shards the second daemon owns, asked of the first.
+    let theirs: Vec<usize> = (0..ids.len())
+        .filter(|&i| ring.owner(ids[i]) == Some(members[1].as_str()))
+        .take(2)
+        .collect();
+    assert_eq!(theirs.len(), 2, "the ring gives the second daemon two shards");
+    let t = TcpTransport::new(LinkConfig {
+        api_key: None,
+        peer_timeout: Duration::from_secs(10),
+        reply_timeout: Duration::from_secs(30),
+        transfer_min_bytes_per_s: TRANSFER_MIN_BYTES_PER_S_DEFAULT,
+    });
+    // One runtime for the transport's pooled connections.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ds = rt.block_on(Dataset::open(url)).unwrap();
+    let cached = || u(&nodes[0].stats()["cache_shards"]);
+    for (i, keep) in [(theirs[0], false), (theirs[1], true)] {
+        let get = ShardGet {
+            manifest_url: ds.manifest_url().to_owned(),
+            shard: i as u32,
+            checksum: ids[i].checksum,
+            bytes: ids[i].bytes,
+            what: format!("shard {i}"),
+            keep,
+        };
+        let before = cached();
+        let got = rt.block_on(t.fetch(&members[0], &get)).unwrap();
+        assert_eq!(got.len() as u64, ids[i].bytes);
+        assert_eq!(cached() - before, keep as u64, "shard {i}, keep {keep}");
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Split {
+    Reader,
+    Owner,
+    Origin,
+}
+
+/// Waits until `node`'s daemon lists `n` consumers of the job with a node in their heartbeats.
+fn wait_for_consumers(node: &Node, n: usize) {
+    let t = std::time::Instant::now();
+    loop {
+        let mut s = std::net::TcpStream::connect(&node.http).expect("jobs port");
+        write!(s, "GET /jobs HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n").unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        let v: serde_json::Value = serde_json::from_str(r.split_once("\r\n\r\n").unwrap().1).unwrap();
+        let with_node = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|j| j["beat"]["node"].is_u64())
+            .count();
+        if with_node >= n {
+            return;
+        }
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "the daemon lists no consumers with a node: {v}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+fn two_nodes_of_a_sticky_order(mode: Split) {
+    let env: &[(&str, &str)] = match mode {
+        Split::Reader => &[],
+        Split::Owner => &[("RAMJET_SPLIT_SHARDS", "owner")],
+        Split::Origin => &[("RAMJET_SPLIT_SHARDS", "origin")],
     };
     let url = dataset();
     let ids = shard_ids(url);
@@ -299,9 +388,23 @@ fn two_nodes_of_a_sticky_order(via_owner: bool) {
         .collect();
     proxies.iter().for_each(CountingProxy::reset);
     let outs: Vec<PathBuf> = (0..4).map(|r| dir.path().join(format!("rank{r}"))).collect();
-    let readers: Vec<Child> = (0..4)
-        .map(|r| node_reader(url, &nodes[r / 2].sock, &outs[r], &proxies[r / 2].url, r, env))
-        .collect();
+    // Node 0's ranks first, so that node 1's daemon finds their heartbeats (in a job started
+    // at once, a split shard asked for before its reader's loaders beat comes from the
+    // origin, within `directory::FIND_WAIT`).
+    let mut readers: Vec<Child> = Vec::new();
+    for r in 0..4 {
+        if r == 2 {
+            wait_for_consumers(&nodes[0], 2);
+        }
+        readers.push(node_reader(
+            url,
+            &nodes[r / 2].sock,
+            &outs[r],
+            &proxies[r / 2].url,
+            r,
+            env,
+        ));
+    }
     readers.into_iter().for_each(|c| drop(finish(c)));
     // Each line: epoch position stream shard index global_index record_bytes.
     let lines: Vec<Vec<Vec<String>>> = outs
@@ -367,9 +470,9 @@ fn two_nodes_of_a_sticky_order(via_owner: bool) {
     }
     // A shard only one node reads crossed from the origin into that node alone, once for both
     // epochs. A shard both nodes read in the first epoch (a cut split it) crossed from the
-    // origin into both (by default), or (through the owner) once for the cluster, into its
-    // ring owner, and the other node fetched it from that peer; so did one split in the second
-    // epoch that a node had not read before. The peer bytes are exactly those. A loaded machine may repeat a GET (a loader whose daemon
+    // origin once for the cluster, into its reader (by default) or its ring owner, and the
+    // other node fetched it from that peer; or (from the origin) into both. So did one split in
+    // the second epoch that a node had not read before. The peer bytes are exactly those. A loaded machine may repeat a GET (a loader whose daemon
     // did not answer in time reads the origin itself, as it should): at most one a node.
     let ring = Ring::new(1, members.clone(), ramjet_transport::ring::VNODES_DEFAULT);
     let owner = |shard: &String| {
@@ -390,10 +493,18 @@ fn two_nodes_of_a_sticky_order(via_owner: bool) {
         !split.is_empty(),
         "no cut split a shard: the test sees nothing of the split rule"
     );
+    // Where a split shard crosses from the origin: its ring owner, or its reader (node 0).
+    let source = |shard: &String| match mode {
+        Split::Reader => (0, owner(shard).1),
+        _ => owner(shard),
+    };
     let mut peer_want = [0u64; 2];
-    for (e, before) in [("0", None), ("1", Some("0"))].into_iter().filter(|_| via_owner) {
+    for (e, before) in [("0", None), ("1", Some("0"))]
+        .into_iter()
+        .filter(|_| mode != Split::Origin)
+    {
         for shard in split_in(e) {
-            let (o, bytes) = owner(&shard);
+            let (o, bytes) = source(&shard);
             let had = before.is_some_and(|b| shards_of(1 - o, b).contains(&shard));
             if !had {
                 peer_want[1 - o] += bytes;
@@ -413,15 +524,15 @@ fn two_nodes_of_a_sticky_order(via_owner: bool) {
             );
         }
         for shard in &split {
-            let want = match (via_owner, owner(shard).0 == n) {
-                (false, _) => (1, 1),
-                (true, true) => (1, 0),
-                (true, false) => (0, 1),
+            let want = match (mode, source(shard).0 == n) {
+                (Split::Origin, _) => (1, 1),
+                (_, true) => (1, 0),
+                (_, false) => (0, 1),
             };
             assert_eq!(
                 (gets(n, shard), gets(other, shard)),
                 want,
-                "split shard {shard} (through its owner: {via_owner}), node {n}"
+                "split shard {shard} ({mode:?}), node {n}"
             );
         }
         let all = proxies[n].count("GET", "/shards/");
@@ -757,6 +868,8 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
                 id,
                 keep: false,
                 split: false,
+                reader: None,
+                job: "",
             })
             .unwrap_err()
             .to_string();
@@ -772,6 +885,8 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
         id: ids[0],
         keep: false,
         split: false,
+        reader: None,
+        job: "",
     });
     let got = second
         .client
@@ -781,6 +896,8 @@ fn the_embedded_daemon_starts_once_validates_requests_and_serves_from_its_cache(
             id: ids[0],
             keep: false,
             split: false,
+            reader: None,
+            job: "",
         })
         .unwrap();
     assert_eq!(got.from, FetchedFrom::Origin);
@@ -902,6 +1019,8 @@ fn the_request_that_starts_a_flight_has_a_deadline() {
             id: ids[0],
             keep: false,
             split: false,
+            reader: None,
+            job: "",
         })
         .unwrap();
     let took = t0.elapsed();
@@ -1024,6 +1143,8 @@ fn a_handed_out_descriptor_holds_no_lock_on_the_cached_shard() {
             bytes: id.bytes,
             keep: false,
             split: false,
+            reader: None,
+            job: None,
         }))
         .unwrap();
         let (mut buf, mut chunk, mut fds) = (Vec::new(), [0u8; 4096], Vec::new());
@@ -1238,6 +1359,8 @@ fn a_daemon_without_a_key_stays_on_loopback_and_bounds_datasets_and_connections(
                 id,
                 keep: false,
                 split: false,
+                reader: None,
+                job: "",
             })
             .unwrap();
         assert_eq!(d.datasets_open(), 1);
@@ -1551,6 +1674,8 @@ fn the_daemon_refuses_a_loader_of_another_user() {
         bytes: ids[0].bytes,
         keep: false,
         split: false,
+        reader: None,
+        job: None,
     });
     // Everything the child needs is made before the fork: it only makes system calls.
     // SAFETY: a zeroed sockaddr_un is a valid value; the path is copied in below.
@@ -1634,6 +1759,8 @@ fn the_daemon_refuses_a_loader_of_another_user() {
             id: ids[0],
             keep: false,
             split: false,
+            reader: None,
+            job: "",
         })
         .unwrap();
     assert_eq!(got.bytes.len() as u64, ids[0].bytes);

@@ -364,6 +364,8 @@ impl ShardProvider for DaemonClient {
             bytes: req.id.bytes,
             keep: req.keep,
             split: req.split,
+            reader: req.reader,
+            job: req.reader.map(|_| req.job.to_owned()),
         };
         let (reply, file) = self.call(&get).map_err(|e| self.err(&what, e))?;
         match reply {

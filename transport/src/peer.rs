@@ -36,6 +36,9 @@ pub struct ShardGet {
     pub bytes: u64,
     /// How errors name the shard: `shard N (URL)`.
     pub what: String,
+    /// The asking node reads this split shard too, and the peer's node is its reader: the
+    /// peer keeps it for its own node (`Msg::Get`'s `keep`).
+    pub keep: bool,
 }
 
 impl ShardGet {
@@ -45,8 +48,10 @@ impl ShardGet {
             shard: self.shard,
             checksum: self.checksum,
             bytes: self.bytes,
-            keep: false,
+            keep: self.keep,
             split: false,
+            reader: None,
+            job: None,
         }
     }
 }

@@ -65,15 +65,25 @@ pub enum Msg {
         checksum: u64,
         /// Shard size (from the manifest).
         bytes: u64,
-        /// Local only: the shard is the asking node's own share every epoch, so the daemon
-        /// reads it from the origin (not the ring owner) and keeps it (absent: false).
+        /// The shard is the asking node's own share every epoch, so the daemon reads it from
+        /// the origin (not the ring owner) and keeps it (absent: false). From a peer: the
+        /// asker is a node that reads this split shard too, and this daemon's node its reader.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         keep: bool,
         /// Local only, with `keep`: another node reads this shard too, so the daemon fetches
-        /// it through its ring owner (the cluster reads it from the origin once) and keeps it
-        /// all the same (absent: false).
+        /// it through another daemon (the cluster reads it from the origin once) and keeps it
+        /// all the same: the daemon of node `reader` of job `job`, else the ring owner
+        /// (absent: false).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         split: bool,
+        /// Local only, with `split`: the node of the job's deal that reads the shard from the
+        /// origin (absent: none, the ring owner).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reader: Option<u32>,
+        /// Local only, with `reader`: the asking consumer's job, whose heartbeats name the
+        /// reader node's daemon.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<String>,
     },
     /// The shard follows.
     Data {
@@ -745,6 +755,8 @@ mod tests {
             bytes: 3,
             keep: false,
             split: false,
+            reader: None,
+            job: None,
         };
         let f1 = client.seal(&get);
         assert_eq!(server.open(&body(&f1)).unwrap(), get);

@@ -80,6 +80,8 @@ async fn an_owner_without_rdma_says_so_and_keeps_serving_tcp() {
         bytes: 10,
         keep: false,
         split: false,
+        reader: None,
+        job: None,
     };
     wire::write_msg(&mut s, &get).await.unwrap();
     match wire::read_msg(&mut s).await.unwrap() {

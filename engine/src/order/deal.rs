@@ -100,6 +100,11 @@ impl DealRule {
         }
     }
 
+    /// The node of consumer `c` (of `consumers`): the consumers of a node are consecutive.
+    pub fn node_of_consumer(&self, c: u64) -> u64 {
+        (c / self.per_node()).min(self.nodes.saturating_sub(1))
+    }
+
     /// The node whose columns hold canonical partition `c` (`c < partitions`).
     pub fn node_of_partition(&self, c: u64) -> u64 {
         c / self.width()

@@ -595,14 +595,26 @@ struct HostDaemon<'a> {
     source: usize,
 }
 
+/// The request's `split` and `reader` for shard `shard` of source `source`.
+fn split_fields(sh: &Shared, source: usize, shard: usize) -> (bool, Option<u32>) {
+    match sh.split_via(source, shard) {
+        None => (false, None),
+        Some(super::split::SplitVia::Owner) => (true, None),
+        Some(super::split::SplitVia::Reader(n)) => (true, Some(n)),
+    }
+}
+
 impl HostDaemon<'_> {
     fn request<'r>(&'r self, at: &ShardAt<'r>) -> ShardRequest<'r> {
+        let (split, reader) = split_fields(self.shared, self.source, at.shard);
         ShardRequest {
             manifest_url: at.ds.manifest_url(),
             shard: at.shard as u32,
             id: at.id,
             keep: self.shared.keeps_share(),
-            split: self.shared.is_split(self.source, at.shard),
+            split,
+            reader,
+            job: &self.shared.job,
         }
     }
 }
@@ -618,12 +630,15 @@ impl Upstream for HostDaemon<'_> {
             let (sh, p, source, shard) = (self.shared.clone(), self.provider.clone(), self.source, at.shard);
             let got = blocking("host-daemon call", move || {
                 let src = &sh.sources[source];
+                let (split, reader) = split_fields(&sh, source, shard);
                 p.fetch(&ShardRequest {
                     manifest_url: src.ds.manifest_url(),
                     shard: shard as u32,
                     id: src.id(shard)?,
                     keep: sh.keeps_share(),
-                    split: sh.is_split(source, shard),
+                    split,
+                    reader,
+                    job: &sh.job,
                 })
             })
             .await?;

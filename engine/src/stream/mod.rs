@@ -39,6 +39,7 @@ mod plan;
 mod prefetch;
 mod reader;
 mod shared;
+mod split;
 mod state;
 
 use plan::EpochPlan;
@@ -46,6 +47,7 @@ use prefetch::prefetcher;
 pub use reader::SampleReader;
 pub use shared::Opened;
 use shared::{slice_record, Live, Shared};
+pub use split::SplitShards;
 use state::starting_point;
 pub use state::{audit, epoch_lengths, Audit, AuditReport, ResumePoint, StreamState};
 
@@ -97,12 +99,11 @@ pub struct StreamConfig {
     /// Size the shards ahead from rates (the default); false (or `RAMJET_PREFETCH_TUNE=off`)
     /// fills the whole budget, as before.
     pub prefetch_tuned: bool,
-    /// Under a node-affine deal of a sticky order, a shard that a cut between two nodes splits
-    /// (both read it) goes through its ring owner, so the origin serves it once for the cluster,
-    /// at the price of a shard more into an owner that reads none of it; false (the default,
-    /// unless `RAMJET_SPLIT_SHARDS=owner`): each of the two nodes reads it from the origin
-    /// (docs/order.md, "Node-affine").
-    pub split_via_owner: bool,
+    /// Under a node-affine deal of a sticky order, where a node's daemon reads a shard that a
+    /// cut between two nodes splits (both read it): through the daemon of its reader node (the
+    /// default), its ring owner, or the origin (`RAMJET_SPLIT_SHARDS`; docs/order.md,
+    /// "Node-affine").
+    pub split_shards: SplitShards,
     /// The user gave no partitions: `order.partitions` is the run's, which the caller settles
     /// before the stream starts ([`crate::loader::Epochs::settle_partitions`]: the partitions of
     /// the state it resumes from, else the job's node count at the run's first start). The
@@ -236,7 +237,7 @@ impl Default for StreamConfig {
             cache: None,
             prefetch_bytes_max: 512 << 20,
             prefetch_tuned: true,
-            split_via_owner: std::env::var("RAMJET_SPLIT_SHARDS").is_ok_and(|v| v.trim() == "owner"),
+            split_shards: SplitShards::from_env(),
             partitions_from_job: false,
             // Per-request overhead dominated on the local S3 server (4 MiB ranges were half as
             // fast as whole-object GETs); 32 MiB keeps two parallel ranges per 64 MiB shard.
@@ -498,7 +499,9 @@ impl Stream {
         let prefetch = rt.spawn(prefetcher(shared.clone(), start, skip, tx, per_sample, ranged, gate));
         let heartbeat = cfg.provider.clone().map(|p| {
             let url = cfg.sources.first().map_or("", |s| s.url.as_str());
-            let who = crate::provider::Heartbeat::identity(url, &cfg.topology);
+            let mut who = crate::provider::Heartbeat::identity(url, &cfg.topology);
+            let rule = crate::order::DealRule::for_job(&cfg.order, &cfg.topology);
+            who.node = (rule.nodes > 1).then(|| rule.node_of_consumer(cfg.topology.consumer() as u64) as u32);
             rt.spawn(crate::provider::report_heartbeats(p, shared.metrics.clone(), who))
         });
         let stream = Stream {

@@ -14,6 +14,7 @@ use super::fetch::{fetch_shard, fetch_shard_from};
 use super::plan::plan_epoch;
 use super::plan::EpochPlan;
 use super::shared::{slice_record, Live, Shared};
+use super::split::SplitVia;
 use super::{Gate, Msg, RANGED_AHEAD_MAX, SAMPLE_BATCHES_IN_FLIGHT};
 use crate::error::Result;
 use crate::metrics::Metrics;
@@ -77,19 +78,19 @@ struct ShardUses {
     k: u64,
     pending: std::collections::VecDeque<((u32, u32), u64)>,
     /// When the node keeps its share ([`Shared::keeps_share`]) and sends the shards a cut splits
-    /// through their ring owner (`split_via_owner`): the stream and the deal's rule,
-    /// to mark the shards another node reads too ([`Shared::split_shards`]) before they are
-    /// fetched.
-    splits: Option<(Arc<Shared>, DealRule)>,
+    /// through another daemon (`split_shards` not `Origin`): the stream, the deal's rule and
+    /// this consumer's node, to mark the shards another node reads too
+    /// ([`Shared::split_shards`]) before they are fetched.
+    splits: Option<(Arc<Shared>, DealRule, u64)>,
 }
 
 impl ShardUses {
     fn new(plan: Arc<EpochPlan>, shared: &Arc<Shared>) -> ShardUses {
-        let splits = (shared.keeps_share() && shared.cfg.split_via_owner).then(|| {
-            (
-                shared.clone(),
-                DealRule::for_job(&shared.cfg.order, &shared.cfg.topology),
-            )
+        let routed = shared.cfg.split_shards != super::SplitShards::Origin;
+        let splits = (shared.keeps_share() && routed).then(|| {
+            let rule = DealRule::for_job(&shared.cfg.order, &shared.cfg.topology);
+            let me = rule.node_of_consumer(shared.cfg.topology.consumer() as u64);
+            (shared.clone(), rule, me)
         });
         ShardUses {
             cursor: plan.order.cursor(),
@@ -101,16 +102,24 @@ impl ShardUses {
     }
 
     /// Marks the shard at position `g` as split when its unit's samples in its round lie in
-    /// partitions of two nodes.
+    /// partitions of two nodes: through its ring owner, or through its reader (the node of its
+    /// first partition) unless this node is the reader (which reads it from the origin).
     fn mark_if_split(&mut self, g: u64, key: (u32, u32)) -> Result<()> {
-        let Some((shared, rule)) = &self.splits else {
+        let Some((shared, rule, me)) = &self.splits else {
             return Ok(());
         };
         if let Some((lo, hi)) = self.cursor.unit_partitions(g)? {
-            if rule.node_of_partition(lo) != rule.node_of_partition(hi) {
-                let mut m = shared.split_shards.lock().unwrap_or_else(|p| p.into_inner());
-                m.insert(key);
+            let reader = rule.node_of_partition(lo);
+            if reader == rule.node_of_partition(hi) {
+                return Ok(());
             }
+            let via = match shared.cfg.split_shards {
+                super::SplitShards::Owner => SplitVia::Owner,
+                _ if reader == *me => return Ok(()),
+                _ => SplitVia::Reader(reader as u32),
+            };
+            let mut m = shared.split_shards.lock().unwrap_or_else(|p| p.into_inner());
+            m.insert(key, via);
         }
         Ok(())
     }

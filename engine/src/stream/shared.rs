@@ -83,9 +83,13 @@ pub struct Shared {
     pub(super) ahead: super::ahead::Ahead,
     /// Shards of this node's own share ([`Self::keeps_share`]) that another node reads too (a
     /// cut between two nodes' windows of a round splits them), as the prefetcher's walk finds
-    /// them: the host daemon fetches them through their ring owner, so the origin serves each
-    /// once for the cluster, and keeps them. At most two a round.
-    pub(super) split_shards: std::sync::Mutex<std::collections::HashSet<(u32, u32)>>,
+    /// them, each with the daemon that the host daemon asks for it (so the origin serves it
+    /// once for the cluster); the host daemon keeps them. At most two a round. A shard this
+    /// node reads from the origin for the others (its reader) is not here.
+    pub(super) split_shards: std::sync::Mutex<std::collections::HashMap<(u32, u32), super::split::SplitVia>>,
+    /// The job's name ([`crate::provider::Heartbeat::job_name`]), which names a split shard's
+    /// reader node to the host daemon.
+    pub(super) job: String,
 }
 
 impl Shared {
@@ -97,11 +101,11 @@ impl Shared {
             && crate::order::DealRule::for_job(order, &self.cfg.topology).nodes > 1
     }
 
-    /// Whether shard `shard` of source `source` is one of this node's own shards that another
-    /// node reads too ([`Self::split_shards`]).
-    pub(super) fn is_split(&self, source: usize, shard: usize) -> bool {
+    /// How the host daemon asks for shard `shard` of source `source` when another node reads
+    /// it too ([`Self::split_shards`]); `None` for any other shard.
+    pub(super) fn split_via(&self, source: usize, shard: usize) -> Option<super::split::SplitVia> {
         let m = self.split_shards.lock().unwrap_or_else(|p| p.into_inner());
-        m.contains(&(source as u32, shard as u32))
+        m.get(&(source as u32, shard as u32)).copied()
     }
 
     /// Checks `cfg`, reads every source's manifest (in parallel, while the cache opens), and
@@ -183,6 +187,7 @@ impl Shared {
         Ok(Arc::new(Shared {
             ahead,
             split_shards: Default::default(),
+            job: crate::provider::Heartbeat::job_name(cfg.sources.first().map_or("", |s| s.url.as_str())),
             indexes,
             vouched: Default::default(),
             chain,

@@ -22,6 +22,8 @@ struct OwnerPeer<'a> {
     inner: &'a Arc<Inner>,
     owner: String,
     what: String,
+    /// `owner` is the split shard's reader, not its ring owner: it keeps the shard.
+    reader: bool,
 }
 
 impl Upstream for OwnerPeer<'_> {
@@ -33,6 +35,7 @@ impl Upstream for OwnerPeer<'_> {
                 checksum: at.id.checksum,
                 bytes: at.id.bytes,
                 what: self.what.clone(),
+                keep: self.reader,
             };
             let b = self.inner.transport.fetch(&self.owner, &get).await?;
             Ok((b, FetchedFrom::CachePeer))
@@ -80,9 +83,13 @@ pub(super) enum Asker {
     /// the node's later epochs read its own disk.
     Keeper,
     /// A keeper's shard that another node reads too (a cut between two nodes' windows splits
-    /// it): the owner peer when another daemon owns the shard (so the origin serves it once for
-    /// the cluster), else the origin; kept here whoever owns it.
+    /// it): the request's `via` peer (the shard's reader), else the owner peer when another
+    /// daemon owns the shard (so the origin serves it once for the cluster), else the origin;
+    /// kept here whoever owns it.
     SplitKeeper,
+    /// Another daemon whose node reads this split shard too, this daemon's node being its
+    /// reader: the origin only, and kept here for this node's loaders.
+    PeerKeeper,
 }
 
 impl Asker {
@@ -94,7 +101,7 @@ impl Asker {
 
 /// Whether the daemon caches what `asker` asked for whoever owns it on the ring.
 fn keep_here(asker: Asker) -> bool {
-    matches!(asker, Asker::Keeper | Asker::SplitKeeper)
+    matches!(asker, Asker::Keeper | Asker::SplitKeeper | Asker::PeerKeeper)
 }
 
 impl Inner {
@@ -136,14 +143,15 @@ impl Inner {
         // owner is another daemon that is not backing off. A peer's request joins only flights
         // that go to the origin, so a request never returns to a daemon it came from.
         let asks_peer = allow_peer && {
-            let owner = self
-                .membership
-                .read()
-                .expect("membership lock")
-                .ring()
-                .owner(req.id)
-                .map(str::to_owned);
-            owner.is_some_and(|o| o != self.me && self.peer_usable(&o))
+            let peer = req.via.clone().or_else(|| {
+                self.membership
+                    .read()
+                    .expect("membership lock")
+                    .ring()
+                    .owner(req.id)
+                    .map(str::to_owned)
+            });
+            peer.is_some_and(|o| o != self.me && self.peer_usable(&o))
         };
         // The flight runs as its own task (`ramjet_engine::singleflight`): it completes (and
         // fills the cache) even if the request that started it goes away.
@@ -220,13 +228,16 @@ impl Inner {
                 .map_or(self.cfg.range_bytes, |o| o.range_bytes(self.cfg.range_bytes)),
             ranges_in_flight: self.cfg.ranges_in_flight,
         };
-        let peer = owner
+        let peer = req
+            .via
             .clone()
+            .or_else(|| owner.clone())
             .filter(|o| allow_peer && *o != self.me && self.peer_usable(o))
-            .map(|owner| OwnerPeer {
+            .map(|peer| OwnerPeer {
                 inner: self,
-                owner,
+                owner: peer,
                 what: req.describe(),
+                reader: req.via.is_some(),
             });
         let mut steps = vec![Step::Cache(&self.cache)];
         if let Some(p) = &peer {

@@ -55,6 +55,14 @@ fn check(b: &Heartbeat) -> Result<(), String> {
         }
     };
     share("data_wait_share", b.data_wait_share)?;
+    if let Some(n) = b.node.filter(|&n| n >= b.world.max(1)) {
+        // A job's nodes are at most its ranks: another daemon would look for a node that
+        // cannot exist (a split shard's reader).
+        return Err(format!(
+            "heartbeat of {:?}: node {n} of a job of {} ranks",
+            b.consumer, b.world
+        ));
+    }
     for (k, v) in &b.split {
         share(k, *v)?;
     }
@@ -260,6 +268,12 @@ mod tests {
         let mut bad = beat("x");
         bad.split.insert("origin".into(), 7.0);
         assert!(j.beat(bad).unwrap_err().contains("origin"));
+        let mut bad = beat("x");
+        (bad.world, bad.node) = (4, Some(4));
+        assert!(j.beat(bad).unwrap_err().contains("node 4 of a job of 4 ranks"));
+        let mut fine = beat("x");
+        (fine.world, fine.node) = (4, Some(3));
+        j.beat(fine).unwrap();
         let mut long = beat(&"y".repeat(10_000));
         long.job = "é".repeat(500);
         j.beat(long).unwrap();

@@ -192,15 +192,27 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                 bytes,
                 keep,
                 split,
+                reader,
+                job,
             } => {
                 let t = Instant::now();
-                let asker = match (keep, split) {
-                    (true, true) => Asker::SplitKeeper,
-                    (true, false) => Asker::Keeper,
+                // A split shard with a reader node: through that node's daemon, once the job's
+                // heartbeats name it; else from the origin.
+                let via = match (keep && split, reader, &job) {
+                    (true, Some(n), Some(job)) => Some(inner.reader_daemon(job, n).await),
+                    _ => None,
+                };
+                let asker = match (keep, split, &via) {
+                    (true, true, Some(None)) => Asker::Keeper,
+                    (true, true, _) => Asker::SplitKeeper,
+                    (true, false, _) => Asker::Keeper,
                     _ => Asker::Local,
                 };
                 let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
-                    Ok(req) => inner.serve(&req, asker).await,
+                    Ok(mut req) => {
+                        req.via = via.flatten();
+                        inner.serve(&req, asker).await
+                    }
                     Err(e) => {
                         inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
                         Err(e)

@@ -23,6 +23,7 @@
 mod budget;
 mod cluster;
 mod config;
+mod directory;
 mod fetch;
 mod http;
 mod jobs;
@@ -106,6 +107,9 @@ struct Inner {
     history: cluster::History,
     /// This host's consumers, from their heartbeats.
     jobs: jobs::Jobs,
+    /// Other nodes' daemons by job and node, as the cluster view names them (split shards'
+    /// readers).
+    directory: directory::Directory,
     /// Sealed in-memory copies of cached shards that several local consumers map
     /// (`local::shared_copy`).
     shared: std::sync::Mutex<local::SharedShards>,
@@ -148,6 +152,10 @@ struct Req {
     ds: Arc<Dataset>,
     shard: usize,
     id: ShardId,
+    /// The daemon a flight for this request asks instead of the shard's ring owner: the
+    /// daemon of the node that reads this split shard from the origin (its reader), which
+    /// keeps it for its own node.
+    via: Option<String>,
 }
 
 impl Req {
@@ -294,6 +302,7 @@ impl Daemon {
             rdma,
             started: Instant::now(),
             history: Default::default(),
+            directory: Default::default(),
             jobs: Default::default(),
             shared: std::sync::Mutex::new(local::SharedShards::new(cfg.shared_shard_bytes)),
             stop: tokio::sync::watch::channel(false).0,

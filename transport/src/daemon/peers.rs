@@ -91,16 +91,19 @@ pub(super) async fn peer_conn(
             Ok(m) => m?,
             Err(_) => return Ok(()),
         };
-        let (manifest_url, shard, checksum, bytes, target) = match msg {
+        let (manifest_url, shard, checksum, bytes, keep, target) = match msg {
             Msg::Get {
                 manifest_url,
                 shard,
                 checksum,
                 bytes,
-                // A peer's request is served as one (origin only, kept by the owner).
-                keep: _,
+                // A peer's request is served as one (origin only, kept by the owner), or, from
+                // a node that reads a split shard this node reads from the origin, kept here.
+                keep,
                 split: _,
-            } => (manifest_url, shard, checksum, bytes, None),
+                reader: _,
+                job: _,
+            } => (manifest_url, shard, checksum, bytes, keep, None),
             Msg::GetRdma {
                 manifest_url,
                 shard,
@@ -108,7 +111,7 @@ pub(super) async fn peer_conn(
                 bytes,
                 addr,
                 rkey,
-            } => (manifest_url, shard, checksum, bytes, Some((addr, rkey))),
+            } => (manifest_url, shard, checksum, bytes, false, Some((addr, rkey))),
             Msg::SummaryRequest => {
                 s.send(&inner.summary_msg()).await?;
                 continue;
@@ -125,7 +128,10 @@ pub(super) async fn peer_conn(
             }
         };
         let r = match inner.resolve(&manifest_url, shard, checksum, bytes).await {
-            Ok(req) => inner.serve(&req, Asker::Peer).await,
+            Ok(req) => {
+                let asker = if keep { Asker::PeerKeeper } else { Asker::Peer };
+                inner.serve(&req, asker).await
+            }
             Err(e) => {
                 inner.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
                 Err(e)

@@ -81,6 +81,7 @@ impl Inner {
             ds,
             shard: shard as usize,
             id,
+            via: None,
         })
     }
 
