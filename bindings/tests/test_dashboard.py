@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -75,12 +76,37 @@ def serve(tmp_path, name, me, members, http):
     return p, sock
 
 
+# A decoding consumer that leaves corrupt samples out (on_corrupt="skip"), epoch after epoch.
+CORRUPT_READER = """
+import sys, ramjet
+ds = ramjet.StreamingDataset(sys.argv[1], batch_size=4, image_size=32, shuffle=False,
+                             on_corrupt="skip", daemon=sys.argv[2])
+while True:
+    for _ in ds:
+        pass
+"""
+
+
+def corrupt_folder(images, root):
+    """A folder of 8 images whose third cannot be decoded (its first component names
+    quantisation table 3, never defined), though its structure is valid."""
+    (root / "a").mkdir(parents=True)
+    for i, src in enumerate(sorted(images.iterdir())[:8]):
+        data = src.read_bytes()
+        if i == 2:
+            sof = data.index(b"\xff\xc0")
+            data = data[: sof + 12] + b"\x03" + data[sof + 13 :]
+        (root / "a" / src.name).write_bytes(data)
+
+
 def test_the_dashboard_in_a_real_browser(tmp_path):
     assert os.path.exists(CHROMIUM), "Debian's chromium is not installed (tools/setup.sh installs it)"
     from playwright.sync_api import sync_playwright
 
     run("synth", str(tmp_path / "synth"), "--samples", "48")
     run("pack", str(tmp_path / "synth"), str(tmp_path / "packed"), "--shard-size", "200KiB")
+    corrupt_folder(tmp_path / "synth" / "images", tmp_path / "bad")
+    run("pack", str(tmp_path / "bad"), str(tmp_path / "badpacked"))
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     port_a = free_port()
     http_a, http_b = f"0.0.0.0:{port_a}", f"127.0.0.1:{free_port()}"
@@ -101,6 +127,15 @@ def test_the_dashboard_in_a_real_browser(tmp_path):
         )
         for rank, (sock, step_ms) in enumerate([(sock_a, 20), (sock_b, 60)])
     ]
+    readers.append(
+        subprocess.Popen(
+            [sys.executable, "-c", CORRUPT_READER, str(tmp_path / "badpacked"), str(sock_a)],
+            env=dict(os.environ, RAMJET_JOB="browser-corrupt"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    )
     lease = None
     try:
         # No credential, or a wrong one, on the non-loopback port: 401 and nothing about
@@ -165,6 +200,15 @@ def test_the_dashboard_in_a_real_browser(tmp_path):
             assert float(page.get_attribute(skew, "data-skew")) > 0.3, page.inner_text("#skew")
             steps = [float(page.get_attribute(f'tr[data-consumer$="/{r}.0"] td[data-step]', "data-step")) for r in (0, 1)]
             assert 0.0 < steps[0] < steps[1], steps
+            # The corrupt-sample count: the decoding consumer's on the page and in /metrics,
+            # none for the others.
+            bad = 'tr[data-job="browser-corrupt"] td[data-corrupt]:not([data-corrupt="0"])'
+            page.wait_for_selector(bad, timeout=30_000)
+            assert int(page.get_attribute(bad, "data-corrupt")) >= 1
+            assert page.get_attribute('tr[data-job="browser-test"] td[data-corrupt]', "data-corrupt") == "0"
+            prom = get(page_addr, "/metrics", token)[1]
+            skipped = [line for line in prom.splitlines() if line.startswith("ramjet_job_samples_skipped_total{job=\"browser-corrupt\"")]
+            assert skipped and float(skipped[0].rsplit(" ", 1)[1]) >= 1, prom
 
             png = Path(os.environ.get("RAMJET_DASHBOARD_PNG", ROOT / "docs/img/dashboard.png"))
             png.parent.mkdir(parents=True, exist_ok=True)

@@ -167,6 +167,10 @@ pub struct Heartbeat {
     /// answers.
     #[serde(default)]
     pub pace: bool,
+    /// Samples its loader found corrupt (undecodable) and left out of their batches
+    /// (`on_corrupt="skip"`), since it started; absent from older loaders: 0.
+    #[serde(default)]
+    pub samples_skipped: u64,
     /// Its node in its job's node-affine deal (`None`: the job deals position by position, or
     /// an older loader). A daemon finds the daemon of a job's node by it (a split shard's
     /// reader).
@@ -198,6 +202,7 @@ pub(crate) async fn report_heartbeats(
         beat.samples = s.samples;
         beat.samples_per_s = s.samples.saturating_sub(last.1) as f64 / dt;
         beat.batches = s.batches;
+        beat.samples_skipped = s.samples_skipped;
         beat.step_s = match s.batches.saturating_sub(last.2) {
             0 => metrics.since_last_batch_s(),
             steps => dt / steps as f64,

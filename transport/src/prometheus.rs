@@ -222,6 +222,15 @@ fn expose_jobs(r: &mut Registry, jobs: &[JobView]) {
             })
         }),
     );
+    let f = Family::<Labels, Counter>::default();
+    for j in jobs {
+        f.get_or_create(&who(j)).inc_by(j.beat.samples_skipped);
+    }
+    r.register(
+        "job_samples_skipped",
+        "Samples a consumer's loader found corrupt (undecodable) and left out of their batches, since it started.",
+        f,
+    );
     gauges(
         r,
         "job_epoch",
@@ -262,6 +271,7 @@ mod tests {
             samples_per_s: 12.5,
             data_wait_share: 0.25,
             step_s: 0.5,
+            samples_skipped: 3,
             ..Default::default()
         };
         beat.split.insert("origin".into(), 0.25);
@@ -287,6 +297,10 @@ mod tests {
             "{p}"
         );
         assert!(p.contains("ramjet_job_step_skew{job=\"train\"} 0"), "{p}");
+        assert!(
+            p.contains("ramjet_job_samples_skipped_total{job=\"train\",rank=\"0\",worker=\"0\"} 3\n"),
+            "{p}"
+        );
         assert!(p.ends_with("# EOF\n"), "{p}");
     }
 }
