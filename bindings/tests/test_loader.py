@@ -550,6 +550,68 @@ def test_stateful_resume_with_other_workers_is_refused_by_name(classes):
         next(iter(ds))
 
 
+def test_every_state_carries_the_data_contract_and_another_transform_is_refused_by_field(classes):
+    """state_dict() records the data contract (ramjet's version, the manifest versions, the
+    order, the transform spec), before and after the first batch and in a worker's state; a
+    state saved with augment="train" at 224 px is refused by a dataset at augment="eval",
+    48 px, naming each field, and with strict=False it warns and goes on exactly."""
+    import warnings
+
+    url, _ = classes
+    ds = dataset(url, seed=9, batch_size=4, image_size=224, augment="train")
+    fresh = ds.state_dict()["contract"]
+    it = iter(ds)
+    head = [next(it) for _ in range(3)]
+    state = ds.state_dict()
+    c = state["contract"]
+    assert c == fresh == ds.contract()
+    assert c["ramjet"] == ramjet.__version__
+    assert [s["manifest_version"] for s in c["sources"]] == [ramjet._ramjet.inspect(url)["version"]]
+    img = c["transform"]["image"]
+    assert (img["augment"], img["height"], img["width"], img["flip"]) == ("train", 224, 224, 0.5)
+    assert c["order"]["seed"] == 9
+    rest = [int(i) for b in it for i in b["_index"]]
+    # The same transform: loaded without a word (the contract survives a JSON round trip).
+    same = dataset(url, seed=9, batch_size=4, image_size=224, augment="train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(json.loads(json.dumps(state)))
+    assert indices(list(same)) == rest
+    other = lambda: dataset(url, seed=9, batch_size=4, image_size=48, augment="eval")  # noqa: E731
+    with pytest.raises(ramjet.InvalidInputError) as e:
+        other().load_state_dict(state)
+    msg = str(e.value)
+    for field in ("transform.image.augment", "transform.image.height", "transform.image.width"):
+        assert field in msg, msg
+    assert '"train" in the state, "eval" here' in msg and "strict=False" in msg, msg
+    loose = other()
+    with pytest.warns(RuntimeWarning, match="transform.image.augment"):
+        loose.load_state_dict(state, strict=False)
+    assert indices(list(loose)) == rest, "strict=False resumes exactly all the same"
+    assert sorted(indices(head) + rest) == list(range(N))
+    # A state from before contracts loads as it is; a contract that is not one is refused.
+    old = {k: v for k, v in state.items() if k != "contract"}
+    legacy = other()
+    legacy.load_state_dict(old)
+    assert indices(list(legacy)) == rest
+    with pytest.raises(ramjet.InvalidInputError, match="not a data contract"):
+        other().load_state_dict(dict(state, contract=[1]))
+
+
+def test_a_stateful_dataloader_workers_state_carries_the_contract_and_is_checked(classes):
+    url, _ = classes
+    dl = _stateful(dataset(url, seed=2, batch_size=4, augment="train"), 2)
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    state = dl.state_dict()
+    del it
+    ws = [w["dataset_state"] for w in state["_snapshot"]["_worker_snapshots"].values()]
+    assert all(w["contract"]["transform"]["image"]["augment"] == "train" for w in ws), ws
+    with pytest.raises(ramjet.InvalidInputError, match="transform.image.augment"):
+        dataset(url, seed=2, batch_size=4, augment="eval").load_state_dict(ws[0])
+
+
 def test_columns_come_from_sidecars_without_reading_images(synth):
     url = s3_url("cols")
     run("pack", str(synth), url, "--shard-size", "1MiB")

@@ -278,6 +278,40 @@ def _copy_order(batch: Dict[str, Any]) -> List[str]:
     return [k for k in tensors if not batch[k].is_pinned()] + [k for k in tensors if batch[k].is_pinned()]
 
 
+def _transform_spec(base: Dict[str, Any]) -> Dict[str, Any]:
+    """The transform spec of a loader configuration: what turns a sample into its tensors."""
+    return {
+        "image_column": base.get("image_column"),
+        "boxes_column": base.get("boxes_column"),
+        "image": base.get("image"),
+    }
+
+
+def _differences(saved: Any, here: Any, path: str) -> List[str]:
+    """The fields (dotted paths) where two JSON values differ, with both values."""
+    if isinstance(saved, dict) and isinstance(here, dict):
+        out: List[str] = []
+        for k in sorted(set(saved) | set(here)):
+            out += _differences(saved.get(k), here.get(k), f"{path}.{k}")
+        return out
+    if saved != here:
+        return [f"{path} is {json.dumps(saved)} in the state, {json.dumps(here)} here"]
+    return []
+
+
+def _check_contract(contract: Any, transform: Dict[str, Any], strict: bool) -> None:
+    """Refuses (or, not strict, warns about) a state whose transform spec is not this one."""
+    if not isinstance(contract, dict) or not isinstance(contract.get("transform"), dict):
+        raise InvalidInputError("load_state_dict: the state's \"contract\" is not a data contract (no \"transform\")")
+    diff = _differences(contract["transform"], transform, "transform")
+    if not diff:
+        return
+    why = "load_state_dict: the state was saved with another transform spec: " + "; ".join(diff)
+    if strict:
+        raise InvalidInputError(why + " (strict=False loads it anyway)")
+    warnings.warn(why + "; loading it anyway (strict=False)", RuntimeWarning, stacklevel=3)
+
+
 def _jsonable(v: Any) -> Any:
     """A value ``json`` cannot write as itself: an integer type (numpy's) as the int, anything
     else as its repr (the engine then refuses it, naming the field)."""
@@ -483,6 +517,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._in_flight: List[Any] = []  # (copy event, host batch) until the copy completes
         self._lengths: Dict[Any, Tuple[int, int]] = {}
         self._first_len: Optional[int] = None  # samples of the first source (indexing)
+        self._contract_sources: Optional[List[Dict[str, Any]]] = None  # (contract) read once
 
     # ----- topology -------------------------------------------------------------------
 
@@ -567,6 +602,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         # a new one starts, and where (the epoch's start, or a loaded state); it ends the
         # iteration after the epoch's last batch.
         self._session.begin(self._config(**extra))
+        # The contract's manifest versions, read here once, so that a state taken after every
+        # batch (a StatefulDataLoader worker's) never calls into the engine for them.
+        self.contract()
         while True:
             got = self._session.next_batch()
             if got is None:
@@ -635,10 +673,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         continues exactly when the topology (ranks and workers) is the same.
         """
         if torch is not None and torch.utils.data.get_worker_info() is not None:
-            return json.loads(self._session.worker_state())
+            return dict(json.loads(self._session.worker_state()), contract=self.contract())
         state = self._state
         if state is None:
-            return json.loads(self._session.unstarted_job_state())
+            return dict(json.loads(self._session.unstarted_job_state()), contract=self.contract())
         states = [state]
         world = self._topology()["world"]
         if world > 1:
@@ -651,7 +689,30 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             states = [s for s in gathered if s is not None]
             if len(states) != world:
                 raise InvalidInputError("state_dict: some ranks have not read any batch yet")
-        return json.loads(_ramjet.job_state(states))
+        return dict(json.loads(_ramjet.job_state(states)), contract=self.contract())
+
+    def contract(self) -> Dict[str, Any]:
+        """The data contract of this dataset, for a trainer's run metadata and in every
+        :meth:`state_dict` (``"contract"``): ramjet's version, each source's URL, weight and
+        manifest version, the order as given (``partitions`` None when not given: the run's are the
+        state's ``"partitions"``), and the transform
+        spec (``"transform"``: the image and boxes columns, and the image settings: augment,
+        size, crop and flip parameters, normalization). :meth:`load_state_dict` refuses a state
+        whose transform spec differs, naming the field, unless ``strict=False``."""
+        if self._contract_sources is None:
+            self._contract_sources = [
+                {"url": s["url"], "weight": s.get("weight"), "manifest_version": _ramjet.inspect(s["url"])["version"]}
+                for s in self._base["sources"]
+            ]
+        order = dict(self._base["order"])
+        if self._base.get("partitions_from_job"):
+            order["partitions"] = None  # the run's: the state's "partitions" once it has started
+        return {
+            "ramjet": __version__,
+            "sources": [dict(s) for s in self._contract_sources],
+            "order": order,
+            "transform": _transform_spec(self._base),
+        }
 
     def audit(self) -> Dict[str, Any]:
         """The exactly-once audit of the epoch in progress (or just finished): whether each
@@ -690,12 +751,19 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                 raise InvalidInputError("audit(): some ranks have not read any batch yet")
         return json.loads(_ramjet.audit(self._config(), states=states))
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
         """Continues from a :meth:`state_dict`: the next iteration yields the rest of its epoch.
 
         A state that is not one :meth:`state_dict` made (not a dict, a missing or wrong-typed
         field, JSON that does not parse, an ``epoch`` that disagrees with its ``resume``)
-        raises :class:`InvalidInputError` naming the field, and changes nothing."""
+        raises :class:`InvalidInputError` naming the field, and changes nothing. So does a
+        state whose data contract's transform spec differs from this dataset's (another
+        ``augment``, size, crop, flip or normalization: the run would go on with other data),
+        naming each field that differs; with ``strict=False`` that is a warning and the state
+        is loaded. A state without a contract (an older one) is loaded as it is."""
+        if isinstance(state, dict) and "contract" in state:
+            _check_contract(state["contract"], _transform_spec(self._base), strict)
+            state = {k: v for k, v in state.items() if k != "contract"}
         self._session.load_state(json.dumps(state, default=_jsonable))
 
     # ----- sizes and random access ----------------------------------------------------

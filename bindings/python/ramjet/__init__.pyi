@@ -162,8 +162,13 @@ class StreamingDataset:
     def audit(self) -> Dict[str, Any]:
         """The exactly-once audit of the epoch in progress: ``exactly_once``, ``complete``,
         ``delivered``, ``expected``, ``message``."""
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from a state_dict: the next iteration yields the rest of its epoch."""
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Continue from a state_dict: the next iteration yields the rest of its epoch. A state
+        whose data contract's transform spec differs is refused naming the field (strict=False:
+        a warning)."""
+    def contract(self) -> Dict[str, Any]:
+        """The data contract: ramjet's version, the sources and their manifest versions, the
+        order, the transform spec (also in every state_dict, as "contract")."""
     def metrics(self) -> Dict[str, float]:
         """Counters of the running loader."""
 
