@@ -197,6 +197,7 @@ async fn a_requester_falls_back_to_tcp_against_an_owner_without_rdma() {
         checksum,
         bytes: shard.len() as u64,
         what: "shard 0".into(),
+        keep: false,
     };
     for round in 0..2 {
         let got = tokio::time::timeout(Duration::from_secs(60), t.fetch(&peer, &get))
