@@ -90,6 +90,33 @@ impl TableReader for Prefetched {
             Err(_) => crate::rt::handle()?.block_on(get),
         }
     }
+
+    /// A local table is read a piece at a time into one buffer (a counts section of millions
+    /// of shards is never held as read); a stored one in one request, cut.
+    fn read_pieces(&self, range: std::ops::Range<u64>, piece: usize, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        let Some(path) = self
+            .rest
+            .store
+            .local_path(&self.rest.key)
+            .filter(|_| range.end > self.head.len() as u64)
+        else {
+            let b = self.read(range)?;
+            b.chunks(piece.max(1)).for_each(f);
+            return Ok(());
+        };
+        use std::os::unix::fs::FileExt;
+        let url = self.rest.store.url(&self.rest.key);
+        let file = std::fs::File::open(&path).map_err(|e| Error::io(&url, e))?;
+        let mut buf = vec![0u8; piece.max(1).min((range.end - range.start) as usize)];
+        let mut at = range.start;
+        while at < range.end {
+            let n = buf.len().min((range.end - at) as usize);
+            file.read_exact_at(&mut buf[..n], at).map_err(|e| Error::io(&url, e))?;
+            f(&buf[..n]);
+            at += n as u64;
+        }
+        Ok(())
+    }
 }
 
 /// Checks a shard file (a shard or a columns sidecar) against its manifest entry: whole-file

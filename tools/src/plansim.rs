@@ -61,6 +61,8 @@ pub struct PlanSim {
     pub table_blocks_read: u64,
     /// Blocks in the shard table.
     pub table_blocks: u64,
+    /// Bytes the table's counts section takes in memory (packed; 0 when it was not read).
+    pub counts_bytes: u64,
     /// The job: nodes, ranks a node, and the order's partitions; the stream is rank `rank`.
     pub nodes: u64,
     /// Ranks on each node.
@@ -247,6 +249,7 @@ pub fn first_sample(url: &str, shard: Bytes, job: &SimJob) -> Result<PlanSim> {
         rss_mb: kb("VmRSS:") / 1024.0,
         table_blocks_read,
         table_blocks,
+        counts_bytes: m.table().map_or(0, |t| t.counts_bytes() as u64),
         nodes: job.nodes as u64,
         ranks_per_node: job.ranks_per_node as u64,
         partitions: job.order.partitions as u64,

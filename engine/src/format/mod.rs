@@ -8,6 +8,7 @@ pub mod npy;
 mod schema;
 mod shard;
 mod table;
+mod table_counts;
 
 pub use checksum::Checksum;
 pub use manifest::{

@@ -11,6 +11,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::checksum::Checksum;
 use super::manifest::{ColumnsInfo, ShardInfo};
+use super::table_counts::{Brief, Counts, CountsReader, COUNTS_PIECE_BYTES};
 use crate::error::{Error, Invalid, Result};
 
 /// Where a manifest's binary shard table is, and what it must be.
@@ -52,6 +53,9 @@ const FLAG_COUNTS: u32 = 2;
 /// counts alone (a round of many partitions touches every block).
 pub const SHARD_TABLE_COUNTS_AFTER_BLOCKS: usize = 8;
 
+/// Every count the counts section can hold (a u32) is within the shard limit.
+const U32_WITHIN_LIMIT: () = assert!(crate::format::SHARD_SAMPLES_MAX > u32::MAX as u64);
+
 /// Blocks of a table of `count` shards.
 fn table_blocks(count: u64) -> u64 {
     count.div_ceil(SHARD_TABLE_BLOCK_RECORDS as u64)
@@ -73,6 +77,15 @@ pub fn shard_table_len(count: u64, counts: bool) -> u64 {
 pub trait TableReader: Send + Sync + std::fmt::Debug {
     /// The bytes of `range` (exactly its length, or an error).
     fn read(&self, range: Range<u64>) -> Result<Bytes>;
+
+    /// The bytes of `range` handed to `f` in order, in pieces of about `piece` bytes, so a large
+    /// range is never held whole where the store can read it in parts (a local table). By
+    /// default one [`read`](Self::read), cut.
+    fn read_pieces(&self, range: Range<u64>, piece: usize, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        let b = self.read(range)?;
+        b.chunks(piece.max(1)).for_each(f);
+        Ok(())
+    }
 }
 
 /// A table held whole in memory (built by pack, or read whole).
@@ -82,23 +95,6 @@ pub(super) struct WholeTable(pub(super) Bytes);
 impl TableReader for WholeTable {
     fn read(&self, r: Range<u64>) -> Result<Bytes> {
         Ok(self.0.slice(r.start as usize..(r.end as usize).min(self.0.len())))
-    }
-}
-
-/// A table's counts section as read: shard `i`'s count is the `i`-th little-endian u32.
-#[derive(Debug, Clone)]
-struct Counts(Bytes);
-
-impl Counts {
-    fn get(&self, i: usize) -> u32 {
-        u32_at(&self.0, 4 * i)
-    }
-
-    /// The counts of shards `lo..hi`.
-    fn range(&self, lo: usize, hi: usize) -> impl ExactSizeIterator<Item = u32> + Clone + '_ {
-        self.0[4 * lo..4 * hi]
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
     }
 }
 
@@ -143,13 +139,10 @@ pub struct ShardTable {
     ends: Box<[OnceLock<Arc<[u64]>>]>,
     /// The counts section's checksum (from the manifest), when the table has one.
     counts_sum: Option<u64>,
-    /// The counts section (4 bytes a shard, as read), read and checked against the manifest's
-    /// checksum on first use; each block's part is checked against the directory when it is
-    /// first used (`counts_checked`), so a round of thousands of partitions reads its counts
-    /// without a pass over every shard of the table.
-    counts: OnceLock<Counts>,
-    /// Blocks whose part of the counts section has been checked ([`ShardTable::check_counts`]).
-    counts_checked: Box<[OnceLock<()>]>,
+    /// The counts section, read a piece at a time on first use, its checksum checked against
+    /// the manifest's and each block against the directory, and held packed
+    /// ([`table_counts`](super::table_counts)).
+    counts: OnceLock<Arc<Counts>>,
     /// Blocks read for their counts alone so far.
     counted: Arc<std::sync::atomic::AtomicUsize>,
     /// Held while a block is read.
@@ -425,7 +418,6 @@ impl ShardTable {
             ends: (0..blocks).map(|_| OnceLock::new()).collect(),
             counts_sum: counts,
             counts: OnceLock::new(),
-            counts_checked: (0..blocks).map(|_| OnceLock::new()).collect(),
             counted: Default::default(),
             loading: Default::default(),
         })
@@ -532,16 +524,22 @@ impl ShardTable {
         self.counts.get().is_some()
     }
 
+    /// Bytes the counts section takes in memory, packed (0 until it is read).
+    pub fn counts_bytes(&self) -> usize {
+        self.counts.get().map_or(0, |c| c.held_bytes())
+    }
+
     /// The counts section's checksum, when the table has one (what the manifest records).
     pub fn counts_checksum(&self) -> Option<u64> {
         self.counts_sum
     }
 
-    /// The counts section (`None`: the table has none), read and checked whole on first use:
-    /// its length and checksum against the manifest's, and every block already read agreeing
-    /// with it. A block's counts (each from 1 to the shard limit, summing to the block's span in
-    /// the directory) are checked when the block is first used ([`Self::checked_counts`]). A
-    /// failed read is not kept.
+    /// The counts section (`None`: the table has none), read on first use a piece at a time
+    /// and held packed: its length and checksum against the manifest's (a mismatch refuses the
+    /// whole section), and each block's counts (from 1 to the shard limit, summing to the
+    /// block's span in the directory, agreeing with the block's records when they are held)
+    /// checked as it is read; a block that fails is kept as its failure, named when one of its
+    /// shards is used. A failed read is not kept.
     fn counts(&self) -> Result<Option<&Counts>> {
         let Some(sum) = self.counts_sum else {
             return Ok(None);
@@ -554,88 +552,60 @@ impl ShardTable {
             return Ok(Some(c));
         }
         let at = shard_table_len(self.count as u64, false);
-        let raw = self.reader.read(at..at + 4 * self.count as u64)?;
-        if raw.len() != 4 * self.count {
-            return Err(self.bad(format!(
-                "counts section: {} bytes, expected {}",
-                raw.len(),
-                4 * self.count
-            )));
-        }
-        let got = xxh3_64(&raw);
+        let mut r = CountsReader::new(self.count, |b, part: &[u32], brief| {
+            self.check_counts(b, part, brief).err()
+        });
+        self.reader
+            .read_pieces(at..at + 4 * self.count as u64, COUNTS_PIECE_BYTES, &mut |p| r.feed(p))?;
+        let (counts, got) = r
+            .finish()
+            .map_err(|n| self.bad(format!("counts section: {n} bytes, expected {}", 4 * self.count)))?;
         if got != sum {
             return Err(self.bad(format!(
                 "counts section: checksum {got:016x}, the manifest says {sum:016x}: the table was edited or damaged"
             )));
         }
-        let counts = Counts(raw);
-        // The blocks already held must agree with it now (a later block's read checks itself
-        // against the section; the rest are checked on first use, `checked_counts`).
-        for b in (0..self.blocks.len()).filter(|&b| self.held_ends(b).is_some()) {
-            self.check_counts(b, &counts)?;
-            let _ = self.counts_checked[b].set(());
-        }
-        let _ = self.counts.set(counts);
-        Ok(self.counts.get())
+        let _ = self.counts.set(Arc::new(counts));
+        Ok(self.counts.get().map(|c| &**c))
     }
 
-    /// The counts section, its block `b`'s part checked (once) before it is used.
-    fn checked_counts(&self, b: usize) -> Result<Option<&Counts>> {
-        let Some(c) = self.counts()? else {
-            return Ok(None);
-        };
-        let done = &self.counts_checked[b];
-        if done.get().is_none() {
-            self.check_counts(b, c)?;
-            let _ = done.set(());
+    /// Shard `i`'s count from the counts section (`None`: the table has none), or why its block
+    /// was refused.
+    fn section_count(&self, i: usize) -> Result<Option<u32>> {
+        match self.counts()? {
+            None => Ok(None),
+            Some(c) => c.get(i).map(Some).map_err(|why| self.bad(why.to_string())),
         }
-        Ok(Some(c))
     }
 
-    /// Block `b`'s part of the counts section against the shard limit, the directory and the
-    /// block's records when they are held.
-    fn check_counts(&self, b: usize, counts: &Counts) -> Result<()> {
+    /// Block `b`'s part of the counts section, `part` (`brief` its extremes and sum), against
+    /// the shard limit, the directory and the block's records when they are held: why it is
+    /// refused, if it is.
+    fn check_counts(&self, b: usize, part: &[u32], brief: Brief) -> std::result::Result<(), String> {
         let lo = b * SHARD_TABLE_BLOCK_RECORDS;
-        let part = counts.range(lo, (lo + SHARD_TABLE_BLOCK_RECORDS).min(self.count));
-        let mut acc = 0u64;
-        for (j, c) in part.clone().enumerate() {
-            if c == 0 || c as u64 > crate::format::SHARD_SAMPLES_MAX {
-                return Err(self.bad(format!(
-                    "counts section: shard {} claims {c} samples (from 1 to the shard limit of {})",
-                    lo + j,
-                    crate::format::SHARD_SAMPLES_MAX
-                )));
-            }
-            acc += c as u64;
+        // A u32 is within the shard limit always (`U32_WITHIN_LIMIT`); 0 is not a shard's count.
+        let () = U32_WITHIN_LIMIT;
+        if brief.zero {
+            let j = part.iter().position(|&c| c == 0).expect("a zero");
+            return Err(format!(
+                "counts section: shard {} claims 0 samples (from 1 to the shard limit of {})",
+                lo + j,
+                crate::format::SHARD_SAMPLES_MAX
+            ));
         }
         let last = b + 1 == self.blocks.len();
         let span = if last { self.samples } else { self.dir(b + 1, 0) } - self.dir(b, 0);
-        if acc != span {
-            return Err(self.bad(format!(
-                "counts section: block {b} (shards {lo}..{}) holds {acc} samples; the directory says {span}",
-                lo + part.len()
-            )));
+        if brief.sum != span {
+            return Err(format!(
+                "counts section: block {b} (shards {lo}..{}) holds {} samples; the directory says {span}",
+                lo + part.len(),
+                brief.sum
+            ));
         }
         match self.held_ends(b) {
-            Some(ends) => self.agree(b, ends, part),
+            Some(ends) => agree(lo, ends, part.iter().copied()),
             None => Ok(()),
         }
-    }
-
-    /// Whether block `b`'s records (their running counts `ends`) say what the counts section's
-    /// `part` says.
-    fn agree(&self, b: usize, ends: &[u64], part: impl Iterator<Item = u32>) -> Result<()> {
-        let lo = b * SHARD_TABLE_BLOCK_RECORDS;
-        for (j, c) in part.enumerate() {
-            let n = ends[j] - if j == 0 { 0 } else { ends[j - 1] };
-            if n != c as u64 {
-                return Err(self.bad(format!(
-                    "shard {}: its record says {n} samples, the counts section {c}: the table was edited or damaged",
-                    lo + j
-                )));
-            }
-        }
-        Ok(())
     }
 
     /// Reads and checks block `b` (see [`block`](Self::block)); keeps nothing.
@@ -700,7 +670,13 @@ impl ShardTable {
             )));
         }
         if let Some(c) = self.counts.get() {
-            self.agree(b, &t.ends, c.range(lo, lo + n))?;
+            // A block the section refused is refused here too, for the same reason.
+            let part = (lo..lo + n)
+                .map(|i| c.get(i))
+                .collect::<std::result::Result<Vec<u32>, _>>();
+            part.map_err(|why| why.to_string())
+                .and_then(|part| agree(lo, &t.ends, part.into_iter()))
+                .map_err(|why| self.bad(why))?;
         }
         Ok(t)
     }
@@ -794,13 +770,17 @@ impl crate::order::ShardCounts for ShardTable {
         let (b, j) = (i / SHARD_TABLE_BLOCK_RECORDS, i % SHARD_TABLE_BLOCK_RECORDS);
         let diff = |ends: &[u64]| ends[j] - if j == 0 { 0 } else { ends[j - 1] };
         if let Some(ends) = self.held_ends(b) {
+            // A block the counts section disagrees with stays refused, held or not.
+            if let Some(Err(why)) = self.counts.get().map(|c| c.get(i)) {
+                return Err(self.bad(why.to_string()));
+            }
             return Ok(diff(ends));
         }
         // Past a few blocks, the counts section (4 bytes a shard) instead of every block (48).
         let many = self.counted.load(std::sync::atomic::Ordering::Relaxed) >= SHARD_TABLE_COUNTS_AFTER_BLOCKS;
         if self.counts_loaded() || (many && self.counts_sum.is_some()) {
-            if let Some(c) = self.checked_counts(b)? {
-                return Ok(c.get(i) as u64);
+            if let Some(c) = self.section_count(i)? {
+                return Ok(c as u64);
             }
         }
         Ok(diff(self.block_ends(b)?))
@@ -810,6 +790,21 @@ impl crate::order::ShardCounts for ShardTable {
             .ok_or_else(|| self.bad(format!("no sample {o}: it holds {}", self.samples)))?;
         Ok((s as u64, i))
     }
+}
+
+/// Whether the running counts `ends` of the block whose first shard is `lo` say what the counts
+/// section's `part` says: why not, if they do not.
+fn agree(lo: usize, ends: &[u64], part: impl Iterator<Item = u32>) -> std::result::Result<(), String> {
+    for (j, c) in part.enumerate() {
+        let n = ends[j] - if j == 0 { 0 } else { ends[j - 1] };
+        if n != c as u64 {
+            return Err(format!(
+                "shard {}: its record says {n} samples, the counts section {c}: the table was edited or damaged",
+                lo + j
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `k` for a key `<prefix><k:06>-<checksum:016x>.rjs` (exactly as pack names it).

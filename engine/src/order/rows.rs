@@ -151,34 +151,71 @@ impl Round {
 
 /// Rounds built lately by any cursor of one [`EpochOrder`], shared: a stream's prefetcher and
 /// its consumer walk the same rounds, and a round of thousands of partitions costs one count
-/// lookup a unit (spread over the whole shard table) to build. A memo only: a clone starts
-/// empty, and a round missing from it is built again, the same.
+/// lookup a unit (spread over the whole shard table) to build, so a round one cursor is
+/// building is waited for by the others, not built twice. A memo only: a clone starts empty,
+/// and a round missing from it is built again, the same.
 #[derive(Default)]
-pub(super) struct SharedRounds(std::sync::Mutex<std::collections::VecDeque<Arc<Round>>>);
+pub(super) struct SharedRounds {
+    memo: std::sync::Mutex<Memo>,
+    built: std::sync::Condvar,
+}
+
+/// The shared rounds, and those being built.
+#[derive(Default)]
+struct Memo {
+    rounds: std::collections::VecDeque<Arc<Round>>,
+    building: Vec<u64>,
+}
 
 /// Rounds an order keeps shared (a prefetcher runs a round or two ahead of its consumer).
 const ROUNDS_SHARED: usize = 4;
 
+/// Marks round `k` built (or given up) when dropped, a panicking build included, and wakes
+/// those waiting for it.
+struct Building<'a> {
+    shared: &'a SharedRounds,
+    k: u64,
+}
+
+impl Drop for Building<'_> {
+    fn drop(&mut self) {
+        self.shared.lock().building.retain(|&x| x != self.k);
+        self.shared.built.notify_all();
+    }
+}
+
 impl SharedRounds {
-    fn get(&self, k: u64) -> Option<Arc<Round>> {
-        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        m.iter().find(|r| r.at.k == k).cloned()
+    fn lock(&self) -> std::sync::MutexGuard<'_, Memo> {
+        self.memo.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn starts(&self) -> Vec<RoundStart> {
-        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        m.iter().map(|r| r.at).collect()
+        self.lock().rounds.iter().map(|r| r.at).collect()
     }
 
-    fn put(&self, r: &Arc<Round>) {
-        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if m.iter().any(|x| x.at.k == r.at.k) {
-            return;
+    /// Round `k`: shared, else awaited while another cursor builds it, else built by `build`
+    /// (and shared). A build that fails is not kept: the next asker builds it again.
+    fn get_or_build(&self, k: u64, build: impl FnOnce() -> Result<Round>) -> Result<Arc<Round>> {
+        let mut m = self.lock();
+        loop {
+            if let Some(r) = m.rounds.iter().find(|r| r.at.k == k) {
+                return Ok(r.clone());
+            }
+            if !m.building.contains(&k) {
+                break;
+            }
+            m = self.built.wait(m).unwrap_or_else(|p| p.into_inner());
         }
-        if m.len() >= ROUNDS_SHARED {
-            m.pop_front();
+        m.building.push(k);
+        drop(m);
+        let _building = Building { shared: self, k };
+        let r = Arc::new(build()?);
+        let mut m = self.lock();
+        if m.rounds.len() >= ROUNDS_SHARED {
+            m.rounds.pop_front();
         }
-        m.push_back(r.clone());
+        m.rounds.push_back(r.clone());
+        Ok(r)
     }
 }
 
@@ -204,17 +241,14 @@ pub(super) struct Rounds {
 const ROUNDS_KEPT: usize = 2;
 
 impl Rounds {
-    /// Round `at.k`: this cursor's, else the order's shared one, else built (its length and its
-    /// units come from the same count lookups, so the round a cursor stops at is not counted
-    /// twice).
+    /// Round `at.k`: this cursor's, else the order's shared one (awaited while another cursor
+    /// builds it), else built and shared (its length and its units come from the same count
+    /// lookups, so the round a cursor stops at is not counted twice).
     fn round(&self, o: &EpochOrder, at: RoundStart) -> Result<Arc<Round>> {
         if let Some(r) = self.built.iter().find(|r| r.at.k == at.k) {
             return Ok(r.clone());
         }
-        if let Some(r) = o.shared_rounds.get(at.k) {
-            return Ok(r);
-        }
-        Ok(Arc::new(Round::build(o, at)?))
+        o.shared_rounds.get_or_build(at.k, || Round::build(o, at))
     }
 
     /// The unit (one sample) at position `g` (`g < len`) of the shard-block order `o`, and the
@@ -262,8 +296,7 @@ impl Rounds {
         } else {
             at.k
         };
-        // Only the round stopped at is kept and shared; the rounds a jump skipped are dropped.
-        o.shared_rounds.put(&round);
+        // The round stopped at is kept by this cursor (the order shares every round built).
         if !self.built.iter().any(|r| r.at.k == at.k) {
             if self.built.len() >= ROUNDS_KEPT {
                 self.built.remove(0);
