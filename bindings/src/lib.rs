@@ -13,6 +13,7 @@ use ramjet_engine::{Dataset, Error};
 mod augment;
 mod dlpack;
 mod gpu_decode;
+mod image;
 mod loader;
 mod session;
 mod tokens;
@@ -412,6 +413,7 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(columns, m)?)?;
     m.add_function(wrap_pyfunction!(freeze, m)?)?;
+    m.add_function(wrap_pyfunction!(image::decode_image, m)?)?;
     m.add_class::<RingFreeze>()?;
     m.add_class::<augment::FusedAugment>()?;
     m.add_function(wrap_pyfunction!(augment::fused_reference, m)?)?;

@@ -729,7 +729,7 @@ def test_the_python_defaults_are_the_engines():
     assert sig["augment"] == img["augment"]
     assert tuple(sig["scale"]) == pytest.approx(tuple(img["scale"]))
     assert tuple(sig["ratio"]) == pytest.approx(tuple(img["ratio"]))
-    for key in ("flip", "crop_fraction", "dct_scaling"):
+    for key in ("flip", "crop_fraction", "dct_scaling", "exif_orientation"):
         assert sig[key] == pytest.approx(img[key]), key
     assert list(sig["mean"]) == pytest.approx(img["mean"])
     assert list(sig["std"]) == pytest.approx(img["std"])

@@ -62,6 +62,8 @@ pub fn image(data: &[u8]) {
     let _ = ramjet_engine::image::probe::probe(data);
     let _ = decode_rgb(data, 1, None);
     let _ = decode_rgb(data, 2, Some((0, 8)));
+    let o = ramjet_engine::image::exif::orientation(data);
+    let _ = ramjet_engine::image::decode_shown(data, o);
     let mut scratch = Scratch::default();
     for spec in [ImageSpec::train(32), ImageSpec::eval(24)] {
         let mut out = vec![0u8; spec.elems()];

@@ -319,7 +319,7 @@ fn pack_aborts_on_an_unsupported_file_and_skip_bad_lists_it() {
     assert_eq!(o.status.code(), Some(1));
     let msg = text(&o);
     assert!(
-        msg.contains("images/000003.jpg") && msg.contains("not a JPEG or PNG"),
+        msg.contains("images/000003.jpg") && msg.contains("not a JPEG, PNG or WebP"),
         "{msg}"
     );
     assert!(
@@ -331,7 +331,7 @@ fn pack_aborts_on_an_unsupported_file_and_skip_bad_lists_it() {
     let msg = text(&o);
     assert!(o.status.success(), "{msg}");
     assert!(
-        msg.contains("skipped 1 bad input(s)") && msg.contains("images/000003.jpg: not a JPEG or PNG"),
+        msg.contains("skipped 1 bad input(s)") && msg.contains("images/000003.jpg: not a JPEG, PNG or WebP"),
         "{msg}"
     );
     assert_eq!(manifest(&t.path().join("out")).samples, N as u64 - 1);

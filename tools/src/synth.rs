@@ -43,6 +43,13 @@ pub struct SynthOptions {
     pub profile: Profile,
     /// With [`Profile::Imagenet`]: damaged files per thousand.
     pub damaged_per_mille: u32,
+    /// Images per thousand written as WebP instead of JPEG (the same pixels; one in four of
+    /// them lossless, the rest lossy at quality 90), as `NNNNNN.webp`.
+    pub webp_per_mille: u32,
+    /// JPEGs per thousand stored turned, with an EXIF orientation (2 to 8, drawn) that shows
+    /// them as rendered: labels stay right for a reader that applies it, wrong for one that
+    /// does not.
+    pub exif_per_mille: u32,
 }
 
 impl Default for SynthOptions {
@@ -52,6 +59,8 @@ impl Default for SynthOptions {
             seed: 0,
             profile: Profile::Yolo,
             damaged_per_mille: 0,
+            webp_per_mille: 0,
+            exif_per_mille: 0,
         }
     }
 }
@@ -313,7 +322,8 @@ pub fn encode_jpeg(px: &[u8]) -> Vec<u8> {
     last
 }
 
-/// Writes `opts.samples` images to `dir/images/NNNNNN.jpg`, labels to
+/// Writes `opts.samples` images to `dir/images/NNNNNN.jpg` (`.webp` for those
+/// `webp_per_mille` picks), labels to
 /// `dir/labels/NNNNNN.txt` and class names to `dir/data.yaml`.
 pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar) -> Result<SynthReport> {
     let images = dir.join("images");
@@ -345,7 +355,21 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
             for (c, b) in &boxes {
                 txt.push_str(&format!("{c} {:.6} {:.6} {:.6} {:.6}\n", b[0], b[1], b[2], b[3]));
             }
-            write_file(&images.join(format!("{i:06}.jpg")), &jpg)?;
+            let (jpg, kind, ext) = match as_webp(opts, i as u64, kind) {
+                Some(lossless) => (
+                    to_webp(&jpg, lossless)?,
+                    if lossless { "webp lossless" } else { "webp lossy" },
+                    "webp",
+                ),
+                None => match draw(opts, i as u64, b"exif", opts.exif_per_mille, kind) {
+                    Some(h) => {
+                        let v = 2 + (h >> 32) as u16 % 7;
+                        (turned(&jpg, v)?, EXIF_KINDS[v as usize - 2], "jpg")
+                    }
+                    None => (jpg, kind, "jpg"),
+                },
+            };
+            write_file(&images.join(format!("{i:06}.{ext}")), &jpg)?;
             write_file(&labels.join(format!("{i:06}.txt")), txt.as_bytes())?;
             progress.inc(1);
             Ok((jpg.len() as u64, boxes.len(), kind))
@@ -365,6 +389,56 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
             m
         }),
     })
+}
+
+/// Whether image `i` is written as WebP (`Some(lossless)`): a fixed draw of (seed, i) under
+/// `webp_per_mille`; a damaged JPEG stays one.
+fn as_webp(opts: &SynthOptions, i: u64, kind: &str) -> Option<bool> {
+    draw(opts, i, b"webp", opts.webp_per_mille, kind).map(|h| (h >> 32) % 4 == 0)
+}
+
+/// A fixed draw of (seed, i, what) that falls under `per_mille` (its hash), never for a
+/// damaged image.
+fn draw(opts: &SynthOptions, i: u64, what: &[u8; 4], per_mille: u32, kind: &str) -> Option<u64> {
+    let mut key = [0u8; 20];
+    key[..8].copy_from_slice(&opts.seed.to_le_bytes());
+    key[8..16].copy_from_slice(&i.to_le_bytes());
+    key[16..].copy_from_slice(what);
+    let h = xxhash_rust::xxh3::xxh3_64(&key);
+    (h % 1000 < per_mille as u64 && kind != "damaged").then_some(h)
+}
+
+/// The kinds of the turned JPEGs, by orientation (2 to 8).
+const EXIF_KINDS: [&str; 7] = ["exif 2", "exif 3", "exif 4", "exif 5", "exif 6", "exif 7", "exif 8"];
+
+/// The JPEG `jpg`'s pixels stored so that EXIF orientation `v` shows them as they are, with
+/// that orientation (re-encoded as a baseline RGB JPEG at quality 90).
+fn turned(jpg: &[u8], v: u16) -> Result<Vec<u8>> {
+    use ramjet_engine::image::exif::{with_exif, Orientation};
+    let bad = |e: ramjet_engine::image::ImageError| Error::invalid("synth exif", e.to_string());
+    let rgb = ramjet_engine::image::decode_rgb(jpg, 1, None).map_err(bad)?;
+    let o = Orientation::new(v);
+    let (w, h) = (rgb.width as usize, rgb.height as usize);
+    // Stored w' x h' (the sides swapped for a quarter turn); shown pixel (x, y) is stored
+    // pixel o.source(x, y), so each shown pixel is written there.
+    let (sw, sh) = o.displayed(rgb.width, rgb.height);
+    let mut stored = vec![0u8; w * h * 3];
+    for y in 0..h {
+        for x in 0..w {
+            let (sx, sy) = o.source(x, y, sw as usize, sh as usize);
+            let d = (sy * sw as usize + sx) * 3;
+            stored[d..d + 3].copy_from_slice(&rgb.data[(y * w + x) * 3..(y * w + x) * 3 + 3]);
+        }
+    }
+    let plain = ramjet_engine::image::turbo::encode_rgb(&stored, sw, sh, 90).map_err(bad)?;
+    Ok(with_exif(&plain, v))
+}
+
+/// The JPEG `jpg`'s pixels as a WebP.
+fn to_webp(jpg: &[u8], lossless: bool) -> Result<Vec<u8>> {
+    let bad = |e: ramjet_engine::image::ImageError| Error::invalid("synth webp", e.to_string());
+    let rgb = ramjet_engine::image::decode_rgb(jpg, 1, None).map_err(bad)?;
+    ramjet_engine::image::webp::encode_rgb(&rgb.data, rgb.width, rgb.height, (!lossless).then_some(90.0)).map_err(bad)
 }
 
 fn write_file(path: &PathBuf, bytes: &[u8]) -> Result<()> {

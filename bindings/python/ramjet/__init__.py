@@ -71,6 +71,7 @@ __all__ = [
     "TokenDataset",
     "__version__",
     "columns",
+    "decode_image",
     "freeze",
     "gpu_info",
     "init",
@@ -80,6 +81,27 @@ __all__ = [
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+def decode_image(data: bytes, image: Optional[Dict[str, Any]] = None, seed: int = 0, epoch: int = 0,
+                 sample: int = 0, exif_orientation: bool = True) -> Any:
+    """Decodes one encoded image (JPEG, PNG or WebP) as the loader's decode threads do.
+
+    Without ``image``: the whole image as its EXIF orientation shows it (as stored with
+    ``exif_orientation=False``), a ``[h, w, 3]`` uint8 RGB numpy array (alpha dropped).
+    With ``image``, a dict of the decoder's options (``width``, ``height``, ``augment``
+    (``"train"``, ``"eval"`` or ``"resize"``), ``scale``, ``ratio``, ``flip``,
+    ``crop_fraction``, ``float``, ``mean``, ``std``, ``dct_scaling``, ``exif_orientation``; any
+    left out take the loader's defaults): the ``[3, h, w]`` image the loader would yield for sample ``sample`` of
+    ``epoch`` under ``seed`` (uint8, or float32 when ``float``). Raises ``CorruptError``
+    naming what is wrong with a damaged or unsupported image.
+    """
+    import numpy as np
+
+    config = None if image is None else json.dumps(image)
+    raw, shape = _ramjet.decode_image(bytes(data), config, seed, epoch, sample, exif_orientation)
+    dtype = np.float32 if image is not None and image.get("float") else np.uint8
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
 
 def gpu_info() -> Dict[str, Any]:
     """What this process can use of the GPU path.
@@ -406,7 +428,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             center crop) or ``"resize"``.
         normalize: yield float32 images normalised with ``mean``/``std`` instead of uint8.
         dct_scaling: let JPEG decode at a reduced DCT scale (1/2, 1/4, 1/8) when the crop is at
-            least twice the output: the smallest that keeps the crop at least the output size.
+            least twice the output: the smallest that keeps the crop at least the output size
+            (a WebP's crop is scaled inside libwebp by the same rule).
+        exif_orientation: show each image as its EXIF orientation says (JPEG, WebP, PNG) before
+            the crop, as Pillow's ``ImageOps.exif_transpose`` does; ``False`` keeps the stored
+            pixels.
         image_column / boxes_column: column names.
         num_threads: this dataset's batches decoding at once on the process's shared decode pool.
             ``None`` (the default): this rank's share of the host's decode budget (about one
@@ -469,6 +495,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         flip: float = 0.5,
         crop_fraction: float = 0.875,
         dct_scaling: bool = True,
+        exif_orientation: bool = True,
         image_column: str = "image",
         boxes_column: Optional[str] = "boxes",
         num_threads: Optional[int] = None,

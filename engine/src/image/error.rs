@@ -6,7 +6,7 @@
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ImageError {
-    /// Not a JPEG or PNG, or its structure is broken: a header, segment, chunk or the data.
+    /// Not a JPEG, PNG or WebP, or its structure is broken: a header, segment, chunk or the data.
     #[error("{0}")]
     Malformed(String),
     /// The image declares more pixels, or would take more memory, than ramjet decodes
@@ -16,6 +16,9 @@ pub enum ImageError {
     /// The codec or resizer failed or refused a request on data that looked sound.
     #[error("{0}")]
     Codec(String),
+    /// A sound image of a kind ramjet does not decode (an animated WebP).
+    #[error("{0}")]
+    Unsupported(String),
     /// A caller's argument is not usable: a buffer's size, a scale, a region.
     #[error("{0}")]
     Argument(String),
@@ -25,7 +28,11 @@ impl ImageError {
     /// The message alone (what `Display` prints).
     pub fn message(&self) -> &str {
         match self {
-            ImageError::Malformed(m) | ImageError::TooLarge(m) | ImageError::Codec(m) | ImageError::Argument(m) => m,
+            ImageError::Malformed(m)
+            | ImageError::TooLarge(m)
+            | ImageError::Codec(m)
+            | ImageError::Argument(m)
+            | ImageError::Unsupported(m) => m,
         }
     }
 

@@ -17,7 +17,7 @@ use crate::buf::HostBuf;
 use crate::image::route::{route, Decoders, Geometry, Path, Reason, RouteCounts};
 use crate::image::split::{Item, Split, SplitStats};
 use crate::image::turbo::Region;
-use crate::image::{decode_rgb, jpeg_header, ImageError, ImageSpec, SampleRng, Scratch};
+use crate::image::{decode_shown, jpeg_header, ImageError, ImageSpec, SampleRng, Scratch};
 
 /// Which decoders a loader's GPU path uses (`StreamingDataset(decode=...)`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
@@ -300,28 +300,29 @@ pub fn decode_region(bytes: &[u8], g: &Geometry, out: &mut [u8], scratch: &mut S
         )));
     }
     let (x, y) = (g.roi.x * g.eighths / 8, g.roi.y * g.eighths / 8);
-    let (got, pixels): (Region, &[u8]) =
-        if crate::image::probe::probe(bytes)?.format == crate::image::probe::ImageFormat::Png {
-            let rgb = decode_rgb(bytes, 1, None)?;
-            scratch.decoded = rgb.data;
-            let full = Region {
-                x: 0,
-                y: 0,
-                w: rgb.width,
-                h: rgb.height,
-            };
-            (full, &scratch.decoded)
-        } else {
-            let (t, hdr) = jpeg_header(&mut scratch.turbo, bytes)?;
-            let want = Region {
-                x,
-                y,
-                w: g.decoded.0,
-                h: g.decoded.1,
-            };
-            let got = t.decode(bytes, &hdr, g.eighths, Some(want), &mut scratch.decoded)?;
-            (got, &scratch.decoded)
+    let (got, pixels): (Region, &[u8]) = if g.orientation != crate::image::exif::Orientation::UP
+        || crate::image::probe::probe(bytes)?.format != crate::image::probe::ImageFormat::Jpeg
+    {
+        let rgb = decode_shown(bytes, g.orientation)?;
+        scratch.decoded = rgb.data;
+        let full = Region {
+            x: 0,
+            y: 0,
+            w: rgb.width,
+            h: rgb.height,
         };
+        (full, &scratch.decoded)
+    } else {
+        let (t, hdr) = jpeg_header(&mut scratch.turbo, bytes)?;
+        let want = Region {
+            x,
+            y,
+            w: g.decoded.0,
+            h: g.decoded.1,
+        };
+        let got = t.decode(bytes, &hdr, g.eighths, Some(want), &mut scratch.decoded)?;
+        (got, &scratch.decoded)
+    };
     if x < got.x || y < got.y || x + w as u32 > got.x + got.w || y + h as u32 > got.y + got.h {
         return Err(ImageError::Codec(format!(
             "the decoder gave region {got:?}, which does not hold the {w}x{h} region at ({x}, {y})"
@@ -423,7 +424,7 @@ mod tests {
                 scales.insert(g.eighths);
                 let mut out = vec![0u8; (g.decoded.0 * g.decoded.1 * 3) as usize];
                 decode_region(bytes, &g, &mut out, &mut scratch).unwrap();
-                let full = decode_rgb(bytes, 8 / g.eighths, None).unwrap();
+                let full = crate::image::decode_rgb(bytes, 8 / g.eighths, None).unwrap();
                 let (x, y) = ((g.roi.x * g.eighths / 8) as usize, (g.roi.y * g.eighths / 8) as usize);
                 let w = g.decoded.0 as usize;
                 for row in 0..g.decoded.1 as usize {

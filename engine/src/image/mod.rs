@@ -15,12 +15,14 @@
 //! holds [`ImageError`], the one error type of all of them.
 
 pub mod error;
+pub mod exif;
 pub mod frame;
 pub mod gpu_batch;
 pub mod probe;
 pub mod route;
 pub mod split;
 pub mod turbo;
+pub mod webp;
 
 pub use error::ImageError;
 
@@ -29,6 +31,7 @@ use std::panic::AssertUnwindSafe;
 use fast_image_resize::images::{Image as FirImage, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
+use crate::image::exif::Orientation;
 use crate::image::probe::{probe, ImageFormat, ImageInfo};
 #[cfg(test)]
 use crate::image::turbo::cut_at_restarts;
@@ -98,6 +101,9 @@ pub struct ImageSpec {
     /// Decode JPEG at a reduced DCT scale (1/2, 1/4, 1/8) when the crop is at least twice the
     /// output: the smallest that keeps the crop at least the output's size.
     pub dct_scaling: bool,
+    /// Show the image as its EXIF orientation says (JPEG, WebP, PNG) before the crop, as
+    /// Pillow's `exif_transpose` does; off, the stored pixels as they are.
+    pub exif_orientation: bool,
 }
 
 impl ImageSpec {
@@ -174,6 +180,8 @@ pub struct ImageConfig {
     /// Decode JPEG at a reduced DCT scale (1/2, 1/4, 1/8) when the crop is at least twice the
     /// output: the smallest that keeps the crop at least the output's size.
     pub dct_scaling: bool,
+    /// Apply the EXIF orientation before the crop.
+    pub exif_orientation: bool,
 }
 
 impl Default for ImageConfig {
@@ -190,6 +198,7 @@ impl Default for ImageConfig {
             mean: [0.485, 0.456, 0.406],
             std: [0.229, 0.224, 0.225],
             dct_scaling: true,
+            exif_orientation: true,
         }
     }
 }
@@ -214,6 +223,7 @@ impl From<ImageConfig> for ImageSpec {
             mean: c.mean,
             std: c.std,
             dct_scaling: c.dct_scaling,
+            exif_orientation: c.exif_orientation,
         }
     }
 }
@@ -395,11 +405,41 @@ pub fn decode_rgb(bytes: &[u8], denom: u32, rows: Option<(u32, u32)>) -> Result<
                 data,
             })
         }),
+        ImageFormat::Webp => {
+            let f = webp::features(bytes)?;
+            let mut data = Vec::new();
+            let (width, height) = webp::decode(bytes, &f, None, None, &mut data)?;
+            Ok(Rgb { width, height, data })
+        }
         // The PNG decoder is third-party Rust fed untrusted bytes: a panic in it is a decode
         // error of this sample, not a crash of the process.
         ImageFormat::Png => std::panic::catch_unwind(AssertUnwindSafe(|| decode_png(bytes)))
             .unwrap_or_else(|_| Err(ImageError::Malformed("the decoder failed on malformed data".into()))),
     }
+}
+
+/// Decodes a whole image to RGB as orientation `o` shows it (`decode_rgb`, then turned or
+/// mirrored).
+pub fn decode_shown(bytes: &[u8], o: Orientation) -> Result<Rgb, ImageError> {
+    let rgb = decode_rgb(bytes, 1, None)?;
+    if o == Orientation::UP {
+        return Ok(rgb);
+    }
+    let (w, h) = (rgb.width as usize, rgb.height as usize);
+    let (dw, dh) = o.displayed(rgb.width, rgb.height);
+    let mut data = vec![0u8; w * h * 3];
+    for y in 0..dh as usize {
+        for x in 0..dw as usize {
+            let (sx, sy) = o.source(x, y, w, h);
+            let (d, s) = ((y * dw as usize + x) * 3, (sy * w + sx) * 3);
+            data[d..d + 3].copy_from_slice(&rgb.data[s..s + 3]);
+        }
+    }
+    Ok(Rgb {
+        width: dw,
+        height: dh,
+        data,
+    })
 }
 
 /// The JPEG's header as libjpeg-turbo reads it, refused like `probe`'s when it declares more
@@ -421,7 +461,7 @@ thread_local! {
 }
 
 /// Refuses a declared size above the pixel or memory limit, before any allocation.
-fn check_declared(width: u32, height: u32, bytes_per_pixel: u64) -> Result<(), ImageError> {
+pub(crate) fn check_declared(width: u32, height: u32, bytes_per_pixel: u64) -> Result<(), ImageError> {
     let px = width as u64 * height as u64;
     if px > DECODE_PIXELS_MAX {
         return Err(ImageError::TooLarge(format!(
@@ -558,9 +598,19 @@ pub fn process(
     scratch: &mut Scratch,
 ) -> Result<ImageInfo, ImageError> {
     let info = probe(bytes)?;
-    let p = plan(spec, info.width, info.height, rng);
-    let (ow, oh) = (spec.width, spec.height);
-    let eighths = dct_eighths(spec, info.format, &p.crop);
+    let o = if spec.exif_orientation {
+        exif::orientation(bytes)
+    } else {
+        Orientation::UP
+    };
+    // The plan is made on the image as shown; the decode and the resize work on the stored
+    // pixels (the crop mapped back, the output's sides swapped for a quarter turn), and the
+    // planar write shows the result.
+    let (dw, dh) = o.displayed(info.width, info.height);
+    let p = plan(spec, dw, dh, rng);
+    let stored = o.stored_rect(&p.crop, info.width as f64, info.height as f64);
+    let (ow, oh) = o.displayed(spec.width, spec.height);
+    let eighths = eighths_for(spec, info.format, &stored, (ow, oh));
     let Scratch {
         resizer,
         resized,
@@ -569,11 +619,17 @@ pub fn process(
         primed: _,
     } = scratch;
     let (src, crop) = if info.format == ImageFormat::Jpeg {
-        decode_jpeg_crop(bytes, &info, &p.crop, eighths, (ow, oh), turbo, decoded)?
+        decode_jpeg_crop(bytes, &info, &stored, eighths, (ow, oh), turbo, decoded)?
+    } else if info.format == ImageFormat::Webp {
+        let ((w, h), crop) = webp::decode_crop(bytes, &stored, eighths, (ow, oh), decoded)?;
+        (
+            ImageRef::new(w, h, decoded, PixelType::U8x3).map_err(resizer_err)?,
+            crop,
+        )
     } else {
         *decoded = decode_rgb(bytes, 1, None)?.data;
         let src = ImageRef::new(info.width, info.height, decoded, PixelType::U8x3).map_err(resizer_err)?;
-        (src, p.crop)
+        (src, stored)
     };
     let n = (ow * oh * 3) as usize;
     resized.resize(n, 0);
@@ -584,22 +640,29 @@ pub fn process(
     resizer
         .resize(&src, &mut dst, &opts)
         .map_err(|e| ImageError::Codec(format!("resize failed: {e}")))?;
-    write_chw(resized, ow as usize, oh as usize, p.flip, spec, slot);
+    write_chw(resized, ow as usize, oh as usize, o.mirrored_if(p.flip), spec, slot);
     Ok(info)
 }
 
 /// The DCT scale, in eighths, a JPEG is decoded at: the smallest of 1/8, 1/4 and 1/2 that
 /// keeps the crop at least as large as the output, so the resize still only shrinks; 8 (none)
-/// without `dct_scaling`, for other formats, and for crops under twice the output. (libjpeg-turbo
+/// without `dct_scaling`, for PNG, and for crops under twice the output. A WebP's crop is
+/// scaled by the same rule inside libwebp's decode ([`webp::decode_crop`]). (libjpeg-turbo
 /// also scales by 3/8, 5/8, 6/8 and 7/8, but those IDCTs have no SIMD code: a region decode at
 /// them ran at 0.82x the rate of one at the next power of two up, `decode_rate`.)
 pub(crate) fn dct_eighths(spec: &ImageSpec, format: ImageFormat, crop: &Rect) -> u32 {
-    if !spec.dct_scaling || format != ImageFormat::Jpeg {
+    eighths_for(spec, format, crop, (spec.width, spec.height))
+}
+
+/// [`dct_eighths`] for an output of `out` pixels (the spec's, sides swapped for a stored
+/// crop that a quarter turn shows).
+fn eighths_for(spec: &ImageSpec, format: ImageFormat, crop: &Rect, out: (u32, u32)) -> u32 {
+    if !spec.dct_scaling || format == ImageFormat::Png {
         return 8;
     }
     [1, 2, 4]
         .into_iter()
-        .find(|&e| crop.w * e as f64 / 8.0 >= spec.width as f64 && crop.h * e as f64 / 8.0 >= spec.height as f64)
+        .find(|&e| crop.w * e as f64 / 8.0 >= out.0 as f64 && crop.h * e as f64 / 8.0 >= out.1 as f64)
         .unwrap_or(8)
 }
 
@@ -656,15 +719,17 @@ fn decode_jpeg_crop<'s>(
     Ok((src, rel))
 }
 
-/// Interleaved RGB to planar CHW, mirrored if `flip`, converted to the slot's type.
-fn write_chw(hwc: &[u8], w: usize, h: usize, flip: bool, spec: &ImageSpec, slot: Slot<'_>) {
+/// Interleaved RGB (`w` x `h`, as stored) to planar CHW shown in orientation `o` (the EXIF
+/// orientation composed with the random flip: `o.displayed(w, h)` is the slot's size),
+/// converted to the slot's type.
+pub(crate) fn write_chw(hwc: &[u8], w: usize, h: usize, o: Orientation, spec: &ImageSpec, slot: Slot<'_>) {
     match slot {
-        Slot::U8(out) => planar_u8(hwc, w, h, flip, out),
+        Slot::U8(out) => planar_u8(hwc, w, h, o, out),
         Slot::F32(out) => {
             // One multiply-add per element: (x / 255 - mean) / std = x * a + k.
             let a: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * spec.std[c]));
             let k: [f32; 3] = std::array::from_fn(|c| -spec.mean[c] / spec.std[c]);
-            planar(hwc, w, h, flip, out, |c, v| v as f32 * a[c] + k[c])
+            planar(hwc, w, h, o, out, |c, v| v as f32 * a[c] + k[c])
         }
     }
 }
@@ -673,14 +738,16 @@ fn write_chw(hwc: &[u8], w: usize, h: usize, flip: bool, spec: &ImageSpec, slot:
 /// SSSE3 ([`deinterleave`]), the rest of each row as [`planar`] does it. The same bytes either
 /// way (`the_shuffled_planar_write_is_the_scalar_one`); the scalar loop cost 6% of a warm
 /// loader's CPU (docs/benchmarks-history.md, "The quick run's verdicts, and the run-on").
-fn planar_u8(hwc: &[u8], w: usize, h: usize, flip: bool, out: &mut [u8]) {
+fn planar_u8(hwc: &[u8], w: usize, h: usize, o: Orientation, out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
-    if deinterleave::available() {
+    if deinterleave::available() && !o.transposed() {
+        let (flip, upside_down) = rows_of(o);
         let plane = w * h;
         let (r, rest) = out.split_at_mut(plane);
         let (g, b) = rest.split_at_mut(plane);
         for y in 0..h {
-            let (src, o) = (&hwc[y * w * 3..(y + 1) * w * 3], y * w);
+            let sy = if upside_down { h - 1 - y } else { y };
+            let (src, o) = (&hwc[sy * w * 3..(sy + 1) * w * 3], y * w);
             let (r, g, b) = (&mut r[o..o + w], &mut g[o..o + w], &mut b[o..o + w]);
             // SAFETY: `available` said this CPU has SSSE3, the one feature `row` enables.
             let done = unsafe { deinterleave::row(src, r, g, b, flip) };
@@ -691,7 +758,18 @@ fn planar_u8(hwc: &[u8], w: usize, h: usize, flip: bool, out: &mut [u8]) {
         }
         return;
     }
-    planar(hwc, w, h, flip, out, |_, v| v)
+    planar(hwc, w, h, o, out, |_, v| v)
+}
+
+/// For an orientation that keeps rows rows (1 to 4): whether each row is mirrored, and
+/// whether the rows come bottom first.
+fn rows_of(o: Orientation) -> (bool, bool) {
+    match o.value() {
+        2 => (true, false),
+        3 => (true, true),
+        4 => (false, true),
+        _ => (false, false),
+    }
 }
 
 /// Interleaved RGB to planes with SSSE3: each 16 pixels (48 bytes, three 16-byte loads) give
@@ -764,15 +842,28 @@ mod deinterleave {
     }
 }
 
-/// Writes the three planes of `out` from interleaved `hwc`, converting each value with `f`
-/// (given the channel), mirrored if `flip`.
+/// Writes the three planes of `out` from interleaved `hwc` (`w` x `h`), shown in orientation
+/// `o`, converting each value with `f` (given the channel).
 #[inline(always)]
-fn planar<T>(hwc: &[u8], w: usize, h: usize, flip: bool, out: &mut [T], f: impl Fn(usize, u8) -> T) {
+fn planar<T>(hwc: &[u8], w: usize, h: usize, o: Orientation, out: &mut [T], f: impl Fn(usize, u8) -> T) {
     let plane = w * h;
     let (r, rest) = out.split_at_mut(plane);
     let (g, b) = rest.split_at_mut(plane);
+    if o.transposed() {
+        // Displayed h wide and w high: each output pixel from its stored one.
+        for y in 0..w {
+            for x in 0..h {
+                let (sx, sy) = o.source(x, y, w, h);
+                let (px, ox) = (&hwc[(sy * w + sx) * 3..], y * h + x);
+                (r[ox], g[ox], b[ox]) = (f(0, px[0]), f(1, px[1]), f(2, px[2]));
+            }
+        }
+        return;
+    }
+    let (flip, upside_down) = rows_of(o);
     for y in 0..h {
-        let row = &hwc[y * w * 3..(y + 1) * w * 3];
+        let sy = if upside_down { h - 1 - y } else { y };
+        let row = &hwc[sy * w * 3..(sy + 1) * w * 3];
         let o = y * w;
         for (x, px) in row.chunks_exact(3).enumerate() {
             let ox = o + if flip { w - 1 - x } else { x };
@@ -849,9 +940,9 @@ pub(crate) mod tests {
                 let hwc: Vec<u8> = (0..w * h * 3).map(|_| rng.next_u64() as u8).collect();
                 for flip in [false, true] {
                     let mut want = vec![0u8; w * h * 3];
-                    planar(&hwc, w, h, flip, &mut want, |_, v| v);
+                    planar(&hwc, w, h, Orientation::UP.mirrored_if(flip), &mut want, |_, v| v);
                     let mut got = vec![0u8; w * h * 3];
-                    planar_u8(&hwc, w, h, flip, &mut got);
+                    planar_u8(&hwc, w, h, Orientation::UP.mirrored_if(flip), &mut got);
                     assert_eq!(got, want, "{w}x{h}, flip {flip}");
                 }
             }
@@ -1195,7 +1286,14 @@ pub(crate) mod tests {
                     .crop(p.crop.x * kx, p.crop.y * ky, p.crop.w * kx, p.crop.h * ky);
                 Resizer::new().resize(&src, &mut dst, &opts).unwrap();
                 let mut want = vec![0u8; spec.elems()];
-                write_chw(&hwc, size as usize, size as usize, p.flip, &spec, Slot::U8(&mut want));
+                write_chw(
+                    &hwc,
+                    size as usize,
+                    size as usize,
+                    Orientation::UP.mirrored_if(p.flip),
+                    &spec,
+                    Slot::U8(&mut want),
+                );
                 let worst = got.iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
                 // The region's pixels are the full decode's own (above), so the outputs are the
                 // same bytes.

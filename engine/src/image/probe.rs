@@ -11,6 +11,8 @@ pub enum ImageFormat {
     Jpeg,
     /// PNG.
     Png,
+    /// WebP, lossy or lossless (a still image).
+    Webp,
 }
 
 /// What a header says about an image.
@@ -26,16 +28,24 @@ pub struct ImageInfo {
 
 /// Reads format and size from an encoded image, checking the structure a decoder will rely
 /// on: for JPEG, a start-of-frame segment before the scan and an end-of-image marker near the
-/// end; for PNG, the signature, an IHDR chunk first and an IEND chunk last.
+/// end; for PNG, the signature, an IHDR chunk first and an IEND chunk last; for WebP, the RIFF
+/// container's size against the bytes given, and a still image (an animation is refused).
 pub fn probe(b: &[u8]) -> Result<ImageInfo, ImageError> {
     if b.starts_with(&[0xFF, 0xD8, 0xFF]) {
         probe_jpeg(b)
     } else if b.starts_with(b"\x89PNG\r\n\x1a\n") {
         probe_png(b)
+    } else if crate::image::webp::is_webp(b) {
+        let f = crate::image::webp::features(b)?;
+        Ok(ImageInfo {
+            format: ImageFormat::Webp,
+            width: f.width,
+            height: f.height,
+        })
     } else {
         let head: Vec<String> = b.iter().take(4).map(|x| format!("{x:02x}")).collect();
         Err(ImageError::Malformed(format!(
-            "not a JPEG or PNG (first bytes {})",
+            "not a JPEG, PNG or WebP (first bytes {})",
             head.join(" ")
         )))
     }
@@ -79,7 +89,7 @@ mod tests {
 
     #[test]
     fn refuses_text_and_truncated_jpeg() {
-        assert!(probe(b"hello world").unwrap_err().contains("not a JPEG or PNG"));
+        assert!(probe(b"hello world").unwrap_err().contains("not a JPEG, PNG or WebP"));
         let mut j = vec![0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x04, 0, 0];
         j.extend_from_slice(&[0xFF, 0xC0, 0x00, 0x0B, 8, 0x01, 0xE0, 0x02, 0x80, 1, 0x01, 0x11, 0]);
         assert!(probe(&j).unwrap_err().contains("end-of-image"));

@@ -19,6 +19,7 @@
 //! the output's size. The region is the crop plus the resize filter's reach, widened to MCU
 //! edges, so that at any scale its edges fall on whole decoded pixels.
 
+use crate::image::exif::Orientation;
 use crate::image::frame::{jpeg_frame, JpegCoding, JpegFrame, Subsampling};
 use crate::image::probe::{probe, ImageFormat};
 use crate::image::turbo::{scaled, Region};
@@ -70,6 +71,10 @@ pub enum Reason {
     Coding,
     /// PNG.
     Png,
+    /// WebP (no GPU decoder reads it).
+    Webp,
+    /// A JPEG whose EXIF orientation turns or mirrors it: decoded whole on the CPU as shown.
+    Oriented,
     /// The header is damaged: the CPU path reports it, naming the sample.
     Damaged,
     /// The GPU decode would take more device scratch memory than the bound.
@@ -80,7 +85,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in this order.
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 14] = [
         Reason::Baseline,
         Reason::NoEngine,
         Reason::Progressive,
@@ -90,6 +95,8 @@ impl Reason {
         Reason::Precision,
         Reason::Coding,
         Reason::Png,
+        Reason::Webp,
+        Reason::Oriented,
         Reason::Damaged,
         Reason::OverBound,
         Reason::Chosen,
@@ -107,6 +114,8 @@ impl Reason {
             Reason::Precision => "precision",
             Reason::Coding => "coding",
             Reason::Png => "png",
+            Reason::Webp => "webp",
+            Reason::Oriented => "oriented",
             Reason::Damaged => "damaged",
             Reason::OverBound => "over_bound",
             Reason::Chosen => "chosen",
@@ -151,6 +160,10 @@ pub struct Geometry {
     /// Memory the decode takes (output, coefficients, bitstream): device memory on the GPU
     /// paths.
     pub scratch: u64,
+    /// The EXIF orientation the decode applies (a whole image, decoded as shown, on the CPU;
+    /// `UP` for every other image): `width`, `height`, the plan and the region are then the
+    /// shown image's.
+    pub orientation: Orientation,
 }
 
 /// One image's route.
@@ -176,15 +189,22 @@ pub fn route(bytes: &[u8], spec: &ImageSpec, mut rng: SampleRng, d: &Decoders) -
         geometry: None,
     };
     if !bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
-        // Not a JPEG: a PNG (probed), or nothing ramjet reads.
+        // Not a JPEG: a PNG or a WebP (probed), or nothing ramjet reads.
         return match probe(bytes) {
-            Ok(info) if info.format == ImageFormat::Png => {
-                let p = plan(spec, info.width, info.height, &mut rng);
-                Route {
-                    path: Path::Cpu,
-                    reason: Reason::Png,
-                    geometry: Some(whole(info.width, info.height, p, bytes.len())),
-                }
+            Ok(info) if info.format != ImageFormat::Jpeg => {
+                let reason = if info.format == ImageFormat::Png {
+                    Reason::Png
+                } else {
+                    Reason::Webp
+                };
+                shown(
+                    (info.width, info.height),
+                    orientation(spec, bytes),
+                    spec,
+                    &mut rng,
+                    bytes.len(),
+                    reason,
+                )
             }
             _ => damaged,
         };
@@ -193,6 +213,17 @@ pub fn route(bytes: &[u8], spec: &ImageSpec, mut rng: SampleRng, d: &Decoders) -
     let Ok(frame) = jpeg_frame(bytes) else {
         return damaged;
     };
+    let o = orientation(spec, bytes);
+    if o != Orientation::UP {
+        return shown(
+            (frame.width, frame.height),
+            o,
+            spec,
+            &mut rng,
+            bytes.len(),
+            Reason::Oriented,
+        );
+    }
     let (path, reason) = decoder_for(&frame, d);
     let p = plan(spec, frame.width, frame.height, &mut rng);
     // The engine and the CPU scale in the DCT domain; the hybrid decoder cannot.
@@ -216,8 +247,9 @@ pub fn route(bytes: &[u8], spec: &ImageSpec, mut rng: SampleRng, d: &Decoders) -
 }
 
 /// The geometry of an image decoded whole at full size (PNG).
-fn whole(width: u32, height: u32, plan: Plan, bytes: usize) -> Geometry {
+fn whole(width: u32, height: u32, plan: Plan, bytes: usize, orientation: Orientation) -> Geometry {
     Geometry {
+        orientation,
         width,
         height,
         plan,
@@ -231,6 +263,33 @@ fn whole(width: u32, height: u32, plan: Plan, bytes: usize) -> Geometry {
         decoded: (width, height),
         crop: plan.crop,
         scratch: width as u64 * height as u64 * 3 + bytes as u64,
+    }
+}
+
+/// A CPU route decoding the whole image as its orientation `o` shows it, for `reason`.
+fn shown(
+    info: (u32, u32),
+    o: Orientation,
+    spec: &ImageSpec,
+    rng: &mut SampleRng,
+    bytes: usize,
+    reason: Reason,
+) -> Route {
+    let (w, h) = o.displayed(info.0, info.1);
+    let p = plan(spec, w, h, rng);
+    Route {
+        path: Path::Cpu,
+        reason,
+        geometry: Some(whole(w, h, p, bytes, o)),
+    }
+}
+
+/// The orientation `spec` shows `bytes` in: its EXIF one, or `UP` when the spec turns that off.
+fn orientation(spec: &ImageSpec, bytes: &[u8]) -> Orientation {
+    if spec.exif_orientation {
+        crate::image::exif::orientation(bytes)
+    } else {
+        Orientation::UP
     }
 }
 
@@ -320,6 +379,7 @@ fn geometry(f: &JpegFrame, spec: &ImageSpec, p: Plan, eighths: u32, bitstream: u
         decoded,
         crop,
         scratch: out + coefficients + bitstream as u64,
+        orientation: Orientation::UP,
     }
 }
 
@@ -412,6 +472,20 @@ mod tests {
             out
         };
         assert_eq!(r(&png, &ALL), (Path::Cpu, Reason::Png));
+        let webp = crate::image::webp::encode_rgb(&[9; 192], 8, 8, Some(80.0)).unwrap();
+        assert_eq!(r(&webp, &ALL), (Path::Cpu, Reason::Webp));
+        // A turned JPEG is decoded whole on the CPU, as shown (the plan on the shown size);
+        // with the orientation off, it goes where its frame sends it.
+        let base = jpeg(500, 376, F_2_2, false, ColorType::Rgb);
+        let turned = crate::image::exif::with_exif(&base, 6);
+        assert_eq!(r(&turned, &ALL), (Path::Cpu, Reason::Oriented));
+        let g = route(&turned, &spec, rng(), &ALL).geometry.unwrap();
+        assert_eq!((g.width, g.height, g.orientation.value()), (376, 500, 6));
+        let off = ImageSpec {
+            exif_orientation: false,
+            ..spec.clone()
+        };
+        assert_eq!(route(&turned, &off, rng(), &ALL).path, r(&base, &ALL).0);
         let no_engine = Decoders { hardware: false, ..ALL };
         let baseline = jpeg(500, 375, F_2_2, false, ColorType::Rgb);
         assert_eq!(r(&baseline, &no_engine), (Path::Hybrid, Reason::NoEngine));

@@ -86,6 +86,7 @@ pub const OPTIONS: &[(&str, OptionDefault)] = &[
     ("flip", OptionDefault::Float(0.5)),
     ("crop_fraction", OptionDefault::Float(0.875)),
     ("dct_scaling", OptionDefault::Bool(true)),
+    ("exif_orientation", OptionDefault::Bool(true)),
     ("image_column", OptionDefault::Str("image")),
     ("boxes_column", OptionDefault::Str("boxes")),
     ("num_threads", OptionDefault::None),
@@ -290,6 +291,7 @@ fn image_config(all: &BTreeMap<String, Arg>, batch_size: usize) -> Result<Option
     let std = triple("std", a("std"), 0.0, true)?;
     let normalize = boolean("normalize", a("normalize"))?;
     let dct_scaling = boolean("dct_scaling", a("dct_scaling"))?;
+    let exif_orientation = boolean("exif_orientation", a("exif_orientation"))?;
     let augments = [
         ("train", AugmentName::Train),
         ("eval", AugmentName::Eval),
@@ -319,6 +321,7 @@ fn image_config(all: &BTreeMap<String, Arg>, batch_size: usize) -> Result<Option
         mean: mean.map(|x| x as f32),
         std: std.map(|x| x as f32),
         dct_scaling,
+        exif_orientation,
     }))
 }
 

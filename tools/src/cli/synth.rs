@@ -25,6 +25,15 @@ pub struct Args {
     /// overwritten, headers intact); the loader then stops at the first, naming it.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub damaged_per_mille: u32,
+    /// This many images per thousand are written as WebP (`NNNNNN.webp`; one in four
+    /// lossless, the rest lossy at quality 90) instead of JPEG.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub webp_per_mille: u32,
+    /// This many JPEGs per thousand are stored turned or mirrored, with the EXIF orientation
+    /// (2 to 8) that shows them as rendered (their labels stay right for a reader that
+    /// applies it).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub exif_per_mille: u32,
 }
 
 /// Runs the command.
@@ -35,6 +44,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         seed,
         profile,
         damaged_per_mille,
+        webp_per_mille,
+        exif_per_mille,
     } = a;
     let t0 = std::time::Instant::now();
     let opts = SynthOptions {
@@ -42,6 +53,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         seed,
         profile,
         damaged_per_mille,
+        webp_per_mille,
+        exif_per_mille,
     };
     let r = synth(&dir, &opts, &count_bar("synth"))?;
     println!(

@@ -827,7 +827,9 @@ fn values(ctx: &Ctx, it: &Item, bytes: Vec<u8>) -> Result<(Vec<Value>, u64)> {
     } else {
         bytes
     };
-    let (w, h) = (info.width as i64, info.height as i64);
+    // The width and height columns are the image as shown: its EXIF orientation applied.
+    let (w, h) = ramjet_engine::image::exif::orientation(&bytes).displayed(info.width, info.height);
+    let (w, h) = (w as i64, h as i64);
     let vals = match &it.extra {
         Extra::Label(l) => vec![
             Value::Bytes(bytes),
