@@ -37,6 +37,11 @@ pub struct Args {
     /// crop then decodes only the part of the image it needs, about 1.3x faster.
     #[arg(long)]
     pub jpeg_restarts: bool,
+    /// Decode every image in full at pack time (in parallel), not only its header: an image
+    /// that does not decode aborts the pack naming it, or with --skip-bad is skipped and
+    /// listed
+    #[arg(long)]
+    pub check_decode: bool,
     /// A JSONL column whose strings name images (a key relative to the JSONL's folder, a path,
     /// or a URL such as s3://bucket/key): each is fetched and stored as the image's bytes.
     #[arg(long)]
@@ -87,6 +92,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         kind: a.format,
         shard_table: a.shard_table,
         jpeg_restarts: a.jpeg_restarts,
+        check_decode: a.check_decode,
         group_items: a.group_size,
         image_column: a.image_column.clone(),
         column_types: a.column_types.clone(),

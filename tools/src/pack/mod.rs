@@ -96,6 +96,10 @@ pub struct PackOptions {
     /// markers ([`JPEG_RESTART_PX`]), so that a crop decodes only its part of the image. The
     /// pixels are the same; the bytes are not.
     pub jpeg_restarts: bool,
+    /// Decode every image of an image folder or YOLO layout in full (in the pack's parallel
+    /// workers), not only its header: an image whose data does not decode is refused (or
+    /// skipped and listed with `skip_bad`) at pack time rather than by the loader, epochs later.
+    pub check_decode: bool,
     /// Inputs in a group: the unit a pack is split into. The same input packed with the same
     /// group size gives the same shards whatever the number of tasks.
     pub group_items: u64,
@@ -146,6 +150,7 @@ impl Default for PackOptions {
             kind: None,
             shard_table: ShardTableMode::Auto,
             jpeg_restarts: false,
+            check_decode: false,
             group_items: GROUP_ITEMS_DEFAULT,
             image_column: None,
             column_types: Vec::new(),
@@ -744,9 +749,21 @@ fn build_shard(ctx: &Ctx, idx: u64, items: &[Item], side_schema: Option<&Schema>
     let mut skipped = Vec::new();
     let mut read = 0u64;
     let keys: Vec<&str> = items.iter().map(|i| i.rel.as_str()).collect();
-    ctx.src.read_each(ctx.rt, &keys, |i, got| {
-        let it = &items[i];
-        match got.and_then(|bytes| values(ctx, it, bytes)) {
+    // The inputs are read in order, then made into values on the pack's pool (a full decode
+    // with --check-decode, a restart transcode with --jpeg-restarts: a shard's worth of work
+    // that would otherwise run on one thread), then pushed in order.
+    let mut got: Vec<Result<Vec<u8>>> = Vec::with_capacity(items.len());
+    ctx.src.read_each(ctx.rt, &keys, |_, bytes| {
+        got.push(bytes);
+        Ok(())
+    })?;
+    let made: Vec<Result<(Vec<Value>, u64)>> = got
+        .into_par_iter()
+        .zip(items.par_iter())
+        .map(|(bytes, it)| bytes.and_then(|bytes| values(ctx, it, bytes)))
+        .collect();
+    for (it, made) in items.iter().zip(made) {
+        match made {
             Ok((vals, n)) => {
                 read += n;
                 b.push(&vals, &it.rel)?;
@@ -763,8 +780,7 @@ fn build_shard(ctx: &Ctx, idx: u64, items: &[Item], side_schema: Option<&Schema>
             Err(e) => return Err(e),
         }
         ctx.progress.inc(it.size);
-        Ok(())
-    })?;
+    }
     let n = items.len() as u64;
     let objects = ctx.objects.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
     ctx.progress.set_message(format!("{}, {objects} objects", ctx.label));
@@ -821,6 +837,10 @@ fn reason_of(e: &Error) -> String {
 /// JPEG is stored transcoded ([`with_restarts_or_given`]).
 fn values(ctx: &Ctx, it: &Item, bytes: Vec<u8>) -> Result<(Vec<Value>, u64)> {
     let info = probe(&bytes).map_err(|r| Error::invalid(ctx.src.name(&it.rel), r.to_string()))?;
+    if ctx.opts.check_decode {
+        ramjet_engine::image::decode_rgb(&bytes, 1, None)
+            .map_err(|r| Error::invalid(ctx.src.name(&it.rel), format!("does not decode: {r}")))?;
+    }
     let n = bytes.len() as u64;
     let bytes = if ctx.opts.jpeg_restarts && info.format == ImageFormat::Jpeg {
         with_restarts_or_given(bytes, JPEG_RESTART_PX)

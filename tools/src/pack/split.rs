@@ -61,6 +61,9 @@ pub struct PlanOptions {
     pub jpeg_restarts: bool,
     /// `--skip-bad`.
     pub skip_bad: bool,
+    /// `--check-decode` (absent from plans written before it: false).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub check_decode: bool,
     /// `--image-column`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_column: Option<String>,
@@ -79,6 +82,7 @@ impl PlanOptions {
             group_items: o.group_items,
             jpeg_restarts: o.jpeg_restarts,
             skip_bad: o.skip_bad,
+            check_decode: o.check_decode,
             image_column: o.image_column.clone(),
             column_types: o.column_types.clone(),
             text_column: o.tokenizer.as_ref().map(|_| o.text_column.clone()),
@@ -202,6 +206,9 @@ impl Plan {
         }
         if p.skip_bad != o.skip_bad {
             return differ("--skip-bad", p.skip_bad.to_string(), o.skip_bad.to_string());
+        }
+        if p.check_decode != o.check_decode {
+            return differ("--check-decode", p.check_decode.to_string(), o.check_decode.to_string());
         }
         if p.image_column != o.image_column {
             return differ(
