@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use ramjet_engine::image::exif::{orientation, Orientation};
-use ramjet_engine::image::{decode_shown, process, ImageConfig, ImageSpec, OutType, SampleRng, Scratch, Slot};
+use ramjet_engine::image::{decode_shown, process, ImageConfig, ImageSpec, OutBufs, OutType, SampleRng, Scratch};
 
 use crate::{CorruptError, InvalidInputError};
 
@@ -54,26 +54,16 @@ pub fn decode_image<'py>(
     }
     let spec = ImageSpec::from(c);
     let shape = vec![3, spec.height as usize, spec.width as usize];
-    let (mut u8s, mut f32s) = (Vec::new(), Vec::new());
+    let mut out = OutBufs::default();
     py.detach(|| {
         SCRATCH.with(|s| {
             let mut rng = SampleRng::new(seed, epoch, 0, sample);
-            let slot = match spec.out {
-                OutType::U8 => {
-                    u8s.resize(spec.elems(), 0);
-                    Slot::U8(&mut u8s)
-                }
-                OutType::F32 => {
-                    f32s.resize(spec.elems(), 0.0);
-                    Slot::F32(&mut f32s)
-                }
-            };
-            process(data, &spec, &mut rng, slot, &mut s.borrow_mut())
+            process(data, &spec, &mut rng, out.slot(&spec), &mut s.borrow_mut())
         })
     })
     .map_err(|e| CorruptError::new_err(format!("decode_image: {e}")))?;
     if spec.out == OutType::F32 {
-        u8s = f32s.iter().flat_map(|x| x.to_ne_bytes()).collect();
+        out.u8s = out.f32s.iter().flat_map(|x| x.to_ne_bytes()).collect();
     }
-    Ok((PyBytes::new(py, &u8s), shape))
+    Ok((PyBytes::new(py, &out.u8s), shape))
 }

@@ -525,6 +525,31 @@ pub struct Scratch {
     primed: bool,
 }
 
+/// Buffers for one image's output outside a batch, grown to a spec's size on use.
+#[derive(Debug, Default)]
+pub struct OutBufs {
+    /// The uint8 output.
+    pub u8s: Vec<u8>,
+    /// The float32 output.
+    pub f32s: Vec<f32>,
+}
+
+impl OutBufs {
+    /// The slot of `spec`'s element type, `spec.elems()` long.
+    pub fn slot(&mut self, spec: &ImageSpec) -> Slot<'_> {
+        match spec.out {
+            OutType::U8 => {
+                self.u8s.resize(spec.elems(), 0);
+                Slot::U8(&mut self.u8s)
+            }
+            OutType::F32 => {
+                self.f32s.resize(spec.elems(), 0.0);
+                Slot::F32(&mut self.f32s)
+            }
+        }
+    }
+}
+
 /// The output slot of one image in a batch.
 pub enum Slot<'a> {
     /// uint8 CHW.
@@ -559,20 +584,10 @@ pub fn prime(spec: &ImageSpec, scratch: &mut Scratch) -> Result<bool, ImageError
         .collect();
     let plain = encode_rgb(&px, w, h, 90)?;
     let cut = Transcoder::new()?.with_restarts(&plain, JPEG_RESTART_PX)?;
-    let (mut u8s, mut f32s) = (Vec::new(), Vec::new());
+    let mut out = OutBufs::default();
     for (i, jpeg) in [&plain, &cut].into_iter().enumerate() {
         let mut rng = SampleRng::new(0, 0, 0, i as u64);
-        let slot = match spec.out {
-            OutType::U8 => {
-                u8s.resize(spec.elems(), 0);
-                Slot::U8(&mut u8s)
-            }
-            OutType::F32 => {
-                f32s.resize(spec.elems(), 0.0);
-                Slot::F32(&mut f32s)
-            }
-        };
-        process(jpeg, spec, &mut rng, slot, scratch)?;
+        process(jpeg, spec, &mut rng, out.slot(spec), scratch)?;
     }
     // The largest region a crop decodes: just under twice the output each way, plus the
     // filter's margin and an iMCU column.
@@ -877,6 +892,22 @@ fn planar<T>(hwc: &[u8], w: usize, h: usize, o: Orientation, out: &mut [T], f: i
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// The sample a reference pipeline makes of a whole decode (`rgb`, `size`): `crop` resized
+    /// to the spec's size with the same filter, mirrored if `flip`, planar uint8.
+    pub(crate) fn reference_sample(rgb: &[u8], size: (u32, u32), crop: &Rect, flip: bool, spec: &ImageSpec) -> Vec<u8> {
+        let src = ImageRef::new(size.0, size.1, rgb, PixelType::U8x3).unwrap();
+        let mut hwc = vec![0u8; spec.elems()];
+        let mut dst = FirImage::from_slice_u8(spec.width, spec.height, &mut hwc, PixelType::U8x3).unwrap();
+        let opts = ResizeOptions::new()
+            .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
+            .crop(crop.x, crop.y, crop.w, crop.h);
+        Resizer::new().resize(&src, &mut dst, &opts).unwrap();
+        let mut want = vec![0u8; spec.elems()];
+        let (w, h) = (spec.width as usize, spec.height as usize);
+        write_chw(&hwc, w, h, Orientation::UP.mirrored_if(flip), spec, Slot::U8(&mut want));
+        want
+    }
 
     /// A `w` x `h` JPEG of a gradient (other modules' tests use it too).
     pub(crate) fn jpeg(w: u16, h: u16) -> Vec<u8> {
@@ -1278,22 +1309,13 @@ pub(crate) mod tests {
                 let mut data = Vec::new();
                 let full = t.decode(&j, &hdr, e, None, &mut data).unwrap();
                 let (kx, ky) = (full.w as f64 / 1024.0, full.h as f64 / 768.0);
-                let src = ImageRef::new(full.w, full.h, &data, PixelType::U8x3).unwrap();
-                let mut hwc = vec![0u8; (size * size * 3) as usize];
-                let mut dst = FirImage::from_slice_u8(size, size, &mut hwc, PixelType::U8x3).unwrap();
-                let opts = ResizeOptions::new()
-                    .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
-                    .crop(p.crop.x * kx, p.crop.y * ky, p.crop.w * kx, p.crop.h * ky);
-                Resizer::new().resize(&src, &mut dst, &opts).unwrap();
-                let mut want = vec![0u8; spec.elems()];
-                write_chw(
-                    &hwc,
-                    size as usize,
-                    size as usize,
-                    Orientation::UP.mirrored_if(p.flip),
-                    &spec,
-                    Slot::U8(&mut want),
-                );
+                let crop = Rect {
+                    x: p.crop.x * kx,
+                    y: p.crop.y * ky,
+                    w: p.crop.w * kx,
+                    h: p.crop.h * ky,
+                };
+                let want = reference_sample(&data, (full.w, full.h), &crop, p.flip, &spec);
                 let worst = got.iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
                 // The region's pixels are the full decode's own (above), so the outputs are the
                 // same bytes.

@@ -356,9 +356,7 @@ mod tests {
     /// decoded, then the same crop resized the same way: the worst and the mean difference
     /// over 20 samples, and the scales the crops took.
     fn against_the_whole_decode(b: &[u8], size: u32, dct: bool) -> (u8, f64, std::collections::BTreeSet<u32>) {
-        use crate::image::{dct_eighths, plan, process, write_chw, ImageSpec, SampleRng, Scratch, Slot};
-        use fast_image_resize::images::{Image as FirImage, ImageRef};
-        use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+        use crate::image::{dct_eighths, plan, process, ImageSpec, SampleRng, Scratch, Slot};
         let f = features(b).unwrap();
         let mut full = Vec::new();
         decode(b, &f, None, None, &mut full).unwrap();
@@ -371,22 +369,7 @@ mod tests {
             process(b, &spec, &mut SampleRng::new(3, 0, 0, i), Slot::U8(&mut got), &mut s).unwrap();
             let p = plan(&spec, f.width, f.height, &mut SampleRng::new(3, 0, 0, i));
             scales.insert(dct_eighths(&spec, crate::image::probe::ImageFormat::Webp, &p.crop));
-            let src = ImageRef::new(f.width, f.height, &full, PixelType::U8x3).unwrap();
-            let mut hwc = vec![0u8; spec.elems()];
-            let mut dst = FirImage::from_slice_u8(size, size, &mut hwc, PixelType::U8x3).unwrap();
-            let opts = ResizeOptions::new()
-                .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
-                .crop(p.crop.x, p.crop.y, p.crop.w, p.crop.h);
-            Resizer::new().resize(&src, &mut dst, &opts).unwrap();
-            let mut want = vec![0u8; spec.elems()];
-            write_chw(
-                &hwc,
-                size as usize,
-                size as usize,
-                crate::image::exif::Orientation::UP.mirrored_if(p.flip),
-                &spec,
-                Slot::U8(&mut want),
-            );
+            let want = crate::image::tests::reference_sample(&full, (f.width, f.height), &p.crop, p.flip, &spec);
             for (a, b) in got.iter().zip(&want) {
                 worst = worst.max(a.abs_diff(*b));
                 sum += a.abs_diff(*b) as u64;
