@@ -57,3 +57,34 @@ def test_check_decode_with_skip_bad_lists_each_and_the_loader_never_fails(damage
     with pytest.raises(ramjet.CorruptError):
         for _ in plain:
             pass
+
+
+def test_a_jsonl_image_column_gains_the_shown_width_and_height(tmp_path):
+    import io
+    import json
+
+    from PIL import Image
+
+    sizes = [(64, 48), (30, 90), (77, 41)]
+    rows = []
+    for i, (w, h) in enumerate(sizes):
+        im = Image.new("RGB", (w, h), (i * 80, 30, 200))
+        ex = Image.Exif()
+        ex[0x0112] = 6 if i == 1 else 1
+        b = io.BytesIO()
+        im.save(b, "JPEG" if i != 2 else "WEBP", exif=ex.tobytes())
+        name = f"img{i}.{'jpg' if i != 2 else 'webp'}"
+        (tmp_path / name).write_bytes(b.getvalue())
+        rows.append({"image": name, "caption": f"c{i}", "label": i})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run("pack", str(tmp_path / "rows.jsonl"), str(tmp_path / "p"), "--image-column", "image")
+    cols = ramjet.columns(str(tmp_path / "p"), ["label", "width", "height"])
+    got = {int(k): (int(w), int(h)) for k, w, h in zip(cols["label"], cols["width"], cols["height"])}
+    # Shown sizes: the EXIF-6 image's sides swapped.
+    assert got == {0: (64, 48), 1: (90, 30), 2: (77, 41)}, got
+    # A JSONL that has its own width and height keeps them.
+    own = [dict(r, width=1, height=2) for r in rows]
+    (tmp_path / "own.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own))
+    run("pack", str(tmp_path / "own.jsonl"), str(tmp_path / "q"), "--image-column", "image")
+    cols = ramjet.columns(str(tmp_path / "q"), ["width", "height"])
+    assert set(zip(map(int, cols["width"]), map(int, cols["height"]))) == {(1, 2)}

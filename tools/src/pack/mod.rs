@@ -1048,11 +1048,48 @@ fn jsonl_layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) 
             schema
         }
     };
+    // With an image column and no width or height key of their own, the rows gain the
+    // image's shown size, as an image folder's do (read from its header at pack time).
+    let schema = match &opts.image_column {
+        Some(_) if schema.index_of("width").is_none() && schema.index_of("height").is_none() => {
+            meta.insert("image_dims".into(), serde_json::json!(["width", "height"]));
+            let cols = schema.columns.iter().map(|c| (c.name.clone(), c.ty));
+            let dims = [
+                ("width".to_string(), ColumnType::Int64),
+                ("height".to_string(), ColumnType::Int64),
+            ];
+            Schema::new(cols.chain(dims))?
+        }
+        _ => schema,
+    };
     Ok(Layout {
         kind: SourceKind::Jsonl,
         schema,
         meta,
     })
+}
+
+/// The schema a JSONL line is parsed with: `input` less the two size columns pack adds with an
+/// image column (`meta.image_dims`, the last two), which no line holds.
+fn line_schema(ctx: &Ctx, input: &Schema) -> Result<Option<Schema>> {
+    if !ctx.layout.meta.contains_key("image_dims") {
+        return Ok(None);
+    }
+    let n = input.columns.len().saturating_sub(2);
+    Schema::new(input.columns[..n].iter().map(|c| (c.name.clone(), c.ty))).map(Some)
+}
+
+/// Fills the two size columns pack adds (the last two) of each good row from its image's
+/// header: the shown size, its EXIF orientation applied.
+fn fill_dims(ic: usize, rows: &mut [Result<(Vec<Value>, u64)>]) {
+    for (vals, size) in rows.iter_mut().flatten() {
+        let Value::Bytes(b) = &vals[ic] else { continue };
+        let Ok(info) = probe(b) else { continue };
+        let (w, h) = ramjet_engine::image::exif::orientation(b).displayed(info.width, info.height);
+        let n = vals.len();
+        (vals[n - 2], vals[n - 1]) = (Value::Int64(w as i64), Value::Int64(h as i64));
+        *size = ramjet_engine::format::encoded_len(vals);
+    }
 }
 
 /// `schema` with the types `--column NAME:TYPE` gives: each name must be a column of the
@@ -1172,6 +1209,7 @@ pub(crate) fn pack_jsonl(
     let tokenize = tokens::Tokenize::of(ctx)?;
     let input_schema = tokenize.as_ref().map_or(schema, |t| &t.input);
     let image_col = ctx.opts.image_column.as_ref().and_then(|c| schema.index_of(c));
+    let line_schema = line_schema(ctx, input_schema)?;
     let display = &ctx.src.display;
     let io = |e: std::io::Error| Error::io(display, e);
     let mut stats: BTreeMap<u64, GroupStat> = BTreeMap::new();
@@ -1214,12 +1252,20 @@ pub(crate) fn pack_jsonl(
                 }
                 let lines: Vec<(usize, String)> = lines.into_iter().filter(|(_, l)| !l.trim().is_empty()).collect();
                 let what = |n: usize| format!("{display}:{n}");
-                let mut rows = parse_rows(&lines, input_schema, image_col, &what);
+                let mut rows = parse_rows(&lines, line_schema.as_ref().unwrap_or(input_schema), image_col, &what);
+                if line_schema.is_some() {
+                    for (vals, _) in rows.iter_mut().flatten() {
+                        vals.extend([Value::Int64(0), Value::Int64(0)]);
+                    }
+                }
                 if let Some(t) = &tokenize {
                     t.apply(&lines, &mut rows, &what);
                 }
                 if let Some(ic) = image_col {
                     fetch_images(ctx, ic, &lines, &mut rows, &what);
+                    if line_schema.is_some() {
+                        fill_dims(ic, &mut rows);
+                    }
                 }
                 for (ac, col) in schema.columns.iter().enumerate() {
                     if let ColumnType::Array(spec) = col.ty {
