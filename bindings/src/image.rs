@@ -12,7 +12,9 @@ use crate::{CorruptError, InvalidInputError};
 
 thread_local! {
     /// The calling thread's decoder and buffers, kept from call to call as a decode thread's.
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// Boxed: the extension's thread-locals share a small static TLS block with the libraries
+    /// loaded before it (`test_the_extension_loads_after_torch_with_a_small_static_tls_block`).
+    static SCRATCH: RefCell<Option<Box<Scratch>>> = const { RefCell::new(None) };
 }
 
 /// Decodes `data` (JPEG, PNG or WebP). Without `config`: the whole image as its EXIF
@@ -58,7 +60,9 @@ pub fn decode_image<'py>(
     py.detach(|| {
         SCRATCH.with(|s| {
             let mut rng = SampleRng::new(seed, epoch, 0, sample);
-            process(data, &spec, &mut rng, out.slot(&spec), &mut s.borrow_mut())
+            let mut s = s.borrow_mut();
+            let scratch = s.get_or_insert_with(Box::default);
+            process(data, &spec, &mut rng, out.slot(&spec), scratch)
         })
     })
     .map_err(|e| CorruptError::new_err(format!("decode_image: {e}")))?;
