@@ -89,6 +89,8 @@ pub enum DType {
     F32,
     /// float64.
     F64,
+    /// bool, one byte each (a nullable column's mask).
+    Bool,
     /// An array column's element type.
     Array(Dtype),
 }
@@ -100,7 +102,8 @@ impl DType {
             DType::I64 => (0, 64),
             DType::F32 => (2, 32),
             DType::F64 => (2, 64),
-            // kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4.
+            DType::Bool => (6, 8),
+            // kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6.
             DType::Array(d) => match d {
                 Dtype::I8 | Dtype::I16 | Dtype::I32 | Dtype::I64 => (0, 8 * d.size() as u8),
                 Dtype::U8 | Dtype::U16 | Dtype::U32 | Dtype::U64 => (1, 8 * d.size() as u8),
@@ -117,6 +120,7 @@ impl DType {
             DType::I64 => "int64",
             DType::F32 => "float32",
             DType::F64 => "float64",
+            DType::Bool => "bool",
             DType::Array(d) => d.name(),
         }
     }

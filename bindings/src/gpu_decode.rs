@@ -183,6 +183,7 @@ fn keep_rows(batch: &mut Batch, kept: &[usize]) {
             ColumnData::Str(v) => ColumnData::Str(pick(&v, kept)),
             ColumnData::Json(v) => ColumnData::Json(pick(&v, kept)),
             ColumnData::Bytes(v) => ColumnData::Bytes(pick(&v, kept)),
+            ColumnData::Valid(v) => ColumnData::Valid(pick(&v, kept)),
             ColumnData::Boxes { values, offsets } => {
                 let (mut vs, mut os) = (Vec::new(), vec![0i64]);
                 for &k in kept {

@@ -138,7 +138,12 @@ fn inspect<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("url", ds.manifest_url())?;
     d.set_item("version", &m.version)?;
     d.set_item("source", &m.packed_from)?;
-    let cols: Vec<(String, String)> = m.schema.columns.iter().map(|c| (c.name.clone(), c.ty.name())).collect();
+    let cols: Vec<(String, String)> = m
+        .schema
+        .columns
+        .iter()
+        .map(|c| (c.name.clone(), c.type_name()))
+        .collect();
     d.set_item("schema", cols)?;
     d.set_item("shards", m.shard_count())?;
     d.set_item("samples", m.samples)?;

@@ -299,6 +299,10 @@ pub(crate) fn batch_to_py(py: Python<'_>, b: Batch) -> PyResult<(Bound<'_, PyDic
                 ))
             }
             ColumnData::Array(a) => set_array(py, &d, &name, a)?,
+            ColumnData::Valid(v) => {
+                let bytes: Vec<u8> = v.into_iter().map(u8::from).collect();
+                d.set_item(&name, tensor(py, Storage::U8(bytes), vec![n], DType::Bool)?)?
+            }
             ColumnData::Boxes { values, offsets } => {
                 let rows = (values.len() / 5) as i64;
                 d.set_item(&name, tensor(py, Storage::F32(values), vec![rows, 5], DType::F32)?)?;
@@ -556,6 +560,14 @@ fn one_sample_dict<'py>(py: Python<'py>, batch: Batch, source: usize, index: u64
                     None => a.shapes.clone(),
                 };
                 d.set_item(&name, tensor(py, Storage::Bytes(a.data), shape, DType::Array(a.dtype))?)?;
+            }
+            ColumnData::Valid(v) => {
+                // One sample: a null is None, beside its mask.
+                if !v[0] {
+                    let of = name.strip_suffix("_valid").expect("a mask is named <column>_valid");
+                    d.set_item(of, py.None())?;
+                }
+                d.set_item(&name, v[0])?
             }
             ColumnData::Boxes { .. } => unreachable!("the reader's assembler parses no boxes"),
             ColumnData::ImageSource(_) => unreachable!("the reader's assembler makes no GPU batches"),

@@ -11,6 +11,7 @@ pub mod cache;
 pub mod chain;
 pub mod dataset;
 pub mod error;
+pub mod filter;
 pub mod foreign;
 pub mod format;
 pub mod image;

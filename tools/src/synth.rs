@@ -50,6 +50,9 @@ pub struct SynthOptions {
     /// them as rendered: labels stay right for a reader that applies it, wrong for one that
     /// does not.
     pub exif_per_mille: u32,
+    /// Images per thousand that are byte copies of an earlier image (drawn), labels too: what
+    /// `ramjet pack --dedupe content` finds.
+    pub duplicate_per_mille: u32,
 }
 
 impl Default for SynthOptions {
@@ -61,6 +64,7 @@ impl Default for SynthOptions {
             damaged_per_mille: 0,
             webp_per_mille: 0,
             exif_per_mille: 0,
+            duplicate_per_mille: 0,
         }
     }
 }
@@ -340,7 +344,9 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
     progress.set_length(opts.samples as u64);
     let per: Vec<(u64, usize, &'static str)> = (0..opts.samples)
         .into_par_iter()
-        .map(|i| -> Result<(u64, usize, &'static str)> {
+        .map(|out| -> Result<(u64, usize, &'static str)> {
+            // A duplicate is written as the image it copies: every draw below is that one's.
+            let i = original(opts, out as u64) as usize;
             let (jpg, boxes, kind) = match opts.profile {
                 Profile::Yolo => {
                     let (px, boxes) = render(opts.seed, i as u64);
@@ -369,10 +375,10 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
                     None => (jpg, kind, "jpg"),
                 },
             };
-            write_file(&images.join(format!("{i:06}.{ext}")), &jpg)?;
-            write_file(&labels.join(format!("{i:06}.txt")), txt.as_bytes())?;
+            write_file(&images.join(format!("{out:06}.{ext}")), &jpg)?;
+            write_file(&labels.join(format!("{out:06}.txt")), txt.as_bytes())?;
             progress.inc(1);
-            Ok((jpg.len() as u64, boxes.len(), kind))
+            Ok((jpg.len() as u64, boxes.len(), if out != i { "duplicate" } else { kind }))
         })
         .collect::<Result<_>>()?;
     progress.finish_and_clear();
@@ -389,6 +395,18 @@ pub fn synth(dir: &Path, opts: &SynthOptions, progress: &indicatif::ProgressBar)
             m
         }),
     })
+}
+
+/// The image that image `i` is written as: itself, or for one of the `duplicate_per_mille`
+/// drawn, the original of an earlier image (drawn too).
+pub fn original(opts: &SynthOptions, mut i: u64) -> u64 {
+    while i > 0 {
+        match draw(opts, i, b"dupe", opts.duplicate_per_mille, "") {
+            Some(h) => i = (h >> 20) % i,
+            None => break,
+        }
+    }
+    i
 }
 
 /// Whether image `i` is written as WebP (`Some(lossless)`): a fixed draw of (seed, i) under

@@ -306,6 +306,7 @@ def _transform_spec(base: Dict[str, Any]) -> Dict[str, Any]:
         "image_column": base.get("image_column"),
         "boxes_column": base.get("boxes_column"),
         "image": base.get("image"),
+        "filter": base.get("filter"),
     }
 
 
@@ -444,6 +445,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             rank's share of the host's memory budget; a number pins it.
         on_corrupt: ``"error"`` (default: raise :class:`CorruptError` naming dataset, shard and
             sample) or ``"skip"`` (leave the sample out and count it).
+        filter: keep only the samples whose sidecar columns pass it, for example
+            ``"quality_flags & 0b101 == 0 and label is not null"`` (``and``/``or``/``not``,
+            ``== != < <= > >=``, integer ``&``/``|``, ``is [not] null``; docs/order.md,
+            "Filters"). Applied in the order before dealing: every rank agrees, ``len()``
+            counts the kept samples and resume is exact. The first use reads every shard's
+            columns sidecar once.
         decode: with a CUDA ``device``, decode and augment images on the GPU: ``"auto"`` (the
             hardware JPEG engine, nvJPEG's hybrid decoder and the CPU threads, split by their
             measured rates), ``"gpu"`` (every image a GPU decoder takes goes to it) or ``"cpu"``
@@ -501,6 +508,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         num_threads: Optional[int] = None,
         prefetch_batches: Optional[int] = None,
         on_corrupt: str = "error",
+        filter: Optional[str] = None,
         decode: Optional[str] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
@@ -723,8 +731,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         :meth:`state_dict` (``"contract"``): ramjet's version, each source's URL, weight and
         manifest version, the order as given (``partitions`` None when not given: the run's are the
         state's ``"partitions"``), and the transform
-        spec (``"transform"``: the image and boxes columns, and the image settings: augment,
-        size, crop and flip parameters, normalization). :meth:`load_state_dict` refuses a state
+        spec (``"transform"``: the image and boxes columns, the image settings: augment,
+        size, crop and flip parameters, normalization, and the filter). :meth:`load_state_dict` refuses a state
         whose transform spec differs, naming the field, unless ``strict=False``."""
         if self._contract_sources is None:
             self._contract_sources = [

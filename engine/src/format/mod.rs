@@ -17,7 +17,7 @@ pub use manifest::{
 };
 pub use schema::{
     decode_record, decode_record_at, encode_record, encoded_len, Column, ColumnType, Schema, Value, ValueRef,
-    COLUMNS_MAX,
+    COLUMNS_MAX, NULL_INT64,
 };
 pub use shard::{
     check_footer, sample_checksum, shard_checksum, verify_shard_bytes, BuiltShard, Header, IndexEntry, Problem, ReadAt,

@@ -88,6 +88,37 @@ pub struct Column {
     /// Column type.
     #[serde(rename = "type")]
     pub ty: ColumnType,
+    /// Whether a value may be null (`int64?`, `float64?`): stored as [`NULL_INT64`] or a NaN,
+    /// delivered with a `<name>_valid` mask. Absent from the JSON when false, so a schema
+    /// without nullable columns is the same bytes as before the field existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nullable: bool,
+}
+
+/// How a null is stored in a nullable `int64` column: the one value such a column cannot hold.
+/// A nullable `float64` stores a null as a NaN (JSON has none, so no packed value is one).
+pub const NULL_INT64: i64 = i64::MIN;
+
+impl Column {
+    /// The type as `--column` and [`Schema::describe`] write it: `int64?` when nullable.
+    pub fn type_name(&self) -> String {
+        let n = self.ty.name();
+        if self.nullable {
+            format!("{n}?")
+        } else {
+            n
+        }
+    }
+
+    /// Whether `v` is this column's null.
+    pub fn is_null(&self, v: &ValueRef<'_>) -> bool {
+        self.nullable
+            && match v {
+                ValueRef::Int64(x) => *x == NULL_INT64,
+                ValueRef::Float64(x) => x.is_nan(),
+                _ => false,
+            }
+    }
 }
 
 /// Ordered list of columns. Its canonical JSON is stored in every shard and in the manifest.
@@ -103,10 +134,24 @@ pub const COLUMNS_MAX: usize = 1024;
 pub const COLUMN_NAME_BYTES_MAX: usize = 256;
 
 impl Schema {
+    /// Builds and validates a schema from its columns.
+    pub fn from_columns(columns: Vec<Column>) -> Result<Self> {
+        let schema = Schema { columns };
+        schema.validate().map_err(|r| Error::invalid("schema", r))?;
+        Ok(schema)
+    }
+
     /// Builds and validates a schema from `(name, type)` pairs.
     pub fn new<S: Into<String>>(cols: impl IntoIterator<Item = (S, ColumnType)>) -> Result<Self> {
         let schema = Schema {
-            columns: cols.into_iter().map(|(n, ty)| Column { name: n.into(), ty }).collect(),
+            columns: cols
+                .into_iter()
+                .map(|(n, ty)| Column {
+                    name: n.into(),
+                    ty,
+                    nullable: false,
+                })
+                .collect(),
         };
         schema.validate().map_err(|r| Error::invalid("schema", r))?;
         Ok(schema)
@@ -149,6 +194,19 @@ impl Schema {
             if !seen.insert(c.name.as_str()) {
                 return Err(Invalid::from(format!("duplicate column name {:?}", c.name)));
             }
+            if c.nullable && self.columns.iter().any(|o| o.name == format!("{}_valid", c.name)) {
+                return Err(Invalid::from(format!(
+                    "column {:?} is where nullable column {:?}'s mask goes",
+                    format!("{}_valid", c.name),
+                    c.name
+                )));
+            }
+            if c.nullable && !matches!(c.ty, ColumnType::Int64 | ColumnType::Float64) {
+                return Err(Invalid::from(format!(
+                    "column {:?}: only int64 and float64 columns can be nullable (a json column holds null as it is)",
+                    c.name
+                )));
+            }
         }
         Ok(())
     }
@@ -174,7 +232,7 @@ impl Schema {
     pub fn describe(&self) -> String {
         self.columns
             .iter()
-            .map(|c| format!("{}:{}", c.name, c.ty.name()))
+            .map(|c| format!("{}:{}", c.name, c.type_name()))
             .collect::<Vec<_>>()
             .join(", ")
     }

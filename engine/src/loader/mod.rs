@@ -177,6 +177,9 @@ pub enum ColumnData {
     ImageSource(Box<SourceBatch>),
     /// Typed arrays of one column (see [`ArrayBatch`]).
     Array(ArrayBatch),
+    /// Which values of the nullable column before it are present (`<name>_valid`): false
+    /// where the value is null (and holds the stored sentinel, `NULL_INT64` or a NaN).
+    Valid(Vec<bool>),
     /// YOLO boxes: `values` is `(M, 5)` row-major `[class, cx, cy, w, h]`; sample `i` owns
     /// rows `offsets[i]..offsets[i + 1]`.
     Boxes {
@@ -1161,6 +1164,10 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
         }
         let data = column_data(cfg, &job, &rows, ci, col)?;
         columns.push((col.name.clone(), data));
+        if col.nullable {
+            let valid = rows.iter().map(|(_, v)| !col.is_null(&v[ci])).collect();
+            columns.push((format!("{}_valid", col.name), ColumnData::Valid(valid)));
+        }
     }
     let indices = rows.iter().map(|(i, _)| job.samples[*i].global_index as i64).collect();
     let sources = rows.iter().map(|(i, _)| job.samples[*i].id.source as i64).collect();

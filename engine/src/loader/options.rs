@@ -92,6 +92,7 @@ pub const OPTIONS: &[(&str, OptionDefault)] = &[
     ("num_threads", OptionDefault::None),
     ("prefetch_batches", OptionDefault::None),
     ("on_corrupt", OptionDefault::Str("error")),
+    ("filter", OptionDefault::None),
     ("decode", OptionDefault::None),
     ("rank", OptionDefault::None),
     ("world_size", OptionDefault::None),
@@ -196,6 +197,10 @@ impl Options {
         let image = image_config(&all, batch_size)?;
         let on_corrupt = choice("on_corrupt", a("on_corrupt"), &[("error", "error"), ("skip", "skip")])?;
         let drop_last = boolean("drop_last", a("drop_last"))?;
+        let filter = optional(a("filter"), |v| text("filter", v))?;
+        if let Some(f) = &filter {
+            crate::stream::parse_filter(f)?;
+        }
         let decode = optional(a("decode"), |v| {
             choice("decode", v, &[("auto", "auto"), ("gpu", "gpu"), ("cpu", "cpu")])
         })?;
@@ -211,6 +216,7 @@ impl Options {
             "image_column": text("image_column", a("image_column"))?,
             "boxes_column": optional(a("boxes_column"), |v| text("boxes_column", v))?,
             "on_corrupt": on_corrupt,
+            "filter": filter,
         });
         if let Some(n) = prefetch_batches {
             config["prefetch_batches"] = json!(n as usize);

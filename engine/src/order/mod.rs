@@ -14,8 +14,10 @@
 
 mod deal;
 mod rows;
+mod select;
 
 pub use deal::{effective_len, Deal, DealRule, EpochProgress};
+pub use select::{KeptBits, Selected};
 use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -117,6 +119,11 @@ pub trait ShardCounts: Send + Sync + std::fmt::Debug {
     fn samples(&self, shard: u64) -> Result<u64>;
     /// The shard holding sample `o` of the source (`o < total`), and `o`'s index in it.
     fn locate(&self, o: u64) -> Result<(u64, u64)>;
+    /// The index in shard `shard` of its `k`-th counted sample: `k` itself unless the counts
+    /// are a selection ([`Selected`]) that drops some of the shard's samples.
+    fn real(&self, _shard: u64, k: u64) -> u64 {
+        k
+    }
 }
 
 /// Sample counts held in memory, with their prefix sums.
@@ -715,6 +722,14 @@ impl OrderCursor {
     /// `shard-block`, 0 for `global`, counted on across repeats. A shard's samples inside one
     /// group are read together.
     pub fn at(&mut self, g: u64) -> Result<(SampleRef, u64)> {
+        let (mut id, group) = self.at_counted(g)?;
+        let counts = &self.order.parts[id.source as usize].counts;
+        id.index = counts.real(id.shard as u64, id.index as u64) as u32;
+        Ok((id, group))
+    }
+
+    /// [`OrderCursor::at`] with the sample's index among its shard's counted samples.
+    fn at_counted(&mut self, g: u64) -> Result<(SampleRef, u64)> {
         let o = &self.order;
         assert!(o.len > 0, "position {g} of an empty order");
         let (wrap, g) = o.wrapped(g);

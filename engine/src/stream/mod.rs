@@ -38,6 +38,7 @@ mod fetch;
 mod plan;
 mod prefetch;
 mod reader;
+mod select;
 mod shared;
 mod split;
 mod state;
@@ -45,6 +46,7 @@ mod state;
 use plan::EpochPlan;
 use prefetch::prefetcher;
 pub use reader::SampleReader;
+pub use select::parse_filter;
 pub use shared::Opened;
 use shared::{slice_record, Live, Shared};
 pub use split::SplitShards;
@@ -86,6 +88,9 @@ fn natural() -> Weight {
 pub struct StreamConfig {
     /// Input datasets.
     pub sources: Vec<SourceConfig>,
+    /// A filter on sidecar columns ([`crate::filter`]): the order deals only the samples of
+    /// every source it keeps, so every rank agrees, `len` counts them and resume is exact.
+    pub filter: Option<String>,
     /// Sample order.
     pub order: OrderSpec,
     /// Which consumer this is.
@@ -232,6 +237,7 @@ impl Default for StreamConfig {
     fn default() -> Self {
         Self {
             sources: Vec::new(),
+            filter: None,
             order: OrderSpec::default(),
             topology: Topology::default(),
             cache: None,

@@ -148,16 +148,17 @@ impl Shared {
         if let Some(o) = sources.iter().find_map(|s| s.ds.store().origin()) {
             let _ = metrics.origin.set(o);
         }
-        // Nothing here is per shard: the order reads the shards' counts as it reaches them.
-        let shapes: Vec<SourceShape> = sources
-            .iter()
-            .zip(&cfg.sources)
-            .map(|(s, sc)| SourceShape {
-                version: s.ds.manifest().version.clone(),
-                counts: s.ds.manifest().shard_counts(),
+        // Nothing here is per shard without a filter: the order reads the shards' counts as it
+        // reaches them. A filter reads every shard's columns once (`select.rs`).
+        let mut shapes: Vec<SourceShape> = Vec::with_capacity(sources.len());
+        for (s, sc) in sources.iter().zip(&cfg.sources) {
+            let (counts, version) = rt.block_on(super::select::source_counts(&s.ds, cfg.filter.as_deref()))?;
+            shapes.push(SourceShape {
+                version,
+                counts,
                 weight: sc.weight,
-            })
-            .collect();
+            });
+        }
         // A shard larger than the whole budget takes all of it (permits are clamped).
         let insert_permits = (cfg.prefetch_bytes_max / INSERT_PERMIT_BYTES + 1).min(u32::MAX as u64) as u32;
         let chain = {

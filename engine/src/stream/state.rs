@@ -30,9 +30,10 @@ async fn source_shapes(cfg: &StreamConfig) -> Result<Vec<SourceShape>> {
     let mut shapes = Vec::with_capacity(cfg.sources.len());
     for sc in &cfg.sources {
         let ds = Dataset::open(&sc.url).await?;
+        let (counts, version) = super::select::source_counts(&ds, cfg.filter.as_deref()).await?;
         shapes.push(SourceShape {
-            version: ds.manifest().version.clone(),
-            counts: ds.manifest().shard_counts(),
+            version,
+            counts,
             weight: sc.weight,
         });
     }

@@ -42,6 +42,11 @@ pub struct Args {
     /// listed
     #[arg(long)]
     pub check_decode: bool,
+    /// Drop each sample whose column KEY (e.g. sample_id), or with `content` whose image
+    /// bytes, an earlier sample had; the manifest lists them and every reader leaves them out
+    /// (the same result for one machine and for a split pack; docs/format.md, "Dedupe").
+    #[arg(long, value_name = "KEY|content")]
+    pub dedupe: Option<String>,
     /// A JSONL column whose strings name images (a key relative to the JSONL's folder, a path,
     /// or a URL such as s3://bucket/key): each is fetched and stored as the image's bytes.
     #[arg(long)]
@@ -98,6 +103,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         column_types: a.column_types.clone(),
         tokenizer: a.tokenizer.clone(),
         text_column: a.text_column.clone(),
+        dedupe: a.dedupe.clone(),
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(a.threads.unwrap_or(0))
@@ -182,6 +188,14 @@ fn report(r: &PackReport) {
         r.manifest_url
     );
     println!("pack: manifest version {}", r.manifest.version);
+    if let Some(d) = r.manifest.meta.get("dedupe") {
+        let n = d.get("dropped").and_then(|n| n.as_u64()).unwrap_or(0);
+        let by = d.get("by").and_then(|b| b.as_str()).unwrap_or("?");
+        println!(
+            "pack: dedupe by {by}: {n} duplicates dropped ({} samples kept)",
+            r.manifest.samples - n
+        );
+    }
     peak_rss();
     skipped(&r.skipped);
 }

@@ -34,6 +34,10 @@ pub struct Args {
     /// applies it).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub exif_per_mille: u32,
+    /// This many images per thousand are byte copies of an earlier image (labels too), for
+    /// `ramjet pack --dedupe content` to find.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub duplicate_per_mille: u32,
 }
 
 /// Runs the command.
@@ -46,6 +50,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         damaged_per_mille,
         webp_per_mille,
         exif_per_mille,
+        duplicate_per_mille,
     } = a;
     let t0 = std::time::Instant::now();
     let opts = SynthOptions {
@@ -55,6 +60,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         damaged_per_mille,
         webp_per_mille,
         exif_per_mille,
+        duplicate_per_mille,
     };
     let r = synth(&dir, &opts, &count_bar("synth"))?;
     println!(

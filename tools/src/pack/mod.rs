@@ -16,6 +16,7 @@
 //! `manifests/<version>.json` and then as `manifest.json`: if any step fails, no new
 //! `manifest.json` appears.
 
+pub mod dedupe;
 pub mod source;
 pub mod split;
 pub mod tokens;
@@ -30,8 +31,8 @@ use serde_json::{Map, Value as Json};
 
 use ramjet_engine::format::array::Array;
 use ramjet_engine::format::{
-    columns_key, shard_key, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable, Value,
-    MANIFEST_NAME, SHARD_TABLE_AUTO_MIN,
+    columns_key, shard_key, Column, ColumnType, ColumnsInfo, Manifest, Schema, ShardBuilder, ShardInfo, ShardTable,
+    Value, MANIFEST_NAME, NULL_INT64, SHARD_TABLE_AUTO_MIN,
 };
 use ramjet_engine::image::probe::{probe, ImageFormat};
 use ramjet_engine::image::turbo::with_restarts_or_given;
@@ -116,6 +117,9 @@ pub struct PackOptions {
     pub tokenizer: Option<String>,
     /// The column `tokenizer` reads.
     pub text_column: String,
+    /// `--dedupe KEY|content`: drop each sample whose column `KEY` (or image bytes) an earlier
+    /// sample had ([`dedupe`]).
+    pub dedupe: Option<String>,
 }
 
 pub use ramjet_engine::image::turbo::JPEG_RESTART_PX;
@@ -156,6 +160,7 @@ impl Default for PackOptions {
             column_types: Vec::new(),
             tokenizer: None,
             text_column: "text".into(),
+            dedupe: None,
         }
     }
 }
@@ -216,6 +221,8 @@ pub struct GroupOut {
     pub skipped: Skipped,
     /// Input bytes read.
     pub input_bytes: u64,
+    /// With `--dedupe`, each packed sample's key, in order.
+    pub keys: Vec<u64>,
 }
 
 /// Running statistics of a group while its inputs are read.
@@ -264,6 +271,20 @@ pub(crate) struct Ctx<'a> {
     pub label: String,
     /// Inputs packed so far (progress lines count them).
     pub objects: std::sync::atomic::AtomicU64,
+    /// `--dedupe`, resolved against the layout's schema.
+    pub dedupe: Option<dedupe::DedupeBy>,
+}
+
+/// `--dedupe` resolved against `layout`'s schema.
+pub(crate) fn dedupe_by(opts: &PackOptions, layout: &Layout) -> Result<Option<dedupe::DedupeBy>> {
+    let image = match layout.kind {
+        SourceKind::Jsonl => opts.image_column.as_deref(),
+        _ => Some("image"),
+    };
+    opts.dedupe
+        .as_deref()
+        .map(|by| dedupe::DedupeBy::resolve(by, &layout.schema, image))
+        .transpose()
 }
 
 /// The runtime a pack's requests run on.
@@ -293,6 +314,7 @@ pub fn pack(src: &str, dst: &str, opts: &PackOptions, progress: &indicatif::Prog
         progress,
         label: "pack".into(),
         objects: Default::default(),
+        dedupe: dedupe_by(opts, &layout)?,
     };
     let groups = if layout.kind == SourceKind::Jsonl {
         progress.set_length(source.file_len(&rt)?);
@@ -310,13 +332,22 @@ pub fn pack(src: &str, dst: &str, opts: &PackOptions, progress: &indicatif::Prog
         return Err(Error::invalid(src, what));
     }
     let (mut shards, mut skipped, mut input_bytes) = (Vec::new(), Vec::new(), 0);
-    for (_, g) in groups {
+    let mut pass = dedupe::Pass::default();
+    for (gi, g) in groups {
+        if ctx.dedupe.is_some() {
+            let samples = g.shards.iter().map(|s| s.samples).sum();
+            pass.group(&g.keys, samples, &format!("group {gi}"))?;
+        }
         shards.extend(g.shards);
         skipped.extend(g.skipped);
         input_bytes += g.input_bytes;
     }
     if shards.is_empty() {
         return Err(Error::invalid(src, "every input was skipped"));
+    }
+    let mut layout = layout.clone();
+    if let Some(d) = &ctx.dedupe {
+        pass.finish(d.name(), &store, &rt, &mut layout.meta)?;
     }
     let manifest = write_manifest(&store, &rt, &layout, opts.shard_table, &shards)?;
     Ok(PackReport {
@@ -525,7 +556,7 @@ pub(crate) fn entries(
 
 /// What building one planned shard gave: the shard (none if every input was skipped), the
 /// inputs skipped, and the input bytes read.
-type ShardOutcome = (Option<ShardInfo>, Skipped, u64);
+type ShardOutcome = (Option<ShardInfo>, Skipped, u64, Vec<u64>);
 
 /// Packs the files of an image folder or a YOLO layout from after key `after` (the whole
 /// input when `None`), at most `limit` of them, the first being input number `first_pos`: a
@@ -608,11 +639,12 @@ pub(crate) fn pack_files(
         out.entry(g).or_default().skipped.push((rel, why));
     }
     done.sort_by_key(|(g, j, _)| (*g, *j));
-    for (g, _, (info, sk, read)) in done {
+    for (g, _, (info, sk, read, keys)) in done {
         let o = out.entry(g).or_default();
         o.shards.extend(info);
         o.skipped.extend(sk);
         o.input_bytes += read;
+        o.keys.extend(keys);
     }
     Ok(out)
 }
@@ -748,6 +780,7 @@ fn build_shard(ctx: &Ctx, idx: u64, items: &[Item], side_schema: Option<&Schema>
     b.reserve(items.iter().map(|i| i.size).sum::<u64>() as usize);
     let mut skipped = Vec::new();
     let mut read = 0u64;
+    let mut dedupe_keys = Vec::new();
     let keys: Vec<&str> = items.iter().map(|i| i.rel.as_str()).collect();
     // The inputs are read in order, then made into values on the pack's pool (a full decode
     // with --check-decode, a restart transcode with --jpeg-restarts: a shard's worth of work
@@ -767,6 +800,9 @@ fn build_shard(ctx: &Ctx, idx: u64, items: &[Item], side_schema: Option<&Schema>
             Ok((vals, n)) => {
                 read += n;
                 b.push(&vals, &it.rel)?;
+                if let Some(d) = &ctx.dedupe {
+                    dedupe_keys.push(d.key(&ctx.layout.schema, &vals, it.pos));
+                }
                 if let Some(side) = side.as_mut() {
                     let small: Vec<Value> = vals
                         .iter()
@@ -785,7 +821,7 @@ fn build_shard(ctx: &Ctx, idx: u64, items: &[Item], side_schema: Option<&Schema>
     let objects = ctx.objects.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
     ctx.progress.set_message(format!("{}, {objects} objects", ctx.label));
     if b.samples() == 0 {
-        return Ok((None, skipped, read));
+        return Ok((None, skipped, read, dedupe_keys));
     }
     let shard = b.finish();
     let key = shard_key(idx as usize, shard.checksum);
@@ -812,7 +848,7 @@ fn build_shard(ctx: &Ctx, idx: u64, items: &[Item], side_schema: Option<&Schema>
         foreign: None,
     };
     ctx.rt.block_on(ctx.dst.put(&key, Bytes::from(shard.bytes)))?;
-    Ok((Some(info), skipped, read))
+    Ok((Some(info), skipped, read, dedupe_keys))
 }
 
 /// Opens the destination, creating a local folder if needed.
@@ -1024,10 +1060,9 @@ fn jsonl_layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) 
                     ),
                 ));
             }
-            Schema::new(schema.columns.iter().map(|col| {
-                let ty = if col.name == *c { ColumnType::Bytes } else { col.ty };
-                (col.name.clone(), ty)
-            }))?
+            let mut cols = schema.columns.clone();
+            cols[i].ty = ColumnType::Bytes;
+            Schema::from_columns(cols)?
         }
     };
     let mut meta = Map::new();
@@ -1053,12 +1088,15 @@ fn jsonl_layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) 
     let schema = match &opts.image_column {
         Some(_) if schema.index_of("width").is_none() && schema.index_of("height").is_none() => {
             meta.insert("image_dims".into(), serde_json::json!(["width", "height"]));
-            let cols = schema.columns.iter().map(|c| (c.name.clone(), c.ty));
-            let dims = [
-                ("width".to_string(), ColumnType::Int64),
-                ("height".to_string(), ColumnType::Int64),
-            ];
-            Schema::new(cols.chain(dims))?
+            let mut cols = schema.columns.clone();
+            for name in ["width", "height"] {
+                cols.push(Column {
+                    name: name.into(),
+                    ty: ColumnType::Int64,
+                    nullable: false,
+                });
+            }
+            Schema::from_columns(cols)?
         }
         _ => schema,
     };
@@ -1076,7 +1114,7 @@ fn line_schema(ctx: &Ctx, input: &Schema) -> Result<Option<Schema>> {
         return Ok(None);
     }
     let n = input.columns.len().saturating_sub(2);
-    Schema::new(input.columns[..n].iter().map(|c| (c.name.clone(), c.ty))).map(Some)
+    Schema::from_columns(input.columns[..n].to_vec()).map(Some)
 }
 
 /// Fills the two size columns pack adds (the last two) of each good row from its image's
@@ -1095,11 +1133,16 @@ fn fill_dims(ic: usize, rows: &mut [Result<(Vec<Value>, u64)>]) {
 /// `schema` with the types `--column NAME:TYPE` gives: each name must be a column of the
 /// first line (`what` names the input).
 fn with_column_types(schema: Schema, given: &[String], what: &str) -> Result<Schema> {
-    let mut cols: Vec<(String, ColumnType)> = schema.columns.iter().map(|c| (c.name.clone(), c.ty)).collect();
+    let mut cols = schema.columns.clone();
     for g in given {
         let (name, ty) = g
             .split_once(':')
             .ok_or_else(|| Error::invalid("--column", format!("{g:?} is not NAME:TYPE (e.g. tokens:int32[?])")))?;
+        // `int64?`: nullable (an array's `[?]` is a free axis, not this).
+        let (ty, nullable) = match ty.strip_suffix('?') {
+            Some(t) if !ty.ends_with("]") => (t, true),
+            _ => (ty, false),
+        };
         let ty = ColumnType::parse(ty).map_err(|r| Error::invalid("--column", format!("{g:?}: {r}")))?;
         if let ColumnType::Array(a) = ty {
             if a.dtype.is_none() {
@@ -1109,8 +1152,8 @@ fn with_column_types(schema: Schema, given: &[String], what: &str) -> Result<Sch
                 ));
             }
         }
-        match cols.iter_mut().find(|(n, _)| n == name) {
-            Some(c) => c.1 = ty,
+        match cols.iter_mut().find(|c| c.name == name) {
+            Some(c) => (c.ty, c.nullable) = (ty, nullable),
             None => {
                 return Err(Error::invalid(
                     "--column",
@@ -1119,7 +1162,7 @@ fn with_column_types(schema: Schema, given: &[String], what: &str) -> Result<Sch
             }
         }
     }
-    Schema::new(cols)
+    Schema::from_columns(cols).map_err(|e| Error::invalid("--column", e.to_string()))
 }
 
 /// A JSON value (a number, or nested lists of numbers) as an array of `spec`'s dtype, checked
@@ -1215,6 +1258,7 @@ pub(crate) fn pack_jsonl(
     let mut stats: BTreeMap<u64, GroupStat> = BTreeMap::new();
     let mut skips: Vec<(u64, String, String)> = Vec::new();
     let mut read_bytes: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut dedupe_keys: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     let done = with_workers(
         |(g, j, b): (u64, u64, ShardBuilder)| {
             let shard = b.finish();
@@ -1301,6 +1345,12 @@ pub(crate) fn pack_jsonl(
                     builder
                         .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
                         .push(&vals, &what(*n))?;
+                    if let Some(d) = &ctx.dedupe {
+                        dedupe_keys
+                            .entry(g)
+                            .or_default()
+                            .push(d.key(schema, &vals, *n as u64 - 1));
+                    }
                     acc += size;
                     // Tokenized, a row is smaller than its text: the input is the line.
                     *read_bytes.entry(g).or_default() += if tokenize.is_some() { line.len() as u64 } else { size };
@@ -1319,6 +1369,9 @@ pub(crate) fn pack_jsonl(
     }
     for (g, n) in read_bytes {
         out.entry(g).or_default().input_bytes = n;
+    }
+    for (g, keys) in dedupe_keys {
+        out.entry(g).or_default().keys = keys;
     }
     done.sort_by_key(|(g, j, _)| (*g, *j));
     for (g, _, info) in done {
@@ -1501,6 +1554,18 @@ fn jsonl_row(
         let v = &m[&c.name];
         let val = match (c.ty, v) {
             (_, Json::String(s)) if image_col == Some(i) => Value::Str(s.clone()),
+            (ColumnType::Int64, Json::Null) if c.nullable => Value::Int64(NULL_INT64),
+            (ColumnType::Float64, Json::Null) if c.nullable => Value::Float64(f64::NAN),
+            (ColumnType::Int64, Json::Number(n)) if c.nullable && n.as_i64() == Some(NULL_INT64) => {
+                return Err(Error::invalid(
+                    what,
+                    format!(
+                        "column {:?} ({}): {n} is the value a null is stored as",
+                        c.name,
+                        c.type_name()
+                    ),
+                ))
+            }
             (ColumnType::Int64, Json::Number(n)) if n.is_i64() => Value::Int64(n.as_i64().expect("i64")),
             (ColumnType::Float64, Json::Number(n)) => Value::Float64(n.as_f64().expect("f64")),
             (ColumnType::Str, Json::String(s)) => Value::Str(s.clone()),
@@ -1515,11 +1580,20 @@ fn jsonl_row(
                 let ty = if image_col == Some(i) {
                     "a string naming an image".to_owned()
                 } else {
-                    c.ty.name()
+                    c.type_name()
+                };
+                let hint = match (v, c.ty) {
+                    (Json::Null, ColumnType::Int64 | ColumnType::Float64) => {
+                        format!(" (declare it nullable: --column {}:{}?)", c.name, c.ty.name())
+                    }
+                    _ => String::new(),
                 };
                 return Err(Error::invalid(
                     what,
-                    format!("column {:?} is {ty} in the first line, but this value is {v}", c.name),
+                    format!(
+                        "column {:?} is {ty} in the first line, but this value is {v}{hint}",
+                        c.name
+                    ),
                 ));
             }
         };

@@ -73,6 +73,9 @@ pub struct PlanOptions {
     /// `--text-column`, with `--tokenizer` (whose file the plan's layout names by checksum).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text_column: Option<String>,
+    /// `--dedupe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedupe: Option<String>,
 }
 
 impl PlanOptions {
@@ -86,6 +89,7 @@ impl PlanOptions {
             image_column: o.image_column.clone(),
             column_types: o.column_types.clone(),
             text_column: o.tokenizer.as_ref().map(|_| o.text_column.clone()),
+            dedupe: o.dedupe.clone(),
         }
     }
 }
@@ -224,6 +228,9 @@ impl Plan {
             };
             return differ("tokenizing", say(&p.text_column), say(&o.text_column));
         }
+        if p.dedupe != o.dedupe {
+            return differ("--dedupe", format!("{:?}", p.dedupe), format!("{:?}", o.dedupe));
+        }
         if p.column_types != o.column_types {
             return differ(
                 "--column",
@@ -280,6 +287,9 @@ pub struct Part {
     pub shards: Vec<ShardInfo>,
     /// Inputs skipped with `--skip-bad`, in input order.
     pub skipped: Skipped,
+    /// With `--dedupe`, each sample's key in order, 16 hex digits each ([`super::dedupe`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedupe_keys: Option<String>,
     /// xxh3-64 of this JSON with `checksum` empty, 16 hex digits.
     pub checksum: String,
 }
@@ -305,6 +315,11 @@ impl Part {
             input_bytes: out.input_bytes,
             shards: out.shards,
             skipped: out.skipped,
+            dedupe_keys: plan
+                .options
+                .dedupe
+                .as_ref()
+                .map(|_| super::dedupe::keys_to_hex(&out.keys)),
             checksum: String::new(),
         };
         p.checksum = p.compute_checksum();
@@ -684,6 +699,7 @@ pub fn pack_task(
         progress,
         label: label.clone(),
         objects: Default::default(),
+        dedupe: super::dedupe_by(opts, &layout)?,
     };
     progress.set_message(label.clone());
     let mut r = TaskReport {
@@ -826,6 +842,7 @@ pub fn merge(
     // The shards, while the JSON may still list them.
     let mut listed: Option<Vec<ShardInfo>> = (mode != ShardTableMode::Always).then(Vec::new);
     let (mut skipped, mut input_bytes, mut checked) = (Vec::new(), 0u64, 0u64);
+    let mut pass = super::dedupe::Pass::default();
     let mut missing: Vec<u64> = Vec::new();
     let mut damaged: Vec<(u64, String)> = Vec::new();
     let who = |g: u64| match tasks {
@@ -877,6 +894,12 @@ pub fn merge(
                     listed = None;
                 }
             }
+            if plan.options.dedupe.is_some() {
+                let what = store.url(&part_key(p.group));
+                let keys = super::dedupe::keys_from_hex(p.dedupe_keys.as_deref().unwrap_or_default())
+                    .map_err(|why| Error::invalid(&what, why))?;
+                pass.group(&keys, p.samples, &what)?;
+            }
             skipped.extend(p.skipped);
             input_bytes += p.input_bytes;
         }
@@ -910,7 +933,18 @@ pub fn merge(
     if table.is_empty() {
         return Err(Error::invalid(src, "every input was skipped"));
     }
-    let (kind, schema, meta) = (layout.kind.name(), layout.schema.clone(), layout.meta.clone());
+    let (kind, schema, mut meta) = (layout.kind.name(), layout.schema.clone(), layout.meta.clone());
+    if let Some(by) = &plan.options.dedupe {
+        let by = super::dedupe::DedupeBy::resolve(
+            by,
+            &layout.schema,
+            plan.options
+                .image_column
+                .as_deref()
+                .or((layout.kind != SourceKind::Jsonl).then_some("image")),
+        )?;
+        pass.finish(by.name(), &store, &rt, &mut meta)?;
+    }
     let manifest = match listed {
         Some(l) if !mode.table_for(l.len() as u64) => Manifest::new(kind, schema, meta, l),
         _ => {
@@ -1051,6 +1085,7 @@ pub fn simulate(dir: &std::path::Path, parts: u64, samples: u64, shard_samples: 
             input_bytes: gp.items * 150_000,
             shards,
             skipped: Vec::new(),
+            keys: Vec::new(),
         };
         let p = dir.join(part_key(g));
         let part = Part::new(&plan, g, out);

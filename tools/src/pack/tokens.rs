@@ -112,13 +112,13 @@ pub fn tokenized_schema(input: &Schema, text_column: &str, tok: &Tok, display: &
             dims: [ramjet_engine::format::array::FREE; ramjet_engine::format::array::DECLARED_RANK_MAX],
         },
     });
-    let schema = Schema::new(input.columns.iter().enumerate().map(|(j, c)| {
-        if j == i {
-            (TOKENS_COLUMN.to_owned(), ty)
-        } else {
-            (c.name.clone(), c.ty)
-        }
-    }))?;
+    let mut cols = input.columns.clone();
+    cols[i] = ramjet_engine::format::Column {
+        name: TOKENS_COLUMN.to_owned(),
+        ty,
+        nullable: false,
+    };
+    let schema = Schema::from_columns(cols)?;
     let mut info = Map::new();
     info.insert("file".into(), Json::from(tok.file.clone()));
     info.insert("checksum".into(), Json::from(tok.checksum.clone()));
