@@ -174,21 +174,25 @@ impl Parser {
             Some(t) => format!("{t:?}"),
         }
     }
-    fn expr(&mut self) -> Result<Expr, FilterError> {
-        let mut e = self.and()?;
-        while self.word("or") {
+    /// `next (word next)*`, folded left with `make`.
+    fn chain(
+        &mut self,
+        word: &str,
+        next: fn(&mut Self) -> Result<Expr, FilterError>,
+        make: fn(Box<Expr>, Box<Expr>) -> Expr,
+    ) -> Result<Expr, FilterError> {
+        let mut e = next(self)?;
+        while self.word(word) {
             self.at += 1;
-            e = Expr::Or(Box::new(e), Box::new(self.and()?));
+            e = make(Box::new(e), Box::new(next(self)?));
         }
         Ok(e)
     }
+    fn expr(&mut self) -> Result<Expr, FilterError> {
+        self.chain("or", Self::and, Expr::Or)
+    }
     fn and(&mut self) -> Result<Expr, FilterError> {
-        let mut e = self.not()?;
-        while self.word("and") {
-            self.at += 1;
-            e = Expr::And(Box::new(e), Box::new(self.not()?));
-        }
-        Ok(e)
+        self.chain("and", Self::not, Expr::And)
     }
     fn not(&mut self) -> Result<Expr, FilterError> {
         if self.word("not") {
