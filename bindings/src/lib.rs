@@ -428,6 +428,7 @@ fn _ramjet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loader::job_progress, m)?)?;
     m.add_function(wrap_pyfunction!(loader::audit, m)?)?;
     m.add_function(wrap_pyfunction!(loader::epoch_lengths, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::bucket_batches, m)?)?;
     m.add_function(wrap_pyfunction!(loader::init, m)?)?;
     m.add_function(wrap_pyfunction!(loader::loader_defaults, m)?)?;
     m.add_class::<session::Session>()?;

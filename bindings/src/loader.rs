@@ -374,14 +374,22 @@ pub fn audit(py: Python<'_>, config: &str, states: Option<Vec<String>>, resume: 
     serde_json::to_string(&report).map_err(|e| InvalidInputError::new_err(e.to_string()))
 }
 
-/// `(epoch_len, mine)`: samples in an epoch's order and this consumer's share.
+/// `(epoch_len, mine, least)`: samples in an epoch's order, this consumer's share, and the
+/// least share of any consumer of the job.
 #[pyfunction]
-pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64)> {
+pub fn epoch_lengths(py: Python<'_>, config: &str) -> PyResult<(u64, u64, u64)> {
     let sc = parse(config)?.stream();
     interruptible(py, move || {
         ramjet_engine::rt::block_on(ramjet_engine::stream::epoch_lengths(&sc)).and_then(|r| r)
     })?
     .map_err(to_py)
+}
+
+/// Batches every consumer yields per epoch under `buckets` aspect-ratio buckets of
+/// `batch_size`, when the job's least share is `least` samples.
+#[pyfunction]
+pub fn bucket_batches(least: u64, buckets: usize, batch_size: usize) -> u64 {
+    ramjet_engine::loader::buckets::epoch_batches(least, buckets, batch_size)
 }
 
 /// Random access to samples by index, decoded with the evaluation transform.

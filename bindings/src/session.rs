@@ -220,7 +220,8 @@ impl Session {
         if !running || held(&self.epochs).needs_start(&topology) {
             self.stop();
             let mut lc = cfg.loader().map_err(to_py)?;
-            if let Some(g) = cfg.gpu_decode.clone() {
+            // Buckets decode on the CPU path (the GPU path's batches have one size).
+            if let Some(g) = cfg.gpu_decode.clone().filter(|_| lc.buckets.is_none()) {
                 let open = held(&self.gpu).as_ref().map(|s| s.ordinal()) == Some(g.ordinal);
                 if !open {
                     let side = interruptible(py, move || GpuSide::open(&g))?.map_err(to_py)?;

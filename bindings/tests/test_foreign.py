@@ -182,6 +182,16 @@ def test_mds_from_s3_decodes_and_augments_in_rust(fixtures, tmp_path, index_dir,
     assert sorted(int(x) for b in batches for x in b["label"]) == sorted(w["label"] for w in fixtures[1]["mds"])
 
 
+def test_buckets_over_a_dataset_without_sizes_are_refused_naming_the_columns(fixtures, tmp_path):
+    """MosaicML's writer records no width or height: aspect-ratio buckets have nothing to choose
+    by, and say so instead of decoding every image to find out (issue 69, item 5)."""
+    url = str(copy_of(fixtures, tmp_path, "mds-plain"))
+    ds = ramjet.StreamingDataset(url, image_column="image", image_size=32, buckets=[(32, 32), (24, 48)],
+                                 batch_size=2, boxes_column=None, cache_limit=None)
+    with pytest.raises(ramjet.InvalidInputError, match="width and height"):
+        list(ds)
+
+
 @pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "learned"])
 @pytest.mark.parametrize("name,src", [("mds-plain", "mds-plain"), ("wds", "wds/train-{000..002}.tar")])
 def test_order_and_exact_resume(fixtures, tmp_path, index_dir, name, src, indexed):

@@ -59,6 +59,9 @@ pub struct Metrics {
     pub images_decoded: AtomicU64,
     /// Samples left out of delivered batches because their image did not decode (loader only).
     pub samples_skipped: AtomicU64,
+    /// Samples read but left out of an epoch by aspect-ratio buckets: each consumer yields the
+    /// same batch count, and what its buckets hold past that sits the epoch out (loader only).
+    pub samples_left_out: AtomicU64,
     /// Shards delivered by the host daemon, by source (see [`crate::FetchedFrom`]).
     pub provider_shards: [AtomicU64; 3],
     /// Bytes delivered by the host daemon.
@@ -124,6 +127,7 @@ impl Default for Metrics {
             last_batch_ns: AtomicU64::new(0),
             images_decoded: AtomicU64::new(0),
             samples_skipped: AtomicU64::new(0),
+            samples_left_out: AtomicU64::new(0),
             provider_shards: Default::default(),
             provider_bytes: AtomicU64::new(0),
             provider_failures: AtomicU64::new(0),
@@ -202,6 +206,8 @@ pub struct MetricsSnapshot {
     pub images_decoded: u64,
     /// Samples skipped as undecodable.
     pub samples_skipped: u64,
+    /// Samples aspect-ratio buckets left out of their epoch.
+    pub samples_left_out: u64,
     /// Shards the host daemon delivered from its own cache.
     pub daemon_cache_local: u64,
     /// Shards the host daemon delivered from a peer's cache.
@@ -351,6 +357,7 @@ impl Metrics {
             step_s: self.step_s(),
             images_decoded: g(&self.images_decoded),
             samples_skipped: g(&self.samples_skipped),
+            samples_left_out: g(&self.samples_left_out),
             daemon_cache_local: g(&self.provider_shards[0]),
             daemon_cache_peer: g(&self.provider_shards[1]),
             daemon_origin: g(&self.provider_shards[2]),

@@ -307,6 +307,7 @@ def _transform_spec(base: Dict[str, Any]) -> Dict[str, Any]:
         "boxes_column": base.get("boxes_column"),
         "image": base.get("image"),
         "filter": base.get("filter"),
+        "buckets": base.get("buckets"),
     }
 
 
@@ -451,6 +452,16 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             "Filters"). Applied in the order before dealing: every rank agrees, ``len()``
             counts the kept samples and resume is exact. The first use reads every shard's
             columns sidecar once.
+        buckets: aspect-ratio buckets, ``[(height, width), ...]`` (at most 256): each sample
+            goes to the bucket nearest its aspect ratio, by the ``width`` and ``height`` columns
+            ``ramjet pack`` records (nothing is decoded to choose), and each batch is
+            ``batch_size`` images of one bucket, decoded at its size (``image_size`` is then
+            only the default for nothing; the other image settings apply to every bucket).
+            Every rank yields the same number of batches per epoch, all full:
+            ``(least_share - buckets * (batch_size - 1)) // batch_size`` per consumer, the
+            rest of a share sitting that epoch out (``metrics()["samples_left_out"]``).
+            Deterministic, and resumed exactly (docs/order.md, "Aspect-ratio buckets"). Decoded
+            on the CPU path.
         decode: with a CUDA ``device``, decode and augment images on the GPU: ``"auto"`` (the
             hardware JPEG engine, nvJPEG's hybrid decoder and the CPU threads, split by their
             measured rates), ``"gpu"`` (every image a GPU decoder takes goes to it) or ``"cpu"``
@@ -509,6 +520,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         prefetch_batches: Optional[int] = None,
         on_corrupt: str = "error",
         filter: Optional[str] = None,
+        buckets: Optional[Sequence[Tuple[int, int]]] = None,
         decode: Optional[str] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
@@ -550,7 +562,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._decode = decode if self.device != "cpu" else None
         self._copy_stream: Any = None  # the host-to-device copies' CUDA stream (device="cuda")
         self._in_flight: List[Any] = []  # (copy event, host batch) until the copy completes
-        self._lengths: Dict[Any, Tuple[int, int]] = {}
+        self._lengths: Dict[Any, Tuple[int, int, int]] = {}
         self._first_len: Optional[int] = None  # samples of the first source (indexing)
         self._contract_sources: Optional[List[Dict[str, Any]]] = None  # (contract) read once
 
@@ -803,7 +815,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     # ----- sizes and random access ----------------------------------------------------
 
-    def _epoch_lengths(self, as_worker: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
+    def _epoch_lengths(self, as_worker: Optional[Tuple[int, int]] = None) -> Tuple[int, int, int]:
         config = self._config(as_worker)
         order = json.loads(config)["order"]
         key = json.dumps([self._topology(as_worker), order], sort_keys=True)
@@ -828,6 +840,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         directly, this rank's."""
         batches = lambda n: n // self.batch_size if self._drop_last else -(-n // self.batch_size)  # noqa: E731
         workers = _asking_loader_workers(self)
+        buckets = self._base.get("buckets")
+        if buckets:
+            # Every consumer the same count, from the job's least share (the engine's rule).
+            least = self._epoch_lengths((0, workers) if workers > 1 else None)[2]
+            return max(workers, 1) * _ramjet.bucket_batches(least, len(buckets), self.batch_size)
         if workers <= 1:
             return batches(self.samples_per_rank)
         return sum(batches(self._epoch_lengths((w, workers))[1]) for w in range(workers))

@@ -33,6 +33,9 @@ pub struct Epochs {
     resume: Option<Saved<ResumePoint>>,
     /// This consumer's own state to continue from (a worker's loaded state), likewise.
     resume_consumer: Option<Saved<StreamState>>,
+    /// Every consumer's own state, from a job state saved under aspect-ratio buckets: a start
+    /// under the same topology continues from its own ([`Epochs::start`]), likewise.
+    resume_consumers: Option<Vec<Saved<StreamState>>>,
     /// This consumer's state after the last batch it yielded.
     state: Option<StreamState>,
     /// The epoch the running loader is in and the topology it was started for.
@@ -76,6 +79,7 @@ impl Epochs {
             self.epoch = epoch;
             self.resume = None;
             self.resume_consumer = None;
+            self.resume_consumers = None;
             self.state = None;
         }
     }
@@ -122,7 +126,23 @@ impl Epochs {
         cfg.first_epoch = self.epoch;
         cfg.resume = self.resume.as_ref().map(|s| s.value.clone());
         cfg.resume_consumer = self.resume_consumer.as_ref().map(|s| s.value.clone());
+        if let Some(own) = self.own_state(cfg) {
+            // The job saved every consumer's own state, and the topology is the same: this
+            // consumer goes on exactly from its own (its buckets' waiting samples included).
+            cfg.resume_consumer = Some(own);
+            cfg.resume = None;
+        }
         self.running = Some((self.epoch, cfg.topology));
+    }
+
+    /// This consumer's own state among a loaded job state's, when the job saved them and the
+    /// topology (consumers and nodes) is the one they were saved under.
+    fn own_state(&self, cfg: &StreamConfig) -> Option<StreamState> {
+        let list = self.resume_consumers.as_ref()?;
+        let (c, n) = (cfg.topology.consumer(), cfg.topology.consumers());
+        let nodes = crate::order::DealRule::for_job(&cfg.order, &cfg.topology).nodes;
+        let own = list.iter().find(|s| s.value.consumer == c)?;
+        (list.len() == n && own.value.consumers == n && own.value.nodes == nodes).then(|| own.value.clone())
     }
 
     /// The running loader is gone (dropped, or left behind in a forked parent).
@@ -142,6 +162,7 @@ impl Epochs {
         self.state = batch.state.take();
         self.resume = None;
         self.resume_consumer = None;
+        self.resume_consumers = None;
         if batch.end_of_epoch {
             // The loader goes on into the next epoch; the next iteration continues there.
             self.epoch = batch.epoch + 1;
@@ -158,6 +179,7 @@ impl Epochs {
         self.state = end.state.take().or(self.state.take());
         self.resume = None;
         self.resume_consumer = None;
+        self.resume_consumers = None;
         self.epoch = end.epoch + 1;
         self.running = topology.map(|t| (self.epoch, t));
         Step::End
@@ -201,15 +223,31 @@ impl Epochs {
         })
     }
 
-    /// The job's saved state from every consumer's state taken after the same step.
+    /// The job's saved state from every consumer's state taken after the same step. Under
+    /// aspect-ratio buckets it also carries each consumer's own state (`"consumers"`), so that a
+    /// job resumed on the same topology goes on exactly, its buckets' waiting samples included;
+    /// on another, the progress alone deals what no consumer yielded yet.
     pub fn job_state(states: &[StreamState]) -> Result<Value> {
         let point = StreamState::job_progress(states)?;
-        Ok(json!({
+        let mut v = json!({
             "version": SAVED_STATE_VERSION,
             "epoch": point.progress.epoch,
             "resume": to_text(&point)?,
             "partitions": point.order.partitions,
-        }))
+        });
+        let mid_epoch = states.iter().any(|s| s.buckets.is_some()) && point.progress.epoch == states[0].base.epoch;
+        if mid_epoch {
+            v["consumers"] = Value::Array(
+                states
+                    .iter()
+                    .map(to_text)
+                    .collect::<Result<Vec<_>>>()?
+                    .into_iter()
+                    .map(Value::String)
+                    .collect(),
+            );
+        }
+        Ok(v)
     }
 
     /// Continues from a saved state (a job's, or a worker's): the next iteration reads the rest
@@ -240,6 +278,7 @@ impl Epochs {
         };
         let resume: Option<Saved<ResumePoint>> = parsed(m.get("resume"), "resume")?;
         let consumer: Option<Saved<StreamState>> = parsed(m.get("consumer"), "consumer")?;
+        let consumers = parsed_list(m.get("consumers"), "consumers")?;
         if let Some(r) = &resume {
             if r.value.progress.epoch != epoch {
                 return Err(Error::invalid(
@@ -258,6 +297,7 @@ impl Epochs {
         self.partitions = partitions.or(self.partitions);
         self.resume = resume;
         self.resume_consumer = consumer;
+        self.resume_consumers = consumers;
         self.state = None;
         self.running = None;
         Ok(())
@@ -269,6 +309,7 @@ impl Epochs {
             "epoch": self.epoch,
             "resume": self.resume_text(),
             "consumer": self.resume_consumer.as_ref().map(|s| s.text.as_str()),
+            "consumers": self.resume_consumers.as_ref().map(|l| l.iter().map(|s| s.text.as_str()).collect::<Vec<_>>()),
             "state": self.state.as_ref().map(to_text).transpose()?,
             "partitions": self.partitions,
         }))
@@ -284,6 +325,7 @@ impl Epochs {
             epoch,
             resume: parsed(v.get("resume"), "resume")?,
             resume_consumer: parsed(v.get("consumer"), "consumer")?,
+            resume_consumers: parsed_list(v.get("consumers"), "consumers")?,
             state: state.map(|s| s.value),
             running: None,
             partitions: saved_partitions(v.get("partitions"))?,
@@ -329,6 +371,28 @@ fn parsed<T: serde::de::DeserializeOwned>(v: Option<&Value>, field: &str) -> Res
     }
 }
 
+/// A saved list of positions: absent or null, or a list of JSON texts that each parse as a `T`.
+fn parsed_list<T: serde::de::DeserializeOwned>(v: Option<&Value>, field: &str) -> Result<Option<Vec<Saved<T>>>> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                let at = format!("{field}[{i}]");
+                match parsed(Some(item), &at)? {
+                    Some(s) => out.push(s),
+                    None => return Err(Error::invalid(format!("state_dict['{field}'][{i}]"), "is None")),
+                }
+            }
+            Ok(Some(out))
+        }
+        Some(other) => Err(Error::invalid(
+            format!("state_dict['{field}']"),
+            format!("must be a list of JSON strings, not {}", kind(other)),
+        )),
+    }
+}
+
 /// A JSON value's kind, in the words of the Python types it came from.
 fn kind(v: &Value) -> &'static str {
     match v {
@@ -365,6 +429,7 @@ mod tests {
             delivered,
             audit_base: Audit::default(),
             audit: Audit::default(),
+            buckets: None,
         }
     }
 

@@ -44,9 +44,12 @@ use crate::metrics::Metrics;
 use crate::stall::{self, ConsumerClock, Timeline, WaitOn};
 use crate::stream::{FirstGate, Item, Opened, Sample, Stream, StreamConfig, StreamState};
 use crate::tune::{Limit, Permit};
+use cut::Cut;
 
 pub use crate::buf::HostBuf;
 
+pub mod buckets;
+mod cut;
 mod epochs;
 pub mod options;
 
@@ -97,6 +100,9 @@ pub struct LoaderConfig {
     pub prefetch_pinned: bool,
     /// Images that fail to decode.
     pub on_corrupt: OnCorrupt,
+    /// Aspect-ratio buckets, `(height, width)` each ([`buckets`]): every batch is one
+    /// bucket's, decoded at its size (the image settings' other fields apply to all).
+    pub buckets: Option<Vec<(u32, u32)>>,
     /// Which decoders take the images on the GPU path (`decode=`): used once
     /// [`gpu_decoders`](Self::gpu_decoders) is set.
     pub decode: DecodeMode,
@@ -138,6 +144,7 @@ impl LoaderConfig {
             prefetch_batches: 4,
             prefetch_pinned: false,
             on_corrupt: OnCorrupt::Error,
+            buckets: None,
             decode: DecodeMode::Auto,
             gpu_decoders: None,
             pool: None,
@@ -340,6 +347,8 @@ struct Job {
     urls: Vec<String>,
     state: Option<StreamState>,
     end_of_epoch: bool,
+    /// Its bucket's image settings (`None`: the loader's).
+    spec: Option<Arc<ImageSpec>>,
 }
 
 /// The end of an epoch that gave this consumer no batch (see [`Next::EpochEnd`]).
@@ -387,6 +396,8 @@ impl Assembler {
             .clone()
             .unwrap_or_else(|| HostPool::new(Box::new(crate::buf::AlignedAlloc), buffers));
         let planner = match (&cfg.image, cfg.gpu_decoders) {
+            // Buckets decode on the CPU path: the GPU path's batches have one size.
+            (Some(_), Some(_)) if cfg.buckets.is_some() => None,
             (Some(spec), Some(d)) => {
                 let p = Arc::new(Planner::new(spec.clone(), d, cfg.decode, cfg.threads.max(1)));
                 // The first planner of a stream's metrics is the one they report.
@@ -414,6 +425,7 @@ impl Assembler {
             urls: vec![url],
             state: None,
             end_of_epoch: false,
+            spec: None,
         };
         assemble(self, job, scratch)
     }
@@ -510,21 +522,35 @@ impl LoaderConfig {
         if self.threads == 0 || self.threads > THREADS_MAX {
             return bad("num_threads", format!("{} is not in 1..={THREADS_MAX}", self.threads));
         }
-        let Some(spec) = &self.image else { return Ok(()) };
-        for (what, v) in [("image_size width", spec.width), ("image_size height", spec.height)] {
-            if v == 0 || v > IMAGE_SIDE_MAX {
-                return bad(what, format!("{v} is not in 1..={IMAGE_SIDE_MAX} pixels"));
+        let Some(spec) = &self.image else {
+            if self.buckets.is_some() {
+                return bad(
+                    "buckets",
+                    "needs images decoded (image_size set): a bucket is an image size".into(),
+                );
             }
+            return Ok(());
+        };
+        let mut sizes = vec![("image_size", spec.height, spec.width)];
+        if let Some(b) = &self.buckets {
+            buckets::BucketSizes::new(b)?;
+            sizes.extend(b.iter().map(|&(h, w)| ("buckets", h, w)));
         }
-        let batch_bytes = (spec.bytes() as u64).saturating_mul(self.batch_size as u64);
-        if batch_bytes > BATCH_BYTES_MAX {
-            return bad(
-                "batch_size",
-                format!(
-                    "{} images of {}x{} make a batch of {batch_bytes} bytes, over {BATCH_BYTES_MAX}",
-                    self.batch_size, spec.width, spec.height
-                ),
-            );
+        for (what, h, w) in sizes {
+            if h == 0 || w == 0 || h > IMAGE_SIDE_MAX || w > IMAGE_SIDE_MAX {
+                return bad(what, format!("({h}, {w}) is not in 1..={IMAGE_SIDE_MAX} pixels a side"));
+            }
+            let px = spec.bytes() as u64 / (spec.width as u64 * spec.height as u64).max(1);
+            let batch_bytes = (h as u64 * w as u64 * px).saturating_mul(self.batch_size as u64);
+            if batch_bytes > BATCH_BYTES_MAX {
+                return bad(
+                    "batch_size",
+                    format!(
+                        "{} images of {h}x{w} ({what}) make a batch of {batch_bytes} bytes, over {BATCH_BYTES_MAX}",
+                        self.batch_size
+                    ),
+                );
+            }
         }
         let unit = |v: f32| v.is_finite() && (0.0..=1.0).contains(&v);
         match spec.augment {
@@ -590,7 +616,15 @@ impl Loader {
         // threads ready themselves, and this loader's first batch buffers get their pages:
         // first touches that would otherwise fall into the first batch's decode.
         if let Some(spec) = ctx.cfg.image.clone() {
-            let len = spec.bytes() * ctx.cfg.batch_size;
+            // Under buckets, the largest bucket's batch.
+            let px = spec.bytes() / (spec.width as usize * spec.height as usize).max(1);
+            let most = ctx
+                .cfg
+                .buckets
+                .iter()
+                .flatten()
+                .map(|&(h, w)| h as usize * w as usize * px);
+            let len = most.fold(spec.bytes(), usize::max) * ctx.cfg.batch_size;
             // The whole working set now (page-locked memory for a GPU: never allocated or
             // freed mid-training, where it would synchronise the GPU's streams).
             ctx.pool.count_in(metrics.clone());
@@ -776,16 +810,18 @@ async fn read_loop(
         started,
         mut first_gate,
     } = to;
-    let bs = ctx.cfg.batch_size;
+    let mut cutter = match cutter(ctx, &stream) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = done.send((0, Err(e), None, None));
+            return;
+        }
+    };
     let mut seq = 0u64;
     let mut read = 0u64;
-    let mut cur: Vec<Sample> = Vec::with_capacity(bs);
-    let mut urls: Vec<String> = Vec::with_capacity(bs);
     // This batch's read: when it began, and the reader's waits on each source until then.
     let mut read_start = std::time::Instant::now();
     let mut blocked_before = stall::read_waits(&ctx.metrics);
-    // The last epoch whose end went to the consumer (on a batch, or as an EpochEnd).
-    let mut ended: Option<u64> = None;
     loop {
         if stop.load(Ordering::Relaxed) {
             return;
@@ -802,7 +838,9 @@ async fn read_loop(
                     state: stream.state(),
                 };
                 hand_epoch_end(end, &mut seq, next, &permits, done, &mut first_gate).await;
-                ended = Some(epoch);
+                if let Cutter::InOrder(c) = &mut cutter {
+                    c.empty_epoch(epoch);
+                }
                 continue;
             }
             Ok(None) => return,
@@ -811,44 +849,41 @@ async fn read_loop(
                 return;
             }
         };
-        let epoch = s.epoch;
-        urls.push(stream.shard_url(s.id.source, s.id.shard));
-        cur.push(s);
         let state = stream.state().expect("a sample was delivered");
-        let left = stream
-            .epoch_len()
-            .map_or(usize::MAX, |n| n.saturating_sub(state.delivered as usize));
-        if cur.len() < bs && left > 0 {
-            continue;
-        }
-        // With drop_last, the batch before a short remainder is the epoch's last.
-        let end_of_epoch = left == 0 || (ctx.cfg.drop_last && left < bs);
-        let samples = std::mem::replace(&mut cur, Vec::with_capacity(bs));
-        let job_urls = std::mem::replace(&mut urls, Vec::with_capacity(bs));
+        let r = cut::Read {
+            url: stream.shard_url(s.id.source, s.id.shard),
+            left: stream
+                .epoch_len()
+                .map_or(usize::MAX, |n| n.saturating_sub(state.delivered as usize)),
+            sample: s,
+            state,
+        };
+        let cut = match &mut cutter {
+            Cutter::InOrder(c) => Ok(c.push(r)),
+            Cutter::Buckets(f) => f.push(r),
+        };
+        let b = match cut {
+            Ok(None) => continue,
+            Ok(Some(Cut::EpochEnd(end))) => {
+                hand_epoch_end(end, &mut seq, next, &permits, done, &mut first_gate).await;
+                continue;
+            }
+            Ok(Some(Cut::Batch(b))) => b,
+            Err(e) => {
+                let _ = done.send((seq, Err(e), None, None));
+                return;
+            }
+        };
         let after = stall::read_waits(&ctx.metrics);
         let timeline = Timeline::read(read_start, std::time::Instant::now(), blocked_before, after);
-        if samples.len() < bs && ctx.cfg.drop_last {
-            // A share shorter than one batch: the epoch still ends, with no batch.
-            if end_of_epoch && ended != Some(epoch) {
-                let end = EpochEnd {
-                    epoch,
-                    state: Some(state),
-                };
-                hand_epoch_end(end, &mut seq, next, &permits, done, &mut first_gate).await;
-                ended = Some(epoch);
-            }
-            continue;
-        }
-        if end_of_epoch {
-            ended = Some(epoch);
-        }
         let job = Job {
             seq,
-            epoch,
-            samples,
-            urls: job_urls,
-            state: Some(state),
-            end_of_epoch,
+            epoch: b.epoch,
+            samples: b.samples,
+            urls: b.urls,
+            state: Some(b.state),
+            end_of_epoch: b.end_of_epoch,
+            spec: b.spec,
         };
         seq += 1;
         next.store(seq, Ordering::SeqCst);
@@ -877,6 +912,29 @@ async fn read_loop(
         // The next batch's read begins now (the wait for permits above belongs to decode).
         read_start = std::time::Instant::now();
         blocked_before = stall::read_waits(&ctx.metrics);
+    }
+}
+
+/// How the reader cuts samples into batches.
+enum Cutter {
+    InOrder(cut::InOrder),
+    Buckets(Box<buckets::Fill>),
+}
+
+/// The cutter `ctx`'s settings ask for: by bucket (checked against the stream's schema, and
+/// resumed from the consumer's saved buckets), else in read order.
+fn cutter(ctx: &Ctx, stream: &Stream) -> Result<Cutter> {
+    let cfg = &ctx.cfg;
+    match (&cfg.buckets, &cfg.image) {
+        (Some(sizes), Some(spec)) => Ok(Cutter::Buckets(Box::new(buckets::Fill::new(
+            sizes,
+            spec,
+            cfg.batch_size,
+            &stream.schema(0),
+            ctx.metrics.clone(),
+            cfg.stream.resume_consumer.as_ref(),
+        )?))),
+        _ => Ok(Cutter::InOrder(cut::InOrder::new(cfg.batch_size, cfg.drop_last))),
     }
 }
 
@@ -1118,14 +1176,12 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
     for (i, s) in job.samples.iter().enumerate() {
         rows.push((i, s.values()?));
     }
-    let image_col = cfg
-        .image
-        .as_ref()
-        .and_then(|_| schema.columns.iter().position(|c| c.name == cfg.image_column));
+    let spec = job.spec.as_deref().or(cfg.image.as_ref());
+    let image_col = spec.and_then(|_| schema.columns.iter().position(|c| c.name == cfg.image_column));
     let mut skipped = Vec::new();
     let mut image = None;
     let mut sources = None;
-    match (&cfg.image, image_col, &ctx.planner) {
+    match (spec, image_col, &ctx.planner) {
         (Some(_), Some(ci), Some(planner)) => {
             let (kept, batch) = decode_sources(ctx, planner, &job, rows, ci, scratch, &mut skipped)?;
             rows = kept;
@@ -1148,7 +1204,7 @@ fn assemble(ctx: &Ctx, job: Job, scratch: &mut Scratch) -> Result<Batch> {
         if let Some((ic, _, _)) = &image {
             if *ic == ci {
                 let (_, buf, n) = image.take().expect("present");
-                let spec = cfg.image.as_ref().expect("set");
+                let spec = spec.expect("set");
                 columns.push((
                     col.name.clone(),
                     ColumnData::Image {

@@ -93,6 +93,7 @@ pub const OPTIONS: &[(&str, OptionDefault)] = &[
     ("prefetch_batches", OptionDefault::None),
     ("on_corrupt", OptionDefault::Str("error")),
     ("filter", OptionDefault::None),
+    ("buckets", OptionDefault::None),
     ("decode", OptionDefault::None),
     ("rank", OptionDefault::None),
     ("world_size", OptionDefault::None),
@@ -201,6 +202,25 @@ impl Options {
         if let Some(f) = &filter {
             crate::stream::parse_filter(f)?;
         }
+        let buckets = optional(a("buckets"), buckets)?;
+        if buckets.is_some() && image.is_none() {
+            return bad(
+                "buckets",
+                "needs images decoded: give image_size too (a bucket is an image size)".into(),
+            );
+        }
+        if let (Some(b), Some(img)) = (&buckets, &image) {
+            let px = 3 * if img.float { 4 } else { 1 };
+            for &(h, w) in b {
+                let bytes = batch_size as u64 * h as u64 * w as u64 * px;
+                if bytes > BATCH_BYTES_MAX {
+                    return bad(
+                        "buckets",
+                        format!("({h}, {w}) with batch_size {batch_size} makes batches of {bytes} bytes, over {BATCH_BYTES_MAX}"),
+                    );
+                }
+            }
+        }
         let decode = optional(a("decode"), |v| {
             choice("decode", v, &[("auto", "auto"), ("gpu", "gpu"), ("cpu", "cpu")])
         })?;
@@ -217,6 +237,7 @@ impl Options {
             "boxes_column": optional(a("boxes_column"), |v| text("boxes_column", v))?,
             "on_corrupt": on_corrupt,
             "filter": filter,
+            "buckets": buckets,
         });
         if let Some(n) = prefetch_batches {
             config["prefetch_batches"] = json!(n as usize);
@@ -456,6 +477,24 @@ pub fn size(name: &str, v: &Arg) -> Result<u64> {
         return bad(name, format!("must be a positive byte count, not {v}"));
     }
     Ok(n as u64)
+}
+
+/// `buckets`: a sequence of `(height, width)` sizes ([`super::buckets::BucketSizes`]).
+fn buckets(v: &Arg) -> Result<Vec<(u32, u32)>> {
+    let Arg::List(items) = v else {
+        return bad("buckets", format!("must be a list of (height, width) pairs, not {v}"));
+    };
+    let side = |name: &str, v: &Arg| int(name, v, 1, IMAGE_SIDE_MAX as i128).map(|x| x as u32);
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("buckets[{i}]");
+        match item {
+            Arg::List(p) if p.len() == 2 => out.push((side(&at, &p[0])?, side(&at, &p[1])?)),
+            other => return bad(&at, format!("must be a (height, width) pair, not {other}")),
+        }
+    }
+    super::buckets::BucketSizes::new(&out)?;
+    Ok(out)
 }
 
 /// `image_size`: one side for both, or `(height, width)`.

@@ -51,7 +51,7 @@ pub use shared::Opened;
 use shared::{slice_record, Live, Shared};
 pub use split::SplitShards;
 use state::starting_point;
-pub use state::{audit, epoch_lengths, Audit, AuditReport, ResumePoint, StreamState};
+pub use state::{audit, epoch_lengths, least_share, Audit, AuditReport, BucketProgress, ResumePoint, StreamState};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -558,6 +558,7 @@ impl Stream {
             delivered: self.cursor as u64,
             audit_base: self.audit_base,
             audit: self.audit,
+            buckets: None,
         })
     }
 
@@ -761,6 +762,7 @@ mod tests {
             delivered,
             audit_base: Audit::default(),
             audit: Audit::default(),
+            buckets: None,
         }
     }
 

@@ -13,15 +13,25 @@ use crate::order::SourceShape;
 use crate::order::Topology;
 use std::sync::Arc;
 
-/// Samples in one epoch's order (after tail handling) and this consumer's share of them,
-/// from the manifests alone: nothing is prefetched and no thread outlives the call.
-pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64)> {
+/// Samples in one epoch's order (after tail handling), this consumer's share of them and the
+/// least share of any of the job's consumers, from the manifests alone: nothing is prefetched
+/// and no thread outlives the call.
+pub async fn epoch_lengths(cfg: &StreamConfig) -> Result<(u64, u64, u64)> {
     let shapes = source_shapes(cfg).await?;
     let n = checked_epoch_positions(&shapes)?;
     let rule = DealRule::for_job(&cfg.order, &cfg.topology);
     let len = effective_len(n, &rule, cfg.order.tail);
-    let mine = EpochProgress::default().deal(len, cfg.topology.consumer(), &rule).len();
-    Ok((len, mine))
+    let start = EpochProgress::default();
+    let mine = start.deal(len, cfg.topology.consumer(), &rule).len();
+    Ok((len, mine, least_share(&start, len, &rule)))
+}
+
+/// The fewest positions `rule` deals any one consumer from `progress` on (an order of `len`).
+pub fn least_share(progress: &EpochProgress, len: u64, rule: &DealRule) -> u64 {
+    (0..rule.consumers)
+        .map(|c| progress.deal(len, c as usize, rule).len())
+        .min()
+        .unwrap_or(0)
 }
 
 /// The order's view of `cfg`'s sources (versions, shard counts, weights), from their
@@ -97,6 +107,71 @@ pub struct StreamState {
     /// Count and digest of the samples this consumer delivered since `base`.
     #[serde(default)]
     pub audit: Audit,
+    /// Under aspect-ratio buckets: the samples read but still held in partly filled buckets
+    /// (`delivered` and `audit` then stand at the first of them; see [`BucketProgress`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buckets: Option<BucketProgress>,
+}
+
+/// A consumer's place under aspect-ratio buckets (the loader's `buckets`), where batches leave
+/// out of read order: it read its deal's positions below `upto`, and yielded all of those from
+/// its state's `delivered` on but `pending`, which wait in partly filled buckets. A resumed
+/// consumer reads again from `delivered` and refills its buckets with `pending` alone, so it
+/// goes on exactly as it would have; a job's state counts the yielded ones as delivered.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct BucketProgress {
+    /// The deal's positions read (an index into this consumer's deal, past `delivered`).
+    pub upto: u64,
+    /// The deal's positions read and not yet yielded, increasing, from `delivered` on.
+    pub pending: Vec<u64>,
+    /// Count and digest of the samples yielded between `delivered` and `upto`.
+    pub span_audit: Audit,
+    /// Batches every consumer yields in this epoch.
+    pub batches: u64,
+    /// Batches this consumer yielded in it.
+    pub emitted: u64,
+}
+
+impl BucketProgress {
+    /// Checks the progress of a consumer that `delivered` of the `dealt` positions dealt to it:
+    /// `pending` increasing, starting at `delivered` and below `upto`, `upto <= dealt`, no more
+    /// batches yielded than the epoch has. A saved state can be edited: a bad one is refused.
+    pub fn validate(&self, delivered: u64, dealt: u64) -> std::result::Result<(), String> {
+        if self.upto < delivered || self.upto > dealt {
+            return Err(format!(
+                "buckets.upto {} is outside [{delivered}, {dealt}] (delivered, dealt)",
+                self.upto
+            ));
+        }
+        if self.pending.first().is_some_and(|&k| k != delivered) {
+            return Err(format!("buckets.pending does not start at delivered {delivered}"));
+        }
+        if self.pending.windows(2).any(|w| w[0] >= w[1]) || self.pending.last().is_some_and(|&k| k >= self.upto) {
+            return Err(format!("buckets.pending is not increasing below upto {}", self.upto));
+        }
+        if self.pending.is_empty() && self.upto != delivered {
+            return Err(format!(
+                "buckets.upto {} with nothing pending is not delivered {delivered}",
+                self.upto
+            ));
+        }
+        if self.emitted > self.batches {
+            return Err(format!(
+                "buckets.emitted {} is over the epoch's {} batches",
+                self.emitted, self.batches
+            ));
+        }
+        Ok(())
+    }
+
+    /// The positions of `deal` yielded between `delivered` and `upto` (what a job's state
+    /// counts as delivered ahead of its frontier).
+    fn yielded(&self, delivered: u64, deal: &crate::order::Deal) -> Vec<u64> {
+        (delivered..self.upto)
+            .filter(|k| self.pending.binary_search(k).is_err())
+            .map(|k| deal.position(k))
+            .collect()
+    }
 }
 
 fn one_node() -> u64 {
@@ -289,6 +364,8 @@ impl StreamState {
             .map_err(|r| Error::invalid("stream states", r))?;
         let mut delivered = vec![0u64; c];
         let mut seen = vec![false; c];
+        // Positions yielded past a consumer's frontier out of read order (buckets).
+        let mut yielded: Vec<u64> = Vec::new();
         for s in states {
             if s.consumers != c
                 || s.nodes != first.nodes
@@ -327,6 +404,11 @@ impl StreamState {
                 ));
             }
             delivered[s.consumer] = s.delivered;
+            if let Some(b) = &s.buckets {
+                b.validate(s.delivered, dealt)
+                    .map_err(|why| Error::invalid("stream states", format!("consumer {}: {why}", s.consumer)))?;
+                yielded.extend(b.yielded(s.delivered, &s.base.deal(s.len, s.consumer, &s.rule())));
+            }
         }
         if states.len() != c {
             return Err(Error::invalid(
@@ -344,8 +426,16 @@ impl StreamState {
                 ),
             ));
         }
-        let progress = first.base.advance(first.len, &delivered, &rule);
-        let audit = states.iter().fold(first.audit_base, |a, s| a.merge(s.audit));
+        let mut progress = first.base.advance(first.len, &delivered, &rule);
+        if !yielded.is_empty() {
+            progress.ahead.extend(yielded);
+            progress.ahead.sort_unstable();
+            progress.ahead.dedup();
+        }
+        let audit = states.iter().fold(first.audit_base, |a, s| {
+            a.merge(s.audit)
+                .merge(s.buckets.as_ref().map_or_else(Audit::default, |b| b.span_audit))
+        });
         Ok((
             ResumePoint {
                 order_version: first.order_version,
