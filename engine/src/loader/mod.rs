@@ -849,20 +849,7 @@ async fn read_loop(
                 return;
             }
         };
-        let state = stream.state().expect("a sample was delivered");
-        let r = cut::Read {
-            url: stream.shard_url(s.id.source, s.id.shard),
-            left: stream
-                .epoch_len()
-                .map_or(usize::MAX, |n| n.saturating_sub(state.delivered as usize)),
-            sample: s,
-            state,
-        };
-        let cut = match &mut cutter {
-            Cutter::InOrder(c) => Ok(c.push(r)),
-            Cutter::Buckets(f) => f.push(r),
-        };
-        let b = match cut {
+        let b = match cutter.push(&stream, s) {
             Ok(None) => continue,
             Ok(Some(Cut::EpochEnd(end))) => {
                 hand_epoch_end(end, &mut seq, next, &permits, done, &mut first_gate).await;
@@ -890,25 +877,13 @@ async fn read_loop(
         permits
             .gap_ns
             .fetch_max(read_start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let ahead = permits.ahead.acquire().await;
-        let decoding = permits.decoding.acquire().await;
-        let gate = if job.seq == 0 { first_gate.take() } else { None };
-        if job.seq == 0 {
-            // The first batch's stages (RAMJET_LOG=debug): its samples read, then decoded.
-            tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "loader: first batch read");
-        }
-        let (job_ctx, stop, done) = (ctx.clone(), stop.clone(), done.clone());
-        pool.spawn(move || {
-            decode_and_send(
-                &job_ctx,
-                (job, timeline),
-                &stop,
-                &done,
-                (ahead, decoding),
-                gate,
-                started,
-            )
-        });
+        let to = Decoders {
+            pool,
+            done,
+            started,
+            first_gate: if job.seq == 0 { first_gate.take() } else { None },
+        };
+        dispatch(ctx, stop, &permits, to, (job, timeline)).await;
         // The next batch's read begins now (the wait for permits above belongs to decode).
         read_start = std::time::Instant::now();
         blocked_before = stall::read_waits(&ctx.metrics);
@@ -919,6 +894,42 @@ async fn read_loop(
 enum Cutter {
     InOrder(cut::InOrder),
     Buckets(Box<buckets::Fill>),
+}
+
+impl Cutter {
+    /// Takes `s`, the sample `stream` just delivered.
+    fn push(&mut self, stream: &Stream, s: Sample) -> Result<Option<Cut>> {
+        let state = stream.state().expect("a sample was delivered");
+        let r = cut::Read {
+            url: stream.shard_url(s.id.source, s.id.shard),
+            left: stream
+                .epoch_len()
+                .map_or(usize::MAX, |n| n.saturating_sub(state.delivered as usize)),
+            sample: s,
+            state,
+        };
+        match self {
+            Cutter::InOrder(c) => Ok(c.push(r)),
+            Cutter::Buckets(f) => f.push(r),
+        }
+    }
+}
+
+/// Hands `job` to the decode pool once this loader may have one more batch ahead and one more
+/// decoding (the first batch opens the stream's gate when decoded: `to.first_gate`).
+async fn dispatch(ctx: &Arc<Ctx>, stop: &Arc<AtomicBool>, permits: &Permits, to: Decoders<'_>, work: (Job, Timeline)) {
+    let ahead = permits.ahead.acquire().await;
+    let decoding = permits.decoding.acquire().await;
+    if work.0.seq == 0 {
+        // The first batch's stages (RAMJET_LOG=debug): its samples read, then decoded.
+        tracing::debug!(
+            ms = to.started.elapsed().as_secs_f64() * 1e3,
+            "loader: first batch read"
+        );
+    }
+    let (job_ctx, stop, done, gate, started) = (ctx.clone(), stop.clone(), to.done.clone(), to.first_gate, to.started);
+    to.pool
+        .spawn(move || decode_and_send(&job_ctx, work, &stop, &done, (ahead, decoding), gate, started));
 }
 
 /// The cutter `ctx`'s settings ask for: by bucket (checked against the stream's schema, and
