@@ -455,8 +455,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         buckets: aspect-ratio buckets, ``[(height, width), ...]`` (at most 256): each sample
             goes to the bucket nearest its aspect ratio, by the ``width`` and ``height`` columns
             ``ramjet pack`` records (nothing is decoded to choose), and each batch is
-            ``batch_size`` images of one bucket, decoded at its size (``image_size`` is then
-            only the default for nothing; the other image settings apply to every bucket).
+            ``batch_size`` images of one bucket, decoded at its size (``image_size`` must still
+            be given, since images are decoded; the bucket sizes replace it, and the other image
+            settings apply to every bucket).
             Every rank yields the same number of batches per epoch, all full:
             ``(least_share - buckets * (batch_size - 1)) // batch_size`` per consumer, the
             rest of a share sitting that epoch out (``metrics()["samples_left_out"]``).
