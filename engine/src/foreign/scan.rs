@@ -255,6 +255,10 @@ async fn plan_mds(store: &Store, meta: Map<String, Json>, jpeg_restart_px: Optio
     let (columns, schema) = ix.columns(&url)?;
     let mut meta = meta;
     meta.insert("foreign_index".into(), Json::from("index.json"));
+    // Each column's MDS encoding as written (the schema folds jpeg, png, pil and bytes into
+    // bytes): for a reader that decodes as MosaicML does (`ramjet.compat.mosaicml`).
+    let encodings = columns.iter().map(|c| (c.name.clone(), Json::from(c.encoding.clone())));
+    meta.insert("mds_encodings".into(), Json::Object(encodings.collect()));
     let jobs = ix
         .shards
         .into_iter()

@@ -761,6 +761,19 @@ impl OrderCursor {
         }
     }
 
+    /// A lower bound on the group [`OrderCursor::at`] gives position `g`, known without
+    /// building a round (shard-block: from the rounds built so far; `None` when they say
+    /// nothing, and for the other shuffles, whose groups cost nothing to compute).
+    pub fn group_floor(&self, g: u64) -> Option<u64> {
+        let o = &self.order;
+        if o.len == 0 || !matches!(o.spec.shuffle, Shuffle::ShardBlock { .. }) {
+            return None;
+        }
+        let rounds = o.units.div_ceil(o.round_units()).max(1);
+        let (wrap, g) = o.wrapped(g);
+        Some(wrap * rounds + self.rounds.group_floor(o, g)?)
+    }
+
     /// For the shard-block shuffle, the first and last canonical partition whose windows of
     /// its round hold samples of the unit (the shard's samples in that round) that position `g`
     /// lies in; `None` for the other shuffles. A node-affine deal gives a unit to two nodes when
@@ -1053,5 +1066,39 @@ mod node_tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len() as u64, order.len(), "every sample once");
+    }
+
+    #[test]
+    fn a_groups_floor_is_never_past_its_group_and_sees_each_next_group_unbuilt() {
+        // Walked as the prefetcher walks a deal: a cursor that read up to `k - 1` bounds `k`'s
+        // group from below, and at each new group its floor already says so (no round built).
+        for (spec, tail) in [(spec(), Tail::Uneven), (sticky(), Tail::PadRepeat)] {
+            let spec = OrderSpec { tail, ..spec };
+            let order = Arc::new(EpochOrder::new(&shapes(), &spec, 2).unwrap());
+            for (world, local) in [(1, 1), (4, 2), (8, 2)] {
+                let rule = DealRule::for_job(&spec, &topo(world, local, 0));
+                let len = effective_len(order.len(), &rule, spec.tail);
+                for r in 0..world {
+                    let deal = EpochProgress::default().deal(len, r, &rule);
+                    let mut cur = order.cursor();
+                    let (mut last, mut seen) = (None, 0);
+                    for k in 0..deal.len() {
+                        let g = deal.position(k);
+                        let floor = cur.group_floor(g);
+                        let (_, group) = cur.at(g).unwrap();
+                        assert!(
+                            floor.is_none_or(|f| f <= group),
+                            "{world} ranks, rank {r}, position {g}"
+                        );
+                        if last.is_some_and(|x| x != group) {
+                            assert!(floor.is_some_and(|f| f > last.unwrap()), "{tail:?} {world} ranks, rank {r}, position {g} of {}: group {group} after {last:?}, floor {floor:?}", order.len());
+                            seen += 1;
+                        }
+                        last = Some(group);
+                    }
+                    assert!(seen > 0, "{world} ranks, rank {r}: the walk crossed groups");
+                }
+            }
+        }
     }
 }

@@ -189,8 +189,13 @@ impl SharedRounds {
         self.memo.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Where each shared round starts, and where the round after it starts.
     fn starts(&self) -> Vec<RoundStart> {
-        self.lock().rounds.iter().map(|r| r.at).collect()
+        self.lock()
+            .rounds
+            .iter()
+            .flat_map(|r| [r.at, r.at.next(r.len, r.p)])
+            .collect()
     }
 
     /// Round `k`: shared, else awaited while another cursor builds it, else built by `build`
@@ -265,6 +270,33 @@ impl Rounds {
         Ok(round.unit_partitions(i, x))
     }
 
+    /// A lower bound on the group of position `g` (`g < len`), from the rounds built so far
+    /// (by this cursor or another of the order) and where the rounds after them start: none is
+    /// built. A walk that cuts the order at its groups sees the next group begin without
+    /// building its round.
+    ///
+    /// The group of row `j` is the round that holds row `j` of partition `P - 1` (the last
+    /// round `m <= last` with `start(m).first_row(P - 1) <= j`, or `last + 1` past it), and
+    /// row `j` of partition `i` lies in the last round `m` with `start(m).first_row(i) <= j`,
+    /// whose group is `m - 1` at least. So a known start `a` bounds the group by `a.k` when
+    /// `a.first_row(P - 1) <= j` (`a.k <= last + 1`), else by `a.k - 1` when
+    /// `a.first_row(i) <= j` (`a.k <= last`).
+    pub(super) fn group_floor(&self, o: &EpochOrder, g: u64) -> Option<u64> {
+        let (_, _, p) = o.block()?;
+        let (i, j) = (g % p, g / p);
+        let last = o.units.div_ceil(o.round_units()).max(1) - 1;
+        self.built
+            .iter()
+            .flat_map(|r| [r.at, r.at.next(r.len, p)])
+            .chain(o.shared_rounds.starts())
+            .filter_map(|a| match (a.first_row(p - 1, p) <= j, a.first_row(i, p) <= j) {
+                (true, _) if a.k <= last + 1 => Some(a.k),
+                (false, true) if a.k <= last => a.k.checked_sub(1),
+                _ => None,
+            })
+            .max()
+    }
+
     /// Position `g`'s round, its partition `i` and its sample `x` of `i`'s window there, and its
     /// group.
     fn locate(&mut self, o: &EpochOrder, g: u64) -> Result<(Arc<Round>, u64, u64, u64)> {
@@ -277,7 +309,7 @@ impl Rounds {
             .iter()
             .map(|r| r.at)
             .chain(o.shared_rounds.starts())
-            .filter(|a| a.first_row(i, p) <= j)
+            .filter(|a| a.k <= last && a.first_row(i, p) <= j)
             .max_by_key(|a| a.k)
             .unwrap_or_default();
         let round = loop {

@@ -142,6 +142,11 @@ impl Iterator for ShardUses {
             let mut uses: HashMap<(u32, u32), u64> = HashMap::new();
             while self.k < n {
                 let position = self.plan.deal.position(self.k);
+                // The next group's first position ends this one, known (at the seed's scale)
+                // without building that group's round of thousands of count lookups.
+                if group.is_some_and(|x| self.cursor.group_floor(position).is_some_and(|f| f > x)) {
+                    break;
+                }
                 let (id, g) = match self.cursor.at(position) {
                     Ok(x) => x,
                     Err(e) => {
