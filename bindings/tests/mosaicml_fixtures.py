@@ -10,7 +10,6 @@ ndarray and json), plus decoded.json: per dataset, each sample's columns as Mosa
 them (an image as mode, size and a hash of its pixels; NumPy values as dtype and value).
 """
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -20,15 +19,7 @@ import numpy as np
 from PIL import Image
 from streaming import MDSWriter, StreamingDataset
 
-
-def described(v):
-    if isinstance(v, Image.Image):
-        return {"mode": v.mode, "size": list(v.size), "sha": hashlib.sha256(v.tobytes()).hexdigest()}
-    if isinstance(v, np.ndarray):
-        return {"dtype": str(v.dtype), "shape": list(v.shape), "list": v.tolist()}
-    if isinstance(v, np.generic):
-        return {"dtype": str(v.dtype), "value": v.item()}
-    return {"type": type(v).__name__, "value": v}
+from mds_described import described
 
 
 def main(out):

@@ -3,19 +3,18 @@ and fast-resumption page's snippets with only the import line changed, against M
 MosaicML's own MDSWriter (in the peers' venv); each column decoded as MosaicML's own
 StreamingDataset decodes it; and each argument doing what theirs does or refused by name."""
 
-import hashlib
 import json
 import os
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 import ramjet
 from ramjet.compat.mosaicml import Stream, StreamingDataLoader, StreamingDataset
+
+from mds_described import described
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,16 +31,6 @@ def mds(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def learned(tmp_path, monkeypatch):
     monkeypatch.setenv("RAMJET_INDEX_DIR", str(tmp_path / "learned"))
-
-
-def described(v):
-    if isinstance(v, Image.Image):
-        return {"mode": v.mode, "size": list(v.size), "sha": hashlib.sha256(v.tobytes()).hexdigest()}
-    if isinstance(v, np.ndarray):
-        return {"dtype": str(v.dtype), "shape": list(v.shape), "list": v.tolist()}
-    if isinstance(v, np.generic):
-        return {"dtype": str(v.dtype), "value": v.item()}
-    return {"type": type(v).__name__, "value": v}
 
 
 def test_the_quick_start_runs_with_the_import_changed(mds, tmp_path):

@@ -140,26 +140,25 @@ def _image(data: bytes) -> Any:
     return Image.open(io.BytesIO(data))
 
 
-def _list(data: bytes, one: Any) -> List[Any]:
-    """MosaicML's list encodings: a u32 placeholder, a u32 count, the u32 sizes, the items."""
-    n = int(np.frombuffer(data[4:8], np.uint32)[0])
-    sizes = np.frombuffer(data[8:8 + 4 * n], np.uint32)
-    at, out = 8 + 4 * n, []
+def _items(data: bytes, at: int) -> List[bytes]:
+    """The items of MosaicML's list layouts: a u32 count at ``at``, the u32 sizes, the items."""
+    n = int(np.frombuffer(data[at:at + 4], np.uint32)[0])
+    sizes = np.frombuffer(data[at + 4:at + 4 + 4 * n], np.uint32)
+    at, out = at + 4 + 4 * n, []
     for size in sizes:
-        out.append(one(data[at:at + int(size)]))
+        out.append(data[at:at + int(size)])
         at += int(size)
     return out
+
+
+def _list(data: bytes, one: Any) -> List[Any]:
+    """MosaicML's list encodings: a u32 placeholder, then the items."""
+    return [one(x) for x in _items(data, 4)]
 
 
 def _jpeg_array(data: bytes) -> List[Any]:
-    """MosaicML's ``jpeg_array``: a u32 count, the u32 sizes, the JPEGs."""
-    n = int(np.frombuffer(data[:4], np.uint32)[0])
-    sizes = np.frombuffer(data[4:4 + 4 * n], np.uint32)
-    at, out = 4 + 4 * n, []
-    for size in sizes:
-        out.append(_image(data[at:at + int(size)]))
-        at += int(size)
-    return out
+    """MosaicML's ``jpeg_array``: the JPEGs, with no placeholder."""
+    return [_image(x) for x in _items(data, 0)]
 
 
 _BYTES_DECODERS = {
