@@ -161,6 +161,44 @@ def _resolve_device(device: str, status: Optional[Dict[str, Any]] = None, torch_
 _daemon_socket: Optional[str] = None
 
 
+def _ramjetio_environment() -> List[str]:
+    """Maps the environment variables ramjetio's page documents to ramjet's own, once, at
+    import (before the engine reads its settings), and says so once on stderr. Returns the
+    notices given.
+
+    - ``RAMJET_HTTP_POOL_SIZE=N``: ``RAMJET_ORIGIN_REQUESTS=N`` (requests in flight to the
+      origin), unless that is set;
+    - ``RAMJET_SINGLEFLIGHT``: the host daemon always coalesces concurrent reads of a shard
+      (``RAMJET_SINGLEFLIGHT_TIMEOUT_MS`` bounds a wait on another's read); ``0`` cannot turn
+      it off, and says so.
+    ``RAMJET_ULTRALYTICS_STRICT`` is read by ``ramjet.integrations.ultralytics`` as documented.
+    """
+    notes: List[str] = []
+    pool = os.environ.get("RAMJET_HTTP_POOL_SIZE")
+    if pool is not None:
+        if not pool.strip().isdigit() or int(pool) < 1:
+            notes.append(f"RAMJET_HTTP_POOL_SIZE={pool!r} is not a positive integer: left unmapped")
+        elif "RAMJET_ORIGIN_REQUESTS" in os.environ:
+            notes.append("RAMJET_HTTP_POOL_SIZE is ramjetio's; RAMJET_ORIGIN_REQUESTS, set too, wins")
+        else:
+            os.environ["RAMJET_ORIGIN_REQUESTS"] = str(int(pool))
+            notes.append(f"RAMJET_HTTP_POOL_SIZE={int(pool)} is ramjetio's: read as RAMJET_ORIGIN_REQUESTS={int(pool)}")
+    single = os.environ.get("RAMJET_SINGLEFLIGHT")
+    if single is not None:
+        off = single.strip().lower() in ("0", "false", "no", "off")
+        notes.append(
+            "RAMJET_SINGLEFLIGHT is ramjetio's: ramjet's host daemon always coalesces concurrent reads of a shard"
+            + (" (it cannot be turned off)" if off else "")
+            + "; RAMJET_SINGLEFLIGHT_TIMEOUT_MS bounds a wait on another's read"
+        )
+    for n in notes:
+        print(f"ramjet: {n}", file=sys.stderr)
+    return notes
+
+
+_ramjetio_environment()
+
+
 def init(
     cache_dir: Optional[str] = None,
     *,

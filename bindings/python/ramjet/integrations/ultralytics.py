@@ -51,6 +51,7 @@ __all__ = [
     "RamjetYOLODataset",
     "StepTimer",
     "ULTRALYTICS_TESTED",
+    "check_version",
     "offline_environment",
     "resolve_data",
     "streaming_train",
@@ -58,6 +59,32 @@ __all__ = [
 
 #: Ultralytics versions this integration is tested with (CI pins the first).
 ULTRALYTICS_TESTED = ("8.4.190",)
+
+
+def check_version(version: str, strict: Optional[bool] = None) -> None:
+    """Ultralytics ``version`` against :data:`ULTRALYTICS_TESTED`: an untested one is an
+    ``ImportError`` when ``strict`` (default: ``RAMJET_ULTRALYTICS_STRICT=1``), else a warning
+    naming the tested versions."""
+    if version in ULTRALYTICS_TESTED:
+        return
+    if strict is None:
+        strict = os.environ.get("RAMJET_ULTRALYTICS_STRICT", "") not in ("", "0")
+    why = (f"ramjet.integrations.ultralytics is tested with ultralytics {', '.join(ULTRALYTICS_TESTED)}, "
+           f"not {version}")
+    if strict:
+        raise ImportError(why + " (RAMJET_ULTRALYTICS_STRICT is set; pip install 'ramjet[ultralytics]')")
+    import warnings
+
+    warnings.warn(why + "; set RAMJET_ULTRALYTICS_STRICT=1 to refuse it", RuntimeWarning, stacklevel=3)
+
+
+def _installed_version() -> str:
+    import ultralytics
+
+    return str(getattr(ultralytics, "__version__", "unknown"))
+
+
+check_version(_installed_version())
 
 _SCHEMES = ("s3://", "gs://", "az://", "file://", "http://", "https://")
 
@@ -122,6 +149,10 @@ def resolve_data(data: Union[str, Dict[str, Any]]) -> Dict[str, Any]:
 
         cfg = dict(YAML.load(str(data)))
         cfg.setdefault("yaml_file", str(data))
+        streamed = cfg.get("ramjet")
+        if isinstance(streamed, dict):
+            # A data.yaml from UniversalDataset.export_labels_only: the splits stream from ramjet.
+            cfg.update(train=streamed.get("train"), val=streamed.get("val"))
     else:
         raise InvalidInputError(f"data {data!r}: give a ramjet dataset URL or a data.yaml whose splits are URLs")
     for split in ("train", "val"):
@@ -487,9 +518,37 @@ class StepTimer:
 # ----- the entry point ------------------------------------------------------------------
 
 
+def _with_source(data: Any, source: Any, samples: Optional[List[str]]) -> Any:
+    """``data`` with its splits reading ``source`` where they are not ramjet URLs, and
+    ``samples`` checked against the training split."""
+    url = source if source is None or _is_url(source) else getattr(source, "url", None)
+    if source is not None and not _is_url(url):
+        raise InvalidInputError(f"source={source!r}: give a ramjet URL or a ramjet.datasets.Client (dataset._client)")
+    if url is not None:
+        if data is None:
+            data = url
+        elif not _is_url(data) and not isinstance(data, dict):
+            from ultralytics.utils import YAML
+
+            cfg = dict(YAML.load(str(data)))
+            if not isinstance(cfg.get("ramjet"), dict):
+                for split in ("train", "val"):
+                    if not _is_url(cfg.get(split)):
+                        cfg[split] = url
+                data = cfg
+    if samples is not None:
+        train = resolve_data(data)["train"]
+        have = list(ramjet.columns(train, ["path"])["path"])
+        if list(samples) != have:
+            raise InvalidInputError(
+                f"samples=: {len(samples)} paths that are not {train}'s {len(have)} samples in order; ramjet trains on "
+                "the whole split (keep a subset with filter= on a StreamingDataset, or pack the subset)")
+    return data
+
+
 def streaming_train(
     model: Any,
-    data: Union[str, Dict[str, Any]],
+    data: Union[str, Dict[str, Any], None] = None,
     epochs: int = 100,
     batch: int = 16,
     workers: int = 8,
@@ -497,6 +556,8 @@ def streaming_train(
     cache_dir: Optional[str] = None,
     daemon: Optional[bool] = None,
     offline: bool = True,
+    source: Any = None,
+    samples: Optional[List[str]] = None,
     **train_args: Any,
 ) -> Any:
     """Trains a YOLO detection model on a dataset streamed from object storage.
@@ -514,9 +575,16 @@ def streaming_train(
     - ``offline``: see :func:`offline_environment` (on by default); ``amp`` defaults to
       ``False`` because Ultralytics' AMP check downloads a model.
 
+    - ``source``: where the images stream from, as ramjetio's page passes it: a
+      :class:`ramjet.datasets.Client` (``dataset._client``) or a ramjet URL. With a ``data``
+      whose splits are local folders (a placeholder export), both splits read ``source``.
+    - ``samples``: the split's sample paths (``dataset.samples``); ramjet trains on the whole
+      split, so another list raises, naming ``filter=`` as the way to keep a subset.
+
     Returns the trained ``YOLO`` model; ``model.trainer`` holds the run (``save_dir``,
     ``metrics``).
     """
+    data = _with_source(data, source, samples)
     if offline:
         offline_environment()
     from ultralytics import YOLO
