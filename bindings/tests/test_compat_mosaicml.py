@@ -180,3 +180,38 @@ def test_the_quick_start_reads_mds_on_s3_and_ramjets_own_datasets(mds, tmp_path)
     own = list(StreamingDataset(local=str(tmp_path / "packed")))
     assert len(own) == 12 and all(isinstance(s["image"], Image.Image) for s in own)
     assert own[0]["image"].size[0] > 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_fast_resumption_on_a_ramjet_dataset_on_s3(tmp_path, workers):
+    import uuid
+
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"x": i, "y": f"y{i}" + "-" * 200}) + "\n" for i in range(40)))
+    url = f"s3://{os.environ.get('RAMJET_S3_BUCKET', 'ramjet')}/pytest-compat-xy/{uuid.uuid4().hex[:8]}"
+    rj = os.environ.get("RAMJET_BIN") or str(ROOT / "target/debug/ramjet")
+    subprocess.run([rj, "pack", str(rows), url, "--column", "x:int64", "--column", "y:str", "--shard-size", "4KiB"],
+                   check=True, capture_output=True)
+    seen, resumed = _resumption(url, tmp_path, workers)
+    whole = StreamingDataLoader(StreamingDataset(local=str(tmp_path / "c"), remote=url, batch_size=1),
+                                batch_size=1, num_workers=workers)
+    full = [(b['x'].tolist(), b['y']) for b in whole]
+    assert seen == full[:7] and resumed == full[5:]
+    assert sorted(x for (x,), _ in full) == list(range(40))
+
+
+def test_the_arguments_ramjet_maps_reach_its_engine_as_stated(mds, tmp_path):
+    remote = str(mds[0] / "quick")
+    ds = StreamingDataset(remote=remote, local=str(tmp_path / "c"), batch_size=4, predownload=10,
+                          cache_limit="2gb", num_canonical_nodes=8, shuffle=True, shuffle_block_size=100,
+                          shuffle_seed=5, validate_hash="xxh64")
+    o = ds._options()
+    per_shard = 1000 / ramjet.inspect(remote)["shards"]
+    assert o["prefetch_batches"] == 3 and o["cache_limit"] == 2 * 1024 ** 3 and o["partitions"] == 8
+    assert o["shuffle_window"] == -(-100 // per_shard) and o["seed"] == 5 and o["local"] == str(tmp_path / "c")
+    assert o["shuffle_algo"] == "shard_block" and o["batch_size"] == 4
+    assert StreamingDataset(remote=remote, shuffle_algo="naive")._options()["shuffle_algo"] == "global"
+    # A local dataset alone is read in place, with no cache.
+    assert StreamingDataset(local=remote)._options()["local"] is None

@@ -39,7 +39,7 @@ try:
     import cv2
     from ultralytics.data.dataset import YOLODataset
     from ultralytics.models.yolo.detect import DetectionTrainer, DetectionValidator
-    from ultralytics.utils import LOGGER, colorstr
+    from ultralytics.utils import LOCAL_RANK, LOGGER, RANK, colorstr
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "ramjet.integrations.ultralytics needs Ultralytics: pip install 'ramjet[ultralytics]'"
@@ -424,6 +424,61 @@ class RamjetDetectionTrainer(DetectionTrainer):
         asked = (overrides or {}).get("workers")
         if self.device.type == "cpu" and asked:
             self.args.workers = int(asked)
+        # Launched by torchrun on CPUs: each process is a rank of a gloo job (stock Ultralytics
+        # trains on one CPU process only).
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.device.type == "cpu" and world > 1 and LOCAL_RANK != -1:
+            self.world_size = world
+
+    def _setup_ddp(self) -> None:
+        if self.device.type != "cpu":
+            return super()._setup_ddp()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            from datetime import timedelta
+
+            dist.init_process_group("gloo", rank=RANK, world_size=self.world_size, timeout=timedelta(hours=3))
+        return None
+
+    def final_eval(self) -> None:
+        if self.device.type != "cpu" or self.world_size <= 1:
+            return super().final_eval()
+        # A CPU job's final evaluation of best.pt runs on rank 0 as one process does (stock
+        # Ultralytics would look for the rank's accelerator); the others pass its barrier.
+        import ultralytics.engine.validator as v
+        import ultralytics.models.yolo.detect.val as dv
+
+        ranks, best = (v.RANK, v.LOCAL_RANK, dv.RANK, dv.LOCAL_RANK), self.best
+        if RANK == 0:
+            v.RANK = v.LOCAL_RANK = dv.RANK = dv.LOCAL_RANK = -1
+        else:
+            self.best = best.with_name(best.name + ".rank0-only")
+        try:
+            return super().final_eval()
+        finally:
+            (v.RANK, v.LOCAL_RANK, dv.RANK, dv.LOCAL_RANK), self.best = ranks, best
+
+    def _setup_train(self) -> None:
+        if self.device.type != "cpu" or self.world_size <= 1:
+            return super()._setup_train()
+        import torch.nn as nn
+
+        real = nn.parallel.DistributedDataParallel
+
+        class CpuDDP(real):  # type: ignore[misc,valid-type]
+            """Ultralytics' wrap on CPUs: no device ids (a CPU module has none), and
+            ``find_unused_parameters=True`` (YOLO heads leave some unused with workers)."""
+
+            def __init__(self, module: Any, device_ids: Any = None, **kw: Any) -> None:
+                kw["find_unused_parameters"] = True
+                super().__init__(module, device_ids=None, **kw)
+
+        nn.parallel.DistributedDataParallel = CpuDDP
+        try:
+            return super()._setup_train()
+        finally:
+            nn.parallel.DistributedDataParallel = real
 
     def get_dataset(self) -> Dict[str, Any]:
         data = resolve_data(self.args.data)
@@ -602,6 +657,12 @@ def streaming_train(
     lease = ramjet.freeze(socket) if socket is not None else None
     try:
         yolo.train(trainer=RamjetDetectionTrainer, data=data, epochs=epochs, batch=batch, workers=workers, **args)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # The ranks of a host end together: the first one's process may hold the host's
+            # embedded daemon, which the others read through until their last evaluation.
+            dist.barrier()
     finally:
         if lease is not None:
             try:
