@@ -102,6 +102,8 @@ def test_streams_mix_with_choose_and_local_alone_reads_in_place(mds):
     ds = StreamingDataset(streams=[Stream(local=str(out / "xy"), choose=10),
                                    Stream(remote=str(out / "typed"), repeat=2)])
     assert len(ds) == 10 + 24
+    with pytest.raises(ramjet.InvalidInputError, match="not both"):
+        StreamingDataset(streams=[Stream(local=str(out / "xy"))], split="train")
     with pytest.raises(ramjet.InvalidInputError, match="at most one"):
         Stream(remote=str(out / "xy"), choose=3, repeat=2)
     ds = StreamingDataset(remote=str(out), split="xy")

@@ -272,8 +272,9 @@ class StreamingDataset(IterableDataset):
         _check_rules(sampling_method, sampling_granularity, partition_algo, batching_method, allow_unsafe_types,
                      replication, stream_name, stream_config)
         if streams is not None:
-            if remote is not None or local is not None:
-                raise InvalidInputError("StreamingDataset: give streams= or remote=/local=, not both")
+            if remote is not None or local is not None or split is not None:
+                raise InvalidInputError("StreamingDataset: give streams= or remote=/local=/split=, not both (a "
+                                        "Stream takes its own split=)")
             streams = list(streams)
             if not streams or not all(isinstance(s, Stream) for s in streams):
                 raise InvalidInputError("StreamingDataset: streams= must be a non-empty list of Stream")
