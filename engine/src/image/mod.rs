@@ -135,7 +135,13 @@ impl ImageSpec {
 
     /// Bytes per image.
     pub fn bytes(&self) -> usize {
-        self.elems() * if self.out == OutType::U8 { 1 } else { 4 }
+        self.bytes_at(self.height, self.width)
+    }
+
+    /// Bytes of one image of `height` x `width` with this output type (an aspect-ratio
+    /// bucket's size in place of this one's).
+    pub fn bytes_at(&self, height: u32, width: u32) -> usize {
+        3 * height as usize * width as usize * if self.out == OutType::U8 { 1 } else { 4 }
     }
 }
 

@@ -540,8 +540,7 @@ impl LoaderConfig {
             if h == 0 || w == 0 || h > IMAGE_SIDE_MAX || w > IMAGE_SIDE_MAX {
                 return bad(what, format!("({h}, {w}) is not in 1..={IMAGE_SIDE_MAX} pixels a side"));
             }
-            let px = spec.bytes() as u64 / (spec.width as u64 * spec.height as u64).max(1);
-            let batch_bytes = (h as u64 * w as u64 * px).saturating_mul(self.batch_size as u64);
+            let batch_bytes = (spec.bytes_at(h, w) as u64).saturating_mul(self.batch_size as u64);
             if batch_bytes > BATCH_BYTES_MAX {
                 return bad(
                     "batch_size",
@@ -617,13 +616,7 @@ impl Loader {
         // first touches that would otherwise fall into the first batch's decode.
         if let Some(spec) = ctx.cfg.image.clone() {
             // Under buckets, the largest bucket's batch.
-            let px = spec.bytes() / (spec.width as usize * spec.height as usize).max(1);
-            let most = ctx
-                .cfg
-                .buckets
-                .iter()
-                .flatten()
-                .map(|&(h, w)| h as usize * w as usize * px);
+            let most = ctx.cfg.buckets.iter().flatten().map(|&(h, w)| spec.bytes_at(h, w));
             let len = most.fold(spec.bytes(), usize::max) * ctx.cfg.batch_size;
             // The whole working set now (page-locked memory for a GPU: never allocated or
             // freed mid-training, where it would synchronise the GPU's streams).
