@@ -28,6 +28,7 @@ pub fn column_type(encoding: &str) -> std::result::Result<ColumnType, Invalid> {
             ColumnType::Bytes
         }
         "ndarray" => ColumnType::Array(ndarray_spec(encoding)?),
+        "litdata-numpy" => ColumnType::Array(litdata_numpy_spec(encoding)?),
         "str" | "str_decimal" => ColumnType::Str,
         "int" | "int8" | "int16" | "int32" | "int64" | "uint8" | "uint16" | "uint32" | "uint64" | "str_int" => {
             ColumnType::Int64
@@ -91,6 +92,60 @@ fn ndarray_spec(encoding: &str) -> std::result::Result<ArraySpec, Invalid> {
         }
     };
     Ok(ArraySpec { dtype, dims })
+}
+
+/// LitData's arrays: `litdata-numpy` (its `numpy` serializer: any dtype and shape, given in
+/// each value) or `litdata-numpy:DTYPE` (its `no_header_numpy`: one dtype, a flat array).
+fn litdata_numpy_spec(encoding: &str) -> std::result::Result<ArraySpec, Invalid> {
+    match encoding.split_once(':') {
+        None => Ok(ArraySpec {
+            dtype: None,
+            dims: Dims::Any,
+        }),
+        Some((_, d)) => ArraySpec::parse(&format!("{d}[?]")),
+    }
+}
+
+/// A LitData array value: with a header (`u32` dtype index, `u32` ndim, `u32` dims), or
+/// the elements alone of a flat array of the encoding's dtype.
+fn litdata_numpy_value(spec: &ArraySpec, b: &[u8]) -> std::result::Result<Array, Invalid> {
+    let u32_at = |i: usize| -> std::result::Result<u64, Invalid> {
+        b.get(4 * i..4 * i + 4)
+            .map(|x| u32::from_le_bytes(x.try_into().expect("4 bytes")) as u64)
+            .ok_or_else(|| Invalid::from(format!("a LitData array of {} bytes ends in its header", b.len())))
+    };
+    let (dtype, shape, data) = match spec.dtype {
+        Some(d) => {
+            let n = b.len() as u64 / d.size() as u64;
+            (d, vec![n], b.to_vec())
+        }
+        None => {
+            const DTYPES: [Dtype; 11] = [
+                Dtype::I8,
+                Dtype::I16,
+                Dtype::I32,
+                Dtype::I64,
+                Dtype::U8,
+                Dtype::U16,
+                Dtype::U32,
+                Dtype::U64,
+                Dtype::F16,
+                Dtype::F32,
+                Dtype::F64,
+            ];
+            let code = u32_at(0)? as usize;
+            let d = *DTYPES
+                .get(code)
+                .ok_or_else(|| Invalid::from(format!("LitData dtype index {code} is not one ramjet reads")))?;
+            let ndim = u32_at(1)? as usize;
+            let shape = (0..ndim)
+                .map(|i| u32_at(2 + i))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            (d, shape, b[(8 + 4 * ndim).min(b.len())..].to_vec())
+        }
+    };
+    spec.check(dtype, &shape)?;
+    Array::new(dtype, shape, data)
 }
 
 /// An `ndarray` value as MosaicML writes it: `[dtype code]` unless the encoding fixes the
@@ -293,6 +348,7 @@ fn value(encoding: &str, b: &[u8]) -> std::result::Result<Value, Invalid> {
         }
     }
     Ok(match column_type(encoding)? {
+        ColumnType::Array(spec) if name == "litdata-numpy" => Value::Array(litdata_numpy_value(&spec, b)?),
         ColumnType::Array(spec) => Value::Array(ndarray_value(&spec, b)?),
         ColumnType::Bytes => Value::Bytes(b.to_vec()),
         ColumnType::Str => Value::Str(text(b)?.to_owned()),

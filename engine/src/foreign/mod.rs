@@ -18,6 +18,7 @@
 
 pub mod compress;
 pub mod learned;
+pub mod lit;
 pub mod mds;
 pub mod ranged;
 pub mod scan;

@@ -177,7 +177,7 @@ pub async fn index_into(
     let source = ForeignSource::parse(src)?;
     {
         let (spec, schema, jobs, meta) = match source.format {
-            ForeignFormat::Mds => plan_mds(store, meta, jpeg_restart_px).await?,
+            ForeignFormat::Mds | ForeignFormat::Lit => plan_mds(store, meta, jpeg_restart_px).await?,
             ForeignFormat::Wds => plan_wds(src, &source, store, meta, jpeg_restart_px).await?,
         };
         // Keys a manifest may name (relative, inside the folder), checked before any read.
@@ -251,7 +251,11 @@ type Plan = (ForeignSpec, Schema, Vec<Job>, Map<String, Json>);
 /// An MDS dataset's plan, from its `index.json`.
 async fn plan_mds(store: &Store, meta: Map<String, Json>, jpeg_restart_px: Option<u32>) -> Result<Plan> {
     let url = store.url("index.json");
-    let ix = mds::Index::parse(&store.get("index.json").await?, &url)?;
+    let bytes = store.get("index.json").await?;
+    let (ix, format) = match super::lit::as_mds_index(&bytes, &url)? {
+        Some(ix) => (ix, ForeignFormat::Lit),
+        None => (mds::Index::parse(&bytes, &url)?, ForeignFormat::Mds),
+    };
     let (columns, schema) = ix.columns(&url)?;
     let mut meta = meta;
     meta.insert("foreign_index".into(), Json::from("index.json"));
@@ -279,7 +283,7 @@ async fn plan_mds(store: &Store, meta: Map<String, Json>, jpeg_restart_px: Optio
         })
         .collect::<Vec<_>>();
     let spec = ForeignSpec {
-        format: ForeignFormat::Mds,
+        format,
         columns,
         jpeg_restart_px,
     };

@@ -13,6 +13,10 @@ pub enum ForeignFormat {
     Mds,
     /// WebDataset tar shards.
     Wds,
+    /// LitData's optimized chunks (`index.json`, `chunk-*.bin`), read through the MDS path
+    /// ([`super::lit`]).
+    #[serde(rename = "litdata")]
+    Lit,
 }
 
 impl ForeignFormat {
@@ -21,6 +25,7 @@ impl ForeignFormat {
         match self {
             ForeignFormat::Mds => "mds",
             ForeignFormat::Wds => "wds",
+            ForeignFormat::Lit => "litdata",
         }
     }
 }
@@ -61,7 +66,7 @@ impl ForeignSpec {
     /// member (not `__key__`). Which of its values are JPEGs, their bytes tell.
     pub fn may_hold_jpeg(&self, column: &ForeignColumn) -> bool {
         match self.format {
-            ForeignFormat::Mds => column.encoding == "jpeg" || column.encoding == "bytes",
+            ForeignFormat::Mds | ForeignFormat::Lit => column.encoding == "jpeg" || column.encoding == "bytes",
             ForeignFormat::Wds => column.encoding != wds::KEY_COLUMN && column.encoding != wds::NPY_EXT,
         }
     }

@@ -103,7 +103,7 @@ pub fn transcode_with_spans(
         }
     };
     match spec.format {
-        ForeignFormat::Mds => {
+        ForeignFormat::Mds | ForeignFormat::Lit => {
             let shard = mds::MdsShard::parse(data, object)?;
             for i in 0..shard.samples() {
                 let values = mds::sample_values(&spec.columns, shard.sample(i)?, &Location::sample(object, i))?;
@@ -132,7 +132,7 @@ pub fn transcode_with_spans(
 /// checksum.
 pub fn transcode_sample(spec: &ForeignSpec, schema: &Schema, raw: &[u8], at: &Location) -> Result<Vec<u8>> {
     let mut values = match spec.format {
-        ForeignFormat::Mds => mds::sample_values(&spec.columns, raw, at)?,
+        ForeignFormat::Mds | ForeignFormat::Lit => mds::sample_values(&spec.columns, raw, at)?,
         ForeignFormat::Wds => {
             let s = wds::sample_in(raw, at)?;
             wds::sample_values(&spec.columns, &s, raw, at)?

@@ -1,0 +1,119 @@
+"""LitData's optimized datasets read in place (issue 71, item 2): data written by
+`litdata.optimize` itself (in the peers' venv) read by ramjet, every sample's every field
+against what LitData's own StreamingDataset reads, from a local folder and the local S3
+server; a changed chunk is named and never yields a wrong sample; what is not read is
+refused by name."""
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import ramjet
+from ramjet.compat.mosaicml import StreamingDataset as ByField
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def lit(tmp_path_factory):
+    py = os.environ.get("RAMJET_BENCH_PYTHON") or subprocess.run(
+        ["bash", str(ROOT / "tools/bench-venv.sh")], capture_output=True, text=True, check=True).stdout.strip()
+    out = tmp_path_factory.mktemp("litdata")
+    subprocess.run([py, str(ROOT / "bindings/tests/litdata_fixtures.py"), str(out)], check=True, cwd=out)
+    return out, json.loads((out / "expected.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def learned(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAMJET_INDEX_DIR", str(tmp_path / "learned"))
+
+
+def described(v):
+    if isinstance(v, Image.Image):
+        return {"mode": v.mode, "size": list(v.size), "hex": v.tobytes().hex()}
+    if isinstance(v, np.ndarray):
+        return {"dtype": str(v.dtype), "shape": list(v.shape), "list": v.tolist()}
+    if isinstance(v, (bytes, memoryview)):
+        return {"hex": bytes(v).hex()}
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def read_all(url):
+    """Every sample, each field as MosaicML's compat decodes it; the JPEG file as its size."""
+    out = {}
+    for s in ByField(remote=url):
+        photo = s.pop("photo")
+        assert isinstance(photo, Image.Image) and photo.size == (9, 6)
+        out[str(s["index"])] = {k: described(v) for k, v in s.items()}
+    return out
+
+
+def strip(want):
+    return {k: {f: x for f, x in v.items() if f != "photo_hex"} for k, v in want.items()}
+
+
+def test_every_field_reads_as_litdata_reads_it(lit):
+    out, want = lit
+    assert read_all(str(out / "plain")) == strip(want)
+    info = ramjet.inspect(str(out / "plain"))
+    assert info["samples"] == 23 and info["shards"] == len(list((out / "plain").glob("chunk-*.bin")))
+
+
+def test_from_s3_too(lit):
+    import boto3
+
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    out, want = lit
+    bucket = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
+    prefix = f"pytest-litdata/{uuid.uuid4().hex[:8]}"
+    s3 = boto3.client("s3")
+    for f in (out / "plain").iterdir():
+        s3.upload_file(str(f), bucket, f"{prefix}/{f.name}")
+    assert read_all(f"s3://{bucket}/{prefix}") == strip(want)
+
+
+def test_the_engines_own_batches_hold_the_same_values(lit):
+    out, want = lit
+    ds = ramjet.StreamingDataset(str(out / "plain"), image_size=None, shuffle=False, batch_size=5, cache_limit=None,
+                                 boxes_column=None)
+    got = {}
+    for b in ds:
+        for i in range(len(b["_index"])):
+            got[str(int(b["index"][i]))] = (bytes(b["raw"][i]).hex(), bytes(b["photo"][i]).hex(), b["name"][i],
+                                            float(b["score"][i]))
+    # The JPEG file's bytes exactly as written, beside the other fields.
+    assert got == {k: (v["raw"]["hex"], v["photo_hex"], v["name"], v["score"]) for k, v in want.items()}
+
+
+def test_a_changed_chunk_is_named_and_yields_no_wrong_sample(lit, tmp_path):
+    src = tmp_path / "ds"
+    shutil.copytree(lit[0] / "plain", src)
+    assert len(read_all(str(src))) == 23  # learned, each chunk's checksum kept
+    chunk = sorted(src.glob("chunk-*.bin"))[1]
+    b = bytearray(chunk.read_bytes())
+    b[-3] ^= 0xFF
+    chunk.write_bytes(bytes(b))
+    with pytest.raises(ramjet.Error, match=chunk.name):
+        read_all(str(src))
+
+
+def test_what_ramjet_does_not_read_is_refused_by_name(lit, tmp_path):
+    with pytest.raises(ramjet.Error, match="compressed LitData chunks"):
+        ramjet.inspect(str(lit[0] / "zstd"))
+    src = tmp_path / "pkl"
+    shutil.copytree(lit[0] / "plain", src)
+    ix = json.loads((src / "index.json").read_text())
+    ix["config"]["data_format"][5] = "pickle"
+    (src / "index.json").write_text(json.dumps(ix))
+    with pytest.raises(ramjet.Error, match="pickle.*refused"):
+        ramjet.inspect(str(src))
