@@ -7,7 +7,7 @@ usage: litdata_fixtures.py OUT_DIR
 OUT_DIR gets plain/ (a dict sample: an int index, a JPEG file, a PIL image, JPEG bytes, a label, a
 string, a float, a flat float32 array and an int16 array with its shape, in chunks of ~2 KB)
 and zstd/ (the same, compressed, which ramjet refuses), plus expected.json: each sample's
-fields as LitData reads them (bytes as hex, arrays as dtype, shape and values).
+fields as LitData reads them (peer_values.described).
 """
 
 import io
@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from peer_values import described
 
 
 def sample(i):
@@ -33,20 +35,6 @@ def sample(i):
         "flat": np.arange(4, dtype=np.float32) * i,
         "grid": np.arange(6, dtype=np.int16).reshape(2, 3) - i,
     }
-
-
-def described(v):
-    if isinstance(v, Image.Image):
-        return {"mode": v.mode, "size": list(v.size), "hex": v.tobytes().hex()}
-    if hasattr(v, "numpy"):  # a torch tensor (LitData reads numpy columns as tensors)
-        v = v.numpy()
-    if isinstance(v, np.ndarray):
-        return {"dtype": str(v.dtype), "shape": list(v.shape), "list": v.tolist()}
-    if isinstance(v, (bytes, memoryview)):
-        return {"hex": bytes(v).hex()}
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
 
 
 def main(out):

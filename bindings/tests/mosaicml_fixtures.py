@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 from streaming import MDSWriter, StreamingDataset
 
-from mds_described import described
+from peer_values import described
 
 
 def main(out):

@@ -14,17 +14,15 @@ from PIL import Image
 import ramjet
 from ramjet.compat.mosaicml import Stream, StreamingDataLoader, StreamingDataset
 
-from mds_described import described
+from peer_values import described, write_fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def mds(tmp_path_factory):
-    py = os.environ.get("RAMJET_BENCH_PYTHON") or subprocess.run(
-        ["bash", str(ROOT / "tools/bench-venv.sh")], capture_output=True, text=True, check=True).stdout.strip()
     out = tmp_path_factory.mktemp("mosaicml")
-    subprocess.run([py, str(ROOT / "bindings/tests/mosaicml_fixtures.py"), str(out)], check=True)
+    write_fixtures("mosaicml_fixtures.py", out)
     return out, json.loads((out / "decoded.json").read_text())
 
 

@@ -42,18 +42,14 @@ struct LitConfig {
     item_loader: Option<String>,
 }
 
-/// LitData's NumPy dtypes by their index in its serializers (the ones ramjet reads).
-const NUMPY_DTYPES: [&str; 11] = [
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64",
-];
-
 /// The MDS encoding a LitData field format is read as (the same bytes), or why it is refused.
 fn encoding(format: &str) -> std::result::Result<String, String> {
     let (name, arg) = format.split_once(':').unwrap_or((format, ""));
     let dtype = || {
         arg.parse::<usize>()
             .ok()
-            .and_then(|i| NUMPY_DTYPES.get(i))
+            .and_then(super::mds::litdata_dtype)
+            .map(|d| d.name())
             .ok_or_else(|| format!("LitData field {format:?}: a NumPy dtype ramjet does not read"))
     };
     Ok(match name {

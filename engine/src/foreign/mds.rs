@@ -94,6 +94,16 @@ fn ndarray_spec(encoding: &str) -> std::result::Result<ArraySpec, Invalid> {
     Ok(ArraySpec { dtype, dims })
 }
 
+/// LitData's NumPy dtype at index `i` of its serializers' list: ramjet's dtypes in code order
+/// without bfloat16 (NumPy has none); the rest of its list (complex, bool, object, ...) `None`.
+pub fn litdata_dtype(i: usize) -> Option<Dtype> {
+    crate::format::array::DTYPES
+        .iter()
+        .copied()
+        .filter(|&d| d != Dtype::Bf16)
+        .nth(i)
+}
+
 /// LitData's arrays: `litdata-numpy` (its `numpy` serializer: any dtype and shape, given in
 /// each value) or `litdata-numpy:DTYPE` (its `no_header_numpy`: one dtype, a flat array).
 fn litdata_numpy_spec(encoding: &str) -> std::result::Result<ArraySpec, Invalid> {
@@ -120,22 +130,8 @@ fn litdata_numpy_value(spec: &ArraySpec, b: &[u8]) -> std::result::Result<Array,
             (d, vec![n], b.to_vec())
         }
         None => {
-            const DTYPES: [Dtype; 11] = [
-                Dtype::I8,
-                Dtype::I16,
-                Dtype::I32,
-                Dtype::I64,
-                Dtype::U8,
-                Dtype::U16,
-                Dtype::U32,
-                Dtype::U64,
-                Dtype::F16,
-                Dtype::F32,
-                Dtype::F64,
-            ];
             let code = u32_at(0)? as usize;
-            let d = *DTYPES
-                .get(code)
+            let d = litdata_dtype(code)
                 .ok_or_else(|| Invalid::from(format!("LitData dtype index {code} is not one ramjet reads")))?;
             let ndim = u32_at(1)? as usize;
             let shape = (0..ndim)

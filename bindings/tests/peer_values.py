@@ -1,0 +1,41 @@
+"""What the peers' tests share: the peers' venv (where MosaicML's and LitData's writers run,
+tools/bench-venv.sh, never the core venv), and how a decoded value is told from another (so
+the fixture writers there and the tests here describe alike)."""
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench_python():
+    """The peers' venv's python (made on first use)."""
+    return os.environ.get("RAMJET_BENCH_PYTHON") or subprocess.run(
+        ["bash", str(ROOT / "tools/bench-venv.sh")], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def write_fixtures(script, out):
+    """Runs `bindings/tests/<script> OUT` in the peers' venv."""
+    subprocess.run([bench_python(), str(ROOT / "bindings/tests" / script), str(out)], check=True, cwd=out)
+
+
+def described(v):
+    """A decoded value as JSON: an image as mode, size and a hash of its pixels; a tensor or
+    NumPy array as dtype, shape and values; bytes as hex; a NumPy scalar as dtype and value;
+    anything else as its type and value."""
+    if isinstance(v, Image.Image):
+        return {"mode": v.mode, "size": list(v.size), "sha": hashlib.sha256(v.tobytes()).hexdigest()}
+    if hasattr(v, "numpy") and not isinstance(v, np.generic):  # a torch tensor
+        v = v.numpy()
+    if isinstance(v, np.ndarray):
+        return {"dtype": str(v.dtype), "shape": list(v.shape), "list": v.tolist()}
+    if isinstance(v, (bytes, memoryview)):
+        return {"hex": bytes(v).hex()}
+    if isinstance(v, np.generic):
+        return {"dtype": str(v.dtype), "value": v.item()}
+    return {"type": type(v).__name__, "value": v}
