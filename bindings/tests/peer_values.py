@@ -3,11 +3,13 @@ tools/bench-venv.sh, never the core venv), and how a decoded value is told from 
 the fixture writers there and the tests here describe alike)."""
 
 import hashlib
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,9 +21,18 @@ def bench_python():
         ["bash", str(ROOT / "tools/bench-venv.sh")], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def write_fixtures(script, out):
-    """Runs `bindings/tests/<script> OUT` in the peers' venv."""
+def write_fixtures(tmp_path_factory, script, record):
+    """Runs `bindings/tests/<script> OUT` in the peers' venv, in a fresh folder; returns the
+    folder and the JSON `record` it wrote there."""
+    out = tmp_path_factory.mktemp(Path(script).stem)
     subprocess.run([bench_python(), str(ROOT / "bindings/tests" / script), str(out)], check=True, cwd=out)
+    return out, json.loads((out / record).read_text())
+
+
+@pytest.fixture(autouse=True)
+def learned(tmp_path, monkeypatch):
+    """This test's own folder of learned manifests (imported by a test module, it is its)."""
+    monkeypatch.setenv("RAMJET_INDEX_DIR", str(tmp_path / "learned"))
 
 
 def described(v):
@@ -39,3 +50,20 @@ def described(v):
     if isinstance(v, np.generic):
         return {"dtype": str(v.dtype), "value": v.item()}
     return {"type": type(v).__name__, "value": v}
+
+
+def uploaded(src, name):
+    """Uploads every file of the folder `src` to a fresh prefix of the local S3 server's bucket;
+    returns its s3:// URL. Fails (never skips) when the server is not configured."""
+    import uuid
+
+    import boto3
+
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        pytest.fail("the local S3 server is not configured: run tools/test.sh")
+    bucket = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
+    prefix = f"pytest-{name}/{uuid.uuid4().hex[:8]}"
+    s3 = boto3.client("s3")
+    for f in Path(src).iterdir():
+        s3.upload_file(str(f), bucket, f"{prefix}/{f.name}")
+    return f"s3://{bucket}/{prefix}"

@@ -5,9 +5,7 @@ server; a changed chunk is named and never yields a wrong sample; what is not re
 refused by name."""
 
 import json
-import os
 import shutil
-import uuid
 
 import numpy as np
 import pytest
@@ -16,20 +14,13 @@ from PIL import Image
 import ramjet
 from ramjet.compat.mosaicml import StreamingDataset as ByField
 
-from peer_values import described, write_fixtures
+from peer_values import described, learned, uploaded, write_fixtures  # noqa: F401 (learned: a fixture)
 
 
 
 @pytest.fixture(scope="module")
 def lit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("litdata")
-    write_fixtures("litdata_fixtures.py", out)
-    return out, json.loads((out / "expected.json").read_text())
-
-
-@pytest.fixture(autouse=True)
-def learned(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAMJET_INDEX_DIR", str(tmp_path / "learned"))
+    return write_fixtures(tmp_path_factory, "litdata_fixtures.py", "expected.json")
 
 
 def read_all(url):
@@ -56,17 +47,8 @@ def test_every_field_reads_as_litdata_reads_it(lit):
 
 
 def test_from_s3_too(lit):
-    import boto3
-
-    if "AWS_ENDPOINT_URL" not in os.environ:
-        pytest.fail("the local S3 server is not configured: run tools/test.sh")
     out, want = lit
-    bucket = os.environ.get("RAMJET_S3_BUCKET", "ramjet")
-    prefix = f"pytest-litdata/{uuid.uuid4().hex[:8]}"
-    s3 = boto3.client("s3")
-    for f in (out / "plain").iterdir():
-        s3.upload_file(str(f), bucket, f"{prefix}/{f.name}")
-    assert read_all(f"s3://{bucket}/{prefix}") == strip(want)
+    assert read_all(uploaded(out / "plain", "litdata")) == strip(want)
 
 
 def test_the_engines_own_batches_hold_the_same_values(lit):
