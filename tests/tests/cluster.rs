@@ -120,7 +120,7 @@ fn start_node(dir: &Path, me: &str, members: &[String], origin_url: &str, env: &
     let child = c.spawn().expect("spawn ramjet serve");
     let t0 = Instant::now();
     while std::os::unix::net::UnixStream::connect(&sock).is_err() || std::net::TcpStream::connect(&http).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "daemon {me} did not come up");
+        assert!(t0.elapsed() < Duration::from_secs(60), "daemon {me} did not come up");
         std::thread::sleep(Duration::from_millis(50));
     }
     Node {
@@ -1096,7 +1096,7 @@ fn a_freeze_is_a_lease_released_when_its_connection_closes() {
     let t0 = Instant::now();
     while frozen(&a) {
         assert!(
-            t0.elapsed() < Duration::from_secs(5),
+            t0.elapsed() < Duration::from_secs(30),
             "a dropped lease still holds the ring"
         );
         std::thread::sleep(Duration::from_millis(20));
@@ -1169,7 +1169,7 @@ fn a_handed_out_descriptor_holds_no_lock_on_the_cached_shard() {
     // SAFETY: flock on a descriptor this test owns.
     while unsafe { libc::flock(probe.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         assert!(
-            t0.elapsed() < Duration::from_secs(5),
+            t0.elapsed() < Duration::from_secs(30),
             "the descriptor handed to the loader still pins the cached shard"
         );
         std::thread::sleep(Duration::from_millis(20));
@@ -1259,16 +1259,17 @@ fn a_flood_of_idle_peer_connections_starves_neither_loaders_nor_health() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    // `/health` answers all along (each poll on a fresh connection, within 2 s).
+    // `/health` answers all along, each poll on a fresh connection (30 s timeouts: hang
+    // guards only, no speed asserted).
     let health = {
         let (stop, http) = (stop.clone(), node.http.clone());
         std::thread::spawn(move || {
             let (mut ok, mut bad) = (0u32, Vec::new());
             while !stop.load(Ordering::Relaxed) {
                 let t = Instant::now();
-                let r = std::net::TcpStream::connect_timeout(&http.parse().unwrap(), Duration::from_secs(2)).and_then(
+                let r = std::net::TcpStream::connect_timeout(&http.parse().unwrap(), Duration::from_secs(30)).and_then(
                     |mut s| {
-                        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+                        s.set_read_timeout(Some(Duration::from_secs(30)))?;
                         s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")?;
                         let mut r = String::new();
                         s.read_to_string(&mut r)?;
@@ -1880,7 +1881,7 @@ fn the_cluster_view_lists_every_member_and_reader_and_a_stopped_daemon_goes_down
             break doc;
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(20),
+            t0.elapsed() < Duration::from_secs(60),
             "no reader on the dashboard: {doc}"
         );
         std::thread::sleep(Duration::from_millis(200));
@@ -1942,7 +1943,7 @@ fn the_cluster_view_lists_every_member_and_reader_and_a_stopped_daemon_goes_down
             assert_eq!(doc["down"], 1u64, "{doc}");
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "a stopped daemon is still {n}");
+        assert!(t0.elapsed() < Duration::from_secs(30), "a stopped daemon is still {n}");
         std::thread::sleep(Duration::from_millis(250));
     }
 }
@@ -1999,7 +2000,7 @@ fn a_ranks_heartbeat_brings_back_its_jobs_pace_across_every_node() {
         if p0.scope == "cluster" && p1.scope == "cluster" {
             break (p0, p1);
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "no cluster pace: {p0:?} {p1:?}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "no cluster pace: {p0:?} {p1:?}");
         std::thread::sleep(Duration::from_millis(200));
     };
     for p in [&p0, &p1] {

@@ -49,11 +49,9 @@ fn a_stalled_small_ranged_read_is_hedged_and_not_without_the_hedge() {
     };
 
     let (took, hedges, conns) = read(1 << 20);
-    // No latency seen yet: the second request starts after 200 ms.
-    assert!(
-        took >= Duration::from_millis(200) && took < Duration::from_millis(2_000),
-        "hedged read took {took:?}"
-    );
+    // No latency seen yet: the second request starts after 200 ms (a lower bound; that the
+    // hedge, not the retry after the 3 s timeout, answered is the counters' to say).
+    assert!(took >= Duration::from_millis(200), "hedged read took {took:?}");
     assert_eq!(hedges, (1, 1), "one hedge, won by the second request");
     assert_eq!(conns, 2, "the stalled connection and the hedge's");
 

@@ -563,6 +563,44 @@ mod tests {
         })
     }
 
+    /// A server that does not hold the key cannot pass for one that does: it asks for a key,
+    /// takes the client's proof, and answers with no MAC, a MAC under another key, or the
+    /// client's own MAC sent back. The client refuses each, naming why, and makes no session.
+    #[tokio::test]
+    async fn a_server_that_cannot_prove_the_key_is_refused_by_the_client() {
+        for answer in ["none", "another key", "reflected"] {
+            let (mut srv, mut cli) = tokio::io::duplex(1 << 16);
+            let impostor = async move {
+                let sn = nonce();
+                let hello = Msg::Hello {
+                    version: VERSION,
+                    nonce: hex(&sn),
+                    auth: true,
+                };
+                write_msg(&mut srv, &hello).await.unwrap();
+                let Msg::Auth { nonce: cn, mac } = read_msg(&mut srv).await.unwrap() else {
+                    panic!("the client sent no auth");
+                };
+                let cn = unhex(&cn).unwrap();
+                let mac = match answer {
+                    "none" => String::new(),
+                    "another key" => ApiKey::new("not-k").mac("ramjet-server", &cn, &sn),
+                    _ => mac,
+                };
+                write_msg(&mut srv, &Msg::Welcome { mac }).await.unwrap();
+            };
+            let key = ApiKey::new("k");
+            let (_, got) = tokio::join!(impostor, connect(&mut cli, Some(&key)));
+            match got {
+                Err(HandshakeError::Refused(why)) => {
+                    assert!(why.contains("could not prove it holds the API key"), "{answer}: {why}")
+                }
+                Err(e) => panic!("{answer}: refused for another reason: {e}"),
+                Ok(_) => panic!("{answer}: a server without the key made a session"),
+            }
+        }
+    }
+
     /// Both sides' outcomes, each asserted: a refused client must leave the server with an
     /// error too (never a session), and the reason each side gives is the right one.
     #[tokio::test]

@@ -475,13 +475,40 @@ pub(super) fn check_saved_for(
             format!("it was saved for manifest versions {saved_versions:?}, the sources are now {versions:?}"),
         ));
     }
-    if saved_order != order {
+    if let Some(why) = order_difference(saved_order, order) {
         return Err(Error::invalid(
             what,
-            "it was saved for a different order (seed, shuffle or partitions)",
+            format!("it was saved for a different order: {why}"),
         ));
     }
     Ok(())
+}
+
+/// Which field of the order a saved state's differs in from the stream's (the first that does),
+/// `None` when they are the same order.
+fn order_difference(saved: &OrderSpec, now: &OrderSpec) -> Option<String> {
+    let field = |name: &str, a: String, b: String| Some(format!("{name} {a} when saved, {b} now"));
+    // Every field named, so that a field added to the order is added here (or this fails to build).
+    let OrderSpec {
+        seed: _,
+        shuffle: _,
+        partitions: _,
+        tail: _,
+        shares: _,
+    } = saved;
+    if saved.seed != now.seed {
+        field("seed", saved.seed.to_string(), now.seed.to_string())
+    } else if saved.shuffle != now.shuffle {
+        field("shuffle", format!("{:?}", saved.shuffle), format!("{:?}", now.shuffle))
+    } else if saved.partitions != now.partitions {
+        field("partitions", saved.partitions.to_string(), now.partitions.to_string())
+    } else if saved.tail != now.tail {
+        field("tail", format!("{:?}", saved.tail), format!("{:?}", now.tail))
+    } else if saved.shares != now.shares {
+        field("shares", format!("{:?}", saved.shares), format!("{:?}", now.shares))
+    } else {
+        None
+    }
 }
 
 /// Checks a consumer's own saved state against the stream that resumes from it.
