@@ -22,9 +22,22 @@ t0=$SECONDS
 # runs out (the S3 server's volumes turn read-only under its floor), and this shows where.
 free_disk() { df -h --output=avail "$RAMJET_ROOT" 2>/dev/null | tail -n 1 | tr -d ' '; }
 step() { printf '\n== [%dm%02ds] %s (disk free %s)\n' $(((SECONDS - t0) / 60)) $(((SECONDS - t0) % 60)) "$*" "$(free_disk)"; }
+# Every command of every step runs under a time limit: `limited SECONDS CMD...` runs CMD under
+# timeout(1) (TERM at the limit, KILL 30 s later) and, past it, says which command it was, so
+# a hang fails its step by name long before CI's own limit. The limits are several times each
+# step's time on a 2-core CI machine (the log's step lines give those times).
+limited() {
+  local secs=$1 rc=0
+  shift
+  timeout --kill-after=30 "$secs" "$@" || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "tools/test.sh: ran past its limit of $secs s: $*" >&2
+  fi
+  return "$rc"
+}
 
 step "setup"
-tools/setup.sh
+limited 2400 tools/setup.sh
 
 # Every Rust test process runs under the watchdog (tools/test-watchdog.sh): a test that hangs
 # fails alone past RAMJET_TEST_LIMIT_S, naming itself, with every thread's stack.
@@ -33,25 +46,25 @@ runner_var="CARGO_TARGET_$(printf '%s' "$host" | tr 'a-z-' 'A-Z_')_RUNNER"
 export "$runner_var=$RAMJET_ROOT/tools/test-watchdog.sh"
 
 step "cargo fmt --check"
-cargo fmt --all -- --check
+limited 300 cargo fmt --all -- --check
 
 step "cargo clippy -D warnings"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+limited 2400 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "RDMA transport (cargo feature rdma): clippy, build, tests"
 # Runs without RDMA hardware: the verbs calls are checked at build time; at run time the tests
 # show the clear no-device errors and the fallback to TCP (docs/cluster.md).
-cargo clippy -p ramjet-transport -p ramjet-tools --features ramjet-tools/rdma --all-targets --locked -- -D warnings
-cargo test -p ramjet-transport --features rdma --locked -q
+limited 1800 cargo clippy -p ramjet-transport -p ramjet-tools --features ramjet-tools/rdma --all-targets --locked -- -D warnings
+limited 1200 cargo test -p ramjet-transport --features rdma --locked -q
 
 step "build (every target: the tests' build below then finds it all done)"
 # --all-targets resolves features as the tests do (their dev-dependencies change tokio's, and
 # with them everything above it): building only the binaries here compiled the workspace a
 # second time for the tests.
-cargo build --workspace --all-targets --locked
+limited 2400 cargo build --workspace --all-targets --locked
 
 step "local S3 server"
-tools/s3-server.sh start
+limited 300 tools/s3-server.sh start
 # On a failure, say what the machine and the S3 server saw: free disk and the server's last
 # errors (a PUT's 500 names no cause; the server's log does).
 on_exit() {
@@ -68,15 +81,15 @@ trap on_exit EXIT
 
 step "Rust tests (cargo-nextest: unit, integration, property, fuzz corpus; one process per test)"
 # This machine has io_uring: its suites must run, and fail rather than skip if it is missing.
-RAMJET_EXPECT_IO_URING=1 cargo nextest run --workspace --lib --bins --tests --examples --locked
+RAMJET_EXPECT_IO_URING=1 limited 2400 cargo nextest run --workspace --lib --bins --tests --examples --locked
 # Benchmarks once in test mode (their own harness, so cargo test runs them, still watched).
 # --workspace: the same feature set as the build above, so nothing is compiled again (alone,
 # the benches package resolved other features and recompiled four crates: 4 minutes).
-cargo test --workspace --benches --locked
+limited 900 cargo test --workspace --benches --locked
 rm -rf "${TMPDIR:-/tmp}"/ramjet-tests-*
 
 step "the watchdog stops a planted hang alone, naming it, with stacks (tests/tests/watchdog.rs)"
-if RAMJET_TEST_LIMIT_S=5 cargo nextest run -p ramjet-tests --test watchdog --run-ignored only --locked \
+if RAMJET_TEST_LIMIT_S=5 limited 600 cargo nextest run -p ramjet-tests --test watchdog --run-ignored only --locked \
   >"$RAMJET_STATE/planted-hang.log" 2>&1; then
   cat "$RAMJET_STATE/planted-hang.log"; echo "the planted hang passed: the watchdog did not stop it"; exit 1
 fi
@@ -94,49 +107,49 @@ step "device-check bundle from CI's debug builds (its dry run is the last step),
 # short of disk needs that room for the Python suite's datasets and the S3 server's volumes.
 ci="$RAMJET_STATE/ci"
 rm -rf "$ci" && mkdir -p "$ci"
-tools/device-check/build.sh --dev "$ci/devcheck"
+limited 900 tools/device-check/build.sh --dev "$ci/devcheck"
 find target/debug/deps -maxdepth 1 -type f -perm -u+x ! -name '*.so' ! -name '*.rlib' ! -name '*.rmeta' ! -name '*.d' -delete
 
 step "python package (maturin develop, dev profile) and pytest"
 # The dev profile (dependencies at opt-level 2, ours at 1) reuses what the Rust steps above
 # built: 2 minutes here instead of 10 for a release build, which only the benchmarks need
 # (their figures come from release builds: tools/ramjet-bench, docs/benchmarks.md).
-VIRTUAL_ENV="$RAMJET_VENV" "$RAMJET_VENV/bin/maturin" develop --profile dev --quiet -m bindings/Cargo.toml
+VIRTUAL_ENV="$RAMJET_VENV" limited 1800 "$RAMJET_VENV/bin/maturin" develop --profile dev --quiet -m bindings/Cargo.toml
 # The peers' venv (MosaicML Streaming, WebDataset): the foreign-format tests write their golden
 # fixtures with the real writers there, never in the core venv.
-RAMJET_BENCH_PYTHON="$(tools/bench-venv.sh)"
+RAMJET_BENCH_PYTHON="$(limited 1200 tools/bench-venv.sh)"
 export RAMJET_BENCH_PYTHON
-RAMJET_BIN="$RAMJET_ROOT/target/debug/ramjet" "$RAMJET_VENV/bin/python" -m pytest -q bindings/tests
+RAMJET_BIN="$RAMJET_ROOT/target/debug/ramjet" limited 2400 "$RAMJET_VENV/bin/python" -m pytest -q bindings/tests
 
 step "examples: CNN training (device auto: a GPU when usable, else the CPU), 2-process torchrun (gloo), a small GPT on token windows"
 py="$RAMJET_VENV/bin/python"
-target/debug/ramjet synth "$ci/synth" --samples 400 >/dev/null
+limited 300 target/debug/ramjet synth "$ci/synth" --samples 400 >/dev/null
 url="s3://$RAMJET_S3_BUCKET/ci/synth-400-$(date +%s)"
-target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
-"$py" examples/train_cnn.py --remote "$url" --steps 200
-"$RAMJET_VENV/bin/torchrun" --nproc_per_node 2 examples/ddp_train.py --remote "$url" --epochs 2 2>&1 | grep -v "^W.*torch/distributed"
-"$py" examples/train_lm.py --remote "s3://$RAMJET_S3_BUCKET/ci/lm" --steps 150 2>&1 | grep -v "^$"
+limited 300 target/debug/ramjet pack "$ci/synth" "$url" >/dev/null
+limited 900 "$py" examples/train_cnn.py --remote "$url" --steps 200
+limited 900 "$RAMJET_VENV/bin/torchrun" --nproc_per_node 2 examples/ddp_train.py --remote "$url" --epochs 2 2>&1 | grep -v "^W.*torch/distributed"
+limited 900 "$py" examples/train_lm.py --remote "s3://$RAMJET_S3_BUCKET/ci/lm" --steps 150 2>&1 | grep -v "^$"
 
 step "examples: Ultralytics YOLO streamed from S3 (train + val, offline), and the YOLO P2/P3 bench in quick mode"
-RAMJET_BIN=target/debug/ramjet "$py" examples/yolo_streaming.py --epochs 1 --imgsz 96 --workers 1
-RAMJET_BIN=target/debug/ramjet "$py" benches/python/yolo_bench.py --quick --out "$ci/bench-yolo" | tail -12
+RAMJET_BIN=target/debug/ramjet limited 1200 "$py" examples/yolo_streaming.py --epochs 1 --imgsz 96 --workers 1
+RAMJET_BIN=target/debug/ramjet limited 1200 "$py" benches/python/yolo_bench.py --quick --out "$ci/bench-yolo" | tail -12
 
 step "loader benchmark (quick mode: checks it runs; figures come from the full run)"
 mkdir -p "$ci/bench/a"
 cp "$ci"/synth/images/*.jpg "$ci/bench/a/"
-target/debug/ramjet pack "$ci/bench" "$url-bench" >/dev/null
-RAMJET_BIN=target/debug/ramjet "$py" benches/python/bench_loader.py --images "$ci/bench" --remote "$url-bench" --n 400 --rounds 1 --rss-epochs 3 --large 16 \
+limited 300 target/debug/ramjet pack "$ci/bench" "$url-bench" >/dev/null
+RAMJET_BIN=target/debug/ramjet limited 900 "$py" benches/python/bench_loader.py --images "$ci/bench" --remote "$url-bench" --n 400 --rounds 1 --rss-epochs 3 --large 16 \
   --local "$ci/bench-cache" | tail -4
 
 step "two datasets alive in one process (quick mode: checks it runs; figures come from the full run)"
-RAMJET_BIN=target/debug/ramjet "$py" benches/python/two_datasets.py --quick --out "$ci/two_datasets.json" | tail -2
+RAMJET_BIN=target/debug/ramjet limited 600 "$py" benches/python/two_datasets.py --quick --out "$ci/two_datasets.json" | tail -2
 
 step "device check, CPU dry run and its rehearsal (tools/device-check: run.py --cpu on the bundle built above, then rehearse.py: each step failing or hanging in turn, a deadline, SIGTERM)"
 # The GPU check is prepared here and run only where a GPU is lent (docs/gpu.md). Between those
 # rare runs this keeps the bundle's build and every step of run.py alive: steps that need a GPU
 # say "skipped: no GPU", the others run on the CPU, and summary.json keeps its one shape.
-"$py" tools/device-check/run.py --bundle "$ci/devcheck" --out "$ci/devcheck-out" --cpu --python "$py"
-"$py" - "$ci/devcheck-out/summary.json" <<'PY'
+limited 900 "$py" tools/device-check/run.py --bundle "$ci/devcheck" --out "$ci/devcheck-out" --cpu --python "$py"
+limited 120 "$py" - "$ci/devcheck-out/summary.json" <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))
 assert {"device", "driver", "commit", "date", "steps"} <= set(doc), doc.keys()
@@ -154,6 +167,6 @@ k = doc["steps"]["kernel"]["figures"]  # the kernel's CPU reference against torc
 assert k["u8_interior_max_abs_diff_vs_torchvision"] <= 1 and k["kernel_rrc_u8_img_s"] > 0, k
 print("device check dry run:", {n: s.get("skipped", s["rc"]) for n, s in doc["steps"].items()})
 PY
-"$py" tools/device-check/rehearse.py --bundle "$ci/devcheck" --out "$ci/devcheck-rehearsal" --python "$py"
+limited 900 "$py" tools/device-check/rehearse.py --bundle "$ci/devcheck" --out "$ci/devcheck-rehearsal" --python "$py"
 
 step "all tests passed"
