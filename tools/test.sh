@@ -81,7 +81,8 @@ trap on_exit EXIT
 
 step "Rust tests (cargo-nextest: unit, integration, property, fuzz corpus; one process per test)"
 # This machine has io_uring: its suites must run, and fail rather than skip if it is missing.
-RAMJET_EXPECT_IO_URING=1 limited 2400 cargo nextest run --workspace --lib --bins --tests --examples --locked
+# The stable fuzzer (tests/tests/fuzz_stable.rs) mutates each target's corpus for 10 s.
+RAMJET_FUZZ_SECONDS=10 RAMJET_EXPECT_IO_URING=1 limited 2400 cargo nextest run --workspace --lib --bins --tests --examples --locked
 # Benchmarks once in test mode (their own harness, so cargo test runs them, still watched).
 # --workspace: the same feature set as the build above, so nothing is compiled again (alone,
 # the benches package resolved other features and recompiled four crates: 4 minutes).

@@ -130,3 +130,16 @@ pub fn foreign(data: &[u8]) {
         }
     }
 }
+
+/// Feeds `data` to the index readers of datasets read in place: an MDS `index.json` (and its
+/// columns), a LitData `index.json` read as one, and a NumPy `.npy` header and body.
+pub fn index(data: &[u8]) {
+    use ramjet_engine::foreign::{lit, mds};
+    if let Ok(ix) = mds::Index::parse(data, "fuzz/index.json") {
+        let _ = ix.columns("fuzz/index.json");
+    }
+    if let Ok(Some(ix)) = lit::as_mds_index(data, "fuzz/index.json") {
+        let _ = ix.columns("fuzz/index.json");
+    }
+    let _ = ramjet_engine::format::npy::parse_npy(data);
+}

@@ -45,6 +45,12 @@ fn image_corpus_replays() {
 }
 
 #[test]
+fn index_corpus_replays() {
+    let n = replay("index", ramjet_tests::fuzzing::index);
+    assert!(n >= 4, "index corpus has only {n} files");
+}
+
+#[test]
 fn foreign_corpus_replays() {
     let n = replay("foreign", ramjet_tests::fuzzing::foreign);
     assert!(n >= 5, "foreign corpus has only {n} files");

@@ -70,10 +70,13 @@ pub fn parse_npy(b: &[u8]) -> Result<Array, Invalid> {
 
 /// `(big-endian, dtype)` of a NumPy type string such as `<f4`, `|u1`, `>i8`.
 fn parse_descr(d: &str) -> Result<(bool, Dtype), Invalid> {
-    let (order, code) = d.split_at(d.len().min(1));
+    // The byte order is the first character, whatever it is (a header is any UTF-8 text: a
+    // split at byte 1 panicked inside a multi-byte character, found by tests/tests/fuzz_stable.rs).
+    let mut chars = d.chars();
+    let (order, code) = (chars.next(), chars.as_str());
     let big = match order {
-        "<" | "|" | "=" => false,
-        ">" => true,
+        Some('<' | '|' | '=') => false,
+        Some('>') => true,
         _ => return Err(Invalid::from(format!(".npy dtype {d:?} is not a plain number type"))),
     };
     let dtype = match code {
@@ -376,6 +379,9 @@ mod tests {
             (npy("|O", false, "(1,)", &[0; 8]), "not read"),
             (npy("<i4", false, "(2,)", &[0; 7]), "element bytes"),
             (npy("<i4", false, "[2]", &[0; 8]), "not a tuple"),
+            // A byte-order character of more than one byte (once a panic: a split at byte 1).
+            (npy("\u{7b4}91", false, "(1,)", &[0; 8]), "not a plain number type"),
+            (npy("", false, "(1,)", &[0; 8]), "not a plain number type"),
             (
                 npy("<i4", false, "(99999999999, 99999999999, 99999999999)", &[0; 8]),
                 "element",
