@@ -139,11 +139,22 @@ pub(super) struct SavedState {
     out_len: u64,
 }
 
+/// Replaces `path` with `bytes` whole or not at all (a temporary file beside it, then a
+/// rename); a failure names `path`, whose last content stays as it was.
 fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
-    Ok(())
+    let saved = std::fs::write(&tmp, bytes)
+        .with_context(|| format!("write {}", tmp.display()))
+        .and_then(|()| std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display())));
+    if saved.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    saved.with_context(|| {
+        format!(
+            "save the stream state {} (its last saved content is kept)",
+            path.display()
+        )
+    })
 }
 
 /// The stream's configuration from the command's arguments (the topology from the
