@@ -168,6 +168,13 @@ def test_two_ranks_see_disjoint_samples(classes):
     assert not set(r0) & set(r1)
     assert sorted(r0 + r1) == list(range(N))
     assert len(r0) == dataset(url, rank=0, world_size=2).samples_per_rank
+    # Position by position: with one partition (the two nodes' deal is test_nodes.py's), the
+    # ranks take the one order's positions in turn.
+    with pytest.warns(UserWarning, match="every node reads the whole dataset"):
+        s0 = indices(epoch(dataset(url, rank=0, world_size=2, partitions=1)))
+        s1 = indices(epoch(dataset(url, rank=1, world_size=2, partitions=1)))
+    full = indices(epoch(dataset(url, partitions=1)))
+    assert (s0, s1) == (full[0::2], full[1::2])
 
 
 def test_dataloader_workers_cover_each_sample_once(classes):
@@ -177,8 +184,14 @@ def test_dataloader_workers_cover_each_sample_once(classes):
     got = []
     for b in dl:
         assert b["image"].shape[1:] == (3, 64, 64)
-        got += [int(i) for i in b["_index"]]
-    assert sorted(got) == list(range(N))
+        got.append([int(i) for i in b["_index"]])
+    assert sorted(i for b in got for i in b) == list(range(N))
+    # Position by position: worker w reads positions w, w + 2, ... of the one order, in batches
+    # of 8, and the DataLoader takes the workers' batches in turn.
+    full = indices(epoch(dataset(url, seed=5)))
+    mine = [[full[w::2][k:k + 8] for k in range(0, len(full[w::2]), 8)] for w in (0, 1)]
+    want = [c[k] for k in range(max(map(len, mine))) for c in mine if k < len(c)]
+    assert got == want
 
 
 def test_getitem_is_random_access(classes):
