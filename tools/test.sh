@@ -6,6 +6,35 @@
 #
 # Usage: tools/test.sh
 set -euo pipefail
+
+# A run owns its ports and its temporary root, so two runs on one machine (from two clones) do
+# not meet. Its S3 port (and every port and namespace derived from it: the server's others, the
+# private S3 of the Rust tests at +100, the Slurm test cluster's) is RAMJET_S3_PORT when given,
+# else the first of 8333, 8533, ... that no other run holds; the hold is a lock on
+# /tmp/ramjet-run-PORT.lock, kept until this run (and whatever it started) ends. Its temporary
+# root is /tmp/rj-PORT (short: Unix socket paths under it stay within their 108 bytes), emptied
+# at the start: the Rust tests' run folders, pytest's, the S3 start lock all live there.
+hold_port() {
+  exec 9>"/tmp/ramjet-run-$1.lock"
+  flock -n 9 && return 0
+  exec 9>&-
+  return 1
+}
+if [ -n "${RAMJET_S3_PORT:-}" ]; then
+  hold_port "$RAMJET_S3_PORT" || { echo "tools/test.sh: another run holds port $RAMJET_S3_PORT" >&2; exit 1; }
+else
+  for p in 8333 8533 8733 8933 9133; do
+    if hold_port "$p"; then
+      export RAMJET_S3_PORT=$p
+      break
+    fi
+  done
+  [ -n "${RAMJET_S3_PORT:-}" ] || { echo "tools/test.sh: five other runs hold every port it uses" >&2; exit 1; }
+fi
+export TMPDIR="/tmp/rj-$RAMJET_S3_PORT"
+rm -rf "$TMPDIR" && mkdir -p "$TMPDIR"
+echo "test run: S3 port $RAMJET_S3_PORT, temporary root $TMPDIR"
+
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$RAMJET_ROOT"
 

@@ -896,7 +896,13 @@ fn read_into_outage(srv: &PrivateS3, url: &str, env: &[(&str, &str)], out: &Path
 
 #[test]
 fn the_origin_stopping_mid_epoch_fails_clearly_or_resumes_when_it_returns() {
-    let srv = PrivateS3::start(8433);
+    // This run's own second port (tools/test.sh: the run's S3 port + 100).
+    let port = std::env::var("RAMJET_S3_PORT")
+        .ok()
+        .and_then(|p| p.parse::<u16>().ok())
+        .unwrap_or(8333)
+        + 100;
+    let srv = PrivateS3::start(port);
     let url = format!("s3://{}/outage", s3().bucket);
     let mut env = srv.env();
     let o = ramjet(
