@@ -190,6 +190,10 @@ def test_two_jobs_share_the_nodes_and_a_cancelled_one_leaves_nothing(cluster, da
     # sockets, ports and files are keyed by job id and node, so neither disturbs the other.
     # One is cancelled mid-epoch; the other trains to the end, covering every epoch exactly once.
     slow_out, done_out = tmp_path / "slow.json", tmp_path / "done.json"
+    # Two jobs of one CPU a node fit at once only on nodes of 2 CPUs or more (they had 1 when the
+    # cluster counted its CPUs under OMP_NUM_THREADS=1, set by Ultralytics' import in this process).
+    cpus = sh("sinfo", "-h", "-N", "-o", "%N %c", env=cluster).stdout.split()
+    assert all(int(c) >= 2 for c in cpus[1::2]), f"nodes and CPUs: {cpus}"
     slow, env = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 2000 --out {slow_out}")
     done, _ = submit(cluster, dataset, proxy, tmp_path, f"--step-ms 800 --out {done_out}")
 

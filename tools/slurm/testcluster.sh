@@ -133,8 +133,12 @@ start() {
     echo "MinJobAge=600"
     echo "InactiveLimit=0"
     echo "SlurmdTimeout=60"
+    # The CPUs slurmd will find: nproc without the OpenMP variables, which it obeys (a caller
+    # that imported Ultralytics has OMP_NUM_THREADS=1; the nodes then had 1 CPU each, and two
+    # jobs on the same nodes ran one after the other).
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     for i in $(seq 1 "$nodes"); do
-      echo "NodeName=node$i NodeAddr=$net.$((10 + i)) CPUs=$(nproc) RealMemory=1000 State=UNKNOWN"
+      echo "NodeName=node$i NodeAddr=$net.$((10 + i)) CPUs=$cpus RealMemory=1000 State=UNKNOWN"
     done
     echo "PartitionName=ramjet Nodes=node[1-$nodes] Default=YES MaxTime=INFINITE State=UP"
   } >"$dir/slurm.conf"
