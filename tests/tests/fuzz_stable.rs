@@ -33,15 +33,14 @@ fn corpus(target: &str) -> (PathBuf, Vec<Vec<u8>>) {
     )
 }
 
-/// xorshift64: small, seedable, the same on every machine.
+/// A counter through the order's mixer (splitmix64's finalizer): seedable, the same on every
+/// machine.
 struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        ramjet_engine::order::mix64(self.0)
     }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n.max(1) as u64) as usize
@@ -50,7 +49,7 @@ impl Rng {
 
 /// Input `round` of a target: a corpus file changed by one to four mutations.
 fn mutant(seeds: &[Vec<u8>], target: &str, round: u64) -> Vec<u8> {
-    let mut r = Rng(xxhash_rust::xxh3::xxh3_64(format!("{target}:{round}").as_bytes()) | 1);
+    let mut r = Rng(xxhash_rust::xxh3::xxh3_64(format!("{target}:{round}").as_bytes()));
     let mut d = seeds[r.below(seeds.len())].clone();
     for _ in 0..1 + r.below(4) {
         let at = r.below(d.len());

@@ -65,6 +65,17 @@ fn render(sources: &[SourceShape], spec: &OrderSpec, epoch: u64) -> String {
     words.join(" ")
 }
 
+/// Pinned epoch `name` of `tests/fixtures/order-v4.txt`.
+fn golden(name: &str) -> String {
+    let table = include_str!("../fixtures/order-v4.txt");
+    let prefix = format!("{name}: ");
+    table
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("tests/fixtures/order-v4.txt has no {name:?}"))
+        .to_owned()
+}
+
 /// Compares every case with its pinned epoch, printing every mismatch (so that a deliberate
 /// change of the order, with a new ORDER_VERSION, can rewrite the table from the output).
 fn check(cases: &[(&str, Vec<SourceShape>, OrderSpec, u64, &str)]) {
@@ -82,45 +93,69 @@ fn check(cases: &[(&str, Vec<SourceShape>, OrderSpec, u64, &str)]) {
 fn golden_order_of_every_shuffle_for_fixed_shapes_seeds_and_partitions() {
     let one = || vec![source()];
     check(&[
-        ("none", one(), spec(0, Shuffle::None, 1), 0, GOLDEN_NONE),
+        ("none", one(), spec(0, Shuffle::None, 1), 0, &golden("none")),
         (
             "none, 3 partitions, seed 7",
             one(),
             spec(7, Shuffle::None, 3),
             0,
-            GOLDEN_NONE,
+            &golden("none"),
         ),
-        ("global seed 0", one(), spec(0, Shuffle::Global, 1), 0, GOLDEN_GLOBAL_S0),
-        ("global seed 7", one(), spec(7, Shuffle::Global, 1), 0, GOLDEN_GLOBAL_S7),
+        (
+            "global seed 0",
+            one(),
+            spec(0, Shuffle::Global, 1),
+            0,
+            &golden("global_s0"),
+        ),
+        (
+            "global seed 7",
+            one(),
+            spec(7, Shuffle::Global, 1),
+            0,
+            &golden("global_s7"),
+        ),
         (
             "global seed 7 epoch 1",
             one(),
             spec(7, Shuffle::Global, 1),
             1,
-            GOLDEN_GLOBAL_S7_E1,
+            &golden("global_s7_e1"),
         ),
-        ("block 2x2 seed 0", one(), spec(0, BLOCK_2_2, 1), 0, GOLDEN_BLOCK22_S0),
-        ("block 2x2 seed 7", one(), spec(7, BLOCK_2_2, 1), 0, GOLDEN_BLOCK22_S7),
+        (
+            "block 2x2 seed 0",
+            one(),
+            spec(0, BLOCK_2_2, 1),
+            0,
+            &golden("block22_s0"),
+        ),
+        (
+            "block 2x2 seed 7",
+            one(),
+            spec(7, BLOCK_2_2, 1),
+            0,
+            &golden("block22_s7"),
+        ),
         (
             "block 2x2 seed 7, 3 partitions",
             one(),
             spec(7, BLOCK_2_2, 3),
             0,
-            GOLDEN_BLOCK22_S7_P3,
+            &golden("block22_s7_p3"),
         ),
         (
             "block 2x2 seed 7, 3 partitions, epoch 1",
             one(),
             spec(7, BLOCK_2_2, 3),
             1,
-            GOLDEN_BLOCK22_S7_P3_E1,
+            &golden("block22_s7_p3_e1"),
         ),
         (
             "block 4x1 seed 7, 2 partitions",
             one(),
             spec(7, BLOCK_4_1, 2),
             0,
-            GOLDEN_BLOCK41_S7_P2,
+            &golden("block41_s7_p2"),
         ),
     ]);
 }
@@ -142,20 +177,20 @@ fn golden_order_of_a_mix_a_sticky_order_and_the_tails() {
             mixed(),
             spec(7, BLOCK_2_2, 1),
             0,
-            GOLDEN_MIX_BLOCK22_S7,
+            &golden("mix_block22_s7"),
         ),
         (
             "mix, global seed 7",
             mixed(),
             spec(7, Shuffle::Global, 1),
             0,
-            GOLDEN_MIX_GLOBAL_S7,
+            &golden("mix_global_s7"),
         ),
-        ("sticky epoch 0", one(), sticky, 0, GOLDEN_STICKY_E0),
-        ("sticky epoch 1", one(), sticky, 1, GOLDEN_STICKY_E1),
+        ("sticky epoch 0", one(), sticky, 0, &golden("sticky_e0")),
+        ("sticky epoch 1", one(), sticky, 1, &golden("sticky_e1")),
         // The tail changes how the order is dealt, never the order itself.
-        ("drop last", one(), tail(Tail::DropLast), 0, GOLDEN_BLOCK22_S7),
-        ("pad repeat", one(), tail(Tail::PadRepeat), 0, GOLDEN_BLOCK22_S7),
+        ("drop last", one(), tail(Tail::DropLast), 0, &golden("block22_s7")),
+        ("pad repeat", one(), tail(Tail::PadRepeat), 0, &golden("block22_s7")),
     ]);
 }
 
@@ -218,48 +253,6 @@ fn two_seeds_give_two_orders_for_every_shuffle_but_none() {
     assert_eq!(a, render(&[source()], &spec(2, Shuffle::None, 1), 0));
 }
 
-const GOLDEN_NONE: &str = "0.0 0.1 0.2 0.3 0.4 1.0 1.1 1.2 2.0 2.1 2.2 2.3 2.4 2.5 2.6 3.0 3.1 3.2 3.3 4.0 4.1 4.2 \
-    4.3 4.4 4.5 5.0 5.1 6.0 6.1 6.2 6.3 6.4 6.5 6.6 6.7 7.0";
-const GOLDEN_GLOBAL_S0: &str =
-    "2.2 6.6 7.0 4.1 6.0 0.4 3.3 6.4 0.3 6.1 1.2 0.0 6.2 6.3 1.0 3.2 6.7 2.0 2.6 1.1 2.1 4.3 \
-    5.0 5.1 2.3 0.1 4.5 6.5 4.0 0.2 2.4 3.0 2.5 4.4 3.1 4.2";
-const GOLDEN_GLOBAL_S7: &str =
-    "1.0 2.4 4.5 6.7 7.0 5.1 6.5 2.6 5.0 0.1 6.0 6.2 2.0 1.1 2.5 0.0 3.3 6.1 6.4 2.2 2.1 1.2 \
-    6.3 6.6 2.3 4.1 4.0 3.0 0.3 0.4 4.2 4.3 0.2 3.1 3.2 4.4";
-const GOLDEN_GLOBAL_S7_E1: &str =
-    "5.1 1.0 6.3 0.4 2.0 1.2 6.0 4.5 4.3 2.2 5.0 7.0 3.2 2.1 6.1 4.0 6.6 2.5 1.1 2.6 4.2 2.3 \
-    3.1 6.2 6.5 4.4 4.1 6.4 3.3 0.1 2.4 0.2 3.0 0.0 6.7 0.3";
-const GOLDEN_BLOCK22_S0: &str =
-    "7.0 5.0 5.1 0.2 0.3 0.0 0.1 0.4 3.0 3.1 3.2 3.3 4.0 4.1 2.4 2.5 4.4 4.5 2.0 2.1 2.2 2.3 \
-    4.2 4.3 2.6 6.6 6.7 6.0 6.1 6.2 6.3 1.0 1.1 6.4 6.5 1.2";
-const GOLDEN_BLOCK22_S7: &str =
-    "0.4 5.0 0.0 0.1 0.2 0.3 5.1 1.0 1.1 3.1 3.2 1.2 3.0 3.3 7.0 2.0 2.1 2.2 2.5 2.6 2.3 2.4 \
-    6.4 6.5 6.2 6.3 4.0 4.1 6.0 6.1 4.2 4.3 6.6 6.7 4.4 4.5";
-const GOLDEN_BLOCK22_S7_P3: &str =
-    "2.2 2.5 0.1 2.3 2.6 0.2 2.0 5.0 1.0 2.1 5.1 1.1 3.2 4.2 4.5 3.3 4.3 0.0 3.0 4.0 0.3 3.1 \
-    4.1 0.4 2.4 4.4 1.2 6.0 6.3 6.6 6.1 6.4 6.7 6.2 6.5 7.0";
-const GOLDEN_BLOCK22_S7_P3_E1: &str =
-    "6.4 2.1 3.1 6.5 2.2 3.2 6.2 2.5 5.0 6.3 2.6 5.1 6.0 2.3 3.3 6.1 2.4 1.0 6.6 7.0 1.1 6.7 \
-    3.0 1.2 2.0 0.3 4.4 0.0 0.4 4.5 0.1 4.0 4.2 0.2 4.1 4.3";
-const GOLDEN_BLOCK41_S7_P2: &str =
-    "2.6 4.4 0.1 6.7 2.4 7.0 0.2 4.2 2.0 1.0 3.2 6.0 3.0 6.5 2.1 6.4 3.3 4.5 0.0 4.3 5.1 4.1 \
-    2.5 1.2 0.3 6.2 2.2 6.1 2.3 1.1 0.4 6.3 3.1 4.0 5.0 6.6";
-const GOLDEN_MIX_BLOCK22_S7: &str =
-    "1.2.0 1.2.1 0.4.0 0.4.1 1.2.2 1.2.3 0.4.2 0.4.3 0.4.4 0.4.5 0.0.2 0.0.3 1.0.1 1.0.2 0.0.0 \
-    0.0.1 0.0.4 1.0.0 1.0.3 0.6.5 0.6.6 0.2.2 0.2.3 0.2.4 0.2.5 0.6.1 0.6.2 0.2.0 0.2.1 0.2.6 \
-    0.6.0 0.6.3 0.6.4 0.6.7 0.3.2 0.3.3 0.5.0 0.5.1 0.3.0 0.3.1 0.7.0 0.1.0 0.1.1 0.1.2 1.1.0 \
-    1.1.1 1.2.0 1.2.1 1.1.2 1.1.3 1.2.2 1.2.3 1.1.2 1.1.3 1.1.0 1.1.1";
-const GOLDEN_MIX_GLOBAL_S7: &str =
-    "1.2.2 0.5.1 1.2.3 0.6.1 1.2.1 1.2.3 0.7.0 0.2.3 0.2.0 0.4.1 1.1.1 1.2.0 0.5.0 0.2.6 0.3.2 \
-    0.6.7 0.6.3 0.2.2 1.0.3 1.1.0 1.1.2 1.0.0 0.2.1 0.1.1 0.6.0 1.0.2 0.6.2 0.0.1 0.0.0 0.4.4 \
-    0.4.2 1.0.1 0.2.5 0.1.2 1.0.2 0.6.5 1.0.0 0.6.4 0.6.6 0.4.3 1.0.3 1.2.2 0.2.4 0.1.0 0.0.2 \
-    1.2.1 1.2.0 0.3.1 0.0.4 1.1.3 0.4.0 0.0.3 0.3.3 0.4.5 1.0.1 0.3.0";
-const GOLDEN_STICKY_E0: &str =
-    "6.0 6.6 3.2 6.1 6.7 3.3 6.2 6.4 3.0 6.3 6.5 3.1 2.6 4.5 0.2 5.0 7.0 0.3 2.4 5.1 0.0 2.5 \
-    4.0 0.1 2.0 4.1 1.1 2.1 4.2 1.2 2.2 4.3 0.4 2.3 4.4 1.0";
-const GOLDEN_STICKY_E1: &str =
-    "6.2 6.4 3.0 6.3 6.5 3.1 6.0 6.6 3.2 6.1 6.7 3.3 2.2 4.1 0.0 2.3 4.2 0.1 2.6 4.3 1.1 5.0 \
-    4.4 1.2 2.0 4.5 0.2 2.1 7.0 0.3 2.4 5.1 0.4 2.5 4.0 1.0";
 const GOLDEN_KEYS: [&str; 5] = [
     "487698d2d7636f12",
     "44aba340a9ffff06",
