@@ -23,18 +23,12 @@ from pathlib import Path
 import pytest
 
 import ramjet
+from ports import free_port
 from ramjet_cli import RAMJET, run
 
 KEY = "dashboard-test-key"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(addr, path, token=None):

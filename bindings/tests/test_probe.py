@@ -36,6 +36,7 @@ import ramjet
 
 from ramjet_cli import RAMJET, run  # noqa: E402 - bindings/tests/ramjet_cli.py
 from test_tune import serve  # noqa: E402 - `ramjet serve` under tmp_path: (process, socket, HTTP address)
+from ports import free_port
 
 
 def fails(*args, env=None, timeout=120):
@@ -43,11 +44,6 @@ def fails(*args, env=None, timeout=120):
     assert out.returncode != 0, out.stdout + out.stderr
     return out.stdout + out.stderr
 
-
-def free_port(ip="127.0.0.1"):
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 
 import ramjet
 import ramjet.datasets
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/debug/ramjet")
@@ -168,8 +169,6 @@ def test_an_untested_ultralytics_is_an_import_error_when_strict_else_a_warning()
 def test_yolo_under_ddp_on_two_cpu_processes_with_workers_runs_an_epoch(packed, tmp_path):
     """torchrun, gloo, 2 ranks on CPUs, 2 loader workers each: both ranks train the epoch on
     their halves, the model wrapped with find_unused_parameters=True, and end together."""
-    import random
-
     _, url = packed
     script = tmp_path / "ddp.py"
     script.write_text(textwrap.dedent(f"""
@@ -181,15 +180,17 @@ def test_yolo_under_ddp_on_two_cpu_processes_with_workers_runs_an_epoch(packed, 
         streaming_train(model, data="{url}/train", epochs=1, batch=8, workers=2, val=False, plots=False, imgsz=64,
                         device="cpu", project="{tmp_path}/runs", name="ddp", exist_ok=True)
         t = model.trainer
-        print("RESULT", os.environ["RANK"], t.world_size, type(t.model).__name__,
-              t.model.find_unused_parameters, len(t.train_loader), flush=True)
+        # A file per rank: the two ranks' prints share one stdout, where print's pieces interleave.
+        with open(f"{tmp_path}/result-{{os.environ['RANK']}}.txt", "w") as f:
+            print(os.environ["RANK"], t.world_size, type(t.model).__name__, t.model.find_unused_parameters,
+                  len(t.train_loader), file=f)
     """))
     env = dict(os.environ, RAMJET_CACHE_DIR=str(tmp_path / "cache"), RAMJET_SOCKET=str(tmp_path / "d.sock"),
                YOLO_CONFIG_DIR=str(tmp_path / "yolo-config"), YOLO_OFFLINE="1")
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    out = _sh(torchrun, "--nproc_per_node", 2, "--master_port", random.randint(20000, 40000), script, env=env,
+    out = _sh(torchrun, "--nproc_per_node", 2, "--master_port", free_port(), script, env=env,
               cwd=tmp_path)
-    results = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    results = sorted(p.read_text().split() for p in tmp_path.glob("result-*.txt"))
     # 24 samples, batch 8 across 2 ranks: 4 a rank a step, 3 steps each.
     assert results == [["0", "2", "CpuDDP", "True", "3"], ["1", "2", "CpuDDP", "True", "3"]], out.stdout[-3000:]
     assert (tmp_path / "runs" / "ddp" / "weights" / "last.pt").is_file()

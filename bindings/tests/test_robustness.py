@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import ramjet
+from ports import free_port
 
 RAMJET = os.environ.get("RAMJET_BIN") or str(Path(__file__).resolve().parents[2] / "target/debug/ramjet")
 N = 40
@@ -374,13 +375,6 @@ HOLDER = textwrap.dedent(
     """
 )
 
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(addr, path):

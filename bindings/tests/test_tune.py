@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ports import free_port
 from ramjet_cli import RAMJET, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,13 +55,6 @@ def http_get(addr, path):
     with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as r:
         return json.loads(r.read().decode())
 
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(tmp_path, *args):

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RAMJET = os.environ.get("RAMJET_BIN") or str(ROOT / "target/debug/ramjet")
@@ -132,13 +133,6 @@ def test_streaming_train_offline_from_s3_in_a_network_namespace(netns, tmp_path)
     assert not strays, strays
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture
 def host_daemon(tmp_path):
@@ -148,7 +142,7 @@ def host_daemon(tmp_path):
 
     sock = tmp_path / "run" / "daemon.sock"
     sock.parent.mkdir(mode=0o700)
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen(
         [RAMJET, "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "cache"), "--http", f"127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL,

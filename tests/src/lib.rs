@@ -13,6 +13,8 @@ use std::time::Duration;
 
 mod engine_batches;
 pub mod fuzzing;
+mod ports;
+pub use ports::free_port;
 mod request_fault;
 pub use request_fault::RequestFaultProxy;
 
@@ -150,15 +152,6 @@ pub fn s3() -> &'static S3 {
         assert!(!s3.endpoint.is_empty(), "tools/s3-server.sh env printed no endpoint");
         s3
     })
-}
-
-/// A TCP port free on `ip` right now (for daemons that must be told their address).
-pub fn free_port(ip: &str) -> u16 {
-    TcpListener::bind((ip, 0))
-        .expect("bind")
-        .local_addr()
-        .expect("local addr")
-        .port()
 }
 
 /// A fresh `s3://bucket/tests/NAME-PID-N` prefix.

@@ -35,17 +35,19 @@ mkdir -p "$out"/{bin,tests,wheels,scripts}
 if [ "$dev" = 1 ]; then profile=() dir=debug; else profile=(--release) dir=release; fi
 say() { printf 'device-check build: %s\n' "$*"; }
 
-# The whole workspace is selected in every cargo call: features resolve as in CI's own build
-# (tools/test.sh), so --dev compiles nothing new.
+# The whole workspace is selected in every cargo call, with RAMJET_CARGO_FEATURES when set (CI's
+# tools/test.sh sets it): features resolve as in CI's own build, so --dev compiles nothing new.
+features=()
+if [ -n "${RAMJET_CARGO_FEATURES:-}" ]; then features=(--features "$RAMJET_CARGO_FEATURES"); fi
 say "the CLI ($dir)"
 if [ "$dev" = 0 ]; then
-  cargo build --locked --release --workspace --bins -q
+  cargo build --locked --release "${features[@]}" --workspace --bins -q
 fi
 [ -x "target/$dir/ramjet" ] || { say "target/$dir/ramjet is missing: build the workspace first"; exit 1; }
 cp "target/$dir/ramjet" "$out/bin/"
 
 say "the GPU test binaries ($dir, --no-run)"
-cargo test --locked "${profile[@]}" --workspace --lib --tests --no-run --message-format=json -q 2>/dev/null |
+cargo test --locked "${profile[@]}" "${features[@]}" --workspace --lib --tests --no-run --message-format=json -q 2>/dev/null |
   python3 -c '
 import json, sys
 for line in sys.stdin:
