@@ -1,6 +1,7 @@
 //! One GPU as the data path uses it: its primary context (the one torch uses too), a
 //! non-blocking stream of ramjet's own, events as [`Fence`]s, host-to-device copies from the
-//! pinned pool, and the fused kernel loaded from NVRTC's PTX.
+//! pinned pool, and the fused kernel compiled by NVRTC to a cubin for the device (PTX where the
+//! driver can load NVRTC's PTX) and loaded.
 //!
 //! **Never run on a GPU yet**: the machines these were written on have none. Every call here
 //! is checked by the compiler against cudarc's driver bindings, and the tests behind

@@ -1,4 +1,5 @@
-//! NVRTC, loaded by absolute path ([`crate::libs`]), compiling CUDA C to PTX at run time.
+//! NVRTC, loaded by absolute path ([`crate::libs`]), compiling CUDA C at run time to a cubin for
+//! the device's own architecture, or to PTX where the driver can load NVRTC's PTX.
 //! Compiling needs no GPU and no driver, so the fused kernel's source is checked wherever
 //! NVRTC is installed (torch's CUDA wheels bring it).
 

@@ -1,6 +1,7 @@
 //! The few system calls the daemon needs beyond tokio: passing a descriptor over a Unix
-//! socket, anonymous memory files, `sendfile`, and mapping a received shard. Every `unsafe`
-//! block of the crate is here.
+//! socket, anonymous memory files, `sendfile`, and mapping a received shard. The crate's other
+//! `unsafe` blocks are the verbs calls of `rdma.rs` (feature `rdma`), one read into an
+//! uninitialised buffer in `peer.rs`, and the tests' own in `client.rs`.
 
 use std::fs::File;
 use std::io;
