@@ -5,7 +5,8 @@ deals interleaved round by round.
 Each round runs, for each build given (--ramjet, and --old for the build before a change),
 `plan-sim` of --samples samples in shards of --shard-samples, once as one partition (today's
 single-node order) and once as rank 0 of --nodes nodes x --ranks-per-node ranks over
---partitions partitions. Reports every round's first-sample time (`ttfs_s`) and peak RSS, the
+--partitions partitions, each build over the dataset it wrote (--dir, and --dir + "-old": a
+table layout can change). Reports every round's first-sample time (`ttfs_s`) and peak RSS, the
 medians over --rounds rounds, and the per-round ratios (job / one partition; new / old).
 Usage:
   benches/python/plan_sim_rounds.py --ramjet target/release/ramjet [--old /tmp/old-ramjet]
@@ -21,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402 - the shared measuring rules (rotated order, CPU and steal of a run)
 
 
-def sim(binary, args, job):
-    cmd = [binary, "plan-sim", "--dir", args.dir, "--samples", str(args.samples),
+def sim(binary, d, args, job):
+    cmd = [binary, "plan-sim", "--dir", d, "--samples", str(args.samples),
            "--shard-samples", str(args.shard_samples)]
     if job:
         cmd += ["--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node),
@@ -50,7 +51,8 @@ def main():
     for r in range(args.rounds):
         # Rotated each round, so no contender is always first.
         for b, job in measure.order(runs, r):
-            ms, mb, cpu_s, steal = sim(builds[b], args, job)
+            # Each build writes and reads its own simulated dataset (a table layout can change).
+            ms, mb, cpu_s, steal = sim(builds[b], args.dir if b == "new" else args.dir + "-old", args, job)
             runs[(b, job)].append((ms, mb))
             print(f"round {r + 1}: {b} {'job' if job else 'one partition'}: first sample {ms:.1f} ms, "
                   f"{mb:.1f} MB peak RSS, process {cpu_s:.2f} CPU s, steal {measure.fmt_steal(steal)}", flush=True)

@@ -594,6 +594,66 @@ fn a_shard_table_manifest_reads_like_a_listed_one() {
     assert_eq!(samples(&tabled), samples(&listed));
 }
 
+/// `--shard-samples` cuts shards at that many samples as well as at the size: with a group
+/// size that is a multiple of it, every shard but the last holds exactly that many and the
+/// table says it is uniform (its counts then cost no read), and the samples read back are the
+/// listed copy's; with one that is not, each group's last shard is short and the table is not
+/// uniform. A count of 0 is refused naming the option.
+#[test]
+fn shard_samples_cuts_shards_and_a_uniform_table_reads_like_a_listed_one() {
+    let t = tempfile::tempdir().unwrap();
+    let src = synth_dataset(N);
+    let (listed, tabled, ragged) = (
+        t.path().join("listed"),
+        t.path().join("tabled"),
+        t.path().join("ragged"),
+    );
+    let opts = ["--shard-samples", "6", "--group-size", "12"];
+    pack_to(&src, &listed, &[&opts[..], &["--shard-table", "never"]].concat());
+    pack_to(&src, &tabled, &[&opts[..], &["--shard-table", "always"]].concat());
+    let ml = manifest(&listed);
+    let counts: Vec<u64> = ml.shards().map(|s| s.unwrap().samples).collect();
+    assert_eq!(counts, [6, 6, 6, 6, 6, 6, 4], "{N} samples in shards of 6");
+    let ds = ramjet_tests::block_on(ramjet_engine::Dataset::open(tabled.to_str().unwrap())).unwrap();
+    let table = ds.manifest().table().expect("a shard table");
+    assert!(table.is_uniform());
+    for g in [0u64, 5, 6, 35, 36, N as u64 - 1] {
+        assert_eq!(ds.manifest().locate(g).unwrap(), ml.locate(g).unwrap(), "sample {g}");
+    }
+    ramjet_ok(&["verify", tabled.to_str().unwrap()]);
+    let samples = |dir: &Path| {
+        let out = ramjet_ok(&["stream", dir.to_str().unwrap(), "--json"]);
+        ramjet_tests::json_of(&out)["sample_bytes"].clone()
+    };
+    assert_eq!(samples(&tabled), samples(&listed));
+    pack_to(
+        &src,
+        &ragged,
+        &["--shard-samples", "6", "--group-size", "15", "--shard-table", "always"],
+    );
+    let ds = ramjet_tests::block_on(ramjet_engine::Dataset::open(ragged.to_str().unwrap())).unwrap();
+    let counts: Vec<u64> = ds.manifest().shards().map(|s| s.unwrap().samples).collect();
+    assert_eq!(counts, [6, 6, 3, 6, 6, 3, 6, 4], "each group of 15 ends its last shard");
+    assert!(!ds.manifest().table().unwrap().is_uniform());
+    // Rows of a JSONL are cut the same way.
+    let rows = t.path().join("rows.jsonl");
+    fs::write(&rows, (0..20).map(|i| format!("{{\"x\": {i}}}\n")).collect::<String>()).unwrap();
+    let out = t.path().join("rows");
+    pack_to(&rows, &out, &opts);
+    let counts: Vec<u64> = manifest(&out).shards().map(|s| s.unwrap().samples).collect();
+    assert_eq!(counts, [6, 6, 6, 2], "20 rows in shards of 6");
+    ramjet_tests::ramjet_fails_naming(
+        &[
+            "pack",
+            src.to_str().unwrap(),
+            t.path().join("zero").to_str().unwrap(),
+            "--shard-samples",
+            "0",
+        ],
+        &["--shard-samples"],
+    );
+}
+
 /// A flipped byte in a shard table's head, a cut or a missing table, and a manifest that names
 /// a table of the wrong size, are each refused when the dataset is opened, naming the object
 /// and what is wrong. A flipped byte in a block of records is found when the block is first

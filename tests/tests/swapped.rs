@@ -13,8 +13,10 @@
 //! shard is refused when the stream opens; a damaged header fails at the shard's first sample,
 //! the same way on every run.
 //!
-//! Each test packs rows of its own: whole-shard fetches coalesce in a process by the shard's
-//! content (`ShardId`), so two tests' byte-identical shards would share one flight.
+//! Whole-shard fetches coalesce in a process by the shard's content (`ShardId`), its fetch
+//! chain and its dataset's manifest, so a damaged copy of one dataset's shard never answers
+//! another dataset's stream (pinned below: tests of this file ran in one process once shared
+//! such a flight and failed at random).
 
 use std::collections::HashMap;
 use std::fs;
@@ -408,4 +410,82 @@ fn a_record_byte_flipped_at_the_origin_is_refused_on_every_path() {
         get_checked_as(&copy, &m, bad, &clean, &sh.key, false);
         cli_fails_naming(&copy, &sh.key);
     }
+}
+
+/// Holds each fetch of shard 0 until a second one arrives (or 5 s pass), then declines it, so
+/// two streams' fetches of it are in flight together; counts them. Declines the others at once.
+#[derive(Debug, Default)]
+struct Gate {
+    calls: std::sync::Mutex<u32>,
+    arrived: std::sync::Condvar,
+}
+
+impl ramjet_engine::provider::ShardProvider for Gate {
+    fn fetch(
+        &self,
+        req: &ramjet_engine::provider::ShardRequest<'_>,
+    ) -> ramjet_engine::Result<ramjet_engine::provider::Fetched> {
+        if req.shard != 0 {
+            return Err(Error::invalid("gate", "declined"));
+        }
+        let mut n = self.calls.lock().unwrap();
+        *n += 1;
+        self.arrived.notify_all();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while *n < 2 && std::time::Instant::now() < deadline {
+            n = self
+                .arrived
+                .wait_timeout(n, std::time::Duration::from_millis(50))
+                .unwrap()
+                .0;
+        }
+        Err(Error::invalid("gate", "declined"))
+    }
+    fn report_corrupt(&self, _req: &ramjet_engine::provider::ShardRequest<'_>) {}
+}
+
+/// Two datasets in one process hold the same shard (same content, same manifest checksum),
+/// one of them damaged at its origin. Streams over both, through one fetch chain, fetch it at
+/// once: the clean dataset's stream reads its own copy and yields every clean sample, the
+/// damaged one's fails naming its own object, and the two fetches are two (a flight of the
+/// damaged copy answered both before).
+#[test]
+fn a_damaged_copy_at_another_datasets_origin_never_answers_this_one() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = packed_rows(t.path(), "rows", "shared", 200);
+    let clean = records(&dir);
+    let m = manifest(&dir);
+    let copy = t.path().join("damaged");
+    ramjet_tests::copy_tree(&dir, &copy);
+    let sh = m.shard(0).unwrap();
+    flip_byte(&copy.join(&sh.key), sh.bytes / 2);
+    let gate = std::sync::Arc::new(Gate::default());
+    let cfg = |d: &Path| {
+        let mut c = StreamConfig::new(d.to_str().unwrap());
+        c.order.shuffle = Shuffle::None;
+        c.provider = Some(gate.clone());
+        c.resident_bytes_max = 0;
+        c.first_ranged_samples_max = 0;
+        c.ranged_until_shard_bytes_max = 0;
+        c
+    };
+    let damaged = {
+        let c = cfg(&copy);
+        // Its first error ends the read (a stream goes on after one).
+        std::thread::spawn(move || Stream::open(c).unwrap().find_map(|r| r.err()))
+    };
+    while *gate.calls.lock().unwrap() == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let got: Vec<_> = Stream::open(cfg(&dir)).unwrap().map(|s| s.unwrap()).collect();
+    assert_eq!(got.len() as u64, m.samples);
+    for s in &got {
+        assert_eq!(Some(&s.record), clean.get(&s.global_index), "sample {}", s.global_index);
+    }
+    let e = damaged.join().unwrap().expect("the damaged copy fails");
+    assert!(
+        e.to_string().contains("damaged") && e.to_string().contains(&sh.key),
+        "{e}"
+    );
+    assert_eq!(*gate.calls.lock().unwrap(), 2, "each dataset fetched the shard itself");
 }

@@ -953,6 +953,118 @@ mod tests {
         assert!(e.contains("manifest names none"), "{e}");
     }
 
+    /// `n` shards of `c` samples each, the last of `last`.
+    fn uniform_infos(n: usize, c: u64, last: u64) -> Vec<ShardInfo> {
+        let mut s = infos(n);
+        for (i, x) in s.iter_mut().enumerate() {
+            x.samples = if i + 1 == n { last } else { c };
+        }
+        s
+    }
+
+    /// A table whose shards all hold the same count (the last from 1 to it) says so in its
+    /// header, and the order's counts and places are then arithmetic: no block is read for
+    /// them and no counts section, and every answer is the listed manifest's. A table whose
+    /// counts differ, or whose last shard holds more, does not say so.
+    #[test]
+    fn a_uniform_table_answers_counts_without_reading() {
+        use crate::order::ShardCounts;
+        for last in [435, 1, 200] {
+            let shards = uniform_infos(20_000, 435, last);
+            let t = ShardTable::build(&shards).unwrap();
+            assert!(t.is_uniform(), "last {last}");
+            let listed = Manifest::new("t", schema(), Default::default(), shards.clone());
+            let m = Manifest::with_table("t", schema(), Default::default(), t.clone(), "tables/x.rjt");
+            let mut read = Manifest::parse(&m.to_bytes(), "m").unwrap();
+            read.attach_table(whole(&t), "tables/x.rjt").unwrap();
+            let (counts, want) = (read.shard_counts(), listed.shard_counts());
+            for k in 0..shards.len() {
+                let i = (k * 7919) % shards.len();
+                assert_eq!(counts.samples(i as u64).unwrap(), shards[i].samples, "shard {i}");
+            }
+            for o in (0..listed.samples).step_by(997).chain([listed.samples - 1]) {
+                assert_eq!(counts.locate(o).unwrap(), want.locate(o).unwrap(), "sample {o}");
+            }
+            let table = read.table().unwrap();
+            assert_eq!((table.loaded_blocks(), table.counted_blocks()), (0, 0));
+            assert!(!table.counts_loaded());
+            assert!(ShardCounts::samples(table, 20_000).is_err());
+            assert_eq!(read.shard(19_999).unwrap(), shards[19_999]);
+        }
+        for s in [uniform_infos(3000, 435, 436), infos(3000), {
+            let mut s = uniform_infos(3000, 435, 435);
+            s[1500].samples = 434;
+            s
+        }] {
+            assert!(!ShardTable::build(&s).unwrap().is_uniform());
+        }
+    }
+
+    /// A uniform header that lies is refused naming the table: a count that contradicts the
+    /// totals or the directory when opened, and (its block checksum made to agree) a record
+    /// that differs when its block is read, or (the section's checksum made to agree) a count
+    /// in the counts section that differs when the section is read.
+    #[test]
+    fn a_uniform_header_that_lies_is_refused() {
+        let shards = uniform_infos(3000, 435, 100);
+        let t = ShardTable::build(&shards).unwrap();
+        let raw = t.as_bytes().unwrap().to_vec();
+        let head_len = shard_table_head_len(3000) as usize;
+        let open = |raw: &[u8]| {
+            let sum = t.counts_checksum();
+            let head = Bytes::copy_from_slice(&raw[..head_len]);
+            ShardTable::open(head, Arc::new(WholeTable(Bytes::copy_from_slice(raw))), "t.rjt", sum)
+        };
+        // The header's count raised: the totals no longer add up.
+        let mut bad = raw.clone();
+        bad[44..48].copy_from_slice(&436u32.to_le_bytes());
+        assert!(open(&bad).unwrap_err().contains("every shard but the last holds 436"));
+        // The header's count 0.
+        bad[44..48].copy_from_slice(&0u32.to_le_bytes());
+        assert!(open(&bad).unwrap_err().contains("holds 0 samples"));
+        // A count without the flag.
+        let mut bad = raw.clone();
+        bad[36] &= !4;
+        assert!(open(&bad).unwrap_err().contains("unsupported header"));
+        // Block 1's start moved by one (the totals still add up).
+        let mut bad = raw.clone();
+        let at = SHARD_TABLE_HEADER_LEN + 32;
+        bad[at..at + 8].copy_from_slice(&(1024 * 435 + 1u64).to_le_bytes());
+        assert!(open(&bad).unwrap_err().contains("directory entry 1"));
+        // Shards 1500 and 1501 of block 1 hold 434 and 436 (sums and checksum made to agree).
+        let mut bad = raw.clone();
+        let r = |i: usize| head_len + i * SHARD_TABLE_RECORD_LEN;
+        bad[r(1500)..r(1500) + 8].copy_from_slice(&434u64.to_le_bytes());
+        bad[r(1501)..r(1501) + 8].copy_from_slice(&436u64.to_le_bytes());
+        let block = &bad[r(1024)..r(2048)];
+        let sum = xxhash_rust::xxh3::xxh3_64(block).to_le_bytes();
+        let d = SHARD_TABLE_HEADER_LEN + 32 + 24;
+        bad[d..d + 8].copy_from_slice(&sum);
+        let sum = xxhash_rust::xxh3::xxh3_64(&bad[..head_len]);
+        let mut m = Manifest::with_table("t", schema(), Default::default(), t.clone(), "t.rjt");
+        m.table_ref_mut().unwrap().checksum = Checksum(sum);
+        m.version = m.compute_version();
+        let mut m = Manifest::parse(&m.to_bytes(), "m").unwrap();
+        m.attach_table(Arc::new(WholeTable(Bytes::from(bad))), "t.rjt").unwrap();
+        assert_eq!(m.shard(5).unwrap(), shards[5]);
+        let e = m.shard(1500).unwrap_err().to_string();
+        assert!(
+            e.contains("t.rjt") && e.contains("shard 1500 lists 434") && e.contains("header says 435"),
+            "{e}"
+        );
+        // The counts section's shards 10 and 11 swapped for 434 and 436, its checksum made to
+        // agree: the section is refused for that block when read.
+        let mut bad = raw.clone();
+        let c = shard_table_len(3000, false) as usize;
+        bad[c + 40..c + 44].copy_from_slice(&434u32.to_le_bytes());
+        bad[c + 44..c + 48].copy_from_slice(&436u32.to_le_bytes());
+        let sum = xxhash_rust::xxh3::xxh3_64(&bad[c..]);
+        let head = Bytes::copy_from_slice(&bad[..head_len]);
+        let t2 = ShardTable::open(head, Arc::new(WholeTable(Bytes::from(bad))), "t.rjt", Some(sum)).unwrap();
+        let e = t2.section_count(10).unwrap_err().to_string();
+        assert!(e.contains("t.rjt") && e.contains("shard 10 holds 434"), "{e}");
+    }
+
     /// Keys not named as pack names them, and key indices that do not rise, cannot be put in
     /// a table (they could not be derived back).
     #[test]

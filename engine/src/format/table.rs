@@ -49,6 +49,10 @@ pub const SHARD_TABLE_AUTO_MIN: usize = 4096;
 const FLAG_COLUMNS: u32 = 1;
 /// Header flag: the table ends in a counts section (`u32` samples a shard, in shard order).
 const FLAG_COUNTS: u32 = 2;
+/// Header flag: every shard but the last holds the same number of samples, the header's
+/// `uniform` field (offset 44), and the last from 1 to it, so a shard's count and a sample's
+/// place are arithmetic: the order reads neither a block nor the counts section for them.
+const FLAG_UNIFORM: u32 = 4;
 /// The order reads a table's counts section whole once it has read this many blocks for their
 /// counts alone (a round of many partitions touches every block).
 pub const SHARD_TABLE_COUNTS_AFTER_BLOCKS: usize = 8;
@@ -145,6 +149,9 @@ pub struct ShardTable {
     counts: OnceLock<Arc<Counts>>,
     /// Blocks read for their counts alone so far.
     counted: Arc<std::sync::atomic::AtomicUsize>,
+    /// Samples of every shard but the last, when the header says they are all the same
+    /// ([`FLAG_UNIFORM`]); checked against the directory at open and each record when read.
+    uniform: Option<u64>,
     /// Held while a block is read.
     loading: Arc<std::sync::Mutex<()>>,
 }
@@ -246,16 +253,20 @@ impl ShardTableBuilder {
         let counts = records
             .chunks(SHARD_TABLE_RECORD_LEN)
             .all(|r| u64_at(r, 0) <= u32::MAX as u64);
+        let uniform = uniform_samples(&records);
         let mut b = Vec::with_capacity(shard_table_len(count, counts) as usize);
         b.extend_from_slice(SHARD_TABLE_MAGIC);
         for v in [count, self.samples, self.bytes] {
             b.extend_from_slice(&v.to_le_bytes());
         }
+        let flags = if counts { FLAG_COUNTS } else { 0 }
+            | if self.columns.unwrap_or(false) { FLAG_COLUMNS } else { 0 }
+            | if uniform.is_some() { FLAG_UNIFORM } else { 0 };
         for v in [
             SHARD_TABLE_RECORD_LEN as u32,
-            if counts { FLAG_COUNTS } else { 0 } | if self.columns.unwrap_or(false) { FLAG_COLUMNS } else { 0 },
+            flags,
             SHARD_TABLE_BLOCK_RECORDS as u32,
-            0,
+            uniform.unwrap_or(0),
         ] {
             b.extend_from_slice(&v.to_le_bytes());
         }
@@ -348,16 +359,16 @@ impl ShardTable {
             ));
         }
         let (count, samples, bytes) = (u64_at(&head, 8), u64_at(&head, 16), u64_at(&head, 24));
-        let (record, flags, per_block, reserved) = (
+        let (record, flags, per_block, uniform) = (
             u32_at(&head, 32) as usize,
             u32_at(&head, 36),
             u32_at(&head, 40) as usize,
             u32_at(&head, 44),
         );
         if record != SHARD_TABLE_RECORD_LEN
-            || flags > FLAG_COLUMNS | FLAG_COUNTS
+            || flags > FLAG_COLUMNS | FLAG_COUNTS | FLAG_UNIFORM
             || per_block != SHARD_TABLE_BLOCK_RECORDS
-            || reserved != 0
+            || (flags & FLAG_UNIFORM == 0 && uniform != 0)
         {
             return Err(Invalid::from(format!(
                 "unsupported header (record length {record}, flags {flags}, block records {per_block})"
@@ -405,6 +416,10 @@ impl ShardTable {
                 "its blocks hold {byte_sum} bytes, its header says {bytes} (or samples without shards)"
             )));
         }
+        let uniform = (flags & FLAG_UNIFORM != 0).then_some(uniform as u64);
+        if let Some(c) = uniform {
+            check_uniform(c, count, samples, &dir)?;
+        }
         Ok(ShardTable {
             head,
             count: count as usize,
@@ -420,6 +435,7 @@ impl ShardTable {
             counts: OnceLock::new(),
             counted: Default::default(),
             loading: Default::default(),
+            uniform,
         })
     }
 
@@ -571,7 +587,7 @@ impl ShardTable {
 
     /// Shard `i`'s count from the counts section (`None`: the table has none), or why its block
     /// was refused.
-    fn section_count(&self, i: usize) -> Result<Option<u32>> {
+    pub(super) fn section_count(&self, i: usize) -> Result<Option<u32>> {
         match self.counts()? {
             None => Ok(None),
             Some(c) => c.get(i).map(Some).map_err(|why| self.bad(why.to_string())),
@@ -602,10 +618,35 @@ impl ShardTable {
                 brief.sum
             ));
         }
+        if let Some(j) = (0..part.len()).find(|&j| self.uniform_count(lo + j).is_some_and(|u| u != part[j] as u64)) {
+            return Err(format!(
+                "counts section: shard {} holds {} samples; the table's header says {}",
+                lo + j,
+                part[j],
+                self.uniform_count(lo + j).expect("uniform")
+            ));
+        }
         match self.held_ends(b) {
             Some(ends) => agree(lo, ends, part.iter().copied()),
             None => Ok(()),
         }
+    }
+
+    /// Shard `i`'s samples when the header says every shard but the last holds the same
+    /// number (`i` below the shard count).
+    fn uniform_count(&self, i: usize) -> Option<u64> {
+        let c = self.uniform?;
+        Some(if i + 1 == self.count {
+            self.samples - c * (self.count as u64 - 1)
+        } else {
+            c
+        })
+    }
+
+    /// Whether every shard but the last holds the same number of samples (the header's
+    /// uniform flag): then counts and places are arithmetic.
+    pub fn is_uniform(&self) -> bool {
+        self.uniform.is_some()
     }
 
     /// Reads and checks block `b` (see [`block`](Self::block)); keeps nothing.
@@ -647,6 +688,12 @@ impl ShardTable {
                     "shard {} claims {samples} samples, over the shard limit of {}",
                     lo + j,
                     crate::format::SHARD_SAMPLES_MAX
+                )));
+            }
+            if let Some(u) = self.uniform_count(lo + j).filter(|&u| u != samples) {
+                return Err(self.bad(format!(
+                    "shard {} lists {samples} samples; the table's header says {u}: the table was edited or damaged",
+                    lo + j
                 )));
             }
             let rises = match prev {
@@ -737,6 +784,11 @@ impl ShardTable {
         if g >= self.samples {
             return Ok(None);
         }
+        if let Some(c) = self.uniform {
+            // The last shard holds at most `c` (checked at open), so `g / c` is a shard.
+            let i = (g / c).min(self.count as u64 - 1);
+            return Ok(Some((i as usize, g - i * c)));
+        }
         let (mut lo, mut hi) = (0usize, self.blocks.len());
         // The last block whose first sample is at or before g (empty blocks come before it).
         while hi - lo > 1 {
@@ -767,6 +819,9 @@ impl crate::order::ShardCounts for ShardTable {
         if i >= self.count {
             return Err(self.bad(format!("no shard {i}: the table lists {}", self.count)));
         }
+        if let Some(u) = self.uniform_count(i) {
+            return Ok(u);
+        }
         let (b, j) = (i / SHARD_TABLE_BLOCK_RECORDS, i % SHARD_TABLE_BLOCK_RECORDS);
         let diff = |ends: &[u64]| ends[j] - if j == 0 { 0 } else { ends[j - 1] };
         if let Some(ends) = self.held_ends(b) {
@@ -785,10 +840,56 @@ impl crate::order::ShardCounts for ShardTable {
         }
         Ok(diff(self.block_ends(b)?))
     }
+    fn uniform(&self) -> Option<(u64, u64)> {
+        let c = self.uniform?;
+        Some((c, self.uniform_count(self.count - 1).expect("uniform")))
+    }
     fn locate(&self, o: u64) -> Result<(u64, u64)> {
         let (s, i) = ShardTable::locate(self, o)?
             .ok_or_else(|| self.bad(format!("no sample {o}: it holds {}", self.samples)))?;
         Ok((s as u64, i))
+    }
+}
+
+/// The samples of every shard of `records` but the last, when they are all the same, at least
+/// 1, fit the header's u32 and the last holds from 1 to as many: what the uniform flag says.
+fn uniform_samples(records: &[u8]) -> Option<u32> {
+    let mut counts = records.chunks(SHARD_TABLE_RECORD_LEN).map(|r| u64_at(r, 0));
+    let c = counts.next().filter(|&c| c >= 1 && c <= u32::MAX as u64)?;
+    let n = records.len() / SHARD_TABLE_RECORD_LEN;
+    let (mut seen, mut last) = (1, c);
+    for x in counts {
+        if seen < n - 1 && x != c {
+            return None;
+        }
+        (seen, last) = (seen + 1, x);
+    }
+    (1..=c).contains(&last).then_some(c as u32)
+}
+
+/// Checks a header's uniform count `c` against its shard count, total and directory (`dir`):
+/// every shard but the last holds `c`, the last from 1 to `c`, and block `b` starts at
+/// `b * 1024 * c`.
+fn check_uniform(
+    c: u64,
+    count: u64,
+    samples: u64,
+    dir: &dyn Fn(usize, usize) -> u64,
+) -> std::result::Result<(), Invalid> {
+    let before_last = c.checked_mul(count.saturating_sub(1));
+    let last = before_last.and_then(|s| samples.checked_sub(s));
+    if c == 0 || count == 0 || !last.is_some_and(|l| (1..=c).contains(&l)) {
+        return Err(Invalid::from(format!(
+            "its header says every shard but the last holds {c} samples, but {count} shards hold {samples}"
+        )));
+    }
+    let per_block = c * SHARD_TABLE_BLOCK_RECORDS as u64;
+    match (0..table_blocks(count) as usize).find(|&b| dir(b, 0) != b as u64 * per_block) {
+        Some(b) => Err(Invalid::from(format!(
+            "directory entry {b}: sample start {} disagrees with the header's {c} samples a shard",
+            dir(b, 0)
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -13,6 +13,7 @@
 //! consumer `c = rank * workers + worker` and `C = world * workers`.
 
 mod deal;
+mod round_units;
 mod rows;
 mod select;
 
@@ -123,6 +124,11 @@ pub trait ShardCounts: Send + Sync + std::fmt::Debug {
     /// are a selection ([`Selected`]) that drops some of the shard's samples.
     fn real(&self, _shard: u64, k: u64) -> u64 {
         k
+    }
+    /// `(c, last)` when every shard but the last holds `c` samples and the last `last`, known
+    /// without reading (a uniform shard table): a round's units are then arithmetic.
+    fn uniform(&self) -> Option<(u64, u64)> {
+        None
     }
 }
 
@@ -400,16 +406,62 @@ impl Perm {
             return x;
         }
         loop {
-            let (mut l, mut r) = (x >> self.half, x & self.mask);
-            for k in self.keys {
-                let f = mix64(r ^ k) & self.mask;
-                (l, r) = (r, l ^ f);
-            }
-            x = (l << self.half) | r;
+            x = self.pass(x);
             if x < self.n {
                 return x;
             }
         }
+    }
+
+    /// [`apply`](Self::apply) of every value of `xs`, in place (each below `n`): the same
+    /// images, walked a pass at a time over all the values still outside `[0, n)`, so the
+    /// passes of different values overlap in the CPU where one value's walk is a chain of
+    /// dependent multiplications and a branch each step.
+    pub fn apply_all(&self, xs: &mut [u64]) {
+        if self.n <= 1 {
+            return;
+        }
+        let mut left: Vec<usize> = (0..xs.len()).collect();
+        while !left.is_empty() {
+            let mut kept = 0;
+            for k in 0..left.len() {
+                let i = left[k];
+                xs[i] = self.pass(xs[i]);
+                // Branch-free compaction: the index stays when its value is still outside.
+                left[kept] = i;
+                kept += usize::from(xs[i] >= self.n);
+            }
+            left.truncate(kept);
+        }
+    }
+
+    /// The preimage of `y` (`y < n`): `apply(invert(y)) == y`.
+    pub fn invert(&self, mut y: u64) -> u64 {
+        debug_assert!(y < self.n);
+        if self.n <= 1 {
+            return y;
+        }
+        loop {
+            let (mut l, mut r) = (y >> self.half, y & self.mask);
+            for &k in self.keys.iter().rev() {
+                let f = mix64(l ^ k) & self.mask;
+                (l, r) = (r ^ f, l);
+            }
+            y = (l << self.half) | r;
+            if y < self.n {
+                return y;
+            }
+        }
+    }
+
+    /// One pass of the Feistel network over `[0, 4^half)`.
+    fn pass(&self, x: u64) -> u64 {
+        let (mut l, mut r) = (x >> self.half, x & self.mask);
+        for k in self.keys {
+            let f = mix64(r ^ k) & self.mask;
+            (l, r) = (r, l ^ f);
+        }
+        (l << self.half) | r
     }
 }
 
@@ -702,9 +754,21 @@ impl EpochOrder {
         lo.min(self.units)..(lo + r).min(self.units)
     }
 
-    /// Unit `j` of the shuffled order (`j < units`).
-    fn shuffled_unit(&self, j: u64) -> Result<Unit> {
-        self.unit(self.perm.apply(j))
+    /// `(c, last, shards, passes)` when the epoch is one source's whole passes over shards that
+    /// all hold `c` samples but the last (`last`): its units are then whole shards and their
+    /// places in a round arithmetic ([`rows`]).
+    fn uniform_units(&self) -> Option<(u64, u64, u64, u64)> {
+        let [p] = &self.parts[..] else { return None };
+        let (c, last) = p.counts.uniform()?;
+        (p.rest.is_empty() && p.first_unit == 0 && c > 0).then_some((c, last, p.shards(), p.passes))
+    }
+
+    /// Units `slots` of the shuffled order (`slots.end <= units`), in order: the permutation
+    /// applied to all of them at once ([`Perm::apply_all`]).
+    fn shuffled_units(&self, slots: std::ops::Range<u64>) -> Result<Vec<Unit>> {
+        let mut xs: Vec<u64> = slots.collect();
+        self.perm.apply_all(&mut xs);
+        xs.into_iter().map(|u| self.unit(u)).collect()
     }
 }
 
@@ -829,6 +893,102 @@ mod tests {
         let tiny = EpochOrder::new(&shape(&[1]), &spec, 0).unwrap();
         assert_eq!(tiny.len(), 1);
         assert_eq!([1, 2, 3].map(|g| tiny.wrapped(g)), [(1, 0), (2, 0), (3, 0)]);
+    }
+
+    /// `apply_all` gives each value's `apply` image, for domains whose Feistel range is far
+    /// above `n` (many walks), exactly a power of four, and trivial.
+    #[test]
+    fn a_permutation_applied_to_many_values_at_once_gives_each_ones_image() {
+        for (n, key) in [
+            (0u64, 1u64),
+            (1, 2),
+            (2, 3),
+            (5, 4),
+            (17, 5),
+            (1024, 6),
+            (4096, 7),
+            (2_300_000, 8),
+        ] {
+            let p = Perm::new(n, key);
+            let mut xs: Vec<u64> = (0..n.min(20_000)).rev().collect();
+            let want: Vec<u64> = xs.iter().map(|&x| p.apply(x)).collect();
+            let before = xs.clone();
+            p.apply_all(&mut xs);
+            assert_eq!(xs, want, "n {n}");
+            let back: Vec<u64> = xs.iter().map(|&y| p.invert(y)).collect();
+            assert_eq!(back, before, "n {n}: invert undoes apply");
+        }
+    }
+
+    /// Counts that say they are uniform (as a uniform shard table does).
+    #[derive(Debug)]
+    struct UniformCounts(CountList, u64, u64);
+
+    impl ShardCounts for UniformCounts {
+        fn shards(&self) -> u64 {
+            self.0.shards()
+        }
+        fn total(&self) -> u64 {
+            self.0.total()
+        }
+        fn samples(&self, shard: u64) -> Result<u64> {
+            self.0.samples(shard)
+        }
+        fn locate(&self, o: u64) -> Result<(u64, u64)> {
+            self.0.locate(o)
+        }
+        fn uniform(&self) -> Option<(u64, u64)> {
+            Some((self.1, self.2))
+        }
+    }
+
+    /// Over counts that say they are uniform, a round's units are computed, not listed: every
+    /// position gives the same sample, group and unit partitions as over the same counts
+    /// listed, for shards of 5 with a last of 5 or 2, one pass or two (`Repeat(2.0)`, two
+    /// short units), across partitions, windows and blocks.
+    #[test]
+    fn a_uniform_round_is_the_listed_round() {
+        for (last, weight, partitions, window) in [
+            (5, Weight::Natural, 3, 2),
+            (2, Weight::Natural, 4, 3),
+            (2, Weight::Repeat(2.0), 2, 5),
+            (1, Weight::Natural, 1, 64),
+        ] {
+            let counts: Vec<u64> = (0..37).map(|i| if i == 36 { last } else { 5 }).collect();
+            let listed = vec![SourceShape::listed("v", counts.clone(), weight)];
+            let uniform = vec![SourceShape {
+                version: "v".into(),
+                counts: Arc::new(UniformCounts(CountList::new(counts), 5, last)),
+                weight,
+            }];
+            let spec = OrderSpec {
+                shuffle: Shuffle::ShardBlock {
+                    window_shards: window,
+                    block_samples: 2,
+                },
+                partitions,
+                ..Default::default()
+            };
+            for epoch in 0..2 {
+                let a = Arc::new(EpochOrder::new(&listed, &spec, epoch).unwrap());
+                let b = Arc::new(EpochOrder::new(&uniform, &spec, epoch).unwrap());
+                assert!(a.uniform_units().is_none() && b.uniform_units().is_some());
+                assert_eq!(a.len(), b.len());
+                let (mut ca, mut cb) = (a.cursor(), b.cursor());
+                for g in 0..a.len() {
+                    assert_eq!(
+                        ca.at(g).unwrap(),
+                        cb.at(g).unwrap(),
+                        "last {last}, {weight:?}, position {g}"
+                    );
+                    assert_eq!(
+                        ca.unit_partitions(g).unwrap(),
+                        cb.unit_partitions(g).unwrap(),
+                        "position {g}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 use std::sync::Arc;
 
+use super::round_units::RoundUnits;
 use super::{derive, EpochOrder, Perm, Unit};
 use crate::error::Result;
 
@@ -60,30 +61,20 @@ pub(super) struct Round {
     len: u64,
     p: u64,
     block: u64,
-    units: Vec<Unit>,
-    starts: Vec<u64>,
+    units: RoundUnits,
     blocks: Vec<Perm>,
 }
 
 impl Round {
     fn build(o: &EpochOrder, at: RoundStart) -> Result<Round> {
         let (_, block, p) = o.block().expect("shard-block order");
-        let slots = o.round_slots(at.k);
-        let mut units = Vec::with_capacity((slots.end - slots.start) as usize);
-        let mut starts = vec![0u64];
-        for j in slots {
-            let u = o.shuffled_unit(j)?;
-            starts.push(starts.last().expect("non-empty") + u.len);
-            units.push(u);
-        }
-        let len = *starts.last().expect("non-empty");
+        let units = RoundUnits::build(o, o.round_slots(at.k))?;
         let mut round = Round {
             at,
-            len,
+            len: units.len(),
             p,
             block,
             units,
-            starts,
             blocks: Vec::with_capacity(p as usize),
         };
         for i in 0..p {
@@ -112,15 +103,15 @@ impl Round {
             } else {
                 x
             };
-        (c, self.starts.partition_point(|&s| s <= c) - 1)
+        (c, self.units.find(c))
     }
 
     /// Sample `x` of partition `i`'s window, after its block shuffle.
     fn sample(&self, i: u64, x: u64) -> Unit {
         let (c, t) = self.place(i, x);
-        let u = self.units[t];
+        let u = self.units.unit(t);
         Unit {
-            first: u.first + (c - self.starts[t]),
+            first: u.first + (c - self.units.start(t)),
             len: 1,
             ..u
         }
@@ -144,7 +135,7 @@ impl Round {
     /// window lies in: first and last.
     fn unit_partitions(&self, i: u64, x: u64) -> (u64, u64) {
         let (_, t) = self.place(i, x);
-        let (a, b) = (self.starts[t], self.starts[t + 1]);
+        let (a, b) = (self.units.start(t), self.units.start(t + 1));
         (self.partition_of(a), self.partition_of(b - 1))
     }
 }
@@ -303,15 +294,23 @@ impl Rounds {
         let (_, _, p) = o.block().expect("shard-block order");
         let (i, j) = (g % p, g / p);
         let last = o.units.div_ceil(o.round_units()).max(1) - 1;
-        // The latest round known to start at or before row `j` for partition `i`.
-        let mut at = self
-            .built
-            .iter()
-            .map(|r| r.at)
-            .chain(o.shared_rounds.starts())
-            .filter(|a| a.k <= last && a.first_row(i, p) <= j)
-            .max_by_key(|a| a.k)
-            .unwrap_or_default();
+        // A round this cursor holds that holds row `j` of partition `i` (positions that rise
+        // stay in one), else the latest round known to start at or before it.
+        let holds = |r: &Round| {
+            let width = r.len / p + u64::from(takes_extra(i, r.at.extras % p, r.len % p, p));
+            r.at.first_row(i, p) <= j && (j < r.at.first_row(i, p) + width || r.at.k >= last)
+        };
+        let mut at = match self.built.iter().rev().find(|r| holds(r)) {
+            Some(r) => r.at,
+            None => self
+                .built
+                .iter()
+                .map(|r| r.at)
+                .chain(o.shared_rounds.starts())
+                .filter(|a| a.k <= last && a.first_row(i, p) <= j)
+                .max_by_key(|a| a.k)
+                .unwrap_or_default(),
+        };
         let round = loop {
             let r = self.round(o, at)?;
             let width = r.len / p + u64::from(takes_extra(i, at.extras % p, r.len % p, p));

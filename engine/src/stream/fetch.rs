@@ -666,7 +666,9 @@ impl Upstream for HostDaemon<'_> {
     }
 }
 
-/// Whole-shard flights keyed by shard and fetch chain.
+/// Whole-shard flights keyed by shard, fetch chain and the dataset's manifest: a flight that
+/// reads another dataset's copy of the same content (equally addressed) never answers this
+/// one, so a damaged copy at the other's origin fails only the other.
 type ShardFlights = Flights<(ShardId, u64), Result<(Bytes, WaitOn)>>;
 
 /// Whole-shard fetches in flight in this process (`crate::singleflight`), remade in a forked
@@ -684,7 +686,11 @@ pub(super) async fn fetch_shard_from(shared: Arc<Shared>, source: usize, shard: 
     let flights = SHARD_FLIGHTS.get(|| Ok(Arc::default()))?;
     let id = shared.sources[source].id(shard)?;
     let sh = shared.clone();
-    let key = (id, shared.chain);
+    let origin = shared.sources[source].ds.manifest_url();
+    let key = (
+        id,
+        xxhash_rust::xxh3::xxh3_64_with_seed(origin.as_bytes(), shared.chain),
+    );
     let (flight, joined) = flights.join_or_start(
         &[key],
         key,

@@ -19,6 +19,11 @@ pub struct Args {
     /// Target shard size, e.g. 64MiB.
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     pub shard_size: u64,
+    /// Also cut a shard at this many samples. With a --group-size that is a multiple of it
+    /// (and nothing skipped), every shard but the last holds exactly as many, and the shard
+    /// table says so: the order then reads no table block for counts.
+    #[arg(long)]
+    pub shard_samples: Option<u64>,
     /// Input layout (detected when omitted).
     #[arg(long, value_enum)]
     pub format: Option<SourceKind>,
@@ -93,6 +98,7 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let opts = PackOptions {
         shard_bytes_target: a.shard_size,
+        shard_samples_max: a.shard_samples,
         skip_bad: a.skip_bad,
         kind: a.format,
         shard_table: a.shard_table,

@@ -87,6 +87,10 @@ pub const GROUP_ITEMS_DEFAULT: u64 = 65_536;
 pub struct PackOptions {
     /// Shards are cut when the next sample would take them past this size.
     pub shard_bytes_target: u64,
+    /// Shards are also cut at this many samples (`--shard-samples`): with a group size that is
+    /// a multiple of it and nothing skipped, every shard but the last holds exactly as many,
+    /// and the shard table says so (uniform, `docs/format.md`).
+    pub shard_samples_max: Option<u64>,
     /// Skip unreadable or unsupported inputs instead of aborting.
     pub skip_bad: bool,
     /// Layout; detected when `None`.
@@ -150,6 +154,7 @@ impl Default for PackOptions {
     fn default() -> Self {
         Self {
             shard_bytes_target: 64 << 20,
+            shard_samples_max: None,
             skip_bad: false,
             kind: None,
             shard_table: ShardTableMode::Auto,
@@ -170,10 +175,21 @@ impl PackOptions {
         if self.shard_bytes_target < 4096 {
             return Err(Error::invalid("--shard-size", "must be at least 4096 bytes"));
         }
+        if self.shard_samples_max.is_some_and(|n| n == 0 || n > u32::MAX as u64) {
+            return Err(Error::invalid(
+                "--shard-samples",
+                "must be between 1 and 2^32 - 1 samples",
+            ));
+        }
         if self.group_items == 0 || self.group_items > 1 << 32 {
             return Err(Error::invalid("--group-size", "must be between 1 and 2^32 inputs"));
         }
         Ok(())
+    }
+
+    /// Whether a shard of `samples` samples is full by `--shard-samples`.
+    fn shard_full(&self, samples: usize) -> bool {
+        self.shard_samples_max.is_some_and(|n| samples as u64 >= n)
     }
 }
 
@@ -616,7 +632,7 @@ pub(crate) fn pack_files(
                         }
                         (cur, j, acc) = (g, 0, 0);
                     }
-                    if acc > 0 && acc + it.size > ctx.opts.shard_bytes_target {
+                    if acc > 0 && (acc + it.size > ctx.opts.shard_bytes_target || ctx.opts.shard_full(plan.len())) {
                         if !send((cur, j, std::mem::take(&mut plan))) {
                             return Ok(());
                         }
@@ -1334,7 +1350,8 @@ pub(crate) fn pack_jsonl(
                         }
                         (cur, j, acc) = (g, 0, 0);
                     }
-                    if acc > 0 && acc + size > ctx.opts.shard_bytes_target {
+                    let filled = builder.as_ref().map_or(0, |b| b.samples() as usize);
+                    if acc > 0 && (acc + size > ctx.opts.shard_bytes_target || ctx.opts.shard_full(filled)) {
                         let full = builder.take().expect("a shard is filling");
                         if !send((cur, j, full)) {
                             return Ok(());

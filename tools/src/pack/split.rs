@@ -57,6 +57,9 @@ pub struct PlanOptions {
     pub shard_bytes: u64,
     /// `--group-size`.
     pub group_items: u64,
+    /// `--shard-samples` (absent from plans written before it: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_samples: Option<u64>,
     /// `--jpeg-restarts`.
     pub jpeg_restarts: bool,
     /// `--skip-bad`.
@@ -83,6 +86,7 @@ impl PlanOptions {
         PlanOptions {
             shard_bytes: o.shard_bytes_target,
             group_items: o.group_items,
+            shard_samples: o.shard_samples_max,
             jpeg_restarts: o.jpeg_restarts,
             skip_bad: o.skip_bad,
             check_decode: o.check_decode,
@@ -200,6 +204,10 @@ impl Plan {
         }
         if p.group_items != o.group_items {
             return differ("--group-size", p.group_items.to_string(), o.group_items.to_string());
+        }
+        if p.shard_samples != o.shard_samples {
+            let show = |n: Option<u64>| n.map_or("none".into(), |n| n.to_string());
+            return differ("--shard-samples", show(p.shard_samples), show(o.shard_samples));
         }
         if p.jpeg_restarts != o.jpeg_restarts {
             return differ(
