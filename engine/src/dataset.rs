@@ -296,6 +296,12 @@ impl Dataset {
                 if store.size("index.json").await.is_ok() {
                     return Self::open_learned(&store.url("index.json")).await;
                 }
+                // A folder of Parquet files (a Hugging Face dataset's split): the same.
+                if let Ok((_, files)) = store.list_dir("").await {
+                    if files.iter().any(|(n, _)| n.ends_with(".parquet")) {
+                        return Self::open_learned(&store.url("*.parquet")).await;
+                    }
+                }
                 return Err(Error::NotFound { key });
             }
             other => other?,
@@ -382,22 +388,41 @@ impl Dataset {
     /// bytes only when they are sound.
     pub async fn fetch_shard(&self, i: usize) -> Result<Bytes> {
         let info = self.manifest.shard(i)?;
-        let stored = self.store.get(&info.key).await?;
-        let (bytes, hashed) = self.as_ramjet_shard(&info, stored)?;
+        let stored = self.get_stored(&info).await?;
+        let (bytes, hashed) = self.as_ramjet_shard(&info, stored).await?;
         self.check_shard_hashed(i, &bytes, hashed)?;
         Ok(bytes)
     }
 
+    /// Shard `info`'s object as stored, read whole: the object at its key, or a Parquet row
+    /// group's bytes in its file.
+    async fn get_stored(&self, info: &ShardInfo) -> Result<Bytes> {
+        match info
+            .foreign
+            .as_ref()
+            .and_then(|f| f.parquet.as_ref().map(|p| (p, f.bytes)))
+        {
+            Some((p, n)) => self.store.get_range(&p.file, p.offset..p.offset + n).await,
+            None => self.store.get(&info.key).await,
+        }
+    }
+
     /// A shard object as stored, as a ramjet shard: itself, or, for a foreign shard (MDS,
-    /// WebDataset), the ramjet shard it transcodes to once its size and xxh3 are checked
-    /// against the manifest (`crate::foreign`), with that shard's checksum. The
-    /// result is for [`Dataset::check_shard`] to check, as any ramjet shard.
-    pub fn as_ramjet_shard(&self, info: &ShardInfo, stored: Bytes) -> Result<(Bytes, Option<u64>)> {
+    /// WebDataset, a Parquet row group), the ramjet shard it transcodes to once its size and
+    /// xxh3 are checked against the manifest (`crate::foreign`), with that shard's checksum.
+    /// The result is for [`Dataset::check_shard`] to check, as any ramjet shard.
+    pub async fn as_ramjet_shard(&self, info: &ShardInfo, stored: Bytes) -> Result<(Bytes, Option<u64>)> {
         let (Some(obj), Some(spec)) = (&info.foreign, self.manifest.foreign()) else {
             return Ok((stored, None));
         };
         let url = self.store.url(&info.key);
         foreign::check_object(&stored, obj, &url)?;
+        if let Some(part) = &obj.parquet {
+            let footer = foreign::parquet_footer::footer(&self.store, part).await?;
+            let schema = &self.manifest.schema;
+            let built = foreign::parquet_rows::transcode_row_group(spec, schema, &footer, part, stored, &url)?;
+            return Ok((Bytes::from(built.bytes), Some(built.checksum)));
+        }
         let plain;
         let data: &[u8] = match &obj.compression {
             Some(c) => {
@@ -443,7 +468,15 @@ impl Dataset {
         let info = &self.manifest.shard(i)?;
         // A foreign shard is fetched as stored, then transcoded (`as_ramjet_shard`).
         let stored_bytes = info.foreign.as_ref().map_or(info.bytes, |f| f.bytes);
-        self.check_claimed_size(&info.key, stored_bytes).await?;
+        // A Parquet row group is read from its file, at its offset there.
+        let (key, base) = info
+            .foreign
+            .as_ref()
+            .map_or((info.key.as_str(), 0), |f| f.stored_at(&info.key));
+        match info.foreign.as_ref().and_then(|f| f.parquet.as_ref()) {
+            Some(p) => self.check_claimed_size(&p.file, p.file_bytes).await?,
+            None => self.check_claimed_size(&info.key, stored_bytes).await?,
+        }
         let part = range_bytes.max(1 << 16);
         let mut attempt = 0;
         loop {
@@ -479,8 +512,8 @@ impl Dataset {
                 let at = (n as u64 * part) as usize;
                 let hash = &hash;
                 gets.push(self.store.get_range_into_seen(
-                    &info.key,
-                    at as u64..(at + dst.len()) as u64,
+                    key,
+                    base + at as u64..base + (at + dst.len()) as u64,
                     dst,
                     move |off, b| hash.lock().expect("hash lock").seen(at + off, b),
                 ));
@@ -497,8 +530,10 @@ impl Dataset {
             Metrics::add(&metrics.origin_bytes, stored_bytes);
             let bytes = buf.into_bytes();
             let checked = if info.foreign.is_some() {
-                self.as_ramjet_shard(info, bytes)
-                    .and_then(|(b, sum)| self.check_shard_hashed(i, &b, sum).map(|()| b))
+                match self.as_ramjet_shard(info, bytes).await {
+                    Ok((b, sum)) => self.check_shard_hashed(i, &b, sum).map(|()| b),
+                    Err(e) => Err(e),
+                }
             } else {
                 let sum = hash.into_inner().expect("hash lock").finish(&bytes);
                 self.check_shard_hashed(i, &bytes, sum).map(|()| bytes)
@@ -833,7 +868,7 @@ impl Dataset {
             global_sample: sample.map(|s| start + s),
             message,
         };
-        let stored = match self.store.get(&info.key).await {
+        let stored = match self.get_stored(info).await {
             Ok(b) => b,
             Err(e) => return (vec![problem(None, e.to_string())], 0),
         };
@@ -841,7 +876,7 @@ impl Dataset {
         // A foreign shard is checked as stored, then as the ramjet shard it
         // transcodes to.
         let stored_copy = stored.clone();
-        let bytes = match self.as_ramjet_shard(info, stored) {
+        let bytes = match self.as_ramjet_shard(info, stored).await {
             Ok((b, _)) => b,
             Err(e) => {
                 let sample = match &e {

@@ -143,3 +143,49 @@ pub fn index(data: &[u8]) {
     }
     let _ = ramjet_engine::format::npy::parse_npy(data);
 }
+
+/// Feeds `data` to the Parquet reader as a whole file: its footer from the tail, its schema as
+/// columns, and each row group (its span of `data`) transcoded against the footer.
+pub fn parquet(data: &[u8]) {
+    use ramjet_engine::foreign::{parquet_footer, parquet_rows, parquet_schema};
+    use ramjet_engine::foreign::{ForeignFormat, ForeignSpec, ParquetPart};
+    use ramjet_engine::format::Checksum;
+    let n = data.len();
+    if n < 12 || &data[n - 4..] != b"PAR1" {
+        return;
+    }
+    let len = u32::from_le_bytes(data[n - 8..n - 4].try_into().expect("4 bytes")) as usize;
+    let Some(offset) = n.checked_sub(8 + len) else {
+        return;
+    };
+    let Ok(meta) = parquet_footer::decode(&data[offset..n - 8], "fuzz.parquet") else {
+        return;
+    };
+    let Ok((columns, schema)) = parquet_schema::columns(&[meta.as_ref()]) else {
+        return;
+    };
+    let spec = ForeignSpec {
+        format: ForeignFormat::Parquet,
+        columns,
+        jpeg_restart_px: None,
+    };
+    for (r, rg) in meta.row_groups().iter().enumerate() {
+        let Ok((start, bytes)) = parquet_rows::row_group_span(rg) else {
+            continue;
+        };
+        let part = ParquetPart {
+            file: "fuzz.parquet".into(),
+            file_bytes: n as u64,
+            row_group: r as u32,
+            offset: start,
+            footer_offset: offset as u64,
+            footer_bytes: len as u64,
+            footer_checksum: Checksum(0),
+        };
+        if part.check(bytes).is_err() {
+            continue;
+        }
+        let span = bytes::Bytes::copy_from_slice(&data[start as usize..(start + bytes) as usize]);
+        let _ = parquet_rows::transcode_row_group(&spec, &schema, &meta, &part, span, "fuzz.parquet#rg");
+    }
+}

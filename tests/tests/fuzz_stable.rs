@@ -1,6 +1,6 @@
 //! Fuzzing on the stable toolchain, in every test run: each fuzz entry point
 //! (`tests/src/fuzzing.rs`: shard and its footer, manifest, peer frame, images, foreign shards,
-//! the MDS/LitData index and npy header) is fed mutations of its kept corpus
+//! the MDS/LitData index and npy header, a Parquet file) is fed mutations of its kept corpus
 //! (`tests/fuzz/corpus/<target>`) for a bounded time: `RAMJET_FUZZ_SECONDS` a target (CI sets
 //! 20; 3 by default). Each input is a pure function of the target, the round and the corpus, so
 //! a failure is replayed by its round; an input that panics is written into the corpus as
@@ -167,4 +167,9 @@ fn the_index_seeds_parse_and_mutants_differ() {
     let ms: Vec<Vec<u8>> = (0..50).map(|r| mutant(&seeds, "index", r)).collect();
     assert!(ms.iter().filter(|m| !seeds.contains(m)).count() >= 45);
     assert!(ms.windows(2).filter(|w| w[0] != w[1]).count() >= 45);
+}
+
+#[test]
+fn fuzz_parquet_files() {
+    assert!(fuzz("parquet", fuzzing::parquet) > 0);
 }

@@ -13,7 +13,8 @@ use crate::{Error, Result, Store};
 const LEARNED_VERSION: u32 = 2;
 
 /// Whether `url` names a foreign dataset itself rather than a ramjet manifest or prefix: an MDS
-/// `index.json`, a tar or a brace pattern of tars, or a shard-list `.txt`.
+/// `index.json`, a tar or a brace pattern of tars, a shard-list `.txt`, or Parquet files (one,
+/// a brace pattern, or a folder's `*.parquet`).
 pub fn names_foreign_source(url: &str) -> bool {
     let u = url.trim_end_matches('/');
     let last = u.rsplit('/').next().unwrap_or(u);
@@ -22,6 +23,7 @@ pub fn names_foreign_source(url: &str) -> bool {
         || last.ends_with(".tar.gz")
         || last.ends_with(".tgz")
         || last.ends_with(".txt")
+        || last.ends_with(".parquet")
 }
 
 /// The host's folder of learned manifests: `RAMJET_INDEX_DIR`, else `$XDG_CACHE_HOME/ramjet/index`,
@@ -81,6 +83,12 @@ pub async fn open_learned(url: &str) -> Result<Learned> {
             .get_at_most(file, max)
             .await?
             .map_err(|size| Error::invalid(store.url(file), format!("{size} bytes exceeds the limit of {max}")))?
+    } else if file == "*.parquet" {
+        // Every Parquet file of the folder, by name and size: one added, removed or resized
+        // is learned again.
+        let (_, listed) = store.list_dir("").await?;
+        let names = listed.iter().filter(|(n, _)| n.ends_with(".parquet"));
+        Bytes::from(names.map(|(n, size)| format!("{n}\t{size}\n")).collect::<String>())
     } else {
         Bytes::new()
     };

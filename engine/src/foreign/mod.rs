@@ -1,4 +1,4 @@
-//! Foreign shards read in place: MosaicML Streaming (MDS) and WebDataset (tar).
+//! Foreign shards read in place: MosaicML Streaming (MDS), LitData, WebDataset (tar) and Parquet.
 //!
 //! `ramjet index` writes a ramjet manifest over a foreign dataset's shards without copying
 //! them. Each shard entry keeps the foreign object's key, size and xxh3-64 ([`ForeignObject`]),
@@ -14,12 +14,17 @@
 //! entry point from a foreign object's bytes to ramjet records), [`scan`] (`ramjet index`:
 //! a manifest over the shards), [`learned`] (the same, learned on first read and kept on
 //! the host) and [`ranged`] (a plain shard's samples read one at a time through its sample
-//! index, for the stream's ranged reads).
+//! index, for the stream's ranged reads). Parquet's row groups: [`parquet_schema`] (its fields
+//! as columns), [`parquet_footer`] (a file's footer, found and checked) and [`parquet_rows`]
+//! (a row group's rows as ramjet records).
 
 pub mod compress;
 pub mod learned;
 pub mod lit;
 pub mod mds;
+pub mod parquet_footer;
+pub mod parquet_rows;
+pub mod parquet_schema;
 pub mod ranged;
 pub mod scan;
 pub mod spec;
@@ -30,7 +35,8 @@ pub use compress::{compression_name, decompress, COMPRESSIONS};
 pub use learned::{learned_dir, names_foreign_source, open_learned, Learned};
 pub use scan::{expand_braces, index_into, ForeignSource, Indexed};
 pub use spec::{
-    sample_index_key, ForeignColumn, ForeignFormat, ForeignObject, ForeignSpec, SampleIndexRef, SAMPLE_INDEX_ENTRY_LEN,
+    sample_index_key, ForeignColumn, ForeignFormat, ForeignObject, ForeignSpec, ParquetPart, SampleIndexRef,
+    SAMPLE_INDEX_ENTRY_LEN,
 };
 pub use transcode::{check_object, transcode, transcode_sample, transcode_with_spans};
 

@@ -17,7 +17,14 @@ use futures::stream::{self, StreamExt};
 use serde_json::{Map, Value as Json};
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::{self as foreign, mds, sample_index_key, wds, ForeignFormat, ForeignObject, ForeignSpec, SampleIndexRef};
+use std::sync::Arc;
+
+use parquet::file::metadata::ParquetMetaData;
+
+use super::{
+    self as foreign, mds, parquet_footer, parquet_rows, parquet_schema, sample_index_key, wds, ForeignFormat,
+    ForeignObject, ForeignSpec, ParquetPart, SampleIndexRef,
+};
 use crate::error::Invalid;
 use crate::format::{Checksum, Manifest, Schema, ShardInfo};
 use crate::{Error, Result, Store};
@@ -43,8 +50,9 @@ pub struct ForeignSource {
     pub format: ForeignFormat,
     /// The dataset prefix (the MDS directory, or the folder of the tars).
     pub prefix: String,
-    /// WebDataset: the tars' keys, relative to `prefix`, in order (MDS: from `index.json`).
-    pub tars: Vec<String>,
+    /// WebDataset: the tars' keys, relative to `prefix`, in order; Parquet: the files' (or
+    /// `*.parquet`: every one in the folder). MDS: from `index.json`.
+    pub files: Vec<String>,
 }
 
 /// Expands WebDataset's brace patterns: `{000..009}` (a zero-padded range) and `{a,b}`.
@@ -101,10 +109,24 @@ impl ForeignSource {
             return Ok(ForeignSource {
                 format: ForeignFormat::Wds,
                 prefix,
-                tars: Vec::new(), // read by `tars_of_list`
+                files: Vec::new(), // read by `tars_of_list`
             });
         }
         let (dir, file) = split(src);
+        if file.ends_with(".parquet") {
+            if dir.contains('{') || dir.contains('*') || (file.contains('*') && file != "*.parquet") {
+                return Err(Error::invalid(
+                    src,
+                    "Parquet files are named by one file, braces in the file name, or `*.parquet`",
+                ));
+            }
+            let files = expand_braces(&file).map_err(|r| Error::invalid(src, r))?;
+            return Ok(ForeignSource {
+                format: ForeignFormat::Parquet,
+                prefix: dir,
+                files,
+            });
+        }
         if is_tar(&file) || file.contains('{') {
             if dir.contains('{') {
                 return Err(Error::invalid(src, "braces are read in the file name only"));
@@ -113,13 +135,13 @@ impl ForeignSource {
             return Ok(ForeignSource {
                 format: ForeignFormat::Wds,
                 prefix: dir,
-                tars,
+                files: tars,
             });
         }
         Ok(ForeignSource {
             format: ForeignFormat::Mds,
             prefix: src.to_owned(),
-            tars: Vec::new(),
+            files: Vec::new(),
         })
     }
 }
@@ -158,6 +180,15 @@ struct Job {
     mds_raw_bytes: Option<u64>,
     /// The object, when it was read already (the first tar, for the columns).
     stored: Option<Bytes>,
+    /// Parquet: the row group, its size and its file's footer.
+    parquet: Option<RowGroupJob>,
+}
+
+/// A Parquet row group to index.
+struct RowGroupJob {
+    part: ParquetPart,
+    bytes: u64,
+    meta: Arc<ParquetMetaData>,
 }
 
 /// Reads every shard of the foreign dataset `src` from `store` (the source's prefix, see
@@ -174,11 +205,20 @@ pub async fn index_into(
     jpeg_restart_px: Option<u32>,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Indexed> {
-    let source = ForeignSource::parse(src)?;
+    let mut source = ForeignSource::parse(src)?;
+    if source.format == ForeignFormat::Mds && store.size("index.json").await.is_err() {
+        // A folder without an MDS index, of Parquet files (a Hugging Face split): all of them.
+        let (_, files) = store.list_dir("").await?;
+        if files.iter().any(|(n, _)| n.ends_with(".parquet")) {
+            source.format = ForeignFormat::Parquet;
+            source.files = vec!["*.parquet".into()];
+        }
+    }
     {
         let (spec, schema, jobs, meta) = match source.format {
             ForeignFormat::Mds | ForeignFormat::Lit => plan_mds(store, meta, jpeg_restart_px).await?,
             ForeignFormat::Wds => plan_wds(src, &source, store, meta, jpeg_restart_px).await?,
+            ForeignFormat::Parquet => plan_parquet(&source, store, meta, jpeg_restart_px).await?,
         };
         // Keys a manifest may name (relative, inside the folder), checked before any read.
         for j in &jobs {
@@ -190,9 +230,13 @@ pub async fn index_into(
         let results: Vec<Result<(ShardInfo, u64)>> = stream::iter(jobs.into_iter().enumerate())
             .map(|(n, job)| async move {
                 let url = store_r.url(&job.key);
-                let stored = match job.stored.clone() {
-                    Some(b) => b,
-                    None => store_r.get(&job.key).await?,
+                let stored = match (job.stored.clone(), &job.parquet) {
+                    (Some(b), _) => b,
+                    (None, Some(p)) => {
+                        let at = p.part.offset;
+                        store_r.get_range(&p.part.file, at..at + p.bytes).await?
+                    }
+                    (None, None) => store_r.get(&job.key).await?,
                 };
                 progress(stored.len() as u64);
                 let (spec, schema) = (spec_r.clone(), schema_r.clone());
@@ -279,6 +323,7 @@ async fn plan_mds(store: &Store, meta: Map<String, Json>, jpeg_restart_px: Optio
                 mds_file: Some(file),
                 mds_raw_bytes: Some(raw_bytes),
                 stored: None,
+                parquet: None,
             }
         })
         .collect::<Vec<_>>();
@@ -299,11 +344,11 @@ async fn plan_wds(
     meta: Map<String, Json>,
     jpeg_restart_px: Option<u32>,
 ) -> Result<Plan> {
-    let tars = if source.tars.is_empty() {
+    let tars = if source.files.is_empty() {
         let list = src.trim_end_matches('/').rsplit('/').next().unwrap_or(src).to_owned();
         tars_of_list(store, &list, &store.url(&list)).await?
     } else {
-        source.tars.clone()
+        source.files.clone()
     };
     let mut jobs: Vec<Job> = tars
         .iter()
@@ -314,6 +359,7 @@ async fn plan_wds(
             mds_file: None,
             mds_raw_bytes: None,
             stored: None,
+            parquet: None,
         })
         .collect();
     // The columns are the first tar's extensions; every other sample must have the
@@ -354,6 +400,9 @@ fn index_one(
     schema: &Schema,
     url: &str,
 ) -> Result<(ShardInfo, usize, Option<Vec<u8>>)> {
+    if let Some(p) = &job.parquet {
+        return index_row_group(job, p, stored, spec, schema, url);
+    }
     let mut checked = 0;
     if let Some(f) = &job.mds_file {
         if stored.len() as u64 != f.bytes {
@@ -401,11 +450,140 @@ fn index_one(
                 checksum: Checksum(xxh3_64(&stored)),
                 compression: job.compression.clone(),
                 index: None,
+                parquet: None,
             }),
         },
         checked,
         sample_index,
     ))
+}
+
+/// A Parquet dataset's plan: its files' footers (their schemas the same), one job a row group.
+async fn plan_parquet(
+    source: &ForeignSource,
+    store: &Store,
+    meta: Map<String, Json>,
+    jpeg_restart_px: Option<u32>,
+) -> Result<Plan> {
+    let files = parquet_files(source, store).await?;
+    let found: Vec<Result<(String, parquet_footer::Found, Arc<ParquetMetaData>)>> = stream::iter(files)
+        .map(|f| async move {
+            let found = parquet_footer::find(store, &f).await?;
+            let meta = parquet_footer::decode(&found.bytes, &store.url(&f))?;
+            Ok((f, found, meta))
+        })
+        .buffered(IN_FLIGHT)
+        .collect()
+        .await;
+    let found = found.into_iter().collect::<Result<Vec<_>>>()?;
+    let metas: Vec<&ParquetMetaData> = found.iter().map(|(_, _, m)| m.as_ref()).collect();
+    let first = metas[0].file_metadata().schema_descr().root_schema();
+    for (f, _, m) in &found {
+        if m.file_metadata().schema_descr().root_schema() != first {
+            return Err(Error::invalid(
+                store.url(f),
+                format!("its schema is not the first file's ({})", found[0].0),
+            ));
+        }
+    }
+    let (columns, schema) = parquet_schema::columns(&metas).map_err(|r| Error::invalid(store.url(&found[0].0), r))?;
+    let mut jobs = Vec::new();
+    for (f, at, m) in &found {
+        for (r, rg) in m.row_groups().iter().enumerate() {
+            if rg.num_rows() <= 0 {
+                continue;
+            }
+            let key = format!("{f}#rg={r}");
+            let (offset, bytes) = parquet_rows::row_group_span(rg)
+                .map_err(|why| Error::corrupt(crate::Location::object(store.url(&key)), why))?;
+            let part = ParquetPart {
+                file: f.clone(),
+                file_bytes: at.file_bytes,
+                row_group: r as u32,
+                offset,
+                footer_offset: at.offset,
+                footer_bytes: at.bytes.len() as u64,
+                footer_checksum: Checksum(xxh3_64(&at.bytes)),
+            };
+            part.check(bytes)
+                .map_err(|why| Error::corrupt(crate::Location::object(store.url(&key)), why))?;
+            jobs.push(Job {
+                key,
+                compression: None,
+                samples: Some(rg.num_rows() as u64),
+                mds_file: None,
+                mds_raw_bytes: None,
+                stored: None,
+                parquet: Some(RowGroupJob {
+                    part,
+                    bytes,
+                    meta: m.clone(),
+                }),
+            });
+        }
+    }
+    let spec = ForeignSpec {
+        format: ForeignFormat::Parquet,
+        columns,
+        jpeg_restart_px,
+    };
+    Ok((spec, schema, jobs, meta))
+}
+
+/// The Parquet files a source names: as listed, or (`*.parquet`) every one in its folder, by
+/// name.
+async fn parquet_files(source: &ForeignSource, store: &Store) -> Result<Vec<String>> {
+    let files = if source.files == ["*.parquet"] {
+        let (_, listed) = store.list_dir("").await?;
+        let mut names: Vec<String> = listed
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| n.ends_with(".parquet"))
+            .collect();
+        names.sort();
+        names
+    } else {
+        source.files.clone()
+    };
+    if files.is_empty() {
+        return Err(Error::invalid(store.url(""), "no .parquet files"));
+    }
+    Ok(files)
+}
+
+/// Indexes one Parquet row group: transcodes it against its file's footer.
+fn index_row_group(
+    job: &Job,
+    p: &RowGroupJob,
+    stored: Bytes,
+    spec: &ForeignSpec,
+    schema: &Schema,
+    url: &str,
+) -> Result<(ShardInfo, usize, Option<Vec<u8>>)> {
+    if stored.len() as u64 != p.bytes {
+        return Err(Error::Truncated {
+            object: url.to_owned(),
+            expected: p.bytes,
+            actual: stored.len() as u64,
+        });
+    }
+    let checksum = Checksum(xxh3_64(&stored));
+    let built = parquet_rows::transcode_row_group(spec, schema, &p.meta, &p.part, stored, url)?;
+    let info = ShardInfo {
+        key: job.key.clone(),
+        bytes: built.bytes.len() as u64,
+        samples: built.samples,
+        checksum: Checksum(built.checksum),
+        columns: None,
+        foreign: Some(ForeignObject {
+            bytes: p.bytes,
+            checksum,
+            compression: None,
+            index: None,
+            parquet: Some(p.part.clone()),
+        }),
+    };
+    Ok((info, 0, None))
 }
 
 #[cfg(test)]
@@ -429,7 +607,7 @@ mod tests {
     fn sources_are_told_apart_by_their_name() {
         let s = ForeignSource::parse("s3://b/ds/train-{0..1}.tar").unwrap();
         assert_eq!(
-            (s.format, s.prefix.as_str(), s.tars.len()),
+            (s.format, s.prefix.as_str(), s.files.len()),
             (ForeignFormat::Wds, "s3://b/ds", 2)
         );
         let s = ForeignSource::parse("s3://b/mds/").unwrap();

@@ -17,6 +17,9 @@ pub enum ForeignFormat {
     /// ([`super::lit`]).
     #[serde(rename = "litdata")]
     Lit,
+    /// Apache Parquet files (as Hugging Face's hub and `datasets` write them): one row group
+    /// is one shard ([`super::parquet_rows`]).
+    Parquet,
 }
 
 impl ForeignFormat {
@@ -26,6 +29,7 @@ impl ForeignFormat {
             ForeignFormat::Mds => "mds",
             ForeignFormat::Wds => "wds",
             ForeignFormat::Lit => "litdata",
+            ForeignFormat::Parquet => "parquet",
         }
     }
 }
@@ -36,7 +40,9 @@ pub struct ForeignColumn {
     /// Column name (the schema's).
     pub name: String,
     /// MDS: the column's MDS encoding (`jpeg`, `int`, `ndarray:uint8:2,2`, ...). WebDataset:
-    /// the member extension (lowercase), or `__key__`.
+    /// the member extension (lowercase), or `__key__`. Parquet: how the top-level field is read
+    /// ([`super::parquet_schema::Kind`]: `int`, `float`, `str`, `str-or-null`, `json`,
+    /// `bytes`, `image`, `list:DTYPE`).
     pub encoding: String,
     /// MDS: the column's fixed size in bytes, `None` when each sample gives its size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -68,6 +74,7 @@ impl ForeignSpec {
         match self.format {
             ForeignFormat::Mds | ForeignFormat::Lit => column.encoding == "jpeg" || column.encoding == "bytes",
             ForeignFormat::Wds => column.encoding != wds::KEY_COLUMN && column.encoding != wds::NPY_EXT,
+            ForeignFormat::Parquet => column.encoding == "bytes" || column.encoding == "image",
         }
     }
 }
@@ -86,8 +93,49 @@ pub struct ForeignObject {
     /// sample can be read alone with one ranged GET.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<SampleIndexRef>,
+    /// A Parquet row group: the object is the row group's bytes inside a file (the shard's
+    /// own key is `FILE#rg=N`), and how to read them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parquet: Option<ParquetPart>,
 }
 
+/// Where a Parquet row group lies in its file, and the file's footer that says how to read it.
+/// The row group's column chunks are `bytes` long from `offset` (the [`ForeignObject`]'s size,
+/// and its XXH3-64 is theirs); the footer (the file's Thrift `FileMetaData`, without the
+/// 8-byte tail) has its own size and XXH3-64, so a file replaced since it was indexed fails
+/// either check, naming the file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParquetPart {
+    /// The file's key, relative to the dataset prefix.
+    pub file: String,
+    /// The file's size in bytes.
+    pub file_bytes: u64,
+    /// The row group's number in the file.
+    pub row_group: u32,
+    /// Where the row group's first column chunk starts in the file.
+    pub offset: u64,
+    /// Where the footer starts.
+    pub footer_offset: u64,
+    /// The footer's size.
+    pub footer_bytes: u64,
+    /// The footer's XXH3-64.
+    pub footer_checksum: Checksum,
+}
+
+impl ParquetPart {
+    /// Checks that the row group (`bytes` long) and the footer lie inside the file, apart.
+    pub fn check(&self, bytes: u64) -> std::result::Result<(), String> {
+        let end = self.offset.checked_add(bytes);
+        let footer_end = self.footer_offset.checked_add(self.footer_bytes);
+        match (end, footer_end) {
+            (Some(e), Some(f)) if e <= self.footer_offset && f <= self.file_bytes && self.footer_bytes > 0 => Ok(()),
+            _ => Err(format!(
+                "row group {} of {:?} at [{}, +{bytes}) and its footer at [{}, +{}) do not fit apart in the {}-byte file",
+                self.row_group, self.file, self.offset, self.footer_offset, self.footer_bytes, self.file_bytes
+            )),
+        }
+    }
+}
 /// A foreign shard's sample index (`.rjx`): for sample `i`, at byte `24 i`, three `u64`s (the
 /// layout of a ramjet index entry): the offset and length of the sample's bytes in the foreign
 /// object, and the [`crate::format::sample_checksum`] of the ramjet record it transcodes to.
@@ -113,5 +161,14 @@ impl ForeignObject {
     /// The checksum as a number.
     pub fn checksum_u64(&self) -> u64 {
         self.checksum.get()
+    }
+
+    /// Where the object's bytes are read from: the key of what holds them (the shard's own
+    /// `key`, or a row group's file) and their first byte's offset there.
+    pub fn stored_at<'a>(&'a self, key: &'a str) -> (&'a str, u64) {
+        match &self.parquet {
+            Some(p) => (&p.file, p.offset),
+            None => (key, 0),
+        }
     }
 }

@@ -12,7 +12,7 @@ impl ForeignSpec {
     /// With [`ForeignSpec::jpeg_restart_px`], the JPEG values of each sample's `values`
     /// transcoded with restart markers, on every core (a JPEG takes a few ms); otherwise
     /// nothing. The result does not depend on the number of cores.
-    fn restart_jpegs(&self, samples: &mut [Vec<Value>]) {
+    pub(super) fn restart_jpegs(&self, samples: &mut [Vec<Value>]) {
         let Some(px) = self.jpeg_restart_px else {
             return;
         };
@@ -111,6 +111,12 @@ pub fn transcode_with_spans(
                 spans.push(shard.span(i));
             }
         }
+        ForeignFormat::Parquet => {
+            return Err(Error::invalid(
+                object,
+                "a Parquet row group is transcoded with its file's footer (foreign::parquet_rows)",
+            ))
+        }
         ForeignFormat::Wds => {
             let samples = wds::samples(data, object)?;
             for (i, s) in samples.iter().enumerate() {
@@ -136,6 +142,12 @@ pub fn transcode_sample(spec: &ForeignSpec, schema: &Schema, raw: &[u8], at: &Lo
         ForeignFormat::Wds => {
             let s = wds::sample_in(raw, at)?;
             wds::sample_values(&spec.columns, &s, raw, at)?
+        }
+        ForeignFormat::Parquet => {
+            return Err(Error::invalid(
+                at.to_string(),
+                "a Parquet row is read with its row group, not alone",
+            ))
         }
     };
     spec.restart_jpegs(std::slice::from_mut(&mut values));

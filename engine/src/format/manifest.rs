@@ -653,6 +653,17 @@ impl Manifest {
                     if let Some(c) = &f.compression {
                         crate::foreign::compression_name(c).map_err(|r| format!("shard {:?}: {r}", s.key))?;
                     }
+                    if let Some(p) = &f.parquet {
+                        validate_key(&p.file).map_err(|r| format!("shard {:?}: file key {:?}: {r}", s.key, p.file))?;
+                        p.check(f.bytes).map_err(|r| format!("shard {:?}: {r}", s.key))?;
+                        if f.compression.is_some() || f.index.is_some() {
+                            return Err(format!(
+                                "shard {:?}: a Parquet row group has no compression or sample index of its own",
+                                s.key
+                            )
+                            .into());
+                        }
+                    }
                     if let Some(ix) = &f.index {
                         validate_key(&ix.key).map_err(|r| format!("sample index key {:?}: {r}", ix.key))?;
                         if !keys.insert(ix.key.as_str()) {

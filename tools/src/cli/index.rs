@@ -1,4 +1,5 @@
-//! `ramjet index`: index a MosaicML (MDS) or WebDataset dataset in place: writes a ramjet manifest beside.
+//! `ramjet index`: index a MosaicML (MDS), LitData, WebDataset or Parquet dataset in place:
+//! writes a ramjet manifest beside.
 
 use std::process::ExitCode;
 
@@ -6,13 +7,14 @@ use crate::ui::{bytes_bar, human_bytes};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// An MDS folder or prefix (holding index.json); a WebDataset brace pattern such as
-    /// s3://b/ds/train-{000000..000099}.tar, or one .tar; or a shard-list .txt file (one
-    /// tar per line, relative to its folder). The manifest goes into that folder.
+    /// An MDS or LitData folder or prefix (holding index.json); a WebDataset brace pattern
+    /// such as s3://b/ds/train-{000000..000099}.tar, or one .tar; a shard-list .txt file (one
+    /// tar per line, relative to its folder); or Parquet files: a folder of them, one .parquet,
+    /// a brace pattern, or DIR/'*.parquet' (quoted). The manifest goes into that folder.
     pub src: String,
     /// Have the ramjet shards that the foreign ones transcode to (what the caches hold)
-    /// store each JPEG (an MDS `jpeg` or `bytes` value, or a WebDataset member, that is a
-    /// JPEG file by its first bytes) transcoded
+    /// store each JPEG (an MDS `jpeg` or `bytes` value, a WebDataset member, or a Parquet
+    /// bytes or image value, that is a JPEG file by its first bytes) transcoded
     /// losslessly with a restart marker every 32 pixels of each MCU row: the same pixels,
     /// crops about 1.3x faster. The foreign objects are not changed. It costs a few CPU ms
     /// a JPEG each time a shard is read from the origin.

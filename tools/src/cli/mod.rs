@@ -37,8 +37,8 @@ enum Cmd {
     /// shards plus a manifest; on one machine, or split into tasks (--tasks N --task I) and merged
     /// (--merge).
     Pack(pack::Args),
-    /// Index a MosaicML (MDS) or WebDataset dataset in place: writes a ramjet manifest beside
-    /// its shards (no copy), with every shard's size and checksum and every sample's checksum,
+    /// Index a MosaicML (MDS), LitData, WebDataset or Parquet dataset in place: writes a ramjet
+    /// manifest beside its shards (no copy), with every shard's size and checksum and every sample's checksum,
     /// so that ramjet reads and verifies it as its own.
     Index(index::Args),
     /// Measure the cost of starting an epoch over a simulated dataset of any size: a real
