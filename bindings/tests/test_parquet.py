@@ -149,3 +149,5 @@ def test_what_ramjet_does_not_read_is_refused_by_name(pq):
         ramjet.inspect(str(pq[0] / "refused" / "decimal.parquet"))
     with pytest.raises(ramjet.Error, match=r"path-only\.parquet#rg=0 sample 1.*only a path"):
         ramjet.inspect(str(pq[0] / "refused" / "path-only.parquet"))
+    with pytest.raises(ramjet.Error, match=r"save_to_disk.*to_parquet"):
+        ramjet.inspect(str(pq[0] / "saved"))
