@@ -1,18 +1,21 @@
-"""Warm loader over Parquet (issue 71): ramjet reading a Hugging Face dataset's Parquet files in
-place, against Hugging Face `datasets` streaming the same files (`load_dataset("parquet",
-streaming=True)`, an `IterableDataset` in a torch DataLoader with 2 workers) and against ramjet
-on its own shards of the same images; the same output for all (RandomResizedCrop 224 + flip,
-uint8, batch 8).
+"""Warm loader over Parquet and LitData's chunks (issue 71): ramjet reading a Hugging Face
+dataset's Parquet files in place, against Hugging Face `datasets` streaming the same files
+(`load_dataset("parquet", streaming=True)`, an `IterableDataset` in a torch DataLoader with 2
+workers); ramjet reading `litdata.optimize`'s chunks of the same images in place, against
+LitData's own `StreamingDataset` + `StreamingDataLoader` (2 workers); and ramjet on its own
+shards of the same images. The same output for all (RandomResizedCrop 224 + flip, uint8,
+batch 8).
 
     .ramjet/bench-venv/bin/python benches/python/parquet_loader.py [--n 2000] [--rounds 5]
 
 The dataset is written once under target/bench/parquet (N synthetic 640x480 JPEGs through
 `Dataset.from_dict(...).cast_column("image", Image())` and `to_parquet`, four files; the same
-JPEGs packed with `ramjet pack`). Both ramjet contenders read through a warm node-local cache.
+JPEGs through `litdata.optimize` as a JPEG field; the same JPEGs packed with `ramjet pack`).
+Every ramjet contender reads through a warm node-local cache.
 The contenders run interleaved round by round, the order rotated each round (measure.py):
 medians, every round's ratios, CPU seconds per 1,000 images (the process and its DataLoader
-workers). Targets: ramjet over Parquet at least 3x `datasets` streaming, and within 10% of
-ramjet on its own shards. Prints one JSON object and writes target/bench/parquet-loader.json.
+workers). Targets: ramjet over Parquet at least 3x `datasets` streaming, over LitData's
+chunks at least 3x LitData's own loader, each within 10% of ramjet on its own shards. Prints one JSON object and writes target/bench/parquet-loader.json.
 """
 
 import argparse
@@ -50,11 +53,11 @@ def jpeg(i, rng):
 
 
 def build(root, n):
-    """The Parquet files and the ramjet shards of the same N JPEGs, once."""
-    pq_dir, images, shards = root / "hf", root / "images", root / "shards"
+    """The Parquet files, the LitData chunks and the ramjet shards of the same N JPEGs, once."""
+    pq_dir, images, shards, lit = root / "hf", root / "images", root / "shards", root / "lit"
     done = root / "done"
-    if done.exists() and done.read_text().strip() == str(n):
-        return pq_dir, shards
+    if done.exists() and done.read_text().strip() == f"{n} with litdata":
+        return pq_dir, shards, lit
     from datasets import Dataset, Image as HfImage
 
     rng = np.random.default_rng(0)
@@ -71,8 +74,22 @@ def build(root, n):
         ds.to_parquet(str(pq_dir / f"train-{f:05d}-of-{FILES:05d}.parquet"))
     exe = os.environ.get("RAMJET_BIN", "target/release/ramjet")
     subprocess.run([exe, "pack", str(images), str(shards)], check=True, stdout=subprocess.DEVNULL)
-    (root / "done").write_text(str(n))
-    return pq_dir, shards
+    import litdata as ld
+
+    ld.optimize(fn=LitSample(images), inputs=list(range(n)), output_dir=str(lit), chunk_bytes="64MB", num_workers=1)
+    (root / "done").write_text(f"{n} with litdata")
+    return pq_dir, shards, lit
+
+
+class LitSample:
+    """`litdata.optimize`'s fn: image `i` as a JPEG file (LitData's `jpeg` serializer keeps its
+    bytes) and a label."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def __call__(self, i):
+        return {"image": Image.open(self.images / "a" / f"{i:06d}.jpg"), "label": i % 10}
 
 
 class Transform:
@@ -94,6 +111,24 @@ def hf_rate(pq_dir, workers):
     return sum(b["image"].shape[0] for b in dl)
 
 
+class LitTransform:
+    """The same work for LitData's loader: its decoded `(3, H, W)` uint8 tensor cropped."""
+
+    def __init__(self):
+        self.tf = v2.Compose([v2.RandomResizedCrop(OUT, antialias=True), v2.RandomHorizontalFlip()])
+
+    def __call__(self, s):
+        return {"image": self.tf(s["image"]), "label": s["label"]}
+
+
+def lit_rate(lit, workers):
+    import litdata as ld
+
+    ds = ld.StreamingDataset(str(lit), transform=LitTransform())
+    dl = ld.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
+    return sum(b["image"].shape[0] for b in dl)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=2000)
@@ -102,18 +137,23 @@ def main():
     a = p.parse_args()
     root = Path(a.root)
     root.mkdir(parents=True, exist_ok=True)
-    pq_dir, shards = build(root, a.n)
+    pq_dir, shards, lit = build(root, a.n)
     os.environ.setdefault("RAMJET_INDEX_DIR", str(root / "learned"))
     kw = dict(batch_size=BATCH, image_size=OUT, boxes_column=None)
     on_pq = ramjet.StreamingDataset(str(pq_dir), local=str(root / "cache-pq"), **kw)
     on_rj = ramjet.StreamingDataset(str(shards), local=str(root / "cache-rj"), **kw)
-    assert ramjet.inspect(str(pq_dir))["samples"] == ramjet.inspect(str(shards))["samples"] == a.n
-    ramjet_rate(on_pq, 0)  # learn the index, warm the node-local caches
-    ramjet_rate(on_rj, 0)
-    hf_rate(pq_dir, 2)  # the peer's first read (its page cache warm too)
+    on_lit = ramjet.StreamingDataset(str(lit), local=str(root / "cache-lit"), **kw)
+    for u in (pq_dir, shards, lit):
+        assert ramjet.inspect(str(u))["samples"] == a.n, u
+    for ds in (on_pq, on_rj, on_lit):
+        ramjet_rate(ds, 0)  # learn the indexes, warm the node-local caches
+    hf_rate(pq_dir, 2)  # the peers' first reads (their page caches warm too)
+    lit_rate(lit, 2)
     res = interleaved([("ramjet_parquet", lambda r: ramjet_rate(on_pq, r + 1)),
+                       ("ramjet_litdata", lambda r: ramjet_rate(on_lit, r + 1)),
                        ("ramjet_shards", lambda r: ramjet_rate(on_rj, r + 1)),
-                       ("hf_datasets_streaming", lambda r: hf_rate(pq_dir, 2))], a.rounds, "")
+                       ("hf_datasets_streaming", lambda r: hf_rate(pq_dir, 2)),
+                       ("litdata_streaming", lambda r: lit_rate(lit, 2))], a.rounds, "")
     med = {c: res.median(c) for c in res.contenders()}
     cpu = {c: res.median(c, "cpu_per_1000") for c in res.contenders()}
     vs_hf = med["ramjet_parquet"] / med["hf_datasets_streaming"]
@@ -134,6 +174,20 @@ def main():
     out["target_vs_hf"] = f"at least 3x datasets streaming: {measure.verdict_text(v, res.rounds(), len(res.flagged()))}"
     v = res.verdict(vs_own >= 0.9)
     out["target_vs_own"] = f"within 10% of ramjet's own shards: {measure.verdict_text(v, res.rounds(), len(res.flagged()))}"
+    lit_vs_peer = med["ramjet_litdata"] / med["litdata_streaming"]
+    lit_vs_own = med["ramjet_litdata"] / med["ramjet_shards"]
+    out["litdata_ratio_vs_litdata_streaming"] = round(lit_vs_peer, 2)
+    out["litdata_per_round_ratio_vs_litdata_streaming"] = [
+        round(x, 2) for x in res.ratios("ramjet_litdata", "litdata_streaming")]
+    out["litdata_ratio_vs_ramjet_shards"] = round(lit_vs_own, 2)
+    out["litdata_per_round_ratio_vs_ramjet_shards"] = [
+        round(x, 2) for x in res.ratios("ramjet_litdata", "ramjet_shards")]
+    v = res.verdict(lit_vs_peer >= 3)
+    out["litdata_target_vs_peer"] = (f"over LitData's chunks, at least 3x LitData's own loader: "
+                                     f"{measure.verdict_text(v, res.rounds(), len(res.flagged()))}")
+    v = res.verdict(lit_vs_own >= 0.9)
+    out["litdata_target_vs_own"] = (f"over LitData's chunks, within 10% of ramjet's own shards: "
+                                    f"{measure.verdict_text(v, res.rounds(), len(res.flagged()))}")
     Path("target/bench").mkdir(parents=True, exist_ok=True)
     Path("target/bench/parquet-loader.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))

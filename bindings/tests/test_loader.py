@@ -154,6 +154,36 @@ def test_resume_replays_the_same_batches(classes, tmp_path):
     assert sorted(indices(nxt)) == list(range(N)) and indices(nxt) != indices(full)
 
 
+def test_close_stops_the_loader_and_keeps_the_position(classes, tmp_path):
+    """close() (and leaving a with block) stops the running loader: its counters are gone
+    with it. The position stays: state_dict is the same before and after, and iterating again
+    goes on with the rest of the epoch, the same batches an uninterrupted epoch yields. The
+    repr names the dataset."""
+    url, _ = classes
+    make = lambda: dataset(url, seed=11, local=str(tmp_path / "cache"))  # noqa: E731
+    full = epoch(make())
+    with make() as ds:
+        assert url in repr(ds) and "batch_size=8" in repr(ds) and "epoch=0" in repr(ds), repr(ds)
+        it = iter(ds)
+        head = [next(it) for _ in range(5)]
+        state = json.loads(json.dumps(ds.state_dict()))
+        assert ds.metrics(), "a loader runs"
+    assert ds.metrics() == {}, "leaving the with block stopped the loader"
+    assert json.loads(json.dumps(ds.state_dict())) == state
+    tail = epoch(ds)
+    assert indices(head + tail) == indices(full)
+    for a, b in zip(head + tail, full):
+        assert torch.equal(a["image"], b["image"])
+    ds.close()
+    ds.close()  # twice is harmless
+    reader = ramjet.Reader(url, image_size=32)
+    with reader:
+        one = reader.get(3)
+        assert "open=True" in repr(reader)
+    assert "open=False" in repr(reader) and url in repr(reader)
+    assert torch.equal(reader.get(3)["image"], one["image"]), "a closed reader opens again"
+
+
 def test_order_is_the_same_for_any_batch_size_and_thread_count(classes):
     url, _ = classes
     a = indices(epoch(dataset(url, seed=3, batch_size=8, num_threads=1)))

@@ -301,6 +301,14 @@ impl Dataset {
                     if files.iter().any(|(n, _)| n.ends_with(".parquet")) {
                         return Self::open_learned(&store.url("*.parquet")).await;
                     }
+                    let has = |name: &str| files.iter().any(|(n, _)| n == name);
+                    if has("state.json") && files.iter().any(|(n, _)| n.ends_with(".arrow")) {
+                        return Err(Error::invalid(
+                            store.url(""),
+                            "a Hugging Face `save_to_disk` folder (Arrow IPC streams) is not read in place: \
+                             write it as Parquet (`Dataset.to_parquet`), which ramjet reads in place",
+                        ));
+                    }
                 }
                 return Err(Error::NotFound { key });
             }

@@ -908,6 +908,30 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         """Counters of the running loader: origin and cache bytes, hit rate, batch wait."""
         return dict(self._session.metrics())
 
+    def close(self) -> None:
+        """Stops this process's loader (its threads, the shards it holds) and drops its
+        random-access reader. The position is kept: iterating again goes on from it with a new
+        loader, and :meth:`state_dict` says the same before and after. In a forked child, the
+        parent's objects are left alone (kept, never dropped, there)."""
+        if self._pid == os.getpid():
+            # The state first: a session without a loader starts its epoch over unless told.
+            state = self.state_dict()
+            self._session = self._session.forked()
+            self._reader = None
+            self.load_state_dict(state)
+
+    def __enter__(self) -> "StreamingDataset":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        urls = [x.get("url") for x in self._base.get("sources", [])]
+        seed = self._base.get("order", {}).get("seed")
+        return (f"StreamingDataset({urls[0] if len(urls) == 1 else urls!r}, batch_size={self.batch_size}, "
+                f"seed={seed}, epoch={self._session.epoch}, device={self.device!r})")
+
     def __getstate__(self) -> Dict[str, Any]:
         s = self.__dict__.copy()
         s["_session"] = self._session.position()
@@ -979,6 +1003,21 @@ class Reader:
     def metrics(self) -> Dict[str, float]:
         """Counters of the reads so far: ranged and resident samples, origin bytes."""
         return {} if self._native is None else dict(self._native.metrics())
+
+    def close(self) -> None:
+        """Drops this process's reader (the shards it holds); the next read opens a new one.
+        In a forked child the parent's is left alone."""
+        if self._pid == os.getpid():
+            self._native = None
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Reader({self.url!r}, device={self.device!r}, open={self._native is not None})"
 
     def __len__(self) -> int:
         if self._len is None:

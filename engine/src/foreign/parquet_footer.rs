@@ -101,3 +101,47 @@ pub async fn footer(store: &Store, part: &ParquetPart) -> Result<Arc<ParquetMeta
     kept.push((sum, m.clone()));
     Ok(m)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Checksum;
+
+    const FILE: &[u8] = include_bytes!("../../../tests/fuzz/corpus/parquet/snappy.parquet");
+
+    #[test]
+    fn a_footer_is_found_from_the_tail_and_a_changed_one_is_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.parquet");
+        std::fs::write(&path, FILE).unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let found = rt.block_on(find(&store, "x.parquet")).unwrap();
+        assert_eq!(found.file_bytes, FILE.len() as u64);
+        assert_eq!(decode(&found.bytes, "x").unwrap().num_row_groups(), 2);
+        let part = ParquetPart {
+            file: "x.parquet".into(),
+            file_bytes: found.file_bytes,
+            row_group: 0,
+            offset: 4,
+            footer_offset: found.offset,
+            footer_bytes: found.bytes.len() as u64,
+            footer_checksum: Checksum(xxhash_rust::xxh3::xxh3_64(&found.bytes)),
+        };
+        // Changed before this process read it: its checksum refuses it, naming the file.
+        let mut changed = FILE.to_vec();
+        changed[found.offset as usize + 10] ^= 0x01;
+        std::fs::write(&path, &changed).unwrap();
+        let e = rt.block_on(footer(&store, &part)).unwrap_err().to_string();
+        assert!(e.contains("x.parquet") && e.contains("footer"), "{e}");
+        std::fs::write(&path, FILE).unwrap();
+        assert_eq!(rt.block_on(footer(&store, &part)).unwrap().num_row_groups(), 2);
+        // Not a Parquet file at all.
+        std::fs::write(&path, b"not a parquet file at all").unwrap();
+        let e = rt.block_on(find(&store, "x.parquet")).err().unwrap().to_string();
+        assert!(e.contains("PAR1"), "{e}");
+    }
+}

@@ -14,19 +14,19 @@ use parquet::record::{Field, Row};
 
 use super::parquet_schema::Kind;
 use super::{ForeignColumn, ForeignSpec, ParquetPart};
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, Invalid, Location, Result};
 use crate::format::array::{Array, Dtype, Num};
 use crate::format::{BuiltShard, Schema, ShardBuilder, Value, NULL_INT64};
 
 /// Where row group `rg`'s column chunks lie in the file: from the first chunk's first page
 /// (its dictionary page, if it has one) to the last chunk's end. Writers lay a row group's
 /// chunks one after another, so this is what the row group holds.
-pub fn row_group_span(rg: &RowGroupMetaData) -> std::result::Result<(u64, u64), String> {
+pub fn row_group_span(rg: &RowGroupMetaData) -> std::result::Result<(u64, u64), Invalid> {
     let (mut lo, mut hi) = (u64::MAX, 0u64);
     for c in rg.columns() {
         let start = c.dictionary_page_offset().unwrap_or(c.data_page_offset());
         let (Ok(start), Ok(len)) = (u64::try_from(start), u64::try_from(c.compressed_size())) else {
-            return Err(format!("column {} has a negative offset or size", c.column_path()));
+            return Err(format!("column {} has a negative offset or size", c.column_path()).into());
         };
         let end = start.checked_add(len).ok_or("a column chunk's end overflows")?;
         lo = lo.min(start);
@@ -170,8 +170,8 @@ fn row_values(columns: &[ForeignColumn], schema: &Schema, row: &Row, at: &Locati
 
 /// A field's value as a column of `kind` (`nullable`: an `int` or `float` null is stored as
 /// the column's null).
-fn value(kind: Kind, nullable: bool, f: &Field) -> std::result::Result<Value, String> {
-    let null = || Err("a null, in a column that holds none".to_owned());
+fn value(kind: Kind, nullable: bool, f: &Field) -> std::result::Result<Value, Invalid> {
+    let null = || Err(Invalid::from("a null, in a column that holds none"));
     Ok(match (kind, f) {
         (Kind::Int, Field::Null) if nullable => Value::Int64(NULL_INT64),
         (Kind::Float, Field::Null) if nullable => Value::Float64(f64::NAN),
@@ -180,7 +180,7 @@ fn value(kind: Kind, nullable: bool, f: &Field) -> std::result::Result<Value, St
         (Kind::Int, f) => {
             let v = int(f).ok_or_else(|| format!("{f} is not an integer"))?;
             if nullable && v == NULL_INT64 {
-                return Err(format!("{v} is the value a null is stored as"));
+                return Err(format!("{v} is the value a null is stored as").into());
             }
             Value::Int64(v)
         }
@@ -196,7 +196,7 @@ fn value(kind: Kind, nullable: bool, f: &Field) -> std::result::Result<Value, St
         (Kind::Bytes, Field::Bytes(b)) => Value::Bytes(b.data().to_vec()),
         (Kind::Image, Field::Group(g)) => image_bytes(g)?,
         (Kind::List(d), Field::ListInternal(l)) => list(d, l.elements())?,
-        (k, f) => return Err(format!("{f} is not a {} value", k.name())),
+        (k, f) => return Err(format!("{f} is not a {} value", k.name()).into()),
     })
 }
 
@@ -217,19 +217,19 @@ fn int(f: &Field) -> Option<i64> {
 }
 
 /// Hugging Face's `{bytes, path}` struct: its bytes (an image kept only as a path names it).
-fn image_bytes(g: &Row) -> std::result::Result<Value, String> {
+fn image_bytes(g: &Row) -> std::result::Result<Value, Invalid> {
     let get = |name: &str| g.get_column_iter().find(|(n, _)| n.as_str() == name).map(|(_, f)| f);
     match (get("bytes"), get("path")) {
         (Some(Field::Bytes(b)), _) => Ok(Value::Bytes(b.data().to_vec())),
         (_, Some(Field::Str(p))) => Err(format!(
             "the image is only a path ({p:?}), not bytes in the file: embed it (datasets' `embed_external_files`) or pack it"
-        )),
+        ).into()),
         _ => Err("the image struct holds no bytes".into()),
     }
 }
 
 /// A list of numbers as a one-dimensional array of `dtype`.
-fn list(dtype: Dtype, items: &[Field]) -> std::result::Result<Value, String> {
+fn list(dtype: Dtype, items: &[Field]) -> std::result::Result<Value, Invalid> {
     let mut data = Vec::with_capacity(items.len() * dtype.size());
     for (i, f) in items.iter().enumerate() {
         let x = match f {

@@ -7,6 +7,7 @@ use parquet::file::metadata::ParquetMetaData;
 use parquet::schema::types::Type;
 
 use super::ForeignColumn;
+use crate::error::Invalid;
 use crate::format::array::{ArraySpec, Dtype};
 use crate::format::{Column, ColumnType, Schema};
 
@@ -75,7 +76,7 @@ impl Kind {
 }
 
 /// The kind a primitive field of this physical and converted type is read as, or why not.
-fn primitive_kind(t: &Type) -> Result<Kind, String> {
+fn primitive_kind(t: &Type) -> Result<Kind, Invalid> {
     let info = t.get_basic_info();
     let float16 = matches!(info.logical_type_ref(), Some(LogicalType::Float16));
     Ok(match (t.get_physical_type(), info.converted_type()) {
@@ -89,12 +90,12 @@ fn primitive_kind(t: &Type) -> Result<Kind, String> {
         (Physical::BYTE_ARRAY | Physical::FIXED_LEN_BYTE_ARRAY, ConvertedType::NONE | ConvertedType::BSON) => {
             Kind::Bytes
         }
-        (p, c) => return Err(format!("{p} values of converted type {c} are not read")),
+        (p, c) => return Err(format!("{p} values of converted type {c} are not read").into()),
     })
 }
 
 /// The dtype of a list's numeric element, or why it is not one.
-fn element_dtype(t: &Type) -> Result<Dtype, String> {
+fn element_dtype(t: &Type) -> Result<Dtype, Invalid> {
     if !t.is_primitive() {
         return Err("a list of lists or structs is not read (a list of numbers is)".into());
     }
@@ -114,12 +115,12 @@ fn element_dtype(t: &Type) -> Result<Dtype, String> {
         (Physical::INT64, c) if c != ConvertedType::DECIMAL => Dtype::I64,
         (Physical::FLOAT, _) => Dtype::F32,
         (Physical::DOUBLE, _) => Dtype::F64,
-        (p, c) => return Err(format!("a list of {p} ({c}) is not a list of numbers")),
+        (p, c) => return Err(format!("a list of {p} ({c}) is not a list of numbers").into()),
     })
 }
 
 /// The kind a top-level field is read as, and whether it may hold nulls by its repetition.
-fn field_kind(t: &Type) -> Result<Kind, String> {
+fn field_kind(t: &Type) -> Result<Kind, Invalid> {
     let info = t.get_basic_info();
     if info.repetition() == Repetition::REPEATED {
         // A repeated field outside a LIST group (the legacy two-level list).
@@ -151,7 +152,8 @@ fn field_kind(t: &Type) -> Result<Kind, String> {
     Err(format!(
         "a struct ({}) is not read (Hugging Face's image struct, {{bytes, path}}, is)",
         names.join(", ")
-    ))
+    )
+    .into())
 }
 
 /// Whether the field may hold a null in some row group of `files`: it is not required, and a
@@ -172,7 +174,7 @@ fn holds_nulls(root: usize, files: &[&ParquetMetaData]) -> bool {
 /// which the caller checks every file shares): each top-level field's kind, and the ramjet
 /// schema (an `int` or `float` field that holds a null is nullable; a `str` one is read as
 /// `str-or-null`). A field that is not read is an error naming it.
-pub fn columns(files: &[&ParquetMetaData]) -> Result<(Vec<ForeignColumn>, Schema), String> {
+pub fn columns(files: &[&ParquetMetaData]) -> Result<(Vec<ForeignColumn>, Schema), Invalid> {
     let first = files.first().ok_or("no Parquet files")?;
     let root = first.file_metadata().schema_descr().root_schema();
     let (mut foreign, mut cols) = (Vec::new(), Vec::new());
@@ -227,7 +229,7 @@ mod tests {
              optional group v (LIST) { repeated group list { optional float element; } }
              optional fixed_len_byte_array(16) d (DECIMAL(30, 2)); optional int96 t; }",
         );
-        let kinds: Vec<Result<Kind, String>> = t.get_fields().iter().map(|f| field_kind(f)).collect();
+        let kinds: Vec<Result<Kind, Invalid>> = t.get_fields().iter().map(|f| field_kind(f)).collect();
         assert_eq!(kinds[0], Ok(Kind::Int));
         assert_eq!(kinds[1], Ok(Kind::Str));
         assert_eq!(kinds[2], Ok(Kind::Bytes));

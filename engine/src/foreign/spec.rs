@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::wds;
+use crate::error::Invalid;
 use crate::format::Checksum;
 
 /// The format of a foreign dataset.
@@ -124,7 +125,7 @@ pub struct ParquetPart {
 
 impl ParquetPart {
     /// Checks that the row group (`bytes` long) and the footer lie inside the file, apart.
-    pub fn check(&self, bytes: u64) -> std::result::Result<(), String> {
+    pub fn check(&self, bytes: u64) -> std::result::Result<(), Invalid> {
         let end = self.offset.checked_add(bytes);
         let footer_end = self.footer_offset.checked_add(self.footer_bytes);
         match (end, footer_end) {
@@ -132,7 +133,7 @@ impl ParquetPart {
             _ => Err(format!(
                 "row group {} of {:?} at [{}, +{bytes}) and its footer at [{}, +{}) do not fit apart in the {}-byte file",
                 self.row_group, self.file, self.offset, self.footer_offset, self.footer_bytes, self.file_bytes
-            )),
+            ).into()),
         }
     }
 }
