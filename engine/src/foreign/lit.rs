@@ -130,7 +130,7 @@ pub fn as_mds_index(bytes: &[u8], object: &str) -> Result<Option<Index>> {
     }
     if c.compression.is_some() || c.compression_level.is_some() {
         return Err(bad(format!(
-            "compressed LitData chunks ({}) are not read yet: optimize without compression, or pack the dataset with `ramjet pack`",
+            "compressed LitData chunks ({}) are not read yet (neither in place nor by `ramjet pack`): optimize without compression",
             c.compression.as_deref().unwrap_or("compressed")
         )));
     }

@@ -1,5 +1,6 @@
-//! `ramjet pack`: pack an image folder, a YOLO layout or a JSONL file (local or in an object
-//! store) into shards plus a manifest, on one machine or split into tasks and merged.
+//! `ramjet pack`: pack an image folder, a YOLO layout, a JSONL file, or data in another format
+//! (Parquet, a Hugging Face `save_to_disk` folder, LitData, MDS), local or in an object store,
+//! into shards plus a manifest, on one machine or split into tasks and merged.
 
 use std::process::ExitCode;
 
@@ -12,7 +13,9 @@ use crate::ui::{bytes_bar, count_bar, human_bytes, parse_size};
 #[derive(clap::Args)]
 pub struct Args {
     /// Input: a folder (YOLO or one subfolder per class) or a .jsonl file, local or in an object
-    /// store (s3://bucket/raw/ for a folder, s3://bucket/raw/rows.jsonl for a JSONL object).
+    /// store (s3://bucket/raw/ for a folder, s3://bucket/raw/rows.jsonl for a JSONL object); or
+    /// a folder of Parquet files, a Hugging Face save_to_disk folder, LitData's chunks or an
+    /// MDS folder, packed from its samples in its order (docs/format.md, "Source layouts").
     pub src: String,
     /// Output: a local folder, file://, or s3://bucket/prefix (also gs://, az://).
     pub dst: String,
@@ -53,7 +56,9 @@ pub struct Args {
     #[arg(long, value_name = "KEY|content")]
     pub dedupe: Option<String>,
     /// A JSONL column whose strings name images (a key relative to the JSONL's folder, a path,
-    /// or a URL such as s3://bucket/key): each is fetched and stored as the image's bytes.
+    /// or a URL such as s3://bucket/key): each is fetched and stored as the image's bytes. For
+    /// Parquet, save_to_disk, LitData or MDS input: the bytes column that holds the images
+    /// (else the one named `image`, or the first of image files).
     #[arg(long)]
     pub image_column: Option<String>,
     /// A JSONL column's type, NAME:TYPE, instead of the first line's (repeatable): an array

@@ -1,6 +1,6 @@
-//! `ramjet pack`: converts an image-classification folder, a YOLO layout or a JSONL file, on a
-//! local disk or in an object store, into shards plus a manifest; on one machine, or split
-//! into tasks (a Slurm job array) and merged ([`split`]).
+//! `ramjet pack`: converts an image-classification folder, a YOLO layout, a JSONL file or data
+//! in another format ([`foreign`]), on a local disk or in an object store, into shards plus a
+//! manifest; on one machine, or split into tasks (a Slurm job array) and merged ([`split`]).
 //!
 //! The input is a sequence in a fixed order (`source.rs`), cut into **groups** of
 //! [`PackOptions::group_items`] inputs (65,536 unless set). Each group is packed on its own, the
@@ -16,7 +16,9 @@
 //! `manifests/<version>.json` and then as `manifest.json`: if any step fails, no new
 //! `manifest.json` appears.
 
+pub mod arrow_rows;
 pub mod dedupe;
+pub mod foreign;
 pub mod source;
 pub mod split;
 pub mod tokens;
@@ -49,6 +51,14 @@ pub enum SourceKind {
     Imagefolder,
     /// One JSON object per line.
     Jsonl,
+    /// Parquet files (a Hugging Face dataset's split), read as the loader reads them in place.
+    Parquet,
+    /// LitData's optimized chunks (`index.json` and `chunk-*.bin`).
+    Litdata,
+    /// A MosaicML Streaming (MDS) folder.
+    Mds,
+    /// A Hugging Face `datasets` folder written by `save_to_disk` (Arrow IPC streams).
+    Arrow,
 }
 
 impl SourceKind {
@@ -58,14 +68,34 @@ impl SourceKind {
             SourceKind::Yolo => "yolo",
             SourceKind::Imagefolder => "imagefolder",
             SourceKind::Jsonl => "jsonl",
+            SourceKind::Parquet => "parquet",
+            SourceKind::Litdata => "litdata",
+            SourceKind::Mds => "mds",
+            SourceKind::Arrow => "arrow",
         }
+    }
+
+    /// A format ramjet reads in place, packed from its samples ([`foreign`]).
+    pub fn is_foreign(self) -> bool {
+        matches!(
+            self,
+            SourceKind::Parquet | SourceKind::Litdata | SourceKind::Mds | SourceKind::Arrow
+        )
     }
 
     /// The layout of a manifest's `source` field.
     pub fn from_name(n: &str) -> Option<SourceKind> {
-        [SourceKind::Yolo, SourceKind::Imagefolder, SourceKind::Jsonl]
-            .into_iter()
-            .find(|k| k.name() == n)
+        [
+            SourceKind::Yolo,
+            SourceKind::Imagefolder,
+            SourceKind::Jsonl,
+            SourceKind::Parquet,
+            SourceKind::Litdata,
+            SourceKind::Mds,
+            SourceKind::Arrow,
+        ]
+        .into_iter()
+        .find(|k| k.name() == n)
     }
 
     /// Guesses a folder's layout from its top-level folders: `images/` and `labels/` make it
@@ -295,6 +325,7 @@ pub(crate) struct Ctx<'a> {
 pub(crate) fn dedupe_by(opts: &PackOptions, layout: &Layout) -> Result<Option<dedupe::DedupeBy>> {
     let image = match layout.kind {
         SourceKind::Jsonl => opts.image_column.as_deref(),
+        k if k.is_foreign() => layout.meta.get("image_column").and_then(Json::as_str),
         _ => Some("image"),
     };
     opts.dedupe
@@ -321,6 +352,10 @@ pub fn pack(src: &str, dst: &str, opts: &PackOptions, progress: &indicatif::Prog
     let store = open_dst(dst)?;
     let rt = runtime()?;
     let layout = layout(&source, &rt, opts)?;
+    let input = match layout.kind.is_foreign() {
+        true => Some(foreign::ForeignInput::open(&source, &rt, layout.kind)?),
+        false => None,
+    };
     let ctx = Ctx {
         src: &source,
         dst: &store,
@@ -332,7 +367,9 @@ pub fn pack(src: &str, dst: &str, opts: &PackOptions, progress: &indicatif::Prog
         objects: Default::default(),
         dedupe: dedupe_by(opts, &layout)?,
     };
-    let groups = if layout.kind == SourceKind::Jsonl {
+    let groups = if let Some(input) = &input {
+        foreign::pack_rows(&ctx, input, 0, None)?
+    } else if layout.kind == SourceKind::Jsonl {
         progress.set_length(source.file_len(&rt)?);
         pack_jsonl(&ctx, source.file_reader(&rt, 0)?, 0, None)?
     } else {
@@ -421,16 +458,33 @@ pub(crate) fn put_manifest(store: &Store, rt: &tokio::runtime::Runtime, manifest
 /// The layout of `src`: its kind (detected unless given), schema and metadata.
 pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) -> Result<Layout> {
     // A folder's top level, listed once: it tells the layout and an image folder's classes.
-    let dirs = match src.file {
+    let top = match src.file {
         Some(_) => None,
         None if opts.kind.is_some_and(|k| k != SourceKind::Imagefolder) => None,
-        None => Some(src.top(rt)?.0),
+        None => Some(src.top(rt)?),
     };
-    let kind = match (opts.kind, &dirs) {
+    let kind = match (opts.kind, &top) {
         (Some(k), _) => k,
         (None, None) => SourceKind::Jsonl,
-        (None, Some(d)) => SourceKind::detect(d),
+        (None, Some((d, f))) => foreign::detect(src, rt, d, f).unwrap_or_else(|| SourceKind::detect(d)),
     };
+    let dirs = top.map(|t| t.0);
+    if kind.is_foreign() {
+        for (flag, set) in [
+            ("--column", !opts.column_types.is_empty()),
+            ("--tokenizer", opts.tokenizer.is_some()),
+        ] {
+            if set {
+                let why = format!(
+                    "a {} input's columns are typed by its files, and are packed as read",
+                    kind.name()
+                );
+                return Err(Error::invalid(flag, why));
+            }
+        }
+        let input = foreign::ForeignInput::open(src, rt, kind)?;
+        return foreign::layout(src, &input, kind, opts);
+    }
     if !opts.column_types.is_empty() && kind != SourceKind::Jsonl {
         return Err(Error::invalid(
             "--column",
@@ -456,6 +510,7 @@ pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) ->
             Some(d) => d,
             None => src.top(rt)?.0,
         })?,
+        foreign => unreachable!("{} is packed by its reader", foreign.name()),
     };
     if opts.jpeg_restarts && kind != SourceKind::Jsonl {
         l.meta.insert("jpeg_restart_px".into(), Json::from(JPEG_RESTART_PX));
@@ -517,7 +572,7 @@ pub(crate) fn units(src: &Source, rt: &tokio::runtime::Runtime, kind: SourceKind
                 classes.into_iter().enumerate().map(|(i, c)| (c, i as i64)).collect(),
             ))
         }
-        SourceKind::Jsonl => unreachable!("JSONL inputs are lines"),
+        k => unreachable!("{} inputs are not listed", k.name()),
     }
 }
 
@@ -746,7 +801,7 @@ fn scan_one(
 /// run `work` on each. `send` returns false once a job has failed (then `produce` should stop;
 /// the workers still take and drop what it sends, so it never blocks). Returns every job's
 /// result, in no order, or the first failed job's error, else `produce`'s.
-fn with_workers<J: Send, T: Send>(
+pub(crate) fn with_workers<J: Send, T: Send>(
     work: impl Fn(J) -> Result<T> + Sync,
     produce: impl FnOnce(&mut dyn FnMut(J) -> bool) -> Result<()>,
 ) -> Result<Vec<T>> {
@@ -877,7 +932,7 @@ pub fn open_dst(dst: &str) -> Result<Store> {
     Store::open(dst)
 }
 
-fn reason_of(e: &Error) -> String {
+pub(crate) fn reason_of(e: &Error) -> String {
     match e {
         Error::InvalidInput { reason, .. } => reason.clone(),
         Error::Io { source, .. } => source.to_string(),
@@ -1276,23 +1331,7 @@ pub(crate) fn pack_jsonl(
     let mut read_bytes: BTreeMap<u64, u64> = BTreeMap::new();
     let mut dedupe_keys: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     let done = with_workers(
-        |(g, j, b): (u64, u64, ShardBuilder)| {
-            let shard = b.finish();
-            let key = shard_key((g * gi + j) as usize, shard.checksum);
-            let info = ShardInfo {
-                key: key.clone(),
-                bytes: shard.bytes.len() as u64,
-                samples: shard.samples,
-                checksum: shard.checksum.into(),
-                columns: None,
-                foreign: None,
-            };
-            ctx.rt.block_on(ctx.dst.put(&key, Bytes::from(shard.bytes)))?;
-            let n = info.samples;
-            let objects = ctx.objects.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
-            ctx.progress.set_message(format!("{}, {objects} rows", ctx.label));
-            Ok((g, j, info))
-        },
+        |(g, j, b): (u64, u64, ShardBuilder)| put_built(ctx, g, j, b, "rows"),
         |send| {
             let (mut line_no, mut remaining) = (first_pos, limit.unwrap_or(u64::MAX));
             let (mut builder, mut acc, mut cur, mut j): (Option<ShardBuilder>, u64, u64, u64) =
@@ -1379,7 +1418,38 @@ pub(crate) fn pack_jsonl(
             Ok(())
         },
     );
-    let mut done = done?;
+    Ok(rows_out(stats, skips, read_bytes, dedupe_keys, done?))
+}
+
+/// Finishes and uploads a shard of rows built in order: shard `j` of group `g` (`what` names
+/// the rows in progress lines).
+pub(crate) fn put_built(ctx: &Ctx, g: u64, j: u64, b: ShardBuilder, what: &str) -> Result<(u64, u64, ShardInfo)> {
+    let shard = b.finish();
+    let key = shard_key((g * ctx.opts.group_items + j) as usize, shard.checksum);
+    let info = ShardInfo {
+        key: key.clone(),
+        bytes: shard.bytes.len() as u64,
+        samples: shard.samples,
+        checksum: shard.checksum.into(),
+        columns: None,
+        foreign: None,
+    };
+    ctx.rt.block_on(ctx.dst.put(&key, Bytes::from(shard.bytes)))?;
+    let n = info.samples;
+    let objects = ctx.objects.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
+    ctx.progress.set_message(format!("{}, {objects} {what}", ctx.label));
+    Ok((g, j, info))
+}
+
+/// The groups a pack of rows met: their statistics, skips (group, what, why), input bytes,
+/// dedupe keys and shards (group, index in group, shard), put together.
+pub(crate) fn rows_out(
+    stats: BTreeMap<u64, GroupStat>,
+    skips: Vec<(u64, String, String)>,
+    read_bytes: BTreeMap<u64, u64>,
+    dedupe_keys: BTreeMap<u64, Vec<u64>>,
+    mut done: Vec<(u64, u64, ShardInfo)>,
+) -> BTreeMap<u64, GroupOut> {
     let mut out: BTreeMap<u64, GroupOut> = stats.into_iter().map(|(g, s)| (g, s.into_out())).collect();
     for (g, what, why) in skips {
         out.entry(g).or_default().skipped.push((what, why));
@@ -1394,7 +1464,7 @@ pub(crate) fn pack_jsonl(
     for (g, _, info) in done {
         out.entry(g).or_default().shards.push(info);
     }
-    Ok(out)
+    out
 }
 
 /// For array column `ac`: reads the `.npy` file (or `FILE.npz#NAME` member) each good row's

@@ -440,7 +440,10 @@ pub fn make_plan(
 ) -> Result<Plan> {
     let gi = opts.group_items;
     let mut groups: Vec<GroupPlan> = Vec::new();
-    let items = if layout.kind == SourceKind::Jsonl {
+    let items = if layout.kind.is_foreign() {
+        let input = super::foreign::ForeignInput::open(src, rt, layout.kind)?;
+        plan_foreign(&input, gi, progress, &mut groups)?
+    } else if layout.kind == SourceKind::Jsonl {
         let mut reader = src.file_reader(rt, 0)?;
         let (mut offset, mut pos) = (0u64, 0u64);
         let mut stat = GroupStat::default();
@@ -493,6 +496,34 @@ pub fn make_plan(
     };
     plan.id = plan.compute_id();
     Ok(plan)
+}
+
+/// The groups of a foreign input: each `gi` samples in its order, named and hashed as
+/// [`super::foreign::pack_rows`] names them. Returns the inputs in all.
+fn plan_foreign(
+    input: &super::foreign::ForeignInput,
+    gi: u64,
+    progress: &indicatif::ProgressBar,
+    groups: &mut Vec<GroupPlan>,
+) -> Result<u64> {
+    let items = input.items();
+    for g in 0..items.div_ceil(gi) {
+        let mut stat = GroupStat::default();
+        for p in g * gi..((g + 1) * gi).min(items) {
+            let (name, label) = input.name_of(p);
+            stat.add(name.as_bytes(), p, || label);
+        }
+        let out = stat.into_out();
+        progress.inc(out.items);
+        groups.push(GroupPlan {
+            after: None,
+            offset: Some(g * gi),
+            first: out.first,
+            items: out.items,
+            hash: format!("{:016x}", out.hash),
+        });
+    }
+    Ok(items)
 }
 
 /// The groups of a listed input ([`super::Units`]): the loose names first, then each unit,
@@ -698,6 +729,10 @@ pub fn pack_task(
     let layout = plan.layout()?;
     let groups = plan.slice(tasks, task);
     let label = format!("pack task {task}/{tasks}");
+    let input = match layout.kind.is_foreign() {
+        true => Some(super::foreign::ForeignInput::open(&source, &rt, layout.kind)?),
+        false => None,
+    };
     let ctx = Ctx {
         src: &source,
         dst: &store,
@@ -736,7 +771,9 @@ pub fn pack_task(
             }
             None => {
                 let gp = &plan.groups[g as usize];
-                let mut out = if layout.kind == SourceKind::Jsonl {
+                let mut out = if let Some(input) = &input {
+                    super::foreign::pack_rows(&ctx, input, g * gi, Some(gp.items))?
+                } else if layout.kind == SourceKind::Jsonl {
                     let offset = gp.offset.unwrap_or(0);
                     pack_jsonl(&ctx, source.file_reader(&rt, offset)?, g * gi, Some(gp.items))?
                 } else {
@@ -946,10 +983,11 @@ pub fn merge(
         let by = super::dedupe::DedupeBy::resolve(
             by,
             &layout.schema,
-            plan.options
-                .image_column
-                .as_deref()
-                .or((layout.kind != SourceKind::Jsonl).then_some("image")),
+            match layout.kind {
+                k if k.is_foreign() => layout.meta.get("image_column").and_then(Json::as_str),
+                SourceKind::Jsonl => plan.options.image_column.as_deref(),
+                _ => Some("image"),
+            },
         )?;
         pass.finish(by.name(), &store, &rt, &mut meta)?;
     }
