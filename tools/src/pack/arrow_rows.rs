@@ -412,3 +412,64 @@ fn bytes_at(a: &ArrayRef, i: usize) -> std::result::Result<&[u8], String> {
         other => return Err(format!("{other} is not binary")),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::{BinaryArray, Int32Array, ListArray, StringArray, StructArray};
+    use arrow_schema::{Field, Fields};
+
+    use super::*;
+
+    fn image_struct(bytes: Vec<Option<&[u8]>>) -> ArrayRef {
+        let n = bytes.len();
+        let fields = Fields::from(vec![
+            Field::new("bytes", DataType::Binary, true),
+            Field::new("path", DataType::Utf8, true),
+        ]);
+        let cols: Vec<ArrayRef> = vec![
+            Arc::new(BinaryArray::from_opt_vec(bytes)),
+            Arc::new(StringArray::from(vec![Some("a.jpg"); n])),
+        ];
+        Arc::new(StructArray::new(fields, cols, None))
+    }
+
+    #[test]
+    fn hugging_faces_image_struct_is_bytes_and_other_structs_and_lists_are_refused() {
+        let img = image_struct(vec![Some(b"\xff\xd8x"), None]);
+        assert_eq!(kind_of(img.data_type()).unwrap(), Kind::Image);
+        assert!(matches!(value(Kind::Image, false, &img, 0), Ok(Value::Bytes(b)) if b == b"\xff\xd8x"));
+        assert!(value(Kind::Image, false, &img, 1).unwrap_err().contains("only a path"));
+        let other = DataType::Struct(Fields::from(vec![Field::new("x", DataType::Int32, true)]));
+        assert!(kind_of(&other).unwrap_err().contains("struct"));
+        let strings = DataType::List(Arc::new(Field::new("item", DataType::Utf8, true)));
+        assert!(kind_of(&strings).unwrap_err().contains("lists of numbers"));
+        let dict = DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8));
+        assert!(kind_of(&dict).unwrap_err().contains("not read"));
+    }
+
+    #[test]
+    fn nulls_are_stored_only_where_the_column_holds_them_and_lists_become_arrays() {
+        let ints: ArrayRef = Arc::new(Int32Array::from(vec![Some(7), None]));
+        assert!(matches!(value(Kind::Int, true, &ints, 0), Ok(Value::Int64(7))));
+        assert!(matches!(value(Kind::Int, true, &ints, 1), Ok(Value::Int64(NULL_INT64))));
+        assert!(value(Kind::Int, false, &ints, 1).unwrap_err().contains("null"));
+        let s: ArrayRef = Arc::new(StringArray::from(vec![Some("a\"b"), None]));
+        assert!(matches!(value(Kind::StrOrNull, false, &s, 0), Ok(Value::Json(j)) if j == r#""a\"b""#));
+        assert!(matches!(value(Kind::StrOrNull, false, &s, 1), Ok(Value::Json(j)) if j == "null"));
+        let lists: ArrayRef = Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(vec![
+            Some(vec![Some(1), Some(-2)]),
+            Some(vec![Some(3), None]),
+        ]));
+        assert_eq!(kind_of(lists.data_type()).unwrap(), Kind::List(Dtype::I32));
+        let Ok(Value::Array(a)) = value(Kind::List(Dtype::I32), false, &lists, 0) else {
+            panic!("a list of ints is an array")
+        };
+        assert_eq!(a.shape, vec![2]);
+        assert_eq!(a.data, [1i32.to_le_bytes(), (-2i32).to_le_bytes()].concat());
+        assert!(value(Kind::List(Dtype::I32), false, &lists, 1)
+            .unwrap_err()
+            .contains("element 1"));
+    }
+}
