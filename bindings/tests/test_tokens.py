@@ -384,3 +384,24 @@ def test_a_split_tokenizer_pack_equals_one_pack_and_every_task_must_tokenize(cor
     out = fails("pack", str(tmp_path / "d.jsonl"), split, "--tokenizer", str(other), "--shard-size", "8KiB",
                 "--group-size", "40", "--tasks", "3", "--task", "1")
     assert "checksum" in out
+
+
+def test_close_stops_the_stream_and_keeps_the_position(corpus):
+    """close() (and leaving a with block) lets the token stream go; state_dict is the same
+    before and after, and iterating again yields the rest of the epoch: the same windows an
+    uninterrupted epoch yields. After a whole epoch, close() keeps the next epoch's start."""
+    url, _, _ = corpus
+    make = lambda: ramjet.TokenDataset(url, seq_len=32, batch_size=4, seed=5, eos=0)  # noqa: E731
+    full = [r for b in make() for r in b["tokens"].tolist()]
+    with make() as ds:
+        assert url in repr(ds) and "seq_len=32" in repr(ds) and "open=False" in repr(ds), repr(ds)
+        it = iter(ds)
+        head = [r for _ in range(3) for r in next(it)["tokens"].tolist()]
+        state = ds.state_dict()
+        assert "open=True" in repr(ds)
+    assert "open=False" in repr(ds) and ds.state_dict() == state
+    tail = [r for b in ds for r in b["tokens"].tolist()]
+    assert head + tail == full
+    ds.close()
+    ds.close()  # twice is harmless
+    assert ds.epoch == 1 and ds.state_dict() == {"kind": "tokens", "epoch": 1, "fresh": True}

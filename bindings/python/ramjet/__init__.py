@@ -1186,6 +1186,7 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
         # Opened here, not at the first next(): a consumer that takes no batch still has its
         # position (its first window located) for state_dict.
         self._stream = _ramjet.TokenStream(self._config())
+        self._finished = False
         return self._batches(self._stream)
 
     def _batches(self, stream: Any) -> Iterator[Dict[str, Any]]:
@@ -1197,6 +1198,35 @@ class TokenDataset(_Base):  # type: ignore[misc,valid-type]
         # The epoch is over for this consumer: the next iteration reads the next one.
         self._epoch += 1
         self._resume = None
+        self._finished = True
+
+    def close(self) -> None:
+        """Stops this process's token stream (its thread and the shards it holds). The position
+        is kept: iterating again goes on from it, and :meth:`state_dict` says the same before
+        and after (so under torch.distributed every rank closes at the same step, as every rank
+        takes a state). Inside a DataLoader worker, or in a forked child, the stream is only
+        let go (a worker's own state does not restore alone; the parent's is left alone)."""
+        if self._stream is None or self._pid != os.getpid():
+            return
+        in_worker = torch is not None and torch.utils.data.get_worker_info() is not None
+        if getattr(self, "_finished", False) or in_worker:
+            self._stream = None
+            return
+        state = self.state_dict()
+        self._stream = None
+        self.load_state_dict(state)
+
+    def __enter__(self) -> "TokenDataset":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        urls = [s.remote for s in self.streams]
+        return (f"TokenDataset({urls[0] if len(urls) == 1 else urls!r}, seq_len={self.seq_len}, "
+                f"batch_size={self.batch_size}, eos={self.eos}, epoch={self._epoch}, "
+                f"open={self._stream is not None})")
 
     def _convert(self, got: Dict[str, Any]) -> Dict[str, Any]:
         out: Dict[str, Any] = {}

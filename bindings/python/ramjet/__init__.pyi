@@ -227,6 +227,10 @@ class TokenDataset:
         """This consumer's own position (JSON), for :meth:`combine_states`."""
     def combine_states(self, states: Sequence[str]) -> Dict[str, Any]:
         """The job's state from every consumer's own."""
+    def close(self) -> None:
+        """Stops the token stream; the position is kept (iterating again goes on from it)."""
+    def __enter__(self) -> "TokenDataset": ...
+    def __exit__(self, *exc: Any) -> None: ...
 
 def init(
     cache_dir: Optional[str] = None,
