@@ -168,7 +168,8 @@ def test_what_cannot_be_packed_is_refused_by_name(pq, damaged, tmp_path):
     d, _ = damaged
     cases = [
         ([str(d / "dict")], "a DatasetDict saved with save_to_disk: pack one split's folder"),
-        ([str(out / "pa"), "--tokenizer", str(out / "expected.json")], "--tokenizer"),
+        ([str(out / "pa"), "--column", "label:int32"], "--column"),
+        ([str(out / "pa"), "--tokenizer", str(out / "expected.json")], "not a tokenizer.json"),
         ([str(out / "pa"), "--image-column", "label"], 'column "label"'),
         ([str(out / "pa"), "--image-column", "nope"], 'no column "nope"'),
         ([str(out / "hf"), "--format", "litdata"], "--format litdata, but it reads as parquet"),
@@ -197,3 +198,28 @@ def test_mosaicmls_mds_packs_to_what_it_reads_as_in_place(mds, tmp_path):
     meta = json.loads((tmp_path / "quick/manifest.json").read_text())["meta"]
     assert meta["image_column"] == "img" and meta["packed_from"]["format"] == "mds"
     assert all([s["width"], s["height"]] == [48, 32] for s in rows(str(tmp_path / "quick")))
+
+
+@pytest.mark.parametrize("folder", ["hf", "saved"])
+def test_a_text_column_is_tokenized_as_a_jsonl_one_is(pq, tmp_path, folder):
+    """--tokenizer over a Parquet or save_to_disk text column: the tokens of each caption, in
+    its place, as the tokenizer itself encodes it; the images beside them as written."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out, want = pq
+    captions = [v["caption"] for v in want["hf"].values()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(captions, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    run("pack", str(out / folder), str(tmp_path / "t"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+        "--text-column", "caption")
+    got = rows(str(tmp_path / "t"))
+    assert len(got) == len(captions)
+    for i, s in enumerate(got):
+        assert s["tokens"].tolist() == tok.encode(want["hf"][str(i)]["caption"]).ids
+        assert s["image"].hex() == want["hf"][str(i)]["image"] and "caption" not in s
+    meta = json.loads((tmp_path / "t/manifest.json").read_text())["meta"]
+    assert meta["tokenizer"]["text_column"] == "caption" and meta["tokenizer"]["eos_token"] == "<|endoftext|>"

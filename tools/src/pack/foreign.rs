@@ -258,11 +258,17 @@ pub fn layout(src: &Source, input: &ForeignInput, kind: SourceKind, opts: &PackO
             meta.insert("jpeg_restart_px".into(), Json::from(JPEG_RESTART_PX));
         }
     }
-    Ok(Layout {
-        kind,
-        schema: Schema::from_columns(cols)?,
-        meta,
-    })
+    let schema = Schema::from_columns(cols)?;
+    let schema = match &opts.tokenizer {
+        None => schema,
+        Some(path) => {
+            let tok = super::tokens::Tok::load(path)?;
+            let (schema, info) = super::tokens::tokenized_schema(&schema, &opts.text_column, &tok, &src.display)?;
+            meta.insert("tokenizer".into(), info);
+            schema
+        }
+    };
+    Ok(Layout { kind, schema, meta })
 }
 
 /// The input's image column: `--image-column` (a bytes column), else the column named `image`
@@ -347,18 +353,27 @@ fn row_values(ctx: &Ctx, mut vals: Vec<Value>, what: &str) -> Result<(Vec<Value>
 /// bytes are returned beside them.
 type Rows = (Vec<(u64, Result<(Vec<Value>, u64)>)>, u64);
 
-fn read_rows(ctx: &Ctx, input: &ForeignInput, s: usize, rows: std::ops::Range<u64>) -> Result<Rows> {
+fn read_rows(
+    ctx: &Ctx,
+    input: &ForeignInput,
+    tokenize: Option<&super::tokens::Tokenize>,
+    s: usize,
+    rows: std::ops::Range<u64>,
+) -> Result<Rows> {
     let got = input.unit_rows(ctx, s, rows.clone())?;
     let (start, key) = (input.starts[s], &input.units[s].key);
-    let made = got
+    let what = |r: usize| ctx.src.name(&format!("{key} row {r}"));
+    let mut made: Vec<Result<(Vec<Value>, u64)>> = got
         .into_par_iter()
         .enumerate()
-        .map(|(k, vals)| {
-            let r = rows.start + k as u64;
-            let what = ctx.src.name(&format!("{key} row {r}"));
-            (start + r, vals.and_then(|v| row_values(ctx, v, &what)))
-        })
+        .map(|(k, vals)| vals.and_then(|v| row_values(ctx, v, &what(rows.start as usize + k))))
         .collect();
+    if let Some(t) = tokenize {
+        // The tokenizer's batch names a row by its number in the unit.
+        let names: Vec<(usize, String)> = rows.clone().map(|r| (r as usize, String::new())).collect();
+        t.apply(&names, &mut made, &what);
+    }
+    let made = rows.map(|r| start + r).zip(made).collect();
     Ok((made, input.units[s].bytes))
 }
 
@@ -376,6 +391,7 @@ pub(crate) fn pack_rows(
 ) -> Result<BTreeMap<u64, GroupOut>> {
     let gi = ctx.opts.group_items;
     let schema = &ctx.layout.schema;
+    let tokenize = super::tokens::Tokenize::of(ctx)?;
     let end = limit.map_or(input.items(), |n| (first_pos + n).min(input.items()));
     let mut stats: BTreeMap<u64, GroupStat> = BTreeMap::new();
     for p in first_pos..end {
@@ -391,7 +407,7 @@ pub(crate) fn pack_rows(
             let (mut builder, mut acc, mut cur, mut j): (Option<ShardBuilder>, u64, u64, u64) =
                 (None, 0, first_pos / gi, 0);
             for (s, rows) in input.spans(first_pos, end) {
-                let (made, bytes) = match read_rows(ctx, input, s, rows.clone()) {
+                let (made, bytes) = match read_rows(ctx, input, tokenize.as_ref(), s, rows.clone()) {
                     Ok(m) => m,
                     Err(e) if ctx.opts.skip_bad => {
                         let a = input.starts[s] + rows.start;

@@ -470,17 +470,12 @@ pub fn layout(src: &Source, rt: &tokio::runtime::Runtime, opts: &PackOptions) ->
     };
     let dirs = top.map(|t| t.0);
     if kind.is_foreign() {
-        for (flag, set) in [
-            ("--column", !opts.column_types.is_empty()),
-            ("--tokenizer", opts.tokenizer.is_some()),
-        ] {
-            if set {
-                let why = format!(
-                    "a {} input's columns are typed by its files, and are packed as read",
-                    kind.name()
-                );
-                return Err(Error::invalid(flag, why));
-            }
+        if !opts.column_types.is_empty() {
+            let why = format!(
+                "a {} input's columns are typed by its files, and are packed as read",
+                kind.name()
+            );
+            return Err(Error::invalid("--column", why));
         }
         let input = foreign::ForeignInput::open(src, rt, kind)?;
         return foreign::layout(src, &input, kind, opts);
