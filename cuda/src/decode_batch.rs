@@ -292,7 +292,7 @@ impl<A: Api, D: Device> Stage<A, D> {
         images: &[Image<'_>],
         host: &[u8],
         source_bytes: usize,
-        cpu: &mut dyn FnMut(usize) -> Result<Vec<u8>, String>,
+        cpu: &mut dyn FnMut(usize) -> Result<Vec<u8>, ramjet_engine::Invalid>,
         p: &Params,
         skip: bool,
     ) -> Result<Decoded<D::Mem, D::Event>, StageError> {
@@ -387,7 +387,7 @@ impl<A: Api, D: Device> Stage<A, D> {
         images: &[Image<'_>],
         host: &[u8],
         source: &PoolBuf<D::Mem>,
-        cpu: &mut dyn FnMut(usize) -> Result<Vec<u8>, String>,
+        cpu: &mut dyn FnMut(usize) -> Result<Vec<u8>, ramjet_engine::Invalid>,
     ) -> Result<Placed, StageError> {
         let base = source.addr();
         let mut route_of: Vec<Route> = images.iter().map(|i| i.route).collect();
@@ -595,7 +595,7 @@ pub fn run_source_batch<A: Api, D: Device>(
     let images = images_of(sb);
     let p = params_of(spec);
     let mut scratch = ramjet_engine::image::Scratch::default();
-    let mut cpu = |k: usize| -> Result<Vec<u8>, String> {
+    let mut cpu = |k: usize| -> Result<Vec<u8>, ramjet_engine::Invalid> {
         let g = sb.plan.images[k].geometry.ok_or("no geometry")?;
         // The CPU decodes the region at the CPU path's scale where the GPU's cannot be had.
         let mut out = vec![0u8; sb.plan.images[k].source_len()];

@@ -76,7 +76,7 @@ impl Batch {
     }
 }
 
-fn cpu_pixels<'a>(images: &'a [Image<'a>]) -> impl FnMut(usize) -> Result<Vec<u8>, String> + 'a {
+fn cpu_pixels<'a>(images: &'a [Image<'a>]) -> impl FnMut(usize) -> Result<Vec<u8>, ramjet_engine::Invalid> + 'a {
     move |k| {
         let im = &images[k];
         if !im.data.starts_with(&[0xFF, 0xD8]) {

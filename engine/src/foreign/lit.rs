@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::Value as Json;
 
 use super::mds::{Index, IndexFile, IndexShard};
-use crate::error::{Error, Result};
+use crate::error::{Error, Invalid, Result};
 
 /// LitData's `index.json`.
 #[derive(Debug, Deserialize)]
@@ -43,7 +43,7 @@ struct LitConfig {
 }
 
 /// The MDS encoding a LitData field format is read as (the same bytes), or why it is refused.
-fn encoding(format: &str) -> std::result::Result<String, String> {
+fn encoding(format: &str) -> std::result::Result<String, Invalid> {
     let (name, arg) = format.split_once(':').unwrap_or((format, ""));
     let dtype = || {
         arg.parse::<usize>()
@@ -60,13 +60,13 @@ fn encoding(format: &str) -> std::result::Result<String, String> {
         "numpy" => "litdata-numpy".into(),
         "no_header_numpy" => format!("litdata-numpy:{}", dtype()?),
         "pickle" => return Err("LitData field \"pickle\" is refused: unpickling runs arbitrary code".into()),
-        other => return Err(format!("LitData field {other:?} is not one ramjet reads")),
+        other => return Err(format!("LitData field {other:?} is not one ramjet reads").into()),
     })
 }
 
 /// The field names: a dict's keys (the pytree spec's context), else `0`, `1`, ... (a tuple
 /// or list), else `value` (one leaf).
-fn names(spec: Option<&str>, fields: usize) -> std::result::Result<Vec<String>, String> {
+fn names(spec: Option<&str>, fields: usize) -> std::result::Result<Vec<String>, Invalid> {
     let positional = || (0..fields).map(|i| i.to_string()).collect();
     let Some(text) = spec else {
         return Ok(if fields == 1 {
@@ -96,7 +96,7 @@ fn names(spec: Option<&str>, fields: usize) -> std::result::Result<Vec<String>, 
                 .ok_or("data_spec: a dict with no keys")?;
             let keys: Vec<String> = serde_json::from_str(ctx).map_err(|e| format!("data_spec keys: {e}"))?;
             if keys.len() != fields {
-                return Err(format!("data_spec names {} keys for {fields} fields", keys.len()));
+                return Err(format!("data_spec names {} keys for {fields} fields", keys.len()).into());
             }
             Ok(keys)
         }
@@ -139,8 +139,8 @@ pub fn as_mds_index(bytes: &[u8], object: &str) -> Result<Option<Index>> {
         .iter()
         .map(|f| encoding(f))
         .collect::<std::result::Result<_, _>>()
-        .map_err(bad)?;
-    let names = names(c.data_spec.as_deref(), encodings.len()).map_err(bad)?;
+        .map_err(|e| bad(e.to_string()))?;
+    let names = names(c.data_spec.as_deref(), encodings.len()).map_err(|e| bad(e.to_string()))?;
     if ix.chunks.is_empty() {
         return Err(bad("it lists no chunks".into()));
     }

@@ -569,7 +569,7 @@ impl ShardTable {
         }
         let at = shard_table_len(self.count as u64, false);
         let mut r = CountsReader::new(self.count, |b, part: &[u32], brief| {
-            self.check_counts(b, part, brief).err()
+            self.check_counts(b, part, brief).err().map(|why| why.to_string())
         });
         self.reader
             .read_pieces(at..at + 4 * self.count as u64, COUNTS_PIECE_BYTES, &mut |p| r.feed(p))?;
@@ -597,34 +597,34 @@ impl ShardTable {
     /// Block `b`'s part of the counts section, `part` (`brief` its extremes and sum), against
     /// the shard limit, the directory and the block's records when they are held: why it is
     /// refused, if it is.
-    fn check_counts(&self, b: usize, part: &[u32], brief: Brief) -> std::result::Result<(), String> {
+    fn check_counts(&self, b: usize, part: &[u32], brief: Brief) -> std::result::Result<(), Invalid> {
         let lo = b * SHARD_TABLE_BLOCK_RECORDS;
         // A u32 is within the shard limit always (`U32_WITHIN_LIMIT`); 0 is not a shard's count.
         let () = U32_WITHIN_LIMIT;
         if brief.zero {
             let j = part.iter().position(|&c| c == 0).expect("a zero");
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "counts section: shard {} claims 0 samples (from 1 to the shard limit of {})",
                 lo + j,
                 crate::format::SHARD_SAMPLES_MAX
-            ));
+            )));
         }
         let last = b + 1 == self.blocks.len();
         let span = if last { self.samples } else { self.dir(b + 1, 0) } - self.dir(b, 0);
         if brief.sum != span {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "counts section: block {b} (shards {lo}..{}) holds {} samples; the directory says {span}",
                 lo + part.len(),
                 brief.sum
-            ));
+            )));
         }
         if let Some(j) = (0..part.len()).find(|&j| self.uniform_count(lo + j).is_some_and(|u| u != part[j] as u64)) {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "counts section: shard {} holds {} samples; the table's header says {}",
                 lo + j,
                 part[j],
                 self.uniform_count(lo + j).expect("uniform")
-            ));
+            )));
         }
         match self.held_ends(b) {
             Some(ends) => agree(lo, ends, part.iter().copied()),
@@ -721,9 +721,9 @@ impl ShardTable {
             let part = (lo..lo + n)
                 .map(|i| c.get(i))
                 .collect::<std::result::Result<Vec<u32>, _>>();
-            part.map_err(|why| why.to_string())
+            part.map_err(|why| Invalid::from(why.to_string()))
                 .and_then(|part| agree(lo, &t.ends, part.into_iter()))
-                .map_err(|why| self.bad(why))?;
+                .map_err(|why| self.bad(why.to_string()))?;
         }
         Ok(t)
     }
@@ -895,14 +895,14 @@ fn check_uniform(
 
 /// Whether the running counts `ends` of the block whose first shard is `lo` say what the counts
 /// section's `part` says: why not, if they do not.
-fn agree(lo: usize, ends: &[u64], part: impl Iterator<Item = u32>) -> std::result::Result<(), String> {
+fn agree(lo: usize, ends: &[u64], part: impl Iterator<Item = u32>) -> std::result::Result<(), Invalid> {
     for (j, c) in part.enumerate() {
         let n = ends[j] - if j == 0 { 0 } else { ends[j - 1] };
         if n != c as u64 {
-            return Err(format!(
+            return Err(Invalid::from(format!(
                 "shard {}: its record says {n} samples, the counts section {c}: the table was edited or damaged",
                 lo + j
-            ));
+            )));
         }
     }
     Ok(())

@@ -34,12 +34,12 @@ pub enum DecodeMode {
 
 impl DecodeMode {
     /// The mode named `s`, or an error naming the option and the value.
-    pub fn parse(s: &str) -> Result<DecodeMode, String> {
+    pub fn parse(s: &str) -> Result<DecodeMode, crate::error::Invalid> {
         match s {
             "auto" => Ok(DecodeMode::Auto),
             "gpu" => Ok(DecodeMode::Gpu),
             "cpu" => Ok(DecodeMode::Cpu),
-            other => Err(format!("decode={other:?}: expected \"auto\", \"gpu\" or \"cpu\"")),
+            other => Err(format!("decode={other:?}: expected \"auto\", \"gpu\" or \"cpu\"").into()),
         }
     }
 }

@@ -2,8 +2,8 @@
 
 use super::StreamConfig;
 use crate::dataset::Dataset;
-use crate::error::Error;
 use crate::error::Result;
+use crate::error::{Error, Invalid};
 use crate::order::effective_len;
 use crate::order::DealRule;
 use crate::order::EpochProgress;
@@ -136,30 +136,33 @@ impl BucketProgress {
     /// Checks the progress of a consumer that `delivered` of the `dealt` positions dealt to it:
     /// `pending` increasing, starting at `delivered` and below `upto`, `upto <= dealt`, no more
     /// batches yielded than the epoch has. A saved state can be edited: a bad one is refused.
-    pub fn validate(&self, delivered: u64, dealt: u64) -> std::result::Result<(), String> {
+    pub fn validate(&self, delivered: u64, dealt: u64) -> std::result::Result<(), Invalid> {
         if self.upto < delivered || self.upto > dealt {
             return Err(format!(
                 "buckets.upto {} is outside [{delivered}, {dealt}] (delivered, dealt)",
                 self.upto
-            ));
+            )
+            .into());
         }
         if self.pending.first().is_some_and(|&k| k != delivered) {
-            return Err(format!("buckets.pending does not start at delivered {delivered}"));
+            return Err(format!("buckets.pending does not start at delivered {delivered}").into());
         }
         if self.pending.windows(2).any(|w| w[0] >= w[1]) || self.pending.last().is_some_and(|&k| k >= self.upto) {
-            return Err(format!("buckets.pending is not increasing below upto {}", self.upto));
+            return Err(format!("buckets.pending is not increasing below upto {}", self.upto).into());
         }
         if self.pending.is_empty() && self.upto != delivered {
             return Err(format!(
                 "buckets.upto {} with nothing pending is not delivered {delivered}",
                 self.upto
-            ));
+            )
+            .into());
         }
         if self.emitted > self.batches {
             return Err(format!(
                 "buckets.emitted {} is over the epoch's {} batches",
                 self.emitted, self.batches
-            ));
+            )
+            .into());
         }
         Ok(())
     }

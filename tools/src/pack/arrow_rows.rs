@@ -20,7 +20,7 @@ use serde_json::Value as Json;
 
 use ramjet_engine::format::array::{Array, Dtype, Num};
 use ramjet_engine::format::{Column, ColumnType, Schema, Value, NULL_INT64};
-use ramjet_engine::{Error, Result};
+use ramjet_engine::{Error, Invalid, Result};
 
 use super::Source;
 
@@ -252,7 +252,7 @@ fn dtype_of(t: &DataType) -> Option<Dtype> {
 }
 
 /// How a field of type `t` is read, or why not.
-fn kind_of(t: &DataType) -> std::result::Result<Kind, String> {
+fn kind_of(t: &DataType) -> std::result::Result<Kind, Invalid> {
     use DataType as D;
     Ok(match t {
         D::Boolean
@@ -285,13 +285,13 @@ fn kind_of(t: &DataType) -> std::result::Result<Kind, String> {
             Some(d) => Kind::List(d),
             None => return Err("only lists of numbers are read (as arrays)".into()),
         },
-        other => return Err(format!("{other} is not read")),
+        other => return Err(format!("{other} is not read").into()),
     })
 }
 
 /// Row `i` of array `a` as a value of `kind` (`nullable`: an int or float null is stored as the
 /// column's null).
-fn value(kind: Kind, nullable: bool, a: &ArrayRef, i: usize) -> std::result::Result<Value, String> {
+fn value(kind: Kind, nullable: bool, a: &ArrayRef, i: usize) -> std::result::Result<Value, Invalid> {
     if a.is_null(i) {
         return match kind {
             Kind::Int if nullable => Ok(Value::Int64(NULL_INT64)),
@@ -305,7 +305,7 @@ fn value(kind: Kind, nullable: bool, a: &ArrayRef, i: usize) -> std::result::Res
         Kind::Int => {
             let v = int_at(a, i)?;
             if nullable && v == NULL_INT64 {
-                return Err(format!("{v} is the value a null is stored as"));
+                return Err(format!("{v} is the value a null is stored as").into());
             }
             Value::Int64(v)
         }
@@ -332,12 +332,12 @@ fn value(kind: Kind, nullable: bool, a: &ArrayRef, i: usize) -> std::result::Res
                 DataType::List(_) => a.as_list::<i32>().value(i),
                 DataType::LargeList(_) => a.as_list::<i64>().value(i),
                 DataType::FixedSizeList(..) => a.as_fixed_size_list().value(i),
-                other => return Err(format!("{other} is not a list")),
+                other => return Err(format!("{other} is not a list").into()),
             };
             let mut data = Vec::with_capacity(items.len() * d.size());
             for j in 0..items.len() {
                 if items.is_null(j) {
-                    return Err(format!("element {j} of the list is null"));
+                    return Err(format!("element {j} of the list is null").into());
                 }
                 d.push(num_at(&items, j)?, &mut data).map_err(|e| e.to_string())?;
             }
@@ -347,7 +347,7 @@ fn value(kind: Kind, nullable: bool, a: &ArrayRef, i: usize) -> std::result::Res
 }
 
 /// An integer-like value (booleans, dates, times as their stored integers).
-fn int_at(a: &ArrayRef, i: usize) -> std::result::Result<i64, String> {
+fn int_at(a: &ArrayRef, i: usize) -> std::result::Result<i64, Invalid> {
     use DataType as D;
     Ok(match a.data_type() {
         D::Boolean => a.as_boolean().value(i) as i64,
@@ -372,13 +372,13 @@ fn int_at(a: &ArrayRef, i: usize) -> std::result::Result<i64, String> {
         _ => match num_at(a, i)? {
             Num::I(v) => v,
             Num::U(v) => i64::try_from(v).map_err(|_| format!("{v} does not fit int64"))?,
-            Num::F(f) => return Err(format!("{f} is not an integer")),
+            Num::F(f) => return Err(format!("{f} is not an integer").into()),
         },
     })
 }
 
 /// A number of a primitive number array.
-fn num_at(a: &ArrayRef, i: usize) -> std::result::Result<Num, String> {
+fn num_at(a: &ArrayRef, i: usize) -> std::result::Result<Num, Invalid> {
     use DataType as D;
     Ok(match a.data_type() {
         D::Int8 => Num::I(a.as_primitive::<Int8Type>().value(i) as i64),
@@ -392,24 +392,24 @@ fn num_at(a: &ArrayRef, i: usize) -> std::result::Result<Num, String> {
         D::Float16 => Num::F(a.as_primitive::<Float16Type>().value(i).to_f64()),
         D::Float32 => Num::F(a.as_primitive::<Float32Type>().value(i) as f64),
         D::Float64 => Num::F(a.as_primitive::<Float64Type>().value(i)),
-        other => return Err(format!("{other} is not a number")),
+        other => return Err(format!("{other} is not a number").into()),
     })
 }
 
-fn str_at(a: &ArrayRef, i: usize) -> std::result::Result<&str, String> {
+fn str_at(a: &ArrayRef, i: usize) -> std::result::Result<&str, Invalid> {
     Ok(match a.data_type() {
         DataType::Utf8 => a.as_string::<i32>().value(i),
         DataType::LargeUtf8 => a.as_string::<i64>().value(i),
-        other => return Err(format!("{other} is not a string")),
+        other => return Err(format!("{other} is not a string").into()),
     })
 }
 
-fn bytes_at(a: &ArrayRef, i: usize) -> std::result::Result<&[u8], String> {
+fn bytes_at(a: &ArrayRef, i: usize) -> std::result::Result<&[u8], Invalid> {
     Ok(match a.data_type() {
         DataType::Binary => a.as_binary::<i32>().value(i),
         DataType::LargeBinary => a.as_binary::<i64>().value(i),
         DataType::FixedSizeBinary(_) => a.as_fixed_size_binary().value(i),
-        other => return Err(format!("{other} is not binary")),
+        other => return Err(format!("{other} is not binary").into()),
     })
 }
 

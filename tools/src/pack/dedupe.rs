@@ -161,12 +161,15 @@ pub fn keys_to_hex(keys: &[u64]) -> String {
 }
 
 /// [`keys_to_hex`]'s inverse.
-pub fn keys_from_hex(s: &str) -> std::result::Result<Vec<u64>, String> {
+pub fn keys_from_hex(s: &str) -> std::result::Result<Vec<u64>, ramjet_engine::Invalid> {
     if s.len() % 16 != 0 || !s.is_ascii() {
         return Err("dedupe keys are not 16 hex digits each".into());
     }
     (0..s.len() / 16)
-        .map(|i| u64::from_str_radix(&s[i * 16..i * 16 + 16], 16).map_err(|e| format!("dedupe key {i}: {e}")))
+        .map(|i| {
+            u64::from_str_radix(&s[i * 16..i * 16 + 16], 16)
+                .map_err(|e| ramjet_engine::Invalid::from(format!("dedupe key {i}: {e}")))
+        })
         .collect()
 }
 

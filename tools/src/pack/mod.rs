@@ -1233,7 +1233,10 @@ fn with_column_types(schema: Schema, given: &[String], what: &str) -> Result<Sch
 
 /// A JSON value (a number, or nested lists of numbers) as an array of `spec`'s dtype, checked
 /// against its shape.
-fn json_array(v: &Json, spec: &ramjet_engine::format::array::ArraySpec) -> std::result::Result<Array, String> {
+fn json_array(
+    v: &Json,
+    spec: &ramjet_engine::format::array::ArraySpec,
+) -> std::result::Result<Array, ramjet_engine::Invalid> {
     use ramjet_engine::format::array::{Dims, Num};
     let dtype = spec.dtype.expect("a packed array column has a dtype");
     // The shape from the first element at each depth; every list must agree.
@@ -1260,7 +1263,7 @@ fn json_array(v: &Json, spec: &ramjet_engine::format::array::ArraySpec) -> std::
         shape: &[u64],
         dtype: ramjet_engine::format::array::Dtype,
         out: &mut Vec<u8>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ramjet_engine::Invalid> {
         if depth == shape.len() {
             let n = match v {
                 Json::Number(n) => {
@@ -1272,9 +1275,9 @@ fn json_array(v: &Json, spec: &ramjet_engine::format::array::ArraySpec) -> std::
                         Num::F(n.as_f64().ok_or("a number out of range")?)
                     }
                 }
-                other => return Err(format!("{other} is not a number")),
+                other => return Err(format!("{other} is not a number").into()),
             };
-            return dtype.push(n, out).map_err(|e| e.to_string());
+            return dtype.push(n, out);
         }
         match v {
             Json::Array(items) if items.len() as u64 == shape[depth] => {
@@ -1284,13 +1287,14 @@ fn json_array(v: &Json, spec: &ramjet_engine::format::array::ArraySpec) -> std::
                 "a ragged list: axis {depth} is {} long here, {} in the first",
                 items.len(),
                 shape[depth]
-            )),
-            other => Err(format!("{other} where axis {depth} expects a list")),
+            )
+            .into()),
+            other => Err(format!("{other} where axis {depth} expects a list").into()),
         }
     }
     walk(v, 0, &shape, dtype, &mut data)?;
     spec.check(dtype, &shape).map_err(|e| e.to_string())?;
-    Array::new(dtype, shape, data).map_err(|e| e.to_string())
+    Array::new(dtype, shape, data)
 }
 
 /// JSONL input read and parsed together (in parallel) before it is packed in line order.

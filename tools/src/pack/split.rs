@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
 use ramjet_engine::format::{Manifest, Schema, ShardInfo, ShardTableBuilder, MANIFEST_NAME};
-use ramjet_engine::{Error, Result, Store};
+use ramjet_engine::{Error, Invalid, Result, Store};
 
 use super::{
     layout, open_dst, pack_files, pack_jsonl, put_manifest, put_table_and, runtime, Ctx, GroupOut, GroupStat, Layout,
@@ -335,29 +335,24 @@ impl Part {
     }
 
     /// Reads and checks group `g`'s part of `plan`: why it is unsound, if it is.
-    fn parse(b: &[u8], plan: &Plan, g: u64) -> std::result::Result<Part, String> {
+    fn parse(b: &[u8], plan: &Plan, g: u64) -> std::result::Result<Part, Invalid> {
         let p: Part = serde_json::from_slice(b).map_err(|e| format!("not a part: {e}"))?;
         if p.part_format != PART_FORMAT {
-            return Err(format!(
-                "part format {} (this ramjet reads {PART_FORMAT})",
-                p.part_format
-            ));
+            return Err(format!("part format {} (this ramjet reads {PART_FORMAT})", p.part_format).into());
         }
         if p.compute_checksum() != p.checksum {
             return Err("its checksum does not match its content: the part was edited or damaged".into());
         }
         if p.plan != plan.id {
-            return Err(format!(
-                "it follows plan {}, not this destination's plan {}",
-                p.plan, plan.id
-            ));
+            return Err(format!("it follows plan {}, not this destination's plan {}", p.plan, plan.id).into());
         }
         let gp = &plan.groups[g as usize];
         if p.group != g || p.items != gp.items || p.hash != gp.hash {
             return Err(format!(
                 "it describes group {} ({} inputs), not group {g} ({} inputs)",
                 p.group, p.items, gp.items
-            ));
+            )
+            .into());
         }
         let gi = plan.options.group_items;
         let keys = g * gi..(g + 1) * gi;
@@ -368,7 +363,7 @@ impl Part {
                 .and_then(|r| r.split('-').next())
                 .and_then(|k| k.parse::<u64>().ok());
             if !k.is_some_and(|k| keys.contains(&k)) {
-                return Err(format!("shard {:?} is not one of group {g}'s keys", s.key));
+                return Err(format!("shard {:?} is not one of group {g}'s keys", s.key).into());
             }
         }
         if p.shards.iter().map(|s| s.samples).sum::<u64>() != p.samples {
@@ -827,7 +822,7 @@ pub fn pack_task(
 }
 
 /// A part read and checked, or why it is unsound.
-type Checked = std::result::Result<Part, String>;
+type Checked = std::result::Result<Part, Invalid>;
 
 /// Parts fetched and checked together by a merge.
 const MERGE_WINDOW: usize = 1024;
@@ -920,7 +915,7 @@ pub fn merge(
         for (g, p) in parsed {
             match p? {
                 None => missing.push(g),
-                Some(Err(why)) => damaged.push((g, why)),
+                Some(Err(why)) => damaged.push((g, why.to_string())),
                 Some(Ok(p)) => parts.push(p),
             }
         }

@@ -130,21 +130,22 @@ impl Inner {
     }
 
     /// A member's summary over the peer channel, within [`SUMMARY_TIMEOUT`].
-    async fn peer_summary(&self, peer: &str) -> Result<NodeSummary, String> {
+    async fn peer_summary(&self, peer: &str) -> crate::error::Result<NodeSummary> {
+        let fail = |why: String| crate::error::Error::peer(peer, why);
         let ask = async {
             let mut ch = crate::peer::connect(&self.link, peer)
                 .await
-                .map_err(|e| e.to_string())?;
-            ch.send(&Msg::SummaryRequest).await.map_err(|e| e.to_string())?;
-            match ch.recv().await.map_err(|e| e.to_string())? {
+                .map_err(|e| fail(e.to_string()))?;
+            ch.send(&Msg::SummaryRequest).await.map_err(|e| fail(e.to_string()))?;
+            match ch.recv().await.map_err(|e| fail(e.to_string()))? {
                 Msg::Summary(s) => Ok(*s),
-                Msg::Fail { message } => Err(message),
-                m => Err(format!("unexpected reply {m:?}")),
+                Msg::Fail { message } => Err(fail(message)),
+                m => Err(fail(format!("unexpected reply {m:?}"))),
             }
         };
         match tokio::time::timeout(SUMMARY_TIMEOUT, ask).await {
             Ok(r) => r,
-            Err(_) => Err(format!("no answer within {SUMMARY_TIMEOUT:?}")),
+            Err(_) => Err(fail(format!("no answer within {SUMMARY_TIMEOUT:?}"))),
         }
     }
 
@@ -223,7 +224,11 @@ impl Inner {
                     NodeView {
                         name,
                         state: "down".into(),
-                        error: Some(e),
+                        // The node is named beside it: the reason alone.
+                        error: Some(match e {
+                            crate::error::Error::Peer { reason, .. } => reason,
+                            other => other.to_string(),
+                        }),
                         summary: None,
                     }
                 }

@@ -43,35 +43,35 @@ fn cut(s: &mut String) {
 
 /// Whether a heartbeat's figures are sane (finite, shares in [0, 1]); one that is not is
 /// refused whole, naming the field.
-fn check(b: &Heartbeat) -> Result<(), String> {
+fn check(b: &Heartbeat) -> Result<(), crate::error::Error> {
     let share = |what: &str, v: f64| {
         if v.is_finite() && (0.0..=1.0 + 1e-9).contains(&v) {
             Ok(())
         } else {
-            Err(format!(
+            Err(crate::error::Error::Invalid(format!(
                 "heartbeat of {:?}: {what} {v} is not a share in [0, 1]",
                 b.consumer
-            ))
+            )))
         }
     };
     share("data_wait_share", b.data_wait_share)?;
     if let Some(n) = b.node.filter(|&n| n >= b.world.max(1)) {
         // A job's nodes are at most its ranks: another daemon would look for a node that
         // cannot exist (a split shard's reader).
-        return Err(format!(
+        return Err(crate::error::Error::Invalid(format!(
             "heartbeat of {:?}: node {n} of a job of {} ranks",
             b.consumer, b.world
-        ));
+        )));
     }
     for (k, v) in &b.split {
         share(k, *v)?;
     }
     if b.split.len() > 16 {
-        return Err(format!(
+        return Err(crate::error::Error::Invalid(format!(
             "heartbeat of {:?}: {} parts in its split",
             b.consumer,
             b.split.len()
-        ));
+        )));
     }
     for (what, v) in [
         ("samples_per_s", b.samples_per_s),
@@ -79,14 +79,14 @@ fn check(b: &Heartbeat) -> Result<(), String> {
         ("step_s", b.step_s),
     ] {
         if !v.is_finite() || v < 0.0 {
-            return Err(format!(
+            return Err(crate::error::Error::Invalid(format!(
                 "heartbeat of {:?}: {what} {v} is not a finite figure >= 0",
                 b.consumer
-            ));
+            )));
         }
     }
     if b.consumer.is_empty() {
-        return Err("heartbeat without a consumer name".into());
+        return Err(crate::error::Error::Invalid("heartbeat without a consumer name".into()));
     }
     Ok(())
 }
@@ -142,7 +142,7 @@ impl Jobs {
     }
 
     /// Records one heartbeat (refused, with the reason, when its figures are not sane).
-    pub fn beat(&self, mut b: Heartbeat) -> Result<(), String> {
+    pub fn beat(&self, mut b: Heartbeat) -> Result<(), crate::error::Error> {
         check(&b)?;
         for s in [&mut b.consumer, &mut b.job, &mut b.dataset] {
             cut(s);
@@ -264,13 +264,17 @@ mod tests {
         assert_eq!(c.history.len(), JOB_HISTORY_MAX);
         let mut bad = beat("x");
         bad.data_wait_share = f64::NAN;
-        assert!(j.beat(bad).unwrap_err().contains("data_wait_share"));
+        assert!(j.beat(bad).unwrap_err().to_string().contains("data_wait_share"));
         let mut bad = beat("x");
         bad.split.insert("origin".into(), 7.0);
-        assert!(j.beat(bad).unwrap_err().contains("origin"));
+        assert!(j.beat(bad).unwrap_err().to_string().contains("origin"));
         let mut bad = beat("x");
         (bad.world, bad.node) = (4, Some(4));
-        assert!(j.beat(bad).unwrap_err().contains("node 4 of a job of 4 ranks"));
+        assert!(j
+            .beat(bad)
+            .unwrap_err()
+            .to_string()
+            .contains("node 4 of a job of 4 ranks"));
         let mut fine = beat("x");
         (fine.world, fine.node) = (4, Some(3));
         j.beat(fine).unwrap();

@@ -290,7 +290,7 @@ async fn local_requests(inner: &Arc<Inner>, mut s: UnixStream, held: &mut u32) -
                             (false, None) => Msg::Ok,
                         }
                     }
-                    Err(message) => Msg::Fail { message },
+                    Err(e) => Msg::Fail { message: e.to_string() },
                 };
                 wire::write_msg(&mut s, &reply).await?;
             }

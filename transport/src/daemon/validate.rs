@@ -41,7 +41,7 @@ impl Inner {
             // folder must not serve what lies outside it.
             let real = match real_file_url(manifest_url) {
                 Ok(u) => u,
-                Err(why) => return bad(&why),
+                Err(why) => return bad(why.reason()),
             };
             let under = |p: &String| {
                 let p = real_file_url(p).unwrap_or_else(|_| p.clone());
@@ -148,7 +148,7 @@ impl Inner {
 /// `url` with its path resolved when it is a `file://` URL (symbolic links followed, as
 /// `realpath` does); any other URL as it is. A local path that cannot be resolved (missing) is
 /// an error saying so.
-fn real_file_url(url: &str) -> Result<String, String> {
+fn real_file_url(url: &str) -> Result<String, ramjet_engine::Invalid> {
     let Some(path) = url.strip_prefix("file://") else {
         return Ok(url.to_owned());
     };
