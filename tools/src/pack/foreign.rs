@@ -404,8 +404,7 @@ pub(crate) fn pack_rows(
     let done = with_workers(
         |(g, j, b): (u64, u64, ShardBuilder)| put_built(ctx, g, j, b, "samples"),
         |send| {
-            let (mut builder, mut acc, mut cur, mut j): (Option<ShardBuilder>, u64, u64, u64) =
-                (None, 0, first_pos / gi, 0);
+            let mut filling = super::Filling::new(first_pos / gi);
             for (s, rows) in input.spans(first_pos, end) {
                 let (made, bytes) = match read_rows(ctx, input, tokenize.as_ref(), s, rows.clone()) {
                     Ok(m) => m,
@@ -434,36 +433,16 @@ pub(crate) fn pack_rows(
                         }
                         Err(e) => return Err(e),
                     };
-                    if g != cur {
-                        if let Some(full) = builder.take() {
-                            if !send((cur, j, full)) {
-                                return Ok(());
-                            }
-                        }
-                        (cur, j, acc) = (g, 0, 0);
+                    if !filling.push(ctx, g, &vals, size, &what(), send)? {
+                        return Ok(());
                     }
-                    let filled = builder.as_ref().map_or(0, |b| b.samples() as usize);
-                    if acc > 0 && (acc + size > ctx.opts.shard_bytes_target || ctx.opts.shard_full(filled)) {
-                        let full = builder.take().expect("a shard is filling");
-                        if !send((cur, j, full)) {
-                            return Ok(());
-                        }
-                        j += 1;
-                        acc = 0;
-                    }
-                    builder
-                        .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
-                        .push(&vals, &what())?;
                     if let Some(d) = &ctx.dedupe {
                         dedupe_keys.entry(g).or_default().push(d.key(schema, &vals, p));
                     }
-                    acc += size;
                     *read_bytes.entry(g).or_default() += share;
                 }
             }
-            if let Some(last) = builder.take() {
-                send((cur, j, last));
-            }
+            filling.finish(send);
             Ok(())
         },
     );

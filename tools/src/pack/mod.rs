@@ -1333,8 +1333,7 @@ pub(crate) fn pack_jsonl(
         |(g, j, b): (u64, u64, ShardBuilder)| put_built(ctx, g, j, b, "rows"),
         |send| {
             let (mut line_no, mut remaining) = (first_pos, limit.unwrap_or(u64::MAX));
-            let (mut builder, mut acc, mut cur, mut j): (Option<ShardBuilder>, u64, u64, u64) =
-                (None, 0, first_pos / gi, 0);
+            let mut filling = Filling::new(first_pos / gi);
             loop {
                 let (lines, chunk) = read_chunk(&mut reader, &mut line_no, &mut remaining).map_err(io)?;
                 ctx.progress.inc(chunk as u64);
@@ -1380,44 +1379,89 @@ pub(crate) fn pack_jsonl(
                         }
                         Err(e) => return Err(e),
                     };
-                    if g != cur {
-                        if let Some(full) = builder.take() {
-                            if !send((cur, j, full)) {
-                                return Ok(());
-                            }
-                        }
-                        (cur, j, acc) = (g, 0, 0);
+                    if !filling.push(ctx, g, &vals, size, &what(*n), send)? {
+                        return Ok(());
                     }
-                    let filled = builder.as_ref().map_or(0, |b| b.samples() as usize);
-                    if acc > 0 && (acc + size > ctx.opts.shard_bytes_target || ctx.opts.shard_full(filled)) {
-                        let full = builder.take().expect("a shard is filling");
-                        if !send((cur, j, full)) {
-                            return Ok(());
-                        }
-                        j += 1;
-                        acc = 0;
-                    }
-                    builder
-                        .get_or_insert_with(|| ShardBuilder::new(schema.clone()))
-                        .push(&vals, &what(*n))?;
                     if let Some(d) = &ctx.dedupe {
                         dedupe_keys
                             .entry(g)
                             .or_default()
                             .push(d.key(schema, &vals, *n as u64 - 1));
                     }
-                    acc += size;
                     // Tokenized, a row is smaller than its text: the input is the line.
                     *read_bytes.entry(g).or_default() += if tokenize.is_some() { line.len() as u64 } else { size };
                 }
             }
-            if let Some(last) = builder.take() {
-                send((cur, j, last));
-            }
+            filling.finish(send);
             Ok(())
         },
     );
     Ok(rows_out(stats, skips, read_bytes, dedupe_keys, done?))
+}
+
+/// The shard a pack of rows is filling, in order: cut before a row that would take it past
+/// `--shard-size` or `--shard-samples`, and at the end of each group (a shard never spans two).
+pub(crate) struct Filling {
+    builder: Option<ShardBuilder>,
+    /// Estimated bytes in it.
+    acc: u64,
+    /// Its group, and its index in the group.
+    group: u64,
+    index: u64,
+}
+
+impl Filling {
+    /// Nothing filled yet; the first row is in group `group`.
+    pub(crate) fn new(group: u64) -> Filling {
+        Filling {
+            builder: None,
+            acc: 0,
+            group,
+            index: 0,
+        }
+    }
+
+    /// Adds a row of group `g` (`size` estimated bytes, `what` naming it), first sending the
+    /// shard it does not fit in. False when `send` says the pack stops.
+    pub(crate) fn push(
+        &mut self,
+        ctx: &Ctx,
+        g: u64,
+        vals: &[Value],
+        size: u64,
+        what: &str,
+        send: &mut dyn FnMut((u64, u64, ShardBuilder)) -> bool,
+    ) -> Result<bool> {
+        if g != self.group {
+            if let Some(full) = self.builder.take() {
+                if !send((self.group, self.index, full)) {
+                    return Ok(false);
+                }
+            }
+            (self.group, self.index, self.acc) = (g, 0, 0);
+        }
+        let filled = self.builder.as_ref().map_or(0, |b| b.samples() as usize);
+        if self.acc > 0 && (self.acc + size > ctx.opts.shard_bytes_target || ctx.opts.shard_full(filled)) {
+            let full = self.builder.take().expect("a shard is filling");
+            if !send((self.group, self.index, full)) {
+                return Ok(false);
+            }
+            self.index += 1;
+            self.acc = 0;
+        }
+        self.builder
+            .get_or_insert_with(|| ShardBuilder::new(ctx.layout.schema.clone()))
+            .push(vals, what)?;
+        self.acc += size;
+        Ok(true)
+    }
+
+    /// Sends the last shard, if any.
+    pub(crate) fn finish(mut self, send: &mut dyn FnMut((u64, u64, ShardBuilder)) -> bool) {
+        if let Some(last) = self.builder.take() {
+            send((self.group, self.index, last));
+        }
+    }
 }
 
 /// Finishes and uploads a shard of rows built in order: shard `j` of group `g` (`what` names
