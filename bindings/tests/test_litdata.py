@@ -87,3 +87,39 @@ def test_what_ramjet_does_not_read_is_refused_by_name(lit, tmp_path):
     (src / "index.json").write_text(json.dumps(ix))
     with pytest.raises(ramjet.Error, match="pickle.*refused"):
         ramjet.inspect(str(src))
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "learned"])
+def test_order_exact_resume_ranks_and_mixing_as_for_ramjets_own_shards(lit, tmp_path, indexed):
+    from ramjet_cli import run
+
+    src = tmp_path / "plain"
+    shutil.copytree(lit[0] / "plain", src)
+    if indexed:
+        run("index", str(src))
+        assert (src / "manifest.json").exists()
+
+    def order(ds):
+        return [int(i) for b in ds for i in b["index"].tolist()]
+
+    kw = dict(image_size=None, batch_size=3, shuffle=True, seed=5, cache_limit=None, boxes_column=None)
+    full = order(ramjet.StreamingDataset(str(src), **kw))
+    assert sorted(full) == list(range(23)) and full != sorted(full)
+    ds = ramjet.StreamingDataset(str(src), **kw)
+    it = iter(ds)
+    head = [int(i) for _ in range(4) for i in next(it)["index"].tolist()]
+    resumed = ramjet.StreamingDataset(str(src), **kw)
+    resumed.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    assert head + order(resumed) == full
+    # Two ranks split the epoch, every sample once (tail="uneven": no padding to even steps).
+    ranks = [order(ramjet.StreamingDataset(str(src), **kw, rank=r, world_size=2, tail="uneven")) for r in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == list(range(23))
+    # Mixed with a ramjet dataset in one global order: every sample of each, interleaved.
+    images = tmp_path / "synth"
+    run("synth", str(images), "--samples", "6")
+    run("pack", str(images), str(tmp_path / "packed"))
+    out = tmp_path / "mixed.txt"
+    run("stream", str(src), str(tmp_path / "packed"), "--shuffle", "global", "--seed", "1", "--out", str(out))
+    sources = [line.split()[2] for line in out.read_text().splitlines()]
+    assert (sources.count("0"), sources.count("1")) == (23, 6)
+    assert sources != sorted(sources)
