@@ -67,3 +67,37 @@ def uploaded(src, name):
     for f in Path(src).iterdir():
         s3.upload_file(str(f), bucket, f"{prefix}/{f.name}")
     return f"s3://{bucket}/{prefix}"
+
+
+def assert_order_resume_ranks_mixing(src, n, tmp_path):
+    """A foreign dataset at `src`, of `n` samples with an `index` field 0 to n - 1, keeps the
+    guarantees of ramjet's own shards: a shuffled epoch holds every sample once, a state
+    resumes it exactly, two ranks split it (every sample once), and `ramjet stream` mixes it
+    with a ramjet dataset in one global order."""
+    import ramjet
+    from ramjet_cli import run
+
+    def order(ds):
+        return [int(i) for b in ds for i in b["index"].tolist()]
+
+    kw = dict(image_size=None, batch_size=3, shuffle=True, seed=5, cache_limit=None, boxes_column=None)
+    full = order(ramjet.StreamingDataset(str(src), **kw))
+    assert sorted(full) == list(range(n)) and full != sorted(full)
+    ds = ramjet.StreamingDataset(str(src), **kw)
+    it = iter(ds)
+    head = [int(i) for _ in range(4) for i in next(it)["index"].tolist()]
+    resumed = ramjet.StreamingDataset(str(src), **kw)
+    resumed.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    assert head + order(resumed) == full
+    # Two ranks split the epoch, every sample once (tail="uneven": no padding to even steps).
+    ranks = [order(ramjet.StreamingDataset(str(src), **kw, rank=r, world_size=2, tail="uneven")) for r in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == list(range(n))
+    # Mixed with a ramjet dataset in one global order: every sample of each, interleaved.
+    images = tmp_path / "synth"
+    run("synth", str(images), "--samples", "6")
+    run("pack", str(images), str(tmp_path / "packed"))
+    out = tmp_path / "mixed.txt"
+    run("stream", str(src), str(tmp_path / "packed"), "--shuffle", "global", "--seed", "1", "--out", str(out))
+    sources = [line.split()[2] for line in out.read_text().splitlines()]
+    assert (sources.count("0"), sources.count("1")) == (n, 6)
+    assert sources != sorted(sources)

@@ -14,7 +14,7 @@ from PIL import Image
 import ramjet
 from ramjet.compat.mosaicml import StreamingDataset as ByField
 
-from peer_values import described, learned, uploaded, write_fixtures  # noqa: F401 (learned: a fixture)
+from peer_values import assert_order_resume_ranks_mixing, described, learned, uploaded, write_fixtures  # noqa: F401
 
 
 
@@ -99,27 +99,4 @@ def test_order_exact_resume_ranks_and_mixing_as_for_ramjets_own_shards(lit, tmp_
         run("index", str(src))
         assert (src / "manifest.json").exists()
 
-    def order(ds):
-        return [int(i) for b in ds for i in b["index"].tolist()]
-
-    kw = dict(image_size=None, batch_size=3, shuffle=True, seed=5, cache_limit=None, boxes_column=None)
-    full = order(ramjet.StreamingDataset(str(src), **kw))
-    assert sorted(full) == list(range(23)) and full != sorted(full)
-    ds = ramjet.StreamingDataset(str(src), **kw)
-    it = iter(ds)
-    head = [int(i) for _ in range(4) for i in next(it)["index"].tolist()]
-    resumed = ramjet.StreamingDataset(str(src), **kw)
-    resumed.load_state_dict(json.loads(json.dumps(ds.state_dict())))
-    assert head + order(resumed) == full
-    # Two ranks split the epoch, every sample once (tail="uneven": no padding to even steps).
-    ranks = [order(ramjet.StreamingDataset(str(src), **kw, rank=r, world_size=2, tail="uneven")) for r in (0, 1)]
-    assert sorted(ranks[0] + ranks[1]) == list(range(23))
-    # Mixed with a ramjet dataset in one global order: every sample of each, interleaved.
-    images = tmp_path / "synth"
-    run("synth", str(images), "--samples", "6")
-    run("pack", str(images), str(tmp_path / "packed"))
-    out = tmp_path / "mixed.txt"
-    run("stream", str(src), str(tmp_path / "packed"), "--shuffle", "global", "--seed", "1", "--out", str(out))
-    sources = [line.split()[2] for line in out.read_text().splitlines()]
-    assert (sources.count("0"), sources.count("1")) == (23, 6)
-    assert sources != sorted(sources)
+    assert_order_resume_ranks_mixing(src, 23, tmp_path)

@@ -13,7 +13,7 @@ import pytest
 
 import ramjet
 from counting_proxy import CountingProxy
-from peer_values import learned, uploaded, write_fixtures  # noqa: F401 (learned: a fixture)
+from peer_values import assert_order_resume_ranks_mixing, learned, uploaded, write_fixtures  # noqa: F401
 from ramjet_cli import run
 
 
@@ -160,27 +160,4 @@ def test_order_exact_resume_ranks_and_mixing_as_for_ramjets_own_shards(pq, tmp_p
     if indexed:
         run("index", str(src))
 
-    def order(ds):
-        return [int(i) for b in ds for i in b["index"].tolist()]
-
-    kw = dict(image_size=None, batch_size=3, shuffle=True, seed=5, cache_limit=None, boxes_column=None)
-    full = order(ramjet.StreamingDataset(str(src), **kw))
-    assert sorted(full) == list(range(35)) and full != sorted(full)
-    ds = ramjet.StreamingDataset(str(src), **kw)
-    it = iter(ds)
-    head = [int(i) for _ in range(4) for i in next(it)["index"].tolist()]
-    resumed = ramjet.StreamingDataset(str(src), **kw)
-    resumed.load_state_dict(json.loads(json.dumps(ds.state_dict())))
-    assert head + order(resumed) == full
-    # Two ranks split the epoch, every sample once (tail="uneven": no padding to even steps).
-    ranks = [order(ramjet.StreamingDataset(str(src), **kw, rank=r, world_size=2, tail="uneven")) for r in (0, 1)]
-    assert sorted(ranks[0] + ranks[1]) == list(range(35))
-    # Mixed with a ramjet dataset in one global order: every sample of each, interleaved.
-    images = tmp_path / "synth"
-    run("synth", str(images), "--samples", "6")
-    run("pack", str(images), str(tmp_path / "packed"))
-    out = tmp_path / "mixed.txt"
-    run("stream", str(src), str(tmp_path / "packed"), "--shuffle", "global", "--seed", "1", "--out", str(out))
-    sources = [line.split()[2] for line in out.read_text().splitlines()]
-    assert (sources.count("0"), sources.count("1")) == (35, 6)
-    assert sources != sorted(sources)
+    assert_order_resume_ranks_mixing(src, 35, tmp_path)
